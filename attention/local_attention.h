@@ -1,0 +1,41 @@
+// Local block attention: the one computation every distributed schedule is made of. A (Q block,
+// K/V block) pair gives a partial output O, normalised within the block, and its log-sum-exp LSE;
+// partial results combine with lse_merge; backward takes the *final* LSE and D = rowsum(dO ⊙ O).
+// CPU: attention/cpu/local_attention.cpp (reference, float/double). CUDA: cuDNN fused SDPA.
+//
+// Shapes (token-major, strided views allowed; last dim unit-stride):
+//   q, o, dq, d_o [Tq, Hq, D]   k, v, dk, dv [Tk, Hkv, D]   lse, delta [Tq, Hq]
+// GQA/MQA: Hq % Hkv == 0 and query head h reads KV head h / (Hq / Hkv); K/V are never expanded.
+// LSE is the natural log of the row's softmax denominator including the scale: for scores
+// s_j = scale · q·k_j, lse = log Σ_j exp(s_j), and O = Σ_j exp(s_j - lse) v_j.
+// On CUDA q/k/v/o are bf16 while lse, delta and the dq/dk/dv accumulators are f32; on CPU all the
+// float tensors of a call share one dtype.
+#pragma once
+
+#include "runtime/tensor.h"
+
+namespace longtrain::attn {
+
+enum class BlockMask {
+  none,             // every query sees every key of the block
+  causal_diagonal,  // a diagonal block: Tq == Tk and query i sees keys j <= i
+};
+
+// o, lse are overwritten.
+void attention_block_forward(Tensor o, Tensor lse, Tensor q, Tensor k, Tensor v, BlockMask mask,
+                             double scale);
+
+// delta[t, h] = Σ_d d_o[t, h, d] · o[t, h, d], computed once from the final O before backward.
+void attention_delta(Tensor delta, Tensor o, Tensor d_o);
+
+// With P = exp(scale·q·kᵀ - lse) (final lse), dP = d_o·vᵀ, dS = P ⊙ (dP - delta):
+// dq += scale · dS·k,  dk += scale · dSᵀ·q,  dv += Pᵀ·d_o   (all accumulated).
+void attention_block_backward(Tensor dq, Tensor dk, Tensor dv, Tensor q, Tensor k, Tensor v, Tensor d_o,
+                              Tensor lse, Tensor delta, BlockMask mask, double scale);
+
+// In place: (o_acc, lse_acc) <- merge((o_acc, lse_acc), (o_blk, lse_blk)):
+//   m = max(L1, L2); L = m + log(e^(L1-m) + e^(L2-m)); O = e^(L1-L)·O1 + e^(L2-L)·O2.
+// lse = -inf marks an empty accumulator (its O is ignored), so a fresh accumulator is (0, -inf).
+void lse_merge(Tensor o_acc, Tensor lse_acc, Tensor o_blk, Tensor lse_blk);
+
+}  // namespace longtrain::attn

@@ -1,0 +1,79 @@
+// Every model op, declared once for both backends. Each function checks its arguments and runs on
+// the device its tensors live on: kernels/cpu/<op>.cpp (the reference, templated on float/double,
+// OpenBLAS for float GEMMs) or kernels/cuda/<op>.cu (bf16 storage, fp32 accumulation).
+//
+// Conventions
+// - Token-major layouts: activations are [T, C] (T tokens of the local shard), attention tensors
+//   [T, H, D]. Views may be strided (see runtime/tensor.h); the last dimension is unit-stride.
+// - Activation gradients are written (overwritten) unless the comment says "+=".
+//   Parameter gradients (dW, d_table, dw) are always accumulated (+=), so micro-batches and ring
+//   steps add into the same buffer.
+// - On CPU every float tensor of one call has the same dtype (f32 or f64); per-token statistics
+//   (rstd) use that dtype too. On CUDA, activations and weights are bf16 and statistics are f32.
+// - Integer inputs (token ids, positions, labels) are i32.
+#pragma once
+
+#include <cstdint>
+
+#include "runtime/tensor.h"
+
+namespace longtrain::ops {
+
+// ---- embedding -----------------------------------------------------------------------------
+// out[t, :] = table[tokens[t], :]             tokens [T] i32, table [V, C], out [T, C]
+// A token id outside [0, V) is an error naming the id and position.
+void embedding_forward(Tensor out, Tensor tokens, Tensor table);
+// d_table[tokens[t], :] += d_out[t, :]        (deterministic: rows are added in token order)
+void embedding_backward(Tensor d_table, Tensor tokens, Tensor d_out);
+
+// ---- rmsnorm -------------------------------------------------------------------------------
+// rstd[t] = 1 / sqrt(mean_c(x[t, c]^2) + eps);  y[t, c] = x[t, c] * rstd[t] * w[c]
+// x, y [T, C]; w [C]; rstd [T] (saved for backward).
+void rmsnorm_forward(Tensor y, Tensor rstd, Tensor x, Tensor w, double eps);
+// dx += d(y)/d(x)·dy  (accumulated: dx is the residual-stream gradient);  dw += sum_t dy·x·rstd
+void rmsnorm_backward(Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w, Tensor rstd);
+
+// ---- rope (Hugging Face rotate-half convention) ----------------------------------------------
+// For head dim D and i < D/2: inv_freq[i] = theta^(-2i/D), angle = positions[t] * inv_freq[i];
+// (x[i], x[i + D/2]) <- (x[i] cos - x[i + D/2] sin, x[i + D/2] cos + x[i] sin).
+// In place on a [T, H, D] view (e.g. the Q or K part of the fused QKV output). Positions are global.
+struct RopeParams {
+  double theta = 10000.0;
+};
+void rope_forward(Tensor x, Tensor positions, const RopeParams& p);
+// The transpose: rotates the gradient by -angle, in place.
+void rope_backward(Tensor dx, Tensor positions, const RopeParams& p);
+
+// ---- swiglu --------------------------------------------------------------------------------
+// gate_up [T, 2F] is the fused gate/up GEMM output: gate = columns [0, F), up = [F, 2F).
+// out[t, f] = silu(gate[t, f]) * up[t, f]      out [T, F]
+void swiglu_forward(Tensor out, Tensor gate_up);
+// d_gate_up [T, 2F] from d_out [T, F] and the saved gate_up.
+void swiglu_backward(Tensor d_gate_up, Tensor d_out, Tensor gate_up);
+
+// ---- linear (no bias) ------------------------------------------------------------------------
+// y = x · Wᵀ      x [T, K], w [N, K] (PyTorch/HF layout), y [T, N]
+void linear_forward(Tensor y, Tensor x, Tensor w);
+// dx = dy · W (skipped when dx is empty);  dw += dyᵀ · x
+void linear_backward(Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w);
+
+// ---- residual ------------------------------------------------------------------------------
+// y += x (same shape)
+void add_inplace(Tensor y, Tensor x);
+
+// ---- fused LM head + cross-entropy -------------------------------------------------------------
+// x [T, C] (final normed hidden states), w [V, C] (LM head), labels [T] i32.
+// For each token with labels[t] != ignore_index: losses[t] = logsumexp(x[t]·Wᵀ) - (x[t]·Wᵀ)[labels[t]];
+// ignored tokens get losses[t] = 0. losses [T] (f32 on CUDA, the float dtype on CPU).
+// When dx is non-empty: dx = grad_scale · d(Σ losses)/dx (overwritten), dw += grad_scale · d(Σ losses)/dW.
+// The logits exist only chunk_tokens rows at a time, never as a [T, V] tensor.
+// A label outside [0, V) that is not ignore_index is an error naming the label and position.
+struct CrossEntropyParams {
+  int32_t ignore_index = -100;
+  double grad_scale = 1.0;      // 1 / (number of valid labels in the global batch)
+  int64_t chunk_tokens = 1024;  // rows of logits materialised at once
+};
+void lm_head_cross_entropy(Tensor losses, Tensor dx, Tensor dw, Tensor x, Tensor w, Tensor labels,
+                           const CrossEntropyParams& p);
+
+}  // namespace longtrain::ops

@@ -1,0 +1,18 @@
+// Device memory: allocation, zeroing and copies for CPU and (when built) CUDA memory.
+#pragma once
+
+#include <cstddef>
+
+#include "runtime/tensor.h"
+
+namespace longtrain {
+
+bool cuda_available();  // built with CUDA and at least one device visible
+
+void* device_alloc(Device device, size_t bytes);  // 256-byte aligned; throws on failure
+void device_free(Device device, void* ptr);
+
+void zero(const Tensor& t);                     // contiguous t := 0
+void copy(const Tensor& dst, const Tensor& src);  // contiguous, same dtype and element count, any devices
+
+}  // namespace longtrain
