@@ -21,7 +21,7 @@ enum class BlockMask {
   causal_diagonal,  // a diagonal block: Tq == Tk and query i sees keys j <= i
 };
 
-// o, lse are overwritten.
+// o, lse are overwritten. A block without keys (Tk = 0) gives O = 0 and LSE = -inf.
 void attention_block_forward(Tensor o, Tensor lse, Tensor q, Tensor k, Tensor v, BlockMask mask,
                              double scale);
 
@@ -30,12 +30,14 @@ void attention_delta(Tensor delta, Tensor o, Tensor d_o);
 
 // With P = exp(scale·q·kᵀ - lse) (final lse), dP = d_o·vᵀ, dS = P ⊙ (dP - delta):
 // dq += scale · dS·k,  dk += scale · dSᵀ·q,  dv += Pᵀ·d_o   (all accumulated).
+// A row whose final LSE is -inf (it saw no key at all) contributes no gradient.
 void attention_block_backward(Tensor dq, Tensor dk, Tensor dv, Tensor q, Tensor k, Tensor v, Tensor d_o,
                               Tensor lse, Tensor delta, BlockMask mask, double scale);
 
 // In place: (o_acc, lse_acc) <- merge((o_acc, lse_acc), (o_blk, lse_blk)):
 //   m = max(L1, L2); L = m + log(e^(L1-m) + e^(L2-m)); O = e^(L1-L)·O1 + e^(L2-L)·O2.
-// lse = -inf marks an empty accumulator (its O is ignored), so a fresh accumulator is (0, -inf).
+// lse = -inf marks an empty partial on either side (its O is never read), so a fresh accumulator is
+// (0, -inf); merging two empty partials gives (0, -inf).
 void lse_merge(Tensor o_acc, Tensor lse_acc, Tensor o_blk, Tensor lse_blk);
 
 }  // namespace longtrain::attn
