@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "attention/local_attention.h"
+#include "runtime/arena.h"
 
 namespace longtrain::attn {
 
@@ -43,6 +44,7 @@ class LocalSequenceAttention final : public SequenceAttention {
  private:
   bool causal_;
   double scale_;
+  Arena delta_{"attention delta", Device::cpu};  // rowsum(dO ⊙ O), kept across calls; regrown when too small
 };
 
 }  // namespace longtrain::attn
