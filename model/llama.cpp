@@ -1,0 +1,270 @@
+#include "model/llama.h"
+
+#include <cmath>
+#include <vector>
+
+#include "runtime/device.h"
+
+namespace longtrain::model {
+
+CheckpointPolicy parse_checkpoint_policy(const std::string& name) {
+  if (name == "none") return CheckpointPolicy::none;
+  if (name == "full") return CheckpointPolicy::full;
+  if (name == "remat_aware") return CheckpointPolicy::remat_aware;
+  LT_FAIL("model.checkpoint is '{}'; expected one of none, full, remat_aware", name);
+}
+
+const char* checkpoint_policy_name(CheckpointPolicy p) {
+  switch (p) {
+    case CheckpointPolicy::none: return "none";
+    case CheckpointPolicy::full: return "full";
+    case CheckpointPolicy::remat_aware: return "remat_aware";
+  }
+  return "?";
+}
+
+// One layer's activations. Under a policy that does not keep a tensor, its view points into
+// scratch shared by all layers and is recomputed in backward.
+struct LlamaModel::LayerActs {
+  Tensor n1, rstd1;  // input RMSNorm output [T, C] and its rstd [T]
+  Tensor qkv;        // [T, (Hq + 2·Hkv)·D], RoPE applied to the q and k parts
+  Tensor o, lse;     // attention output [T, Hq, D] and LSE [T, Hq]
+  Tensor h;          // residual after attention [T, C]
+  Tensor n2, rstd2;  // post-attention RMSNorm [T, C], [T]
+  Tensor gate_up;    // [T, 2F]
+  Tensor s;          // swiglu output [T, F]
+};
+
+namespace {
+
+// Heads [col, col + heads·D) of the fused QKV buffer [T, qkv_dim] as a strided [T, heads, D] view.
+Tensor heads_view(const Tensor& qkv, int64_t col, int64_t heads, int64_t D) {
+  Tensor v = qkv.narrow(1, col, heads * D);
+  v.ndim = 3;
+  v.shape = {qkv.shape[0], heads, D, 0};
+  v.stride = {qkv.stride[0], D, 1, 0};
+  return v;
+}
+
+// The tensors each layer keeps under each policy; everything else is per-step scratch.
+bool keeps(CheckpointPolicy policy, const std::string& what) {
+  if (policy == CheckpointPolicy::none) return true;
+  if (policy == CheckpointPolicy::remat_aware) return what == "o" || what == "lse";
+  return false;
+}
+
+// Σ of a [T] tensor on any device, in double on the host.
+double sum_to_host(const Tensor& t) {
+  if (t.dtype == DType::f64 && t.device == Device::cpu) {
+    double s = 0.0;
+    for (int64_t i = 0; i < t.numel(); ++i) s += t.ptr<double>()[i];
+    return s;
+  }
+  LT_CHECK(t.dtype == DType::f32, "loss tensor of dtype {}; expected f32 or f64", dtype_name(t.dtype));
+  std::vector<float> host(static_cast<size_t>(t.numel()));
+  copy(Tensor(host.data(), DType::f32, {t.numel()}), t);
+  double s = 0.0;
+  for (float v : host) s += v;
+  return s;
+}
+
+int64_t count_valid_labels(const Tensor& labels, int32_t ignore_index) {
+  std::vector<int32_t> host(static_cast<size_t>(labels.numel()));
+  copy(Tensor(host.data(), DType::i32, {labels.numel()}), labels);
+  int64_t n = 0;
+  for (int32_t v : host) n += v != ignore_index;
+  return n;
+}
+
+}  // namespace
+
+LlamaModel::LlamaModel(const LlamaConfig& config, Precision precision, CheckpointPolicy policy, int64_t max_tokens,
+                       std::unique_ptr<attn::SequenceAttention> attention)
+    : config_(config), precision_(precision), policy_(policy), max_tokens_(max_tokens),
+      attention_(std::move(attention)), params_("parameters", precision.device),
+      grads_("gradients", precision.device), acts_("activations", precision.device) {
+  config_.validate();
+  LT_CHECK(max_tokens > 0, "a model needs room for at least one token (max_tokens = {})", max_tokens);
+  if (!attention_)
+    attention_ = std::make_unique<attn::LocalSequenceAttention>(
+        /*causal=*/true, 1.0 / std::sqrt(static_cast<double>(config_.head_dim)));
+
+  add_parameter_entries(params_, config_, precision_.param);
+  add_parameter_entries(grads_, config_, precision_.param);
+  params_.allocate();
+  grads_.allocate();
+  p_ = parameter_views(params_, config_);
+  g_ = parameter_views(grads_, config_);
+
+  const int64_t T = max_tokens, C = config_.dim, F = config_.ffn_dim, Hq = config_.n_heads;
+  const DType act = precision_.act, stat = precision_.stat;
+  // Residual stream: x_0 .. x_L, the one tensor every policy keeps per layer.
+  for (int64_t l = 0; l <= config_.n_layers; ++l) acts_.add(fmt::format("residual.{}", l), {T, C}, act);
+  // Per-layer tensors, kept per layer or as one scratch copy, by policy.
+  struct Kind {
+    const char* name;
+    std::vector<int64_t> shape;
+    DType dtype;
+  };
+  const Kind kinds[] = {
+      {"n1", {T, C}, act},          {"rstd1", {T}, stat},       {"qkv", {T, config_.qkv_dim()}, act},
+      {"o", {T, Hq, config_.head_dim}, act}, {"lse", {T, Hq}, stat}, {"h", {T, C}, act},
+      {"n2", {T, C}, act},          {"rstd2", {T}, stat},       {"gate_up", {T, 2 * F}, act},
+      {"s", {T, F}, act},
+  };
+  for (const Kind& k : kinds) {
+    if (keeps(policy_, k.name)) {
+      for (int64_t l = 0; l < config_.n_layers; ++l) acts_.add(fmt::format("layers.{}.{}", l, k.name), k.shape, k.dtype);
+    } else {
+      acts_.add(fmt::format("scratch.{}", k.name), k.shape, k.dtype);
+    }
+  }
+  // Scratch of the forward (projection outputs) and of the backward (activation gradients).
+  acts_.add("proj", {T, C}, act);
+  acts_.add("final_norm", {T, C}, act);
+  acts_.add("final_rstd", {T}, stat);
+  acts_.add("losses", {T}, stat);
+  acts_.add("d_residual", {T, C}, act);
+  acts_.add("d_norm", {T, C}, act);
+  acts_.add("d_s", {T, F}, act);
+  acts_.add("d_gate_up", {T, 2 * F}, act);
+  acts_.add("d_o", {T, Hq * config_.head_dim}, act);
+  acts_.add("d_qkv", {T, config_.qkv_dim()}, act);
+  acts_.allocate();
+}
+
+void LlamaModel::zero_grads() { zero(grads_.flat()); }
+
+LlamaModel::LayerActs LlamaModel::layer_acts(int64_t l, int64_t T) const {
+  auto get = [&](const char* name) {
+    Tensor t = keeps(policy_, name) ? acts_.get(fmt::format("layers.{}.{}", l, name))
+                                    : acts_.get(fmt::format("scratch.{}", name));
+    return t.narrow(0, T);  // the first T tokens of a buffer sized for max_tokens
+  };
+  return {get("n1"), get("rstd1"), get("qkv"), get("o"), get("lse"), get("h"),
+          get("n2"), get("rstd2"), get("gate_up"), get("s")};
+}
+
+void LlamaModel::check_shard(const TokenShard& s) const {
+  const int64_t T = s.tokens.numel();
+  LT_CHECK(T > 0 && T <= max_tokens_, "a shard of {} tokens; this model was sized for 1..{}", T, max_tokens_);
+  for (const Tensor* t : {&s.tokens, &s.labels, &s.positions}) {
+    LT_CHECK(t->dtype == DType::i32 && t->numel() == T && t->device == precision_.device,
+             "shard tensors must be i32 [{}] on the model's device; got {}", T, t->describe());
+  }
+}
+
+// Runs layer `l` forward from x_in, filling `a`. x_out (when non-empty) receives the layer output.
+// run_attention = false reuses the O and LSE already in `a` (remat_aware recomputation).
+void LlamaModel::layer_forward(int64_t l, const LayerActs& a, Tensor x_in, Tensor x_out, Tensor positions,
+                               bool run_attention) {
+  const LayerParams& p = p_.layers[l];
+  const int64_t T = x_in.size(0), D = config_.head_dim, Hq = config_.n_heads, Hkv = config_.n_kv_heads;
+  const ops::RopeParams rope{config_.rope_theta};
+  Tensor proj = acts_.get("proj").narrow(0, T);
+
+  ops::rmsnorm_forward(a.n1, a.rstd1, x_in, p.input_norm, config_.norm_eps);
+  ops::linear_forward(a.qkv, a.n1, p.qkv);
+  Tensor q = heads_view(a.qkv, 0, Hq, D), k = heads_view(a.qkv, Hq * D, Hkv, D),
+         v = heads_view(a.qkv, (Hq + Hkv) * D, Hkv, D);
+  ops::rope_forward(q, positions, rope);
+  ops::rope_forward(k, positions, rope);
+  if (run_attention) attention_->forward(a.o, a.lse, q, k, v);
+
+  ops::linear_forward(proj, a.o.reshape({T, Hq * D}), p.o_proj);
+  copy(a.h, x_in);
+  ops::add_inplace(a.h, proj);
+
+  ops::rmsnorm_forward(a.n2, a.rstd2, a.h, p.post_norm, config_.norm_eps);
+  ops::linear_forward(a.gate_up, a.n2, p.gate_up);
+  ops::swiglu_forward(a.s, a.gate_up);
+  if (!x_out.empty()) {
+    ops::linear_forward(proj, a.s, p.down_proj);
+    copy(x_out, a.h);
+    ops::add_inplace(x_out, proj);
+  }
+}
+
+// d_residual holds dL/d(layer output) on entry and dL/d(layer input) on return.
+void LlamaModel::layer_backward(int64_t l, const LayerActs& a, Tensor x_in, Tensor d_residual, Tensor positions) {
+  const LayerParams& p = p_.layers[l];
+  const LayerParams& g = g_.layers[l];
+  const int64_t T = x_in.size(0), D = config_.head_dim, Hq = config_.n_heads, Hkv = config_.n_kv_heads;
+  const ops::RopeParams rope{config_.rope_theta};
+  Tensor d_norm = acts_.get("d_norm").narrow(0, T), d_s = acts_.get("d_s").narrow(0, T),
+         d_gate_up = acts_.get("d_gate_up").narrow(0, T), d_o = acts_.get("d_o").narrow(0, T),
+         d_qkv = acts_.get("d_qkv").narrow(0, T);
+
+  // MLP: y = h + Wdown·swiglu(Wgu·n2(h)).
+  ops::linear_backward(d_s, g.down_proj, d_residual, a.s, p.down_proj);
+  ops::swiglu_backward(d_gate_up, d_s, a.gate_up);
+  ops::linear_backward(d_norm, g.gate_up, d_gate_up, a.n2, p.gate_up);
+  ops::rmsnorm_backward(d_residual, g.post_norm, d_norm, a.h, p.post_norm, a.rstd2);  // now dL/dh
+
+  // Attention: h = x + Wo·Attn(q, k, v).
+  ops::linear_backward(d_o, g.o_proj, d_residual, a.o.reshape({T, Hq * D}), p.o_proj);
+  zero(d_qkv);
+  Tensor dq = heads_view(d_qkv, 0, Hq, D), dk = heads_view(d_qkv, Hq * D, Hkv, D),
+         dv = heads_view(d_qkv, (Hq + Hkv) * D, Hkv, D);
+  attention_->backward(dq, dk, dv, heads_view(a.qkv, 0, Hq, D), heads_view(a.qkv, Hq * D, Hkv, D),
+                       heads_view(a.qkv, (Hq + Hkv) * D, Hkv, D), a.o,
+                       a.lse, d_o.reshape({T, Hq, D}));
+  ops::rope_backward(dq, positions, rope);
+  ops::rope_backward(dk, positions, rope);
+  ops::linear_backward(d_norm, g.qkv, d_qkv, a.n1, p.qkv);
+  ops::rmsnorm_backward(d_residual, g.input_norm, d_norm, x_in, p.input_norm, a.rstd1);  // now dL/dx
+}
+
+LossSum LlamaModel::head(const TokenShard& shard, Tensor x_final, Tensor losses, bool with_grad, double grad_scale,
+                         int64_t T) {
+  Tensor normed = acts_.get("final_norm").narrow(0, T), rstd = acts_.get("final_rstd").narrow(0, T);
+  Tensor d_norm = acts_.get("d_norm").narrow(0, T);
+  ops::rmsnorm_forward(normed, rstd, x_final, p_.final_norm, config_.norm_eps);
+  ops::CrossEntropyParams ce;
+  ce.ignore_index = kIgnoreIndex;
+  ce.grad_scale = grad_scale;
+  ops::lm_head_cross_entropy(losses, with_grad ? d_norm : Tensor{}, with_grad ? g_.lm_head : Tensor{}, normed,
+                             p_.lm_head, shard.labels, ce);
+  if (with_grad) {
+    Tensor d_residual = acts_.get("d_residual").narrow(0, T);
+    zero(d_residual);
+    ops::rmsnorm_backward(d_residual, g_.final_norm, d_norm, x_final, p_.final_norm, rstd);
+  }
+  return {sum_to_host(losses), count_valid_labels(shard.labels, kIgnoreIndex)};
+}
+
+LossSum LlamaModel::forward_backward(const TokenShard& shard, double grad_scale) {
+  check_shard(shard);
+  const int64_t T = shard.tokens.numel(), L = config_.n_layers;
+  auto residual = [&](int64_t l) { return acts_.get(fmt::format("residual.{}", l)).narrow(0, T); };
+
+  ops::embedding_forward(residual(0), shard.tokens, p_.embed);
+  for (int64_t l = 0; l < L; ++l)
+    layer_forward(l, layer_acts(l, T), residual(l), residual(l + 1), shard.positions, /*run_attention=*/true);
+
+  LossSum loss = head(shard, residual(L), acts_.get("losses").narrow(0, T), /*with_grad=*/true, grad_scale, T);
+
+  Tensor d_residual = acts_.get("d_residual").narrow(0, T);
+  for (int64_t l = L - 1; l >= 0; --l) {
+    LayerActs a = layer_acts(l, T);
+    if (policy_ != CheckpointPolicy::none)  // bring back what the policy dropped
+      layer_forward(l, a, residual(l), Tensor{}, shard.positions,
+                    /*run_attention=*/policy_ == CheckpointPolicy::full);
+    layer_backward(l, a, residual(l), d_residual, shard.positions);
+  }
+  ops::embedding_backward(g_.embed, shard.tokens, d_residual);
+  return loss;
+}
+
+LossSum LlamaModel::forward(const TokenShard& shard, Tensor losses) {
+  check_shard(shard);
+  const int64_t T = shard.tokens.numel(), L = config_.n_layers;
+  auto residual = [&](int64_t l) { return acts_.get(fmt::format("residual.{}", l)).narrow(0, T); };
+  ops::embedding_forward(residual(0), shard.tokens, p_.embed);
+  for (int64_t l = 0; l < L; ++l)
+    layer_forward(l, layer_acts(l, T), residual(l), residual(l + 1), shard.positions, /*run_attention=*/true);
+  Tensor out = losses.empty() ? acts_.get("losses").narrow(0, T) : losses;
+  return head(shard, residual(L), out, /*with_grad=*/false, 1.0, T);
+}
+
+}  // namespace longtrain::model

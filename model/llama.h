@@ -1,0 +1,115 @@
+// LlamaModel: forward and backward of a Llama over one token shard, written out layer by layer (no
+// autograd), with the activation checkpoint policy deciding which tensors each layer keeps.
+//
+// One layer on the shard x (T tokens × C):
+//   h = x + Wo · Attn(RoPE(Wq·n1(x)), RoPE(Wk·n1(x)), Wv·n1(x))
+//   y = h + Wdown · (silu(Wgate·n2(h)) ⊙ Wup·n2(h))            n1, n2: RMSNorm
+// Head: final RMSNorm, then the LM head fused with cross-entropy, chunked over tokens.
+//
+// Checkpoint policies (what a layer keeps between forward and backward):
+//   none         every activation below;
+//   full         only the layer input x; backward re-runs the whole layer forward, attention and
+//                its communication included;
+//   remat_aware  x, the attention output O and its LSE (DistFlashAttn): backward recomputes
+//                norm → QKV → RoPE and o_proj → MLP, and calls attention *backward* with the saved
+//                O and LSE, so attention forward runs once per step.
+// On CPU the three give bit-identical gradients (recomputation is deterministic).
+//
+// Attention is behind attn::SequenceAttention: a single rank uses LocalSequenceAttention; the
+// distributed schedules plug in the same way. Positions are global ids, so RoPE is right for any
+// sharding layout.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "attention/sequence_attention.h"
+#include "kernels/ops.h"
+#include "model/llama_config.h"
+#include "model/parameters.h"
+#include "runtime/arena.h"
+
+namespace longtrain::model {
+
+enum class CheckpointPolicy { none, full, remat_aware };
+CheckpointPolicy parse_checkpoint_policy(const std::string& name);  // error names model.checkpoint
+const char* checkpoint_policy_name(CheckpointPolicy p);
+
+// Where and in which types the model lives. CPU: everything in one float type (f32 to train, f64 for
+// gradient checks). CUDA: bf16 parameters, gradients and activations, f32 statistics.
+struct Precision {
+  Device device = Device::cpu;
+  DType param = DType::f32;  // parameters and their gradients
+  DType act = DType::f32;    // activations and activation gradients
+  DType stat = DType::f32;   // rstd, LSE, per-token losses
+
+  static Precision cpu(DType t) { return {Device::cpu, t, t, t}; }
+  static Precision cuda_mixed() { return {Device::cuda, DType::bf16, DType::bf16, DType::f32}; }
+};
+
+// One rank's share of a batch: its tokens, their labels (the next token of the global sequence, or
+// ignore_index) and their global positions; all i32 [T] on the model's device.
+struct TokenShard {
+  Tensor tokens;
+  Tensor labels;
+  Tensor positions;
+};
+
+struct LossSum {
+  double sum = 0.0;     // Σ per-token losses over valid labels of this shard
+  int64_t count = 0;    // number of valid labels of this shard
+};
+
+class LlamaModel {
+ public:
+  // Allocates parameters, gradients and activations for shards of up to `max_tokens` tokens.
+  LlamaModel(const LlamaConfig& config, Precision precision, CheckpointPolicy policy, int64_t max_tokens,
+             std::unique_ptr<attn::SequenceAttention> attention = nullptr);
+
+  const LlamaConfig& config() const { return config_; }
+  CheckpointPolicy policy() const { return policy_; }
+  const Precision& precision() const { return precision_; }
+
+  Arena& params() { return params_; }
+  Arena& grads() { return grads_; }
+  const ModelParams& param_views() const { return p_; }
+  const ModelParams& grad_views() const { return g_; }
+  attn::SequenceAttention& attention() { return *attention_; }
+
+  void initialize(uint64_t seed, double init_std = 0.02) { initialize_parameters(params_, seed, init_std); }
+  void zero_grads();
+
+  // Forward and backward over one shard. Gradients are ACCUMULATED into grads() (call zero_grads()
+  // between optimizer steps), scaled by grad_scale: pass 1 / (valid labels in the global batch) so
+  // the loss is the global mean whatever the parallel layout. Returns this shard's loss sum/count.
+  LossSum forward_backward(const TokenShard& shard, double grad_scale);
+
+  // Forward only (evaluation): per-token losses [T] (stat dtype, 0 where the label is ignored) are
+  // written to `losses` when it is non-empty; returns the shard's loss sum/count.
+  LossSum forward(const TokenShard& shard, Tensor losses = {});
+
+  // Bytes of each arena, for the memory plan.
+  size_t activation_bytes() const { return acts_.bytes(); }
+
+  static constexpr int32_t kIgnoreIndex = -100;
+
+ private:
+  struct LayerActs;  // views of one layer's activations (saved or scratch, per policy)
+  LayerActs layer_acts(int64_t layer, int64_t T) const;
+  void layer_forward(int64_t layer, const LayerActs& a, Tensor x_in, Tensor x_out, Tensor positions,
+                     bool run_attention);
+  void layer_backward(int64_t layer, const LayerActs& a, Tensor x_in, Tensor d_residual, Tensor positions);
+  LossSum head(const TokenShard& shard, Tensor x_final, Tensor losses, bool with_grad, double grad_scale,
+               int64_t T);
+  void check_shard(const TokenShard& shard) const;
+
+  LlamaConfig config_;
+  Precision precision_;
+  CheckpointPolicy policy_;
+  int64_t max_tokens_;
+  std::unique_ptr<attn::SequenceAttention> attention_;
+  Arena params_, grads_, acts_;
+  ModelParams p_, g_;
+};
+
+}  // namespace longtrain::model

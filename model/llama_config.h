@@ -1,0 +1,33 @@
+// LlamaConfig: the shape of a Llama-family model, with the checks that make a bad shape an error
+// naming the config key before any memory is touched.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace longtrain::model {
+
+struct LlamaConfig {
+  int64_t vocab_size = 4096;
+  int64_t dim = 256;         // hidden size C
+  int64_t n_layers = 4;
+  int64_t n_heads = 8;       // query heads Hq
+  int64_t n_kv_heads = 4;    // key/value heads Hkv (GQA: Hq % Hkv == 0; MQA: Hkv = 1)
+  int64_t head_dim = 32;     // D; usually dim / n_heads
+  int64_t ffn_dim = 688;     // F, the SwiGLU hidden size
+  double rope_theta = 10000.0;
+  double norm_eps = 1e-5;
+  bool tie_embeddings = false;
+  int64_t max_seq_len = 4096;
+
+  // Throws longtrain::Error naming the `model.<key>` that is wrong and why.
+  void validate() const;
+
+  int64_t qkv_dim() const { return (n_heads + 2 * n_kv_heads) * head_dim; }
+  int64_t num_parameters() const;
+  // Matmul FLOPs of forward + backward per token at sequence length `seq_len` with causal
+  // attention (6·N_matmul + causal attention 6·L·S·Hq·D), the usual MFU numerator.
+  double train_flops_per_token(int64_t seq_len) const;
+};
+
+}  // namespace longtrain::model

@@ -1,0 +1,211 @@
+// The whole model: gradients against central finite differences in double, the three checkpoint
+// policies against each other, the parameter table and its initialisation.
+#include <cmath>
+#include <cstring>
+#include <memory>
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include "model/llama.h"
+#include "test_util.h"
+
+namespace longtrain::model {
+namespace {
+
+LlamaConfig tiny_config() {
+  LlamaConfig c;
+  c.vocab_size = 50;
+  c.dim = 16;
+  c.n_layers = 2;
+  c.n_heads = 4;
+  c.n_kv_heads = 2;
+  c.head_dim = 4;
+  c.ffn_dim = 24;
+  c.rope_theta = 10000.0;
+  c.norm_eps = 1e-5;
+  c.max_seq_len = 64;
+  return c;
+}
+
+// A shard of T tokens with global positions starting at `first_position` and a few ignored labels.
+struct ShardData {
+  test::HostTensor<int32_t> tokens, labels, positions;
+  explicit ShardData(int64_t T, int64_t vocab, int32_t first_position = 0)
+      : tokens({T}), labels({T}), positions({T}) {
+    for (int64_t t = 0; t < T; ++t) {
+      tokens[t] = static_cast<int32_t>((t * 7 + 3) % vocab);
+      labels[t] = (t % 5 == 4) ? LlamaModel::kIgnoreIndex : static_cast<int32_t>((t * 11 + 5) % vocab);
+      positions[t] = first_position + static_cast<int32_t>(t);
+    }
+  }
+  TokenShard shard() const { return {tokens, labels, positions}; }
+};
+
+std::vector<double> arena_values(const Arena& a) {
+  Tensor f = a.flat();
+  return std::vector<double>(f.ptr<double>(), f.ptr<double>() + f.numel());
+}
+
+// dL/dθ for L = mean loss over valid labels, by central differences over every parameter, against
+// the analytic gradient; for every policy and for tied embeddings.
+void check_gradients(LlamaConfig config, CheckpointPolicy policy) {
+  const int64_t T = 19;
+  LlamaModel model(config, Precision::cpu(DType::f64), policy, T);
+  model.initialize(/*seed=*/7, /*init_std=*/0.3);  // large weights so every term matters
+  ShardData data(T, config.vocab_size, /*first_position=*/101);
+  const int64_t valid = T - T / 5;
+  const double scale = 1.0 / static_cast<double>(valid);
+
+  model.zero_grads();
+  LossSum ls = model.forward_backward(data.shard(), scale);
+  EXPECT_EQ(ls.count, valid);
+  std::vector<double> analytic = arena_values(model.grads());
+
+  Tensor flat = model.params().flat();
+  std::vector<double> theta(flat.ptr<double>(), flat.ptr<double>() + flat.numel());
+  auto loss = [&] {
+    std::memcpy(flat.data, theta.data(), theta.size() * sizeof(double));
+    return model.forward(data.shard()).sum * scale;
+  };
+  std::vector<double> numeric = test::finite_difference(theta, loss, 1e-5);
+  std::memcpy(flat.data, theta.data(), theta.size() * sizeof(double));
+
+  double err = test::relative_error(analytic, numeric);
+  EXPECT_LT(err, 1e-6) << "policy " << checkpoint_policy_name(policy);
+  // Per parameter tensor too, so a small tensor's error is not hidden by a large one's scale.
+  for (const ArenaEntry& e : model.params().table()) {
+    size_t off = e.offset / sizeof(double);
+    std::vector<double> a(analytic.begin() + off, analytic.begin() + off + e.numel);
+    std::vector<double> n(numeric.begin() + off, numeric.begin() + off + e.numel);
+    EXPECT_LT(test::relative_error(a, n), 1e-6) << e.name;
+  }
+  ::testing::Test::RecordProperty("max_relative_error", fmt::format("{:.3e}", err));
+}
+
+TEST(LlamaModel, GradientsMatchFiniteDifferences) { check_gradients(tiny_config(), CheckpointPolicy::remat_aware); }
+
+TEST(LlamaModel, GradientsMatchFiniteDifferencesTiedEmbeddings) {
+  LlamaConfig c = tiny_config();
+  c.tie_embeddings = true;
+  c.n_layers = 1;
+  check_gradients(c, CheckpointPolicy::none);
+}
+
+TEST(LlamaModel, GradientsMatchFiniteDifferencesMqaFullCheckpoint) {
+  LlamaConfig c = tiny_config();
+  c.n_kv_heads = 1;
+  c.n_layers = 1;
+  check_gradients(c, CheckpointPolicy::full);
+}
+
+// Gradients (float) are bit-identical under the three policies; remat_aware runs attention forward
+// once per layer per step, full twice, none once.
+TEST(LlamaModel, CheckpointPoliciesGiveBitIdenticalGradients) {
+  LlamaConfig c = tiny_config();
+  c.n_layers = 3;
+  const int64_t T = 33;
+  ShardData data(T, c.vocab_size);
+  std::vector<float> reference;
+  for (CheckpointPolicy policy : {CheckpointPolicy::none, CheckpointPolicy::full, CheckpointPolicy::remat_aware}) {
+    LlamaModel model(c, Precision::cpu(DType::f32), policy, T);
+    model.initialize(3);
+    model.zero_grads();
+    model.forward_backward(data.shard(), 1.0 / 27);
+    const int64_t expected_forwards = c.n_layers * (policy == CheckpointPolicy::full ? 2 : 1);
+    EXPECT_EQ(model.attention().counters.forward_calls, expected_forwards) << checkpoint_policy_name(policy);
+    EXPECT_EQ(model.attention().counters.backward_calls, c.n_layers);
+    Tensor g = model.grads().flat();
+    std::vector<float> grads(g.ptr<float>(), g.ptr<float>() + g.numel());
+    if (reference.empty()) {
+      reference = grads;
+      continue;
+    }
+    ASSERT_EQ(grads.size(), reference.size());
+    EXPECT_EQ(std::memcmp(grads.data(), reference.data(), grads.size() * sizeof(float)), 0)
+        << checkpoint_policy_name(policy) << " differs from none";
+  }
+}
+
+TEST(LlamaModel, GradientsAccumulateAcrossCalls) {
+  LlamaConfig c = tiny_config();
+  const int64_t T = 11;
+  ShardData data(T, c.vocab_size);
+  LlamaModel model(c, Precision::cpu(DType::f64), CheckpointPolicy::remat_aware, T);
+  model.initialize(5);
+  model.zero_grads();
+  model.forward_backward(data.shard(), 0.5);
+  std::vector<double> once = arena_values(model.grads());
+  model.forward_backward(data.shard(), 0.5);
+  std::vector<double> twice = arena_values(model.grads());
+  for (size_t i = 0; i < once.size(); ++i) EXPECT_NEAR(twice[i], 2 * once[i], 1e-14 + 1e-12 * std::abs(once[i]));
+}
+
+TEST(LlamaModel, ParameterTableUsesHuggingFaceNamesInOneArena) {
+  LlamaConfig c = tiny_config();
+  LlamaModel model(c, Precision::cpu(DType::f32), CheckpointPolicy::none, 8);
+  int64_t total = 0;
+  for (const ArenaEntry& e : model.params().table()) total += e.numel;
+  EXPECT_EQ(total, c.num_parameters());
+  EXPECT_TRUE(model.params().contains("model.embed_tokens.weight"));
+  EXPECT_TRUE(model.params().contains("model.layers.1.self_attn.k_proj.weight"));
+  EXPECT_TRUE(model.params().contains("model.layers.0.mlp.up_proj.weight"));
+  EXPECT_TRUE(model.params().contains("lm_head.weight"));
+  // The fused QKV view is q_proj, k_proj, v_proj back to back.
+  Tensor q = model.params().get("model.layers.1.self_attn.q_proj.weight");
+  Tensor k = model.params().get("model.layers.1.self_attn.k_proj.weight");
+  Tensor v = model.params().get("model.layers.1.self_attn.v_proj.weight");
+  EXPECT_EQ(static_cast<float*>(k.data), static_cast<float*>(q.data) + q.numel());
+  EXPECT_EQ(static_cast<float*>(v.data), static_cast<float*>(k.data) + k.numel());
+  EXPECT_EQ(model.param_views().layers[1].qkv.data, q.data);
+  EXPECT_EQ(model.param_views().layers[1].qkv.size(0), c.qkv_dim());
+}
+
+TEST(LlamaModel, InitialisationIsSeededAndFollowsHuggingFace) {
+  LlamaConfig c = tiny_config();
+  c.dim = 64;
+  c.vocab_size = 500;
+  LlamaModel a(c, Precision::cpu(DType::f32), CheckpointPolicy::none, 4);
+  LlamaModel b(c, Precision::cpu(DType::f32), CheckpointPolicy::none, 4);
+  a.initialize(11);
+  b.initialize(11);
+  EXPECT_EQ(std::memcmp(a.params().base(), b.params().base(), a.params().bytes()), 0);
+  b.initialize(12);
+  EXPECT_NE(std::memcmp(a.params().base(), b.params().base(), a.params().bytes()), 0);
+
+  Tensor norm = a.params().get("model.layers.0.input_layernorm.weight");
+  for (int64_t i = 0; i < norm.numel(); ++i) EXPECT_EQ(norm.ptr<float>()[i], 1.0f);
+  Tensor emb = a.params().get("model.embed_tokens.weight");
+  double sum = 0, sq = 0;
+  for (int64_t i = 0; i < emb.numel(); ++i) {
+    sum += emb.ptr<float>()[i];
+    sq += double(emb.ptr<float>()[i]) * emb.ptr<float>()[i];
+  }
+  const double n = static_cast<double>(emb.numel()), mean = sum / n, stddev = std::sqrt(sq / n - mean * mean);
+  EXPECT_NEAR(mean, 0.0, 0.002);
+  EXPECT_NEAR(stddev, 0.02, 0.0005);
+}
+
+TEST(LlamaModel, BadShapesAreErrorsNamingTheKey) {
+  LlamaConfig c = tiny_config();
+  c.n_kv_heads = 3;
+  try {
+    LlamaModel m(c, Precision::cpu(DType::f32), CheckpointPolicy::none, 8);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("model.n_heads (4) must be a multiple of model.n_kv_heads (3)"),
+              std::string::npos)
+        << e.what();
+  }
+  c = tiny_config();
+  c.head_dim = 5;
+  EXPECT_THROW(LlamaModel(c, Precision::cpu(DType::f32), CheckpointPolicy::none, 8), Error);
+  EXPECT_THROW(parse_checkpoint_policy("selective"), Error);
+
+  LlamaModel m(tiny_config(), Precision::cpu(DType::f32), CheckpointPolicy::none, 8);
+  ShardData too_long(9, 50);
+  EXPECT_THROW(m.forward(too_long.shard()), Error);
+}
+
+}  // namespace
+}  // namespace longtrain::model
