@@ -1,2 +1,117 @@
-// Written by the CPU ops work (issue 2).
+// CPU linear layer (no bias) through OpenBLAS: y = x · Wᵀ with W in the PyTorch/HF [out, in] layout.
+// Row-major views with any row stride work (lda = stride[0]), so a GEMM can read or write a column
+// slice of a fused buffer in place.
+#include <algorithm>
+#include <climits>
+#include <type_traits>
+
+#include <cblas.h>
+
 #include "kernels/backends.h"
+
+namespace longtrain::ops::cpu {
+namespace {
+
+// C [M, N] = A' · B' + beta · C, row-major; A' = A or Aᵀ, B' = B or Bᵀ as the flags say.
+template <class T>
+void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const T* A, int64_t lda, const T* B,
+          int64_t ldb, T beta, T* C, int64_t ldc) {
+  if (M == 0 || N == 0) return;
+  if (K == 0) {  // an empty sum: C = beta · C, written out rather than trusting every BLAS with K = 0
+    for (int64_t i = 0; i < M; ++i)
+      for (int64_t j = 0; j < N; ++j) C[i * ldc + j] = beta == T(0) ? T(0) : beta * C[i * ldc + j];
+    return;
+  }
+  LT_CHECK(std::max({M, N, K, lda, ldb, ldc}) <= INT_MAX,
+           "linear: GEMM of {}x{}x{} (leading dims {}, {}, {}) exceeds the 32-bit sizes of the BLAS interface", M,
+           N, K, lda, ldb, ldc);
+  const CBLAS_TRANSPOSE ta = trans_a ? CblasTrans : CblasNoTrans;
+  const CBLAS_TRANSPOSE tb = trans_b ? CblasTrans : CblasNoTrans;
+  if constexpr (std::is_same_v<T, float>) {
+    cblas_sgemm(CblasRowMajor, ta, tb, static_cast<int>(M), static_cast<int>(N), static_cast<int>(K), 1.0f, A,
+                static_cast<int>(lda), B, static_cast<int>(ldb), beta, C, static_cast<int>(ldc));
+  } else {
+    cblas_dgemm(CblasRowMajor, ta, tb, static_cast<int>(M), static_cast<int>(N), static_cast<int>(K), 1.0, A,
+                static_cast<int>(lda), B, static_cast<int>(ldb), beta, C, static_cast<int>(ldc));
+  }
+}
+
+// The leading dimension BLAS reads a row-major [rows, cols] view with: its row stride. A single row
+// has no meaningful stride, but BLAS still wants ld >= max(1, cols).
+int64_t leading_dim(const Tensor& t) { return t.shape[0] <= 1 ? std::max<int64_t>(1, t.shape[1]) : t.stride[0]; }
+
+// Every named tensor must be a 2-d row-major view of `dtype` whose rows do not overlap.
+void check_matrix(const char* op, const char* name, const Tensor& t, DType dtype) {
+  LT_CHECK(t.ndim == 2, "{}: {} must be 2-d, got {}", op, name, t.describe());
+  LT_CHECK(t.dtype == dtype, "{}: {} {} must have dtype {} like the other operands", op, name, t.describe(),
+           dtype_name(dtype));
+  LT_CHECK(t.shape[1] <= 1 || t.stride[1] == 1, "{}: {} {} must be unit-stride in its last dimension (stride {})",
+           op, name, t.describe(), t.stride[1]);
+  LT_CHECK(t.shape[0] <= 1 || t.stride[0] >= t.shape[1],
+           "{}: {} {} has row stride {} < {} columns: its rows overlap", op, name, t.describe(), t.stride[0],
+           t.shape[1]);
+}
+
+void check_float_dtype(const char* op, const Tensor& t) {
+  LT_CHECK(t.dtype == DType::f32 || t.dtype == DType::f64,
+           "{}: dtype {} is not supported by the CPU backend (use f32 or f64): x {}", op, dtype_name(t.dtype),
+           t.describe());
+}
+
+template <class T>
+void linear_forward_impl(const Tensor& y, const Tensor& x, const Tensor& w) {
+  // y [T, N] = x [T, K] · w [N, K]ᵀ
+  const int64_t n_tokens = x.shape[0], K = x.shape[1], N = w.shape[0];
+  gemm<T>(false, true, n_tokens, N, K, x.ptr<T>(), leading_dim(x), w.ptr<T>(), leading_dim(w), T(0), y.ptr<T>(),
+          leading_dim(y));
+}
+
+template <class T>
+void linear_backward_impl(const Tensor& dx, const Tensor& dw, const Tensor& dy, const Tensor& x, const Tensor& w) {
+  // dx [T, K] = dy [T, N] · w [N, K]          (overwritten; skipped when dx is empty)
+  // dw [N, K] += dy [T, N]ᵀ · x [T, K]        (accumulated)
+  const int64_t n_tokens = x.shape[0], K = x.shape[1], N = w.shape[0];
+  if (!dx.empty())
+    gemm<T>(false, false, n_tokens, K, N, dy.ptr<T>(), leading_dim(dy), w.ptr<T>(), leading_dim(w), T(0),
+            dx.ptr<T>(), leading_dim(dx));
+  gemm<T>(true, false, N, K, n_tokens, dy.ptr<T>(), leading_dim(dy), x.ptr<T>(), leading_dim(x), T(1), dw.ptr<T>(),
+          leading_dim(dw));
+}
+
+}  // namespace
+
+void linear_forward(Tensor y, Tensor x, Tensor w) {
+  const char* op = "linear_forward";
+  check_float_dtype(op, x);
+  check_matrix(op, "x", x, x.dtype);
+  check_matrix(op, "w", w, x.dtype);
+  check_matrix(op, "y", y, x.dtype);
+  LT_CHECK(w.shape[1] == x.shape[1] && y.shape[0] == x.shape[0] && y.shape[1] == w.shape[0],
+           "{}: shapes disagree: y {}, x {}, w {} (expected y [T, N], x [T, K], w [N, K])", op, y.describe(),
+           x.describe(), w.describe());
+  if (x.dtype == DType::f32) return linear_forward_impl<float>(y, x, w);
+  return linear_forward_impl<double>(y, x, w);
+}
+
+void linear_backward(Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w) {
+  const char* op = "linear_backward";
+  check_float_dtype(op, x);
+  check_matrix(op, "x", x, x.dtype);
+  check_matrix(op, "w", w, x.dtype);
+  check_matrix(op, "dy", dy, x.dtype);
+  LT_CHECK(!dw.empty(), "{}: dw is empty; the weight gradient is always accumulated", op);
+  check_matrix(op, "dw", dw, x.dtype);
+  LT_CHECK(w.shape[1] == x.shape[1] && dy.shape[0] == x.shape[0] && dy.shape[1] == w.shape[0] &&
+               dw.shape[0] == w.shape[0] && dw.shape[1] == w.shape[1],
+           "{}: shapes disagree: dw {}, dy {}, x {}, w {} (expected dy [T, N], x [T, K], w and dw [N, K])", op,
+           dw.describe(), dy.describe(), x.describe(), w.describe());
+  if (!dx.empty()) {
+    check_matrix(op, "dx", dx, x.dtype);
+    LT_CHECK(dx.shape[0] == x.shape[0] && dx.shape[1] == x.shape[1], "{}: dx {} must have the shape of x {}", op,
+             dx.describe(), x.describe());
+  }
+  if (x.dtype == DType::f32) return linear_backward_impl<float>(dx, dw, dy, x, w);
+  return linear_backward_impl<double>(dx, dw, dy, x, w);
+}
+
+}  // namespace longtrain::ops::cpu
