@@ -1,0 +1,390 @@
+// The training config: a valid file round-trips through resolved_yaml with the same values and hash;
+// defaults and --set overrides apply; every class of mistake (unknown key or section, wrong type,
+// out of range, inconsistent combination, missing file, malformed YAML) is an error whose text
+// starts with the file and line (or the --set) and names the key; loading creates nothing.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "runtime/error.h"
+#include "trainer/config.h"
+
+namespace longtrain::trainer {
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr const char* kName = "cfg/test.yaml";
+
+// A small valid config; line numbers matter to the tests below.
+constexpr const char* kValid = R"(model:
+  vocab_size: 512
+  dim: 64
+  n_layers: 2
+  n_heads: 4
+  n_kv_heads: 2
+  ffn_dim: 176
+  max_seq_len: 512
+  checkpoint: full
+data:
+  train: data/tiny
+  seq_len: 256
+train:
+  device: cpu
+  dtype: f64
+  steps: 50
+  seed: 7
+optim:
+  lr: 1e-3
+  min_lr: 1e-4
+  warmup_steps: 5
+  no_decay: [norm, bias]
+parallel:
+  sp_size: 2
+  layout: contiguous
+attention:
+  schedule: distflash
+logging:
+  run_dir: runs/custom
+  plot: false
+)";
+
+TrainConfig load(const std::string& yaml, const std::vector<std::string>& overrides = {}) {
+  return config_from_yaml_string(yaml, overrides, kName);
+}
+
+// The message of the longtrain::Error that `f` throws ("" and a test failure when it throws none).
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "expected a longtrain::Error";
+  return "";
+}
+
+std::string load_error(const std::string& yaml, const std::vector<std::string>& overrides = {}) {
+  return error_of([&] { load(yaml, overrides); });
+}
+
+::testing::AssertionResult starts_with(const std::string& text, const std::string& prefix) {
+  if (text.rfind(prefix, 0) == 0) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << "\"" << text << "\"\n does not start with \"" << prefix << "\"";
+}
+
+::testing::AssertionResult contains(const std::string& text, const std::string& part) {
+  if (text.find(part) != std::string::npos) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << "\"" << text << "\"\n does not contain \"" << part << "\"";
+}
+
+TEST(TrainerConfig, ValidFileLoadsWithItsValues) {
+  TrainConfig c = load(kValid);
+  EXPECT_EQ(c.source, kName);
+  EXPECT_EQ(c.model.vocab_size, 512);
+  EXPECT_EQ(c.model.head_dim, 16);  // 0 in the table: dim / n_heads
+  EXPECT_EQ(c.model.checkpoint, model::CheckpointPolicy::full);
+  EXPECT_EQ(c.data.train, "data/tiny");
+  EXPECT_EQ(c.train.device, DeviceChoice::cpu);
+  EXPECT_EQ(c.train.dtype, DTypeChoice::f64);
+  EXPECT_EQ(c.train.seed, 7);
+  EXPECT_DOUBLE_EQ(c.optim.lr, 1e-3);
+  EXPECT_EQ(c.optim.no_decay, (std::vector<std::string>{"norm", "bias"}));
+  EXPECT_EQ(c.parallel.layout, SeqLayout::contiguous);
+  EXPECT_EQ(c.attention.schedule, AttentionSchedule::distflash);
+  EXPECT_EQ(c.logging.run_dir, "runs/custom");
+  EXPECT_EQ(c.checkpoint.dir, (fs::path("runs/custom") / "checkpoints").string());
+  EXPECT_FALSE(c.logging.plot);
+}
+
+TEST(TrainerConfig, ResolvedYamlRoundTrips) {
+  TrainConfig c = load(kValid);
+  const std::string text = resolved_yaml(c);
+  TrainConfig back = load(text);
+  EXPECT_EQ(resolved_yaml(back), text);
+  EXPECT_EQ(config_hash(back), config_hash(c));
+  EXPECT_TRUE(config_diff(c, back).empty());
+  EXPECT_EQ(back.model.head_dim, 16);
+  EXPECT_EQ(back.optim.no_decay, c.optim.no_decay);
+  EXPECT_DOUBLE_EQ(back.optim.min_lr, 1e-4);
+  EXPECT_TRUE(contains(text, "config_hash: " + config_hash(c)));
+
+  // Awkward strings survive the trip too (quoted on the way out).
+  TrainConfig odd = load(kValid, {"data.val=\"dir with spaces/#x: y\"", R"(data.tokenizer='it''s \ "q" é')"});
+  TrainConfig odd_back = load(resolved_yaml(odd));
+  EXPECT_EQ(odd_back.data.val, "dir with spaces/#x: y");
+  EXPECT_EQ(odd_back.data.tokenizer, R"(it's \ "q" é)");
+  EXPECT_EQ(resolved_yaml(odd_back), resolved_yaml(odd));
+}
+
+TEST(TrainerConfig, LoadsFromFileAndCreatesNothing) {
+  const fs::path dir = fs::temp_directory_path() /
+                       ("longtrain_config_test_" + std::to_string(std::chrono::steady_clock::now().time_since_epoch().count()));
+  fs::create_directories(dir);
+  const fs::path file = dir / "tiny.yaml";
+  std::ofstream(file) << "data:\n  train: data/tiny\n  seq_len: 128\n";
+  const fs::path run_dir = dir / "run";
+  TrainConfig c = load_config(file.string(), {"logging.run_dir=" + run_dir.string()});
+  EXPECT_EQ(c.source, file.string());
+  EXPECT_EQ(c.data.seq_len, 128);
+  EXPECT_FALSE(fs::exists(run_dir)) << "loading a config must not create the run directory";
+  EXPECT_FALSE(fs::exists(c.checkpoint.dir));
+  // Without run_dir the default is runs/<file stem>.
+  EXPECT_EQ(load_config(file.string()).logging.run_dir, (fs::path("runs") / "tiny").string());
+  fs::remove_all(dir);
+}
+
+TEST(TrainerConfig, DefaultsApply) {
+  TrainConfig c = load("data:\n  train: d\n");
+  const model::LlamaConfig shape{};
+  EXPECT_EQ(c.model.vocab_size, shape.vocab_size);
+  EXPECT_EQ(c.model.dim, shape.dim);
+  EXPECT_EQ(c.model.n_heads, shape.n_heads);
+  EXPECT_EQ(c.model.n_kv_heads, shape.n_kv_heads);
+  EXPECT_EQ(c.model.head_dim, shape.dim / shape.n_heads);
+  EXPECT_EQ(c.model.max_seq_len, shape.max_seq_len);
+  EXPECT_EQ(c.model.checkpoint, model::CheckpointPolicy::remat_aware);
+  EXPECT_DOUBLE_EQ(c.model.init_std, 0.02);
+  EXPECT_EQ(c.train.device, DeviceChoice::auto_select);
+  EXPECT_EQ(c.train.dtype, DTypeChoice::auto_select);
+  EXPECT_EQ(c.train.on_nonfinite, NonFinitePolicy::skip);
+  EXPECT_EQ(c.optim.schedule, LrSchedule::cosine);
+  EXPECT_DOUBLE_EQ(c.optim.lr, 3e-4);
+  EXPECT_DOUBLE_EQ(c.optim.beta2, 0.95);
+  EXPECT_EQ(c.optim.no_decay, (std::vector<std::string>{"norm", "embed_tokens"}));
+  EXPECT_EQ(c.parallel.sp_size, 1);
+  EXPECT_EQ(c.parallel.layout, SeqLayout::zigzag);
+  EXPECT_EQ(c.attention.schedule, AttentionSchedule::zigzag);
+  EXPECT_TRUE(c.attention.causal);
+  EXPECT_EQ(c.data.val, "");
+  EXPECT_EQ(c.logging.run_dir, (fs::path("runs") / "test").string());
+  EXPECT_EQ(c.checkpoint.dir, (fs::path("runs") / "test" / "checkpoints").string());
+  // An empty section or an empty value for a string key is fine.
+  EXPECT_EQ(load("eval:\ndata:\n  train: d\n  val:\n").data.val, "");
+}
+
+TEST(TrainerConfig, OverridesWin) {
+  TrainConfig c = load(kValid, {"optim.lr=2e-3", "optim.no_decay=[]", "model.checkpoint=none", "data.val=",
+                                "train.steps=1e3", "logging.plot=true", "optim.lr = 5e-4"});
+  EXPECT_DOUBLE_EQ(c.optim.lr, 5e-4);  // the later --set of a key wins
+  EXPECT_TRUE(c.optim.no_decay.empty());
+  EXPECT_EQ(c.model.checkpoint, model::CheckpointPolicy::none);
+  EXPECT_EQ(c.data.val, "");
+  EXPECT_EQ(c.train.steps, 1000);
+  EXPECT_TRUE(c.logging.plot);
+  // Every model.checkpoint name is the model's own.
+  for (const char* p : {"none", "full", "remat_aware"})
+    EXPECT_EQ(load(kValid, {std::string("model.checkpoint=") + p}).model.checkpoint, model::parse_checkpoint_policy(p));
+}
+
+TEST(TrainerConfig, BadOverridesAreNamed) {
+  EXPECT_EQ(load_error(kValid, {"optim.lr=fast"}), "--set optim.lr=fast: optim.lr: expected a number, got 'fast'");
+  EXPECT_TRUE(starts_with(load_error(kValid, {"optim.lr"}), "--set optim.lr: expected section.key=value"));
+  EXPECT_TRUE(starts_with(load_error(kValid, {"lr=1"}), "--set lr=1: expected section.key=value"));
+  EXPECT_EQ(load_error(kValid, {"optim.learning_rate=1e-3"}),
+            "--set optim.learning_rate=1e-3: unknown key optim.learning_rate (did you mean optim.lr?)");
+  EXPECT_TRUE(starts_with(load_error(kValid, {"optimizer.lr=1e-3"}),
+                          "--set optimizer.lr=1e-3: unknown section optimizer (did you mean optim?)"));
+  EXPECT_TRUE(starts_with(load_error(kValid, {"optim.beta2=1"}), "--set optim.beta2=1: optim.beta2 must be in [0, 1)"));
+  EXPECT_TRUE(starts_with(load_error(kValid, {"optim.no_decay=[a"}), "--set optim.no_decay=[a: optim.no_decay: malformed value"));
+  // A combination broken by a --set points at the --set and says where the other key came from.
+  EXPECT_EQ(load_error(kValid, {"parallel.sp_size=3"}),
+            "--set parallel.sp_size=3: data.seq_len (256) must be a multiple of parallel.sp_size = 3 with "
+            "parallel.layout contiguous: each rank holds seq_len / sp_size tokens (data.seq_len: line 12; "
+            "parallel.layout: line 25)");
+}
+
+TEST(TrainerConfig, UnknownKeysSuggestTheRightOne) {
+  EXPECT_EQ(load_error("data:\n  train: d\noptim:\n  lr: 1e-3\n  betas: 2\n  warmup: 3\n  learning_rate: 1e-3\n"),
+            "cfg/test.yaml:5: unknown key optim.betas (did you mean optim.beta1?)");
+  EXPECT_EQ(load_error("optim:\n  learning_rate: 1e-3\n"),
+            "cfg/test.yaml:2: unknown key optim.learning_rate (did you mean optim.lr?)");
+  EXPECT_EQ(load_error("optim:\n  wieght_decay: 0\n"),
+            "cfg/test.yaml:2: unknown key optim.wieght_decay (did you mean optim.weight_decay?)");
+  EXPECT_EQ(load_error("optim:\n  warmup: 10\n"),
+            "cfg/test.yaml:2: unknown key optim.warmup (did you mean optim.warmup_steps?)");
+  EXPECT_EQ(load_error("train:\n  lr: 1e-3\n"), "cfg/test.yaml:2: unknown key train.lr (did you mean optim.lr?)");
+  EXPECT_EQ(load_error("model:\n  hidden_size: 64\n"),
+            "cfg/test.yaml:2: unknown key model.hidden_size (did you mean model.dim?)");
+  EXPECT_EQ(load_error("model:\n  eps: 1e-6\n"), "cfg/test.yaml:2: unknown key model.eps (did you mean model.norm_eps?)");
+  EXPECT_EQ(load_error("train:\n  max_steps: 10\n"),
+            "cfg/test.yaml:2: unknown key train.max_steps (did you mean train.steps?)");
+  // Nothing close: the section's keys are listed instead.
+  EXPECT_EQ(load_error("attention:\n  xyzzy: 1\n"),
+            "cfg/test.yaml:2: unknown key attention.xyzzy; the keys of attention are schedule, causal");
+}
+
+TEST(TrainerConfig, UnknownSectionsSuggestTheRightOne) {
+  EXPECT_TRUE(starts_with(load_error("data:\n  train: d\noptimizer:\n  lr: 1\n"),
+                          "cfg/test.yaml:3: unknown section optimizer (did you mean optim?); sections are model, data"));
+  EXPECT_TRUE(starts_with(load_error("modle:\n  dim: 8\n"), "cfg/test.yaml:1: unknown section modle (did you mean model?)"));
+  EXPECT_TRUE(starts_with(load_error("lr: 1e-3\n"),
+                          "cfg/test.yaml:1: unknown section lr (did you mean optim.lr? keys go inside their section)"));
+  EXPECT_EQ(load_error("optim.lr: 1e-3\n"),
+            "cfg/test.yaml:1: unknown section optim.lr (write it inside its section: optim: {lr: ...})");
+  EXPECT_EQ(load_error("zzzzzzzz: 1\n"),
+            "cfg/test.yaml:1: unknown section zzzzzzzz; sections are model, data, train, optim, parallel, attention, "
+            "checkpoint, eval, logging");
+}
+
+TEST(TrainerConfig, WrongTypesAreNamed) {
+  EXPECT_EQ(load_error("data:\n  train: d\noptim:\n  lr: fast\n"), "cfg/test.yaml:4: optim.lr: expected a number, got 'fast'");
+  EXPECT_EQ(load_error("data:\n  seq_len: 2.5\n"), "cfg/test.yaml:2: data.seq_len: expected an integer, got '2.5'");
+  EXPECT_EQ(load_error("model:\n  dim: [1, 2]\n"), "cfg/test.yaml:2: model.dim: expected an integer, got a list");
+  EXPECT_EQ(load_error("optim:\n  lr:\n"), "cfg/test.yaml:2: optim.lr: expected a number, got no value");
+  EXPECT_EQ(load_error("optim:\n  lr: .nan\n"), "cfg/test.yaml:2: optim.lr: expected a number, got '.nan'");
+  EXPECT_EQ(load_error("logging:\n  plot: maybe\n"), "cfg/test.yaml:2: logging.plot: expected true or false, got 'maybe'");
+  EXPECT_EQ(load_error("data:\n  train: {a: 1}\n"), "cfg/test.yaml:2: data.train: expected a string, got a mapping");
+  EXPECT_EQ(load_error("optim:\n  no_decay: norm\n"),
+            "cfg/test.yaml:2: optim.no_decay: expected a list of strings like [a, b], got 'norm'");
+  EXPECT_EQ(load_error("optim:\n  no_decay: [norm, [x]]\n"),
+            "cfg/test.yaml:2: optim.no_decay: list items must be non-empty strings, got a list");
+  EXPECT_EQ(load_error("attention:\n  schedule: zigzig\n"),
+            "cfg/test.yaml:2: attention.schedule: expected one of ring, zigzag, distflash, burst, got 'zigzig' (did you "
+            "mean zigzag?)");
+  EXPECT_EQ(load_error("model:\n  checkpoint: selective\n"),
+            "cfg/test.yaml:2: model.checkpoint: expected one of none, full, remat_aware, got 'selective'");
+  EXPECT_EQ(load_error("data:\n  train: d\noptim: 3\n"),
+            "cfg/test.yaml:3: section optim must be a mapping of key: value lines, got '3'");
+  EXPECT_EQ(load_error("- a\n- b\n"),
+            "cfg/test.yaml:1: expected a mapping of sections (model:, data:, train:, ...), got a list");
+}
+
+TEST(TrainerConfig, OutOfRangeValuesAreNamed) {
+  const std::string head = "data:\n  train: d\n";  // lines 1-2
+  EXPECT_EQ(load_error(head + "optim:\n  lr: -1e-3\n"), "cfg/test.yaml:4: optim.lr must be >= 0, got -0.001");
+  EXPECT_EQ(load_error(head + "optim:\n  beta1: 1\n"), "cfg/test.yaml:4: optim.beta1 must be in [0, 1), got 1.0");
+  EXPECT_EQ(load_error(head + "optim:\n  beta2: -0.5\n"), "cfg/test.yaml:4: optim.beta2 must be in [0, 1), got -0.5");
+  EXPECT_EQ(load_error(head + "optim:\n  eps: 0\n"), "cfg/test.yaml:4: optim.eps must be > 0, got 0.0");
+  EXPECT_EQ(load_error(head + "  seq_len: 0\n"), "cfg/test.yaml:3: data.seq_len must be >= 1, got 0");
+  EXPECT_EQ(load_error(head + "train:\n  steps: -5\n"), "cfg/test.yaml:4: train.steps must be >= 1, got -5");
+  EXPECT_EQ(load_error(head + "model:\n  n_layers: 0\n"), "cfg/test.yaml:4: model.n_layers must be >= 1, got 0");
+  EXPECT_EQ(load_error(head + "parallel:\n  timeout_s: 0\n"), "cfg/test.yaml:4: parallel.timeout_s must be > 0, got 0.0");
+  EXPECT_EQ(load_error("data:\n  seq_len: 64\n"),
+            "cfg/test.yaml: data.train is required: directory of token shards written by `longtrain prepare`");
+  EXPECT_EQ(load_error("data:\n  train: ''\n"),
+            "cfg/test.yaml:2: data.train is required: directory of token shards written by `longtrain prepare`");
+}
+
+TEST(TrainerConfig, InconsistentCombinationsAreNamed) {
+  const std::string head = "data:\n  train: d\n";  // lines 1-2
+  // seq_len vs the zigzag layout (the default) and sp_size.
+  EXPECT_EQ(load_error(head + "  seq_len: 1000\nparallel:\n  sp_size: 8\n"),
+            "cfg/test.yaml:3: data.seq_len (1000) must be a multiple of 2*parallel.sp_size = 16 with parallel.layout "
+            "zigzag: each rank holds two chunks of seq_len / (2*sp_size) tokens (parallel.sp_size: line 5; "
+            "parallel.layout: default)");
+  EXPECT_TRUE(starts_with(load_error(head + "  seq_len: 1001\nparallel:\n  layout: contiguous\n  sp_size: 2\n"),
+                          "cfg/test.yaml:3: data.seq_len (1001) must be a multiple of parallel.sp_size = 2 with "
+                          "parallel.layout contiguous"));
+  // Schedules and layouts.
+  EXPECT_EQ(load_error(head + "parallel:\n  layout: contiguous\n"),
+            "cfg/test.yaml:4: attention.schedule zigzag needs parallel.layout zigzag (it balances causal work through "
+            "that layout); use schedule ring or distflash with the contiguous layout (attention.schedule: default)");
+  EXPECT_TRUE(starts_with(load_error(head + "attention:\n  schedule: distflash\n"),
+                          "cfg/test.yaml:4: attention.schedule distflash needs parallel.layout contiguous"));
+  load(head + "attention:\n  schedule: burst\n");  // burst and ring work with either layout
+  load(head + "attention:\n  schedule: ring\nparallel:\n  layout: contiguous\n");
+  // The model.
+  EXPECT_EQ(load_error(head + "  seq_len: 8192\n"),
+            "cfg/test.yaml:3: data.seq_len (8192) exceeds model.max_seq_len (4096): raise model.max_seq_len or shorten "
+            "the sequences (model.max_seq_len: default)");
+  EXPECT_EQ(load_error(head + "model:\n  n_heads: 8\n  n_kv_heads: 3\n"),
+            "cfg/test.yaml:4: model.n_heads (8) must be a multiple of model.n_kv_heads (3): each KV head serves a whole "
+            "group of query heads (model.n_kv_heads: line 5)");
+  EXPECT_EQ(load_error(head + "model:\n  head_dim: 31\n"),
+            "cfg/test.yaml:4: model.head_dim (31) must be even: RoPE rotates pairs of dimensions");
+  EXPECT_TRUE(starts_with(load_error(head + "model:\n  dim: 100\n  n_heads: 8\n"),
+                          "cfg/test.yaml:4: model.head_dim is 0 (= dim / n_heads) but model.dim (100) is not a multiple "
+                          "of model.n_heads (8)"));
+  // Device and precision.
+  EXPECT_EQ(load_error(head + "train:\n  device: cuda\n  dtype: f64\n"),
+            "cfg/test.yaml:5: train.dtype f64 runs on the CPU only; on cuda the model trains in bf16 mixed precision "
+            "(train.dtype bf16 or auto), or set train.device cpu (train.device: line 4)");
+  EXPECT_TRUE(starts_with(load_error(head + "train:\n  device: cpu\n  dtype: bf16\n"),
+                          "cfg/test.yaml:5: train.dtype bf16 needs train.device cuda"));
+  // The optimizer.
+  EXPECT_EQ(load_error(head + "train:\n  steps: 50\n"),
+            "cfg/test.yaml:4: optim.warmup_steps (100) exceeds train.steps (50): the run would end before warmup does "
+            "(optim.warmup_steps: default)");
+  EXPECT_TRUE(starts_with(load_error(head + "optim:\n  lr: 1e-4\n  min_lr: 1e-3\n"),
+                          "cfg/test.yaml:5: optim.min_lr (0.001) is above optim.lr (0.0001)"));
+  EXPECT_TRUE(starts_with(load_error(head + "  seq_len: 4\neval:\n  position_buckets: 8\n"),
+                          "cfg/test.yaml:5: eval.position_buckets (8) exceeds data.seq_len (4)"));
+}
+
+TEST(TrainerConfig, FileProblemsAreNamed) {
+  EXPECT_TRUE(starts_with(error_of([] { load_config("/nonexistent/dir/x.yaml"); }),
+                          "/nonexistent/dir/x.yaml: cannot read the config file: No such file or directory"));
+  const std::string dir = fs::temp_directory_path().string();
+  EXPECT_EQ(error_of([&] { load_config(dir); }), dir + ": is a directory; expected a YAML config file");
+  EXPECT_EQ(load_error("data:\n  train: d\noptim:\n  no_decay: [norm, bias\ntrain:\n  steps: 3\n"),
+            "cfg/test.yaml:5: malformed YAML (column 6): end of sequence flow not found");
+  EXPECT_TRUE(starts_with(load_error("data:\n  train: d\n   seq_len: 3\n"), "cfg/test.yaml:3: malformed YAML"));
+  EXPECT_EQ(load_error("data:\n  train: d\n  train: e\n"), "cfg/test.yaml:3: data.train is given twice (first at line 2)");
+  EXPECT_EQ(load_error("data:\n  train: d\noptim:\n  lr: 1\noptim:\n  eps: 1\n"),
+            "cfg/test.yaml:5: section optim appears twice (first at line 3)");
+}
+
+TEST(TrainerConfig, HashCoversWhatTrainingComputes) {
+  const TrainConfig c = load(kValid);
+  const std::string h = config_hash(c);
+  ASSERT_EQ(h.size(), 16u);
+  EXPECT_EQ(h.find_first_not_of("0123456789abcdef"), std::string::npos);
+  // Keys a resumed run may change without changing the trajectory.
+  for (const char* same : {"logging.log_every=1", "logging.run_dir=elsewhere", "checkpoint.every=7", "checkpoint.keep_last=9",
+                           "eval.every=3", "eval.batches=0", "data.prefetch=0", "train.threads=3", "data.val=v",
+                           "parallel.timeout_s=5", "train.on_nonfinite=stop"})
+    EXPECT_EQ(config_hash(load(kValid, {same})), h) << same;
+  // Keys that change what is computed.
+  for (const char* other : {"optim.lr=2e-3", "train.steps=60", "train.seed=8", "model.dim=128", "data.seq_len=128",
+                            "optim.no_decay=[norm]", "model.checkpoint=remat_aware", "data.train=other"})
+    EXPECT_NE(config_hash(load(kValid, {other})), h) << other;
+  EXPECT_EQ(config_diff(c, load(kValid, {"optim.lr=2e-3", "logging.log_every=1"})),
+            (std::vector<std::string>{"optim.lr: 0.001 -> 0.002"}));
+}
+
+TEST(TrainerConfig, ResolveDevice) {
+  auto resolved = [](const std::vector<std::string>& sets, bool cuda) {
+    TrainConfig c = load("data:\n  train: d\n", sets);
+    resolve_device(c, cuda);
+    return std::pair{c.train.device, c.train.dtype};
+  };
+  EXPECT_EQ(resolved({}, false), std::pair(DeviceChoice::cpu, DTypeChoice::f32));
+  EXPECT_EQ(resolved({}, true), std::pair(DeviceChoice::cuda, DTypeChoice::bf16));
+  EXPECT_EQ(resolved({"train.dtype=f64"}, true), std::pair(DeviceChoice::cpu, DTypeChoice::f64));
+  EXPECT_EQ(resolved({"train.device=cpu"}, true), std::pair(DeviceChoice::cpu, DTypeChoice::f32));
+  EXPECT_TRUE(starts_with(error_of([&] { resolved({"train.device=cuda"}, false); }),
+                          "cfg/test.yaml: train.device is cuda but no CUDA device is usable here"));
+  EXPECT_TRUE(starts_with(error_of([&] { resolved({"train.dtype=bf16"}, false); }),
+                          "cfg/test.yaml: train.dtype bf16 needs a CUDA device"));
+}
+
+TEST(TrainerConfig, SchemaMentionsEveryKeyInItsSection) {
+  const std::string schema = schema_text();
+  const std::vector<std::string> keys = config_keys();
+  EXPECT_EQ(keys.size(), 51u);
+  for (const std::string& full : keys) {
+    const std::string section = full.substr(0, full.find('.')), key = full.substr(full.find('.') + 1);
+    const size_t at = schema.find("\n" + section + ": ");
+    ASSERT_NE(at, std::string::npos) << section;
+    const size_t next = schema.find("\n\n", at + 1);
+    const std::string block = schema.substr(at, next == std::string::npos ? std::string::npos : next - at);
+    EXPECT_TRUE(contains(block, "\n  " + key + " ")) << full;
+  }
+  // Types, ranges, defaults and meanings are there.
+  EXPECT_TRUE(contains(schema, "none|full|remat_aware"));
+  EXPECT_TRUE(contains(schema, "in [0, 1)"));
+  EXPECT_TRUE(contains(schema, "0.0003"));
+  EXPECT_TRUE(contains(schema, "[\"norm\", \"embed_tokens\"]"));
+  EXPECT_TRUE(contains(schema, "(required)"));
+  EXPECT_TRUE(contains(schema, "runs/<config file stem>"));
+  EXPECT_TRUE(contains(schema, "peak learning rate"));
+}
+
+}  // namespace
+}  // namespace longtrain::trainer

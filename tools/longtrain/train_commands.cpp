@@ -1,0 +1,107 @@
+// `longtrain train`, `longtrain eval`, `longtrain generate` and `longtrain schema`.
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+
+#include "data/loader.h"
+#include "data/tokenizer.h"
+#include "model/generate.h"
+#include "runtime/device.h"
+#include "tools/longtrain/commands.h"
+#include "trainer/config.h"
+#include "trainer/trainer.h"
+
+namespace longtrain::cli {
+
+namespace fs = std::filesystem;
+
+void add_train_commands(CLI::App& app) {
+  {
+    auto* cmd = app.add_subcommand("train", "Train a model from a YAML config");
+    auto config_path = std::make_shared<std::string>();
+    auto sets = std::make_shared<std::vector<std::string>>();
+    auto resume = std::make_shared<std::string>();
+    cmd->add_option("config", *config_path, "YAML config (see `longtrain schema`)")->required();
+    cmd->add_option("--set", *sets, "Override a key: --set optim.lr=1e-3 (repeatable)");
+    cmd->add_option("--resume", *resume, "Resume: 'auto' (newest complete checkpoint, if any) or a checkpoint dir");
+    cmd->callback([=] {
+      trainer::TrainConfig c = trainer::load_config(*config_path, *sets);
+      trainer::resolve_device(c, cuda_available());
+      trainer::TrainSummary s = trainer::train(c, *resume);
+      if (s.final_eval)
+        fmt::print("final validation loss {:.4f} (perplexity {:.2f}) after step {}\n", s.final_eval->loss,
+                   s.final_eval->perplexity, s.last_step);
+    });
+  }
+  {
+    auto* cmd = app.add_subcommand("schema", "Print every config key with its type, default and meaning");
+    cmd->callback([] { fmt::print("{}", trainer::schema_text()); });
+  }
+  {
+    auto* cmd = app.add_subcommand("eval", "Validation loss, perplexity and loss by position of a checkpoint");
+    auto dir = std::make_shared<std::string>();
+    auto data_dir = std::make_shared<std::string>();
+    auto batches = std::make_shared<int64_t>(0);
+    auto buckets = std::make_shared<int64_t>(0);
+    cmd->add_option("--checkpoint", *dir, "Checkpoint directory (…/checkpoints/step_N)")->required();
+    cmd->add_option("--data", *data_dir, "Prepared data directory (default: the config's data.val or data.train)");
+    cmd->add_option("--batches", *batches, "Validation windows to evaluate (default: the config's eval.batches; 0 = all)");
+    cmd->add_option("--buckets", *buckets, "Position buckets (default: the config's eval.position_buckets)");
+    cmd->callback([=] {
+      trainer::LoadedModel m = trainer::load_model_from_checkpoint(*dir);
+      const trainer::TrainConfig& c = m.config;
+      data::LoaderOptions o;
+      o.shard_dir = !data_dir->empty() ? *data_dir : (!c.data.val.empty() ? c.data.val : c.data.train);
+      o.split = "val";
+      o.seq_len = c.data.seq_len;
+      o.prefetch = 0;
+      o.vocab_size = c.model.vocab_size;
+      data::Loader loader(o);
+      const int64_t n = *batches > 0 ? *batches : c.eval.batches;
+      trainer::EvalResult e =
+          trainer::evaluate(*m.model, loader, n, *buckets > 0 ? *buckets : c.eval.position_buckets);
+      fmt::print("checkpoint {} (step {})\nvalidation loss {:.4f}, perplexity {:.2f}, {} tokens\n", *dir, m.step,
+                 e.loss, e.perplexity, e.tokens);
+      const int64_t S = c.data.seq_len, B = static_cast<int64_t>(e.bucket_loss.size());
+      for (int64_t b = 0; b < B; ++b)
+        fmt::print("  positions {:>6}-{:<6} loss {:.4f} ({} tokens)\n", b * S / B, (b + 1) * S / B - 1,
+                   e.bucket_loss[static_cast<size_t>(b)], e.bucket_tokens[static_cast<size_t>(b)]);
+    });
+  }
+  {
+    auto* cmd = app.add_subcommand("generate", "Sample text from a checkpoint");
+    auto dir = std::make_shared<std::string>();
+    auto prompt = std::make_shared<std::string>();
+    auto tokenizer_path = std::make_shared<std::string>();
+    auto max_new = std::make_shared<int64_t>(100);
+    auto sp = std::make_shared<model::SamplingParams>();
+    cmd->add_option("--checkpoint", *dir, "Checkpoint directory (…/checkpoints/step_N)")->required();
+    cmd->add_option("--prompt", *prompt, "Text to continue")->required();
+    cmd->add_option("--tokenizer", *tokenizer_path, "SentencePiece model (default: the checkpoint's tokenizer.model)");
+    cmd->add_option("--max-new-tokens", *max_new, "Tokens to sample (default 100)");
+    cmd->add_option("--temperature", sp->temperature, "Sampling temperature; 0 = greedy (default 0.8)");
+    cmd->add_option("--top-p", sp->top_p, "Nucleus sampling mass (default 0.95)");
+    cmd->add_option("--seed", sp->seed, "Sampling seed (default 0)");
+    cmd->callback([=] {
+      trainer::LoadedModel m = trainer::load_model_from_checkpoint(*dir, 1);
+      std::string tok = !tokenizer_path->empty() ? *tokenizer_path : (fs::path(*dir) / "tokenizer.model").string();
+      if (!fs::exists(tok)) tok = m.config.data.tokenizer;
+      LT_CHECK(!tok.empty() && fs::exists(tok),
+               "generate: no tokenizer: {} has no tokenizer.model and the config names none; pass --tokenizer", *dir);
+      data::Tokenizer tokenizer(tok);
+      LT_CHECK(tokenizer.vocab_size() == m.config.model.vocab_size,
+               "generate: tokenizer {} has {} pieces but the model's vocabulary is {}", tok, tokenizer.vocab_size(),
+               m.config.model.vocab_size);
+      std::vector<int32_t> ids;
+      if (tokenizer.bos_id() >= 0) ids.push_back(tokenizer.bos_id());
+      for (int32_t id : tokenizer.encode(*prompt)) ids.push_back(id);
+      std::vector<int32_t> out = model::generate(*m.model, ids, *max_new, *sp, tokenizer.eos_id());
+      fmt::print("{}{}\n", *prompt, tokenizer.decode(out));
+    });
+  }
+}
+
+}  // namespace longtrain::cli

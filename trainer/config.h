@@ -1,0 +1,155 @@
+// The training configuration: `longtrain train CONFIG.yaml [--set section.key=value ...]`.
+//
+// One table in config.cpp lists every key (section.key, type, default, allowed range or values,
+// meaning). It drives everything here: parsing, validation, the schema printout (schema_text), the
+// resolved config written into the run directory (resolved_yaml) and the config hash kept in
+// checkpoints (config_hash). A default is written once, in that table; the model's shape defaults
+// are LlamaConfig's own.
+//
+// load_config reads and checks everything before any work is done: it never creates a file or a
+// directory, so a caller that loads first and creates the run directory afterwards leaves nothing
+// behind on a bad config. Every problem throws longtrain::Error whose message starts with where the
+// value came from and names the key:
+//   configs/tiny.yaml:12: optim.lr: expected a number, got 'fast'
+//   configs/tiny.yaml:7: unknown key optim.learning_rate (did you mean optim.lr?)
+//   --set optim.beta2=1: optim.beta2 must be in [0, 1), got 1
+//   configs/tiny.yaml:4: data.seq_len (1000) must be a multiple of 2·parallel.sp_size = 8 ...
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "model/llama.h"
+#include "model/llama_config.h"
+#include "parallel/layout.h"
+
+namespace longtrain::trainer {
+
+enum class DeviceChoice { auto_select, cpu, cuda };   // "auto": cuda when a GPU is present, else cpu
+enum class DTypeChoice { auto_select, f32, f64, bf16 };  // "auto": bf16 on cuda, f32 on cpu
+enum class NonFinitePolicy { skip, stop };
+enum class LrSchedule { cosine, linear, constant };
+enum class AttentionSchedule { ring, zigzag, distflash, burst };
+
+// The names used in YAML ("auto", "bf16", "cosine", "distflash", ...).
+std::string_view enum_name(DeviceChoice v);
+std::string_view enum_name(DTypeChoice v);
+std::string_view enum_name(NonFinitePolicy v);
+std::string_view enum_name(LrSchedule v);
+std::string_view enum_name(AttentionSchedule v);
+
+// The model section is a LlamaConfig (so it passes straight to LlamaModel) plus what the trainer
+// decides about the model. head_dim is already resolved (0 in the file means dim / n_heads).
+struct ModelSection : model::LlamaConfig {
+  model::CheckpointPolicy checkpoint{};
+  double init_std{};  // std of the normal initialization of weight matrices
+};
+
+struct DataSection {
+  std::string train;      // directory written by `longtrain prepare`
+  std::string val;        // "" = the train directory's validation split
+  std::string tokenizer;  // SentencePiece .model; "" = none
+  int64_t seq_len{};      // tokens per sequence S (the whole sequence, before sequence-parallel sharding)
+  int64_t prefetch{};     // batches prepared ahead by the loader thread
+};
+
+struct TrainSection {
+  DeviceChoice device{};
+  DTypeChoice dtype{};
+  int64_t steps{};                // optimizer steps
+  int64_t batch_size{};           // sequences per data-parallel rank per micro-step
+  int64_t grad_accum{};           // micro-steps per optimizer step
+  int64_t seed{};
+  NonFinitePolicy on_nonfinite{};
+  int64_t max_nonfinite_skips{};  // consecutive skipped steps before the run stops
+  int64_t threads{};              // CPU threads; 0 = all cores
+};
+
+struct OptimSection {
+  double lr{}, min_lr{}, weight_decay{}, beta1{}, beta2{}, eps{};
+  int64_t warmup_steps{};
+  LrSchedule schedule{};
+  double grad_clip{};                 // max global gradient norm; 0 = no clipping
+  std::vector<std::string> no_decay;  // a parameter whose name contains one of these gets no weight decay
+};
+
+struct ParallelSection {
+  int64_t sp_size{};  // ranks sharing one sequence
+  SeqLayout layout{};
+  double timeout_s{};  // limit of every blocking collective
+};
+
+struct AttentionSection {
+  AttentionSchedule schedule{};
+  bool causal{};
+};
+
+struct CheckpointSection {
+  int64_t every{};      // steps between checkpoints; 0 = only at the end
+  int64_t keep_last{};  // 0 = keep all
+  std::string dir;      // resolved: <logging.run_dir>/checkpoints unless given
+};
+
+struct EvalSection {
+  int64_t every{};             // steps between evaluations; 0 = only at the end
+  int64_t batches{};           // validation batches per evaluation; 0 = no evaluation
+  int64_t position_buckets{};  // loss reported per bucket of token positions
+};
+
+struct LoggingSection {
+  std::string run_dir;  // resolved: runs/<config file stem> unless given
+  int64_t log_every{};
+  bool plot{};          // keep a loss-curve SVG in the run directory up to date
+};
+
+struct TrainConfig {
+  std::string source;  // the config file path (or the name given to config_from_yaml_string)
+  ModelSection model;
+  DataSection data;
+  TrainSection train;
+  OptimSection optim;
+  ParallelSection parallel;
+  AttentionSection attention;
+  CheckpointSection checkpoint;
+  EvalSection eval;
+  LoggingSection logging;
+};
+
+// Reads `path`, applies `overrides` ("section.key=value", the value parsed as a YAML scalar or flow
+// list, e.g. "optim.no_decay=[norm]"), fills defaults and validates. Touches no file but `path`.
+TrainConfig load_config(const std::string& path, const std::vector<std::string>& overrides = {});
+
+// The same from YAML text; `source_name` stands for the file in messages and in the default run_dir.
+TrainConfig config_from_yaml_string(const std::string& yaml, const std::vector<std::string>& overrides = {},
+                                    const std::string& source_name = "<string>");
+
+// Settles train.device and train.dtype "auto" for this machine and checks that what was asked for
+// can run here: device auto picks cuda when one is available, unless dtype is f32 or f64 (CPU only);
+// dtype auto picks bf16 on cuda and f32 on cpu. Call it after load_config, before any work.
+void resolve_device(TrainConfig& config, bool cuda_available);
+
+// Every key with its final value, as YAML grouped by section, each line commented with its meaning.
+// load_config of this text gives back the same values and the same config_hash.
+std::string resolved_yaml(const TrainConfig& config);
+
+// 16 hex digits: FNV-1a 64 of "section.key=value" lines of every key that changes what training
+// computes. Excluded, because a resumed run may change them without changing a single number of the
+// training trajectory: logging.*, checkpoint.*, eval.*, data.val, data.tokenizer, data.prefetch,
+// train.threads, train.on_nonfinite, train.max_nonfinite_skips and parallel.timeout_s. train.steps is
+// included: the cosine and linear schedules reach min_lr at train.steps, so changing it changes the
+// learning rate of every later step.
+std::string config_hash(const TrainConfig& config);
+
+// The hashed keys whose values differ, as "optim.lr: 0.0003 -> 0.0001", in table order: what a
+// resume that finds a different config_hash reports.
+std::vector<std::string> config_diff(const TrainConfig& before, const TrainConfig& after);
+
+// Every key grouped by section: name, type with its range or allowed values, default and meaning.
+std::string schema_text();
+
+// "section.key" of every key in table order (for tests and shell completion).
+std::vector<std::string> config_keys();
+
+}  // namespace longtrain::trainer

@@ -1,0 +1,398 @@
+#include "trainer/trainer.h"
+
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <fstream>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+#include <spdlog/sinks/basic_file_sink.h>
+#include <spdlog/sinks/stdout_color_sinks.h>
+#include <spdlog/spdlog.h>
+
+#include "model/hf_export.h"
+#include "model/safetensors.h"
+#include "runtime/device.h"
+#include "trainer/checkpoint.h"
+#include "trainer/metrics.h"
+
+namespace longtrain::trainer {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+constexpr const char* kTrainerState = "trainer_state.json";
+constexpr const char* kOptimizerFile = "optimizer.safetensors";
+constexpr const char* kConfigFile = "config.yaml";
+
+model::Precision precision_for(const TrainConfig& c) {
+  LT_CHECK(c.train.device == DeviceChoice::cpu,
+           "train.device is {}: the training loop runs on the CPU so far (CUDA training lands with the CUDA "
+           "backend); set train.device: cpu",
+           enum_name(c.train.device));
+  return model::Precision::cpu(c.train.dtype == DTypeChoice::f64 ? DType::f64 : DType::f32);
+}
+
+AdamWConfig adamw_config(const TrainConfig& c) {
+  AdamWConfig a;
+  a.lr = c.optim.lr;
+  a.min_lr = c.optim.min_lr;
+  a.beta1 = c.optim.beta1;
+  a.beta2 = c.optim.beta2;
+  a.eps = c.optim.eps;
+  a.weight_decay = c.optim.weight_decay;
+  a.warmup_steps = c.optim.warmup_steps;
+  a.total_steps = c.train.steps;
+  a.schedule = c.optim.schedule;
+  a.grad_clip = c.optim.grad_clip;
+  a.no_decay = c.optim.no_decay;
+  return a;
+}
+
+data::LoaderOptions loader_options(const TrainConfig& c, const std::string& split) {
+  data::LoaderOptions o;
+  o.shard_dir = split == "val" && !c.data.val.empty() ? c.data.val : c.data.train;
+  o.split = split;
+  o.seq_len = c.data.seq_len;
+  o.seed = static_cast<uint64_t>(c.train.seed);
+  o.sp_rank = 0;
+  o.sp_size = static_cast<int>(c.parallel.sp_size);
+  o.layout = c.parallel.layout;
+  o.prefetch = split == "train" ? static_cast<int>(c.data.prefetch) : 0;
+  o.vocab_size = c.model.vocab_size;
+  return o;
+}
+
+// A batch's vectors as the model's shard (CPU: views of the vectors themselves).
+model::TokenShard shard_of(data::Batch& b) {
+  const int64_t n = static_cast<int64_t>(b.tokens.size());
+  return {Tensor(b.tokens.data(), DType::i32, {n}), Tensor(b.labels.data(), DType::i32, {n}),
+          Tensor(b.positions.data(), DType::i32, {n})};
+}
+
+int64_t valid_labels(const data::Batch& b) {
+  int64_t n = 0;
+  for (int32_t l : b.labels) n += l != model::LlamaModel::kIgnoreIndex;
+  return n;
+}
+
+std::vector<double> host_values(const Tensor& t) {
+  std::vector<double> out(static_cast<size_t>(t.numel()));
+  if (t.dtype == DType::f64) {
+    copy(Tensor(out.data(), DType::f64, {t.numel()}), t);
+  } else {
+    std::vector<float> tmp(out.size());
+    copy(Tensor(tmp.data(), DType::f32, {t.numel()}), t);
+    std::copy(tmp.begin(), tmp.end(), out.begin());
+  }
+  return out;
+}
+
+std::string read_text(const fs::path& p) {
+  std::ifstream in(p);
+  LT_CHECK(in.good(), "cannot read {}", p.string());
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+// Optimizer state as named tensors: "m.<param>", "v.<param>" (and "master.<param>").
+std::vector<model::NamedTensor> optimizer_tensors(AdamW& opt) {
+  std::vector<model::NamedTensor> out;
+  auto add = [&](const char* prefix, const Arena& a) {
+    for (size_t i = 0; i < a.table().size(); ++i) out.push_back({fmt::format("{}.{}", prefix, a.table()[i].name), a.at(i)});
+  };
+  add("m", opt.m());
+  add("v", opt.v());
+  if (opt.has_master()) add("master", opt.master());
+  return out;
+}
+
+struct RunState {
+  int64_t step = 0;
+  int64_t consecutive_skips = 0;
+  int64_t skipped_total = 0;
+  int64_t tokens_seen = 0;
+};
+
+void save_checkpoint(const TrainConfig& c, const model::LlamaModel& model, AdamW& opt, const data::Loader& loader,
+                     const RunState& rs, std::optional<fs::path>& last) {
+  CheckpointSaveOptions so;
+  so.keep_last = static_cast<int>(c.checkpoint.keep_last);
+  CheckpointRef ref = save_checkpoint_dir(c.checkpoint.dir, rs.step, [&](const fs::path& tmp) {
+    model::HfLlamaConfig hf;
+    hf.model = c.model;
+    model::export_hf_directory(tmp.string(), hf, const_cast<model::LlamaModel&>(model).params());
+    model::save_safetensors((tmp / kOptimizerFile).string(), optimizer_tensors(opt));
+    json state = {{"step", rs.step},
+                  {"optimizer_steps", opt.steps_taken()},
+                  {"consecutive_skips", rs.consecutive_skips},
+                  {"skipped_total", rs.skipped_total},
+                  {"tokens_seen", rs.tokens_seen},
+                  {"seed", c.train.seed},
+                  {"loader", loader.state()},
+                  {"config_hash", config_hash(c)}};
+    write_file_atomically(tmp / kTrainerState, state.dump(2) + "\n");
+    write_file_atomically(tmp / kConfigFile, resolved_yaml(c));
+    if (!c.data.tokenizer.empty() && fs::exists(c.data.tokenizer))
+      fs::copy_file(c.data.tokenizer, tmp / "tokenizer.model", fs::copy_options::overwrite_existing);
+  }, so);
+  last = ref.path;
+  spdlog::info("checkpoint {} written", ref.path.string());
+}
+
+// Restores model, optimizer, loader and counters from `dir`; the config must hash the same.
+RunState restore_checkpoint(const fs::path& dir, const TrainConfig& c, model::LlamaModel& model, AdamW& opt,
+                            data::Loader& loader) {
+  json state = json::parse(read_text(dir / kTrainerState));
+  const std::string saved_hash = state.at("config_hash").get<std::string>();
+  if (saved_hash != config_hash(c)) {
+    std::string diff;
+    for (const std::string& d : config_diff(load_config((dir / kConfigFile).string()), c)) diff += "\n  " + d;
+    LT_FAIL("cannot resume from {}: the config differs from the one it was trained with:{}\nresume with the "
+            "original values (or start a new run directory)",
+            dir.string(), diff);
+  }
+  model::load_safetensors((dir / "model.safetensors").string(), model.params());
+  model::SafetensorsFile optim((dir / kOptimizerFile).string());
+  for (const model::NamedTensor& t : optimizer_tensors(opt)) optim.read(t.name, t.tensor);
+  opt.set_steps_taken(state.at("optimizer_steps").get<int64_t>());
+  loader.restore(state.at("loader").get<data::LoaderState>());
+  RunState rs;
+  rs.step = state.at("step").get<int64_t>();
+  rs.consecutive_skips = state.at("consecutive_skips").get<int64_t>();
+  rs.skipped_total = state.at("skipped_total").get<int64_t>();
+  rs.tokens_seen = state.at("tokens_seen").get<int64_t>();
+  return rs;
+}
+
+std::string human_duration(double seconds) {
+  if (!std::isfinite(seconds) || seconds < 0) return "?";
+  int64_t s = static_cast<int64_t>(seconds + 0.5);
+  if (s >= 3600) return fmt::format("{}h{:02}m", s / 3600, (s % 3600) / 60);
+  if (s >= 60) return fmt::format("{}m{:02}s", s / 60, s % 60);
+  return fmt::format("{}s", s);
+}
+
+std::shared_ptr<spdlog::logger> make_logger(const fs::path& log_file) {
+  auto console = std::make_shared<spdlog::sinks::stdout_color_sink_mt>();
+  auto file = std::make_shared<spdlog::sinks::basic_file_sink_mt>(log_file.string());
+  auto logger = std::make_shared<spdlog::logger>("longtrain", spdlog::sinks_init_list{console, file});
+  logger->set_pattern("[%H:%M:%S] %v");
+  logger->flush_on(spdlog::level::info);
+  return logger;
+}
+
+}  // namespace
+
+EvalResult evaluate(model::LlamaModel& model, data::Loader& loader, int64_t batches, int64_t buckets) {
+  const int64_t total = loader.steps_per_epoch();
+  const int64_t n = batches <= 0 || batches > total ? total : batches;
+  LT_CHECK(n > 0, "evaluation: the validation split of {} has no complete window of {} tokens",
+           loader.options().shard_dir, loader.options().seq_len + 1);
+  const int64_t S = loader.options().seq_len, B = std::max<int64_t>(1, buckets);
+  EvalResult r;
+  r.bucket_loss.assign(static_cast<size_t>(B), 0.0);
+  r.bucket_tokens.assign(static_cast<size_t>(B), 0);
+  const int64_t T = loader.local_len();
+  Arena losses("eval losses", model.precision().device);
+  losses.add("losses", {T}, model.precision().stat);
+  losses.allocate();
+  double sum = 0.0;
+  for (int64_t i = 0; i < n; ++i) {
+    data::Batch b = loader.next();
+    model.forward(shard_of(b), losses.get("losses"));
+    std::vector<double> per_token = host_values(losses.get("losses"));
+    for (size_t t = 0; t < per_token.size(); ++t) {
+      if (b.labels[t] == model::LlamaModel::kIgnoreIndex) continue;
+      const size_t bucket = static_cast<size_t>(static_cast<int64_t>(b.positions[t]) * B / S);
+      r.bucket_loss[bucket] += per_token[t];
+      r.bucket_tokens[bucket] += 1;
+      sum += per_token[t];
+      r.tokens += 1;
+    }
+  }
+  for (size_t b = 0; b < r.bucket_loss.size(); ++b)
+    r.bucket_loss[b] = r.bucket_tokens[b] ? r.bucket_loss[b] / static_cast<double>(r.bucket_tokens[b]) : NAN;
+  r.loss = r.tokens ? sum / static_cast<double>(r.tokens) : NAN;
+  r.perplexity = std::exp(r.loss);
+  return r;
+}
+
+TrainSummary train(TrainConfig c, const std::string& resume, const TrainHooks& hooks) {
+  // 1. Everything that can be wrong is checked before anything is created on disk.
+  LT_CHECK(c.parallel.sp_size == 1,
+           "parallel.sp_size is {}: sequence-parallel training is launched with longtrain-run (not yet wired into "
+           "`longtrain train`); use parallel.sp_size: 1",
+           c.parallel.sp_size);
+  const model::Precision precision = precision_for(c);
+  LT_CHECK(!c.data.train.empty(), "{}: data.train is empty: point it at a directory made by `longtrain prepare`",
+           c.source);
+  data::Loader loader(loader_options(c, "train"));
+  std::unique_ptr<data::Loader> probe_val;
+  if (c.eval.batches > 0) probe_val = std::make_unique<data::Loader>(loader_options(c, "val"));
+  probe_val.reset();
+  std::optional<CheckpointRef> resume_from;
+  if (!resume.empty()) resume_from = resolve_resume(c.checkpoint.dir, resume);
+
+  // 2. The run directory, its log and the resolved config.
+  fs::create_directories(c.logging.run_dir);
+  const fs::path run_dir = c.logging.run_dir;
+  auto log = make_logger(run_dir / "train.log");
+  spdlog::set_default_logger(log);
+  write_file_atomically(run_dir / "config.yaml", resolved_yaml(c));
+  MetricsLog metrics(run_dir / "metrics.jsonl");
+
+  model::LlamaModel model(c.model, precision, c.model.checkpoint, loader.local_len());
+  model.initialize(static_cast<uint64_t>(c.train.seed), c.model.init_std);
+  AdamW opt(model.params(), adamw_config(c));
+  RunState rs;
+  if (resume_from) {
+    rs = restore_checkpoint(resume_from->path, c, model, opt, loader);
+    log->info("resumed from {} at step {}", resume_from->path.string(), rs.step);
+  }
+
+  const int64_t micro = c.train.batch_size * c.train.grad_accum;
+  const int64_t tokens_per_step = micro * c.data.seq_len;
+  const double flops_per_token = c.model.train_flops_per_token(c.data.seq_len);
+  const size_t state_bytes = model.params().bytes() + model.grads().bytes() + opt.m().bytes() + opt.v().bytes() +
+                             (opt.has_master() ? opt.master().bytes() : 0) + model.activation_bytes();
+  log->info("longtrain: {} parameters ({:.2f} M), {} layers, dim {}, {} heads / {} kv heads, vocab {}",
+            c.model.num_parameters(), c.model.num_parameters() / 1e6, c.model.n_layers, c.model.dim,
+            c.model.n_heads, c.model.n_kv_heads, c.model.vocab_size);
+  log->info("  device {} {}, checkpoint policy {}, seq_len {}, {} sequences per step ({} tokens), {} steps",
+            enum_name(c.train.device), enum_name(c.train.dtype), model::checkpoint_policy_name(c.model.checkpoint),
+            c.data.seq_len, micro, tokens_per_step, c.train.steps);
+  log->info("  {} training windows per epoch; model state {:.1f} MiB; run directory {}", loader.num_windows(),
+            state_bytes / 1048576.0, run_dir.string());
+
+  TrainSummary summary;
+  summary.run_dir = run_dir;
+  summary.first_step = rs.step + 1;
+  LossPlot plot;
+  const bool tty = isatty(STDOUT_FILENO);
+  const std::string title = fmt::format("{} — training loss", run_dir.filename().string());
+
+  auto run_eval = [&](int64_t step) {
+    data::Loader val(loader_options(c, "val"));
+    EvalResult e = evaluate(model, val, c.eval.batches, c.eval.position_buckets);
+    std::string buckets;
+    for (size_t b = 0; b < e.bucket_loss.size(); ++b) buckets += fmt::format(" {:.3f}", e.bucket_loss[b]);
+    log->info("eval step {}: val loss {:.4f}, perplexity {:.2f} over {} tokens; by position bucket:{}", step, e.loss,
+              e.perplexity, e.tokens, buckets);
+    metrics.write({{"step", step}, {"val_loss", e.loss}, {"val_perplexity", e.perplexity}, {"val_tokens", e.tokens},
+                   {"val_loss_by_position", e.bucket_loss}});
+    plot.add_val(step, e.loss);
+    return e;
+  };
+
+  using clock = std::chrono::steady_clock;
+  const auto start = clock::now();
+  int64_t steps_timed = 0;
+  std::vector<data::Batch> batches(static_cast<size_t>(micro));
+  while (rs.step < c.train.steps) {
+    const auto t0 = clock::now();
+    const int64_t step = rs.step + 1;
+    int64_t count = 0;
+    for (auto& b : batches) {
+      b = loader.next();
+      count += valid_labels(b);
+    }
+    LT_CHECK(count > 0, "step {}: no valid label in the step's {} sequences", step, micro);
+    model.zero_grads();
+    double loss_sum = 0.0;
+    for (auto& b : batches) {
+      loss_sum += model.forward_backward(shard_of(b), 1.0 / static_cast<double>(count)).sum;
+      if (hooks.after_backward) hooks.after_backward(step, model);
+    }
+    const double loss = loss_sum / static_cast<double>(count);
+    const double norm = global_norm(model.grads());
+    rs.step = step;
+    rs.tokens_seen += tokens_per_step;
+
+    if (!std::isfinite(loss) || !std::isfinite(norm)) {
+      rs.consecutive_skips += 1;
+      rs.skipped_total += 1;
+      summary.skipped_steps += 1;
+      summary.losses.push_back(NAN);
+      LT_CHECK(c.train.on_nonfinite == NonFinitePolicy::skip,
+               "step {}: the {} is {} (train.on_nonfinite: stop); the update was not applied. Lower optim.lr, "
+               "set optim.grad_clip, or resume from the last checkpoint",
+               step, std::isfinite(loss) ? "gradient norm" : "loss", std::isfinite(loss) ? norm : loss);
+      LT_CHECK(rs.consecutive_skips <= c.train.max_nonfinite_skips,
+               "step {}: {} steps in a row had a non-finite loss or gradient (train.max_nonfinite_skips = {}); "
+               "stopping",
+               step, rs.consecutive_skips, c.train.max_nonfinite_skips);
+      log->warn("step {}: non-finite {} ({}); update skipped ({} in a row)", step,
+                std::isfinite(loss) ? "gradient norm" : "loss", std::isfinite(loss) ? norm : loss,
+                rs.consecutive_skips);
+      metrics.write({{"step", step}, {"skipped", true}});
+    } else {
+      rs.consecutive_skips = 0;
+      AdamW::StepInfo info = opt.step_with_norm(model.params(), model.grads(), norm);
+      summary.losses.push_back(loss);
+      const double dt = std::chrono::duration<double>(clock::now() - t0).count();
+      ++steps_timed;
+      const double elapsed = std::chrono::duration<double>(clock::now() - start).count();
+      const double tok_s = static_cast<double>(tokens_per_step) / dt;
+      const double eta = elapsed / static_cast<double>(steps_timed) * static_cast<double>(c.train.steps - step);
+      plot.add_train(step, loss);
+      metrics.write({{"step", step}, {"loss", loss}, {"lr", info.lr}, {"grad_norm", norm},
+                     {"tokens_per_s", tok_s}, {"tflops", tok_s * flops_per_token / 1e12},
+                     {"tokens_seen", rs.tokens_seen}, {"elapsed_s", elapsed}});
+      if (step % c.logging.log_every == 0 || step == c.train.steps || step == summary.first_step) {
+        if (tty) fmt::print("\r\033[K");
+        log->info("step {:>5}/{} | loss {:.4f} | lr {:.2e} | grad norm {:.3f} | {:.0f} tok/s | {:.3f} TFLOP/s | "
+                  "mem {:.0f} MiB | ETA {}",
+                  step, c.train.steps, loss, info.lr, norm, tok_s, tok_s * flops_per_token / 1e12,
+                  state_bytes / 1048576.0, human_duration(eta));
+        if (c.logging.plot) plot.save(run_dir / "loss.svg", title);
+      }
+      if (tty) {
+        const int width = 30, filled = static_cast<int>(width * step / c.train.steps);
+        fmt::print("\r[{}{}] {}/{} loss {:.4f} ETA {}", std::string(static_cast<size_t>(filled), '#'),
+                   std::string(static_cast<size_t>(width - filled), ' '), step, c.train.steps, loss,
+                   human_duration(eta));
+        std::fflush(stdout);
+      }
+    }
+    if (c.eval.batches > 0 && c.eval.every > 0 && step % c.eval.every == 0 && step < c.train.steps) {
+      if (tty) fmt::print("\r\033[K");
+      run_eval(step);
+    }
+    if (c.checkpoint.every > 0 && step % c.checkpoint.every == 0 && step < c.train.steps) {
+      if (tty) fmt::print("\r\033[K");
+      save_checkpoint(c, model, opt, loader, rs, summary.last_checkpoint);
+    }
+  }
+  if (tty) fmt::print("\r\033[K");
+  summary.last_step = rs.step;
+  if (c.eval.batches > 0) summary.final_eval = run_eval(rs.step);
+  if (summary.first_step <= rs.step || !resume_from) save_checkpoint(c, model, opt, loader, rs, summary.last_checkpoint);
+  if (c.logging.plot) plot.save(run_dir / "loss.svg", title);
+  log->info("done: {} steps, {} skipped; run directory {}", rs.step, rs.skipped_total, run_dir.string());
+  return summary;
+}
+
+LoadedModel load_model_from_checkpoint(const fs::path& dir, int64_t max_tokens) {
+  LT_CHECK(fs::is_directory(dir), "checkpoint {} is not a directory", dir.string());
+  std::string problem = verify_checkpoint(dir);
+  LT_CHECK(problem.empty(), "checkpoint {} is incomplete or damaged: {}", dir.string(), problem);
+  LoadedModel out;
+  out.config = load_config((dir / kConfigFile).string());
+  out.config.train.device = DeviceChoice::cpu;
+  if (out.config.train.dtype == DTypeChoice::auto_select || out.config.train.dtype == DTypeChoice::bf16)
+    out.config.train.dtype = DTypeChoice::f32;
+  const int64_t T = max_tokens > 0 ? max_tokens : out.config.data.seq_len;
+  out.model = std::make_unique<model::LlamaModel>(out.config.model, precision_for(out.config),
+                                                  model::CheckpointPolicy::none, T);
+  model::load_safetensors((dir / "model.safetensors").string(), out.model->params(), model::ExtraTensors::error,
+                          model::DTypeConversion::exact);
+  json state = json::parse(read_text(dir / kTrainerState));
+  out.step = state.at("step").get<int64_t>();
+  return out;
+}
+
+}  // namespace longtrain::trainer

@@ -1,0 +1,68 @@
+// The training loop behind `longtrain train`, evaluation behind `longtrain eval`, and loading a
+// checkpoint for `longtrain generate`.
+//
+// A step: take batch_size × grad_accum windows from the loader, count their valid labels, run
+// forward+backward on each with grad_scale = 1 / count (so the loss is the mean over every label of
+// the step, whatever the micro-batching), check the loss and the gradient norm for NaN/Inf, then
+// clip and apply AdamW. Checkpoints hold everything that makes resume bit-exact: parameters in their
+// training dtype, Adam moments (and master weights when separate), the optimizer step, the loader
+// state and the config hash.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "data/loader.h"
+#include "model/llama.h"
+#include "trainer/config.h"
+#include "trainer/optimizer.h"
+
+namespace longtrain::trainer {
+
+struct EvalResult {
+  double loss = 0.0;        // mean loss per valid label
+  double perplexity = 0.0;  // exp(loss)
+  int64_t tokens = 0;       // valid labels evaluated
+  // Mean loss of the labels whose position falls in bucket b = position·B / seq_len.
+  std::vector<double> bucket_loss;
+  std::vector<int64_t> bucket_tokens;
+};
+
+// Evaluates `batches` windows of `loader` (all of them when batches is 0 or exceeds the split).
+EvalResult evaluate(model::LlamaModel& model, data::Loader& loader, int64_t batches, int64_t buckets);
+
+// Test hooks: called after each micro-step's backward, before the non-finite check and the update.
+struct TrainHooks {
+  std::function<void(int64_t step, model::LlamaModel& model)> after_backward;
+};
+
+struct TrainSummary {
+  std::filesystem::path run_dir;
+  int64_t first_step = 0;  // the first step this call ran (1, or the resumed step + 1)
+  int64_t last_step = 0;
+  std::vector<double> losses;  // training loss of each step this call ran (NaN for skipped steps)
+  int64_t skipped_steps = 0;
+  std::optional<EvalResult> final_eval;
+  std::optional<std::filesystem::path> last_checkpoint;
+};
+
+// Runs training. `resume` is "" (start fresh), "auto" (the newest complete checkpoint under
+// checkpoint.dir, or fresh when there is none) or a checkpoint directory. The config must come from
+// load_config and resolve_device; nothing is created on disk before every input has been checked.
+TrainSummary train(TrainConfig config, const std::string& resume = "", const TrainHooks& hooks = {});
+
+// A model restored from a checkpoint directory (its config.yaml and model.safetensors), for eval
+// and generate; sized for `max_tokens` tokens per forward (0: data.seq_len).
+struct LoadedModel {
+  TrainConfig config;
+  std::unique_ptr<model::LlamaModel> model;
+  int64_t step = 0;
+};
+LoadedModel load_model_from_checkpoint(const std::filesystem::path& dir, int64_t max_tokens = 0);
+
+}  // namespace longtrain::trainer
