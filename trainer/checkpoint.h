@@ -21,8 +21,8 @@
 //
 // What "complete" means (verify_checkpoint): MANIFEST.json parses, names the directory's step, and
 // every file it lists exists with the listed size: a stat per file, so listing checkpoints stays
-// instant for 100 GB checkpoints. The CRC-32 (zlib's, the one `python -c "import zlib"` computes)
-// is checked only for the checkpoint chosen to resume from (resolve_resume): one sequential read
+// instant for 100 GB checkpoints. The CRC-32 (zlib's crc32, the same as Python's zlib.crc32) is
+// checked only for the checkpoint chosen to resume from (resolve_resume): one sequential read
 // at ~3 GB/s, which also warms the page cache for the load that follows. It catches files damaged
 // after the commit (a bad copy, bit rot), which the protocol above cannot.
 //

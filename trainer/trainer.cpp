@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cmath>
 #include <fstream>
+#include <span>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -221,6 +222,33 @@ EvalResult evaluate(model::LlamaModel& model, data::Loader& loader, int64_t batc
   return r;
 }
 
+UnigramBaseline unigram_baseline(const data::TokenCorpus& train, const data::TokenCorpus& val) {
+  const int64_t V = train.vocab_size();
+  auto count = [V](const data::TokenCorpus& corpus) {
+    std::vector<int64_t> counts(static_cast<size_t>(V), 0);
+    std::vector<int32_t> chunk(1 << 20);
+    for (int64_t start = 0; start < corpus.num_tokens(); start += static_cast<int64_t>(chunk.size())) {
+      const int64_t n = std::min<int64_t>(static_cast<int64_t>(chunk.size()), corpus.num_tokens() - start);
+      corpus.read(start, std::span<int32_t>(chunk.data(), static_cast<size_t>(n)));
+      for (int64_t i = 0; i < n; ++i) counts[static_cast<size_t>(chunk[static_cast<size_t>(i)])]++;
+    }
+    return counts;
+  };
+  const std::vector<int64_t> tc = count(train), vc = count(val);
+  const double n = static_cast<double>(train.num_tokens());
+  UnigramBaseline b;
+  double val_total = 0.0;
+  for (int64_t v = 0; v < V; ++v) {
+    const double c = static_cast<double>(tc[static_cast<size_t>(v)]);
+    if (c > 0) b.train_entropy -= c / n * std::log(c / n);
+    const double p = (c + 1.0) / (n + static_cast<double>(V));
+    b.val_cross_entropy -= static_cast<double>(vc[static_cast<size_t>(v)]) * std::log(p);
+    val_total += static_cast<double>(vc[static_cast<size_t>(v)]);
+  }
+  b.val_cross_entropy /= std::max(1.0, val_total);
+  return b;
+}
+
 TrainSummary train(TrainConfig c, const std::string& resume, const TrainHooks& hooks) {
   // 1. Everything that can be wrong is checked before anything is created on disk.
   LT_CHECK(c.parallel.sp_size == 1,
@@ -369,7 +397,13 @@ TrainSummary train(TrainConfig c, const std::string& resume, const TrainHooks& h
   }
   if (tty) fmt::print("\r\033[K");
   summary.last_step = rs.step;
-  if (c.eval.batches > 0) summary.final_eval = run_eval(rs.step);
+  if (c.eval.batches > 0) {
+    summary.final_eval = run_eval(rs.step);
+    data::Loader val(loader_options(c, "val"));
+    UnigramBaseline u = unigram_baseline(loader.corpus(), val.corpus());
+    log->info("unigram baseline: train entropy {:.4f} nats, validation cross-entropy {:.4f} nats; model: {:.4f}",
+              u.train_entropy, u.val_cross_entropy, summary.final_eval->loss);
+  }
   if (summary.first_step <= rs.step || !resume_from) save_checkpoint(c, model, opt, loader, rs, summary.last_checkpoint);
   if (c.logging.plot) plot.save(run_dir / "loss.svg", title);
   log->info("done: {} steps, {} skipped; run directory {}", rs.step, rs.skipped_total, run_dir.string());

@@ -36,6 +36,15 @@ struct EvalResult {
 // Evaluates `batches` windows of `loader` (all of them when batches is 0 or exceeds the split).
 EvalResult evaluate(model::LlamaModel& model, data::Loader& loader, int64_t batches, int64_t buckets);
 
+// What a model that ignores context achieves: the entropy of the training split's token
+// frequencies, and the cross-entropy of the validation split under them (add-one smoothed), in nats
+// per token. A trained model's validation loss should be clearly below both.
+struct UnigramBaseline {
+  double train_entropy = 0.0;
+  double val_cross_entropy = 0.0;
+};
+UnigramBaseline unigram_baseline(const data::TokenCorpus& train, const data::TokenCorpus& val);
+
 // Test hooks: called after each micro-step's backward, before the non-finite check and the update.
 struct TrainHooks {
   std::function<void(int64_t step, model::LlamaModel& model)> after_backward;
