@@ -66,6 +66,15 @@ void add_train_commands(CLI::App& app) {
       fmt::print("checkpoint {} (step {})\nvalidation loss {:.4f}, perplexity {:.2f}, {} tokens\n", *dir, m.step,
                  e.loss, e.perplexity, e.tokens);
       const int64_t S = c.data.seq_len, B = static_cast<int64_t>(e.bucket_loss.size());
+      data::Loader train_split([&] {
+        data::LoaderOptions t = o;
+        t.shard_dir = c.data.train;
+        t.split = "train";
+        return t;
+      }());
+      trainer::UnigramBaseline u = trainer::unigram_baseline(train_split.corpus(), loader.corpus());
+      fmt::print("unigram baseline: train entropy {:.4f} nats/token, validation cross-entropy {:.4f}\n",
+                 u.train_entropy, u.val_cross_entropy);
       for (int64_t b = 0; b < B; ++b)
         fmt::print("  positions {:>6}-{:<6} loss {:.4f} ({} tokens)\n", b * S / B, (b + 1) * S / B - 1,
                    e.bucket_loss[static_cast<size_t>(b)], e.bucket_tokens[static_cast<size_t>(b)]);

@@ -1,0 +1,146 @@
+// The packing loader: fixed-length training sequences from memory-mapped token shards (shards.h).
+//
+// Windows. A split is one stream of T tokens (its shards back to back, documents separated by the
+// EOS/BOS that `prepare` inserted). Window w is stream tokens [w*S, w*S + S + 1): S inputs plus the
+// one extra token that is the last input's label. Windows pack across document (and shard)
+// boundaries; there are W = floor((T - 1) / S) of them; consecutive windows share one token.
+//
+// Epochs and ranks. Epoch e visits the windows in a seeded order (a keyed bijection of [0, W), so
+// no permutation table is stored; identity when shuffle is off, the default for "val"). Step k of
+// the epoch gives data-parallel rank d the window at order position k*dp_size + d, so the ranks'
+// windows are disjoint and their union over the epoch is every window of it. An epoch has
+// floor(W / dp_size) steps; when dp_size does not divide W, the last W mod dp_size positions of
+// the order (different windows each epoch) are skipped so that every rank takes the same steps.
+//
+// Sequence parallelism. The sp_size ranks of a group share one window. Rank r gets the S/P inputs
+// that its layout (parallel/layout.h: contiguous or zigzag) assigns to it, in local order, with
+//   tokens[i]    = window[g(i)]
+//   labels[i]    = window[g(i) + 1]      (the next token of the global sequence, so a rank's last
+//                                         token's label is the first token of the next chunk, and
+//                                         global position S-1's label is window token S)
+//   positions[i] = g(i)                  (global position id within the window, for RoPE)
+// where g(i) = layout_global_index(layout, S, P, r, i).
+//
+// Resume. state() is the position of the batch next() will return; restore() into a fresh loader
+// built with the same options continues with exactly that batch. A background thread keeps up to
+// `prefetch` batches ready; state() is unaffected by it.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "data/shards.h"
+#include "parallel/layout.h"
+
+namespace longtrain::data {
+
+struct LoaderOptions {
+  std::string shard_dir;        // a directory written by `longtrain prepare`
+  std::string split = "train";  // "train" or "val"
+  int64_t seq_len = 0;          // S, tokens per sequence (each window holds S + 1)
+  uint64_t seed = 0;            // shuffle seed
+  int dp_rank = 0, dp_size = 1;  // data-parallel rank and size
+  int sp_rank = 0, sp_size = 1;  // sequence-parallel rank within its group, and group size P
+  SeqLayout layout = SeqLayout::contiguous;
+  int prefetch = 2;             // batches made ahead on a background thread; 0 makes them in next()
+  std::optional<bool> shuffle;  // default: on for "train", off for "val"
+  int64_t vocab_size = 0;       // > 0: the model's vocabulary, checked against the shards'
+};
+
+// Where a loader stands: everything that makes resume exact. JSON-serialisable (to_json/from_json)
+// for trainer_state.json. The rank is not part of it: every rank of a run has the same state.
+struct LoaderState {
+  int version = 1;
+  std::string split;
+  uint64_t seed = 0;
+  int64_t epoch = 0;
+  int64_t cursor = 0;  // steps already taken in `epoch` (the next batch is step `cursor`)
+  // Checked on restore: a different value would make the same cursor mean other windows.
+  int64_t seq_len = 0;
+  int dp_size = 1;
+  bool shuffle = true;
+  int64_t num_windows = 0;
+};
+
+void to_json(nlohmann::json& j, const LoaderState& s);
+void from_json(const nlohmann::json& j, LoaderState& s);
+
+// One sequence-parallel rank's share of one window.
+struct Batch {
+  int64_t epoch = 0;
+  int64_t step = 0;           // step within the epoch
+  int64_t window = 0;         // window index w in the split
+  int64_t stream_offset = 0;  // w * S: the window's first token in the split's stream
+  int64_t seq_len = 0;        // S
+  std::vector<int32_t> tokens;     // [S/P] input token ids
+  std::vector<int32_t> labels;     // [S/P] next token of the global window
+  std::vector<int32_t> positions;  // [S/P] global position ids in [0, S)
+  // Window positions p in [0, S] where a document starts (the token at p is a document's first),
+  // ascending; p = S means the last label begins a new document. The same for every rank of the
+  // group, so per-document masks can be built from it and `positions`.
+  std::vector<int32_t> doc_starts;
+};
+
+class Loader {
+ public:
+  // Opens the split and validates options and data; errors name the directory, file or option.
+  explicit Loader(LoaderOptions options);
+  ~Loader();
+  Loader(const Loader&) = delete;
+  Loader& operator=(const Loader&) = delete;
+
+  Batch next();
+  LoaderState state() const;
+  // Continues from `state`; it must come from a loader over the same data with the same seq_len,
+  // dp_size, seed and shuffle (any mismatch is an error naming the field).
+  void restore(const LoaderState& state);
+
+  int64_t num_windows() const { return num_windows_; }
+  int64_t steps_per_epoch() const { return steps_per_epoch_; }
+  int64_t local_len() const { return static_cast<int64_t>(local_index_.size()); }  // S / P
+  const TokenCorpus& corpus() const { return corpus_; }
+  const LoaderOptions& options() const { return o_; }
+
+  // Window of data-parallel rank `dp_rank` at step `step` of `epoch`.
+  int64_t window_index(int64_t epoch, int64_t step, int dp_rank) const;
+  // The batch of (epoch, step) for this rank; does not move the cursor.
+  Batch make_batch(int64_t epoch, int64_t step) const;
+
+ private:
+  void start_prefetch();
+  void stop_prefetch();
+  void advance(int64_t& epoch, int64_t& step) const;
+
+  LoaderOptions o_;
+  bool shuffle_;
+  TokenCorpus corpus_;
+  int64_t num_windows_ = 0, steps_per_epoch_ = 0;
+  std::vector<LayoutRun> runs_;       // this sp rank's runs of global indices
+  std::vector<int64_t> local_index_;  // [S/P] global index of each local token
+
+  // The consumer's position: the batch next() returns.
+  int64_t epoch_ = 0, step_ = 0;
+
+  // Prefetch: the thread makes batches from (prod_epoch_, prod_step_) on, in order, into queue_.
+  mutable std::mutex m_;
+  std::condition_variable cv_;
+  std::deque<Batch> queue_;
+  int64_t prod_epoch_ = 0, prod_step_ = 0;
+  bool stop_ = false;
+  std::exception_ptr error_;
+  std::thread thread_;
+};
+
+// A keyed bijection of [0, n) (a Feistel network with cycle walking): the epoch's window order.
+uint64_t permute_index(uint64_t i, uint64_t n, uint64_t key);
+
+}  // namespace longtrain::data

@@ -1,0 +1,65 @@
+// The tokenizer: a SentencePiece model, trained by `longtrain tokenizer train` (BPE with byte
+// fallback, as Llama's) or any SentencePiece .model (Llama 2's works as it is).
+//
+// Our trained models are lossless: normalization is the identity, whitespace is kept as written and
+// characters outside the vocabulary fall back to their UTF-8 bytes, so decode(encode(text)) == text
+// for any UTF-8 text, newlines included (a newline is the byte piece <0x0A>, as in Llama 2).
+// Special ids follow Llama: unk 0, bos 1, eos 2, no pad.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace sentencepiece {
+class SentencePieceProcessor;
+}
+
+namespace longtrain::data {
+
+struct TokenizerTrainOptions {
+  std::vector<std::string> inputs;  // .txt/.jsonl files or directories; every line is a sentence
+  std::string model_prefix;         // writes PREFIX.model and PREFIX.vocab
+  int vocab_size = 8000;
+  std::string model_type = "bpe";   // bpe | unigram
+  bool byte_fallback = true;
+  double character_coverage = 0.9995;
+  int64_t max_sentences = 0;        // sample at most this many lines (0: all)
+  int threads = 0;                  // 0: all cores
+  std::string text_key = "text";    // field of .jsonl records
+  bool quiet = true;                // hide SentencePiece's training log
+};
+
+// Trains a SentencePiece model; errors (bad vocab size, no text, ...) name the inputs and option.
+void train_tokenizer(const TokenizerTrainOptions& options);
+
+class Tokenizer {
+ public:
+  // Loads a .model file; a missing or invalid file is an error naming it.
+  explicit Tokenizer(const std::string& model_path);
+  ~Tokenizer();
+  Tokenizer(Tokenizer&&) noexcept;
+  Tokenizer& operator=(Tokenizer&&) noexcept;
+
+  // Thread-safe: several threads may encode with one Tokenizer.
+  std::vector<int32_t> encode(std::string_view text) const;
+  std::string decode(std::span<const int32_t> ids) const;
+  std::vector<std::string> encode_pieces(std::string_view text) const;
+  std::string piece(int32_t id) const;
+
+  int32_t vocab_size() const;
+  int32_t bos_id() const;  // -1 when the model has none
+  int32_t eos_id() const;
+  int32_t unk_id() const;
+  int32_t pad_id() const;
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+  std::unique_ptr<sentencepiece::SentencePieceProcessor> sp_;
+};
+
+}  // namespace longtrain::data
