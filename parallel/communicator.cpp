@@ -1,0 +1,60 @@
+#include "parallel/communicator.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "parallel/gloo_communicator.h"
+#include "runtime/error.h"
+
+namespace longtrain::parallel {
+
+std::string_view reduce_op_name(ReduceOp op) { return op == ReduceOp::sum ? "sum" : "max"; }
+
+Communicator::Communicator(std::string name, std::vector<int> ranks, int rank, Millis timeout)
+    : name_(std::move(name)), ranks_(std::move(ranks)), rank_(rank), timeout_(timeout) {}
+
+CommStats Communicator::stats() const {
+  return CommStats{bytes_sent_.load(), bytes_received_.load(), collectives_.load(), p2p_messages_.load()};
+}
+
+void Communicator::reset_stats() {
+  bytes_sent_ = 0;
+  bytes_received_ = 0;
+  collectives_ = 0;
+  p2p_messages_ = 0;
+}
+
+std::string Communicator::describe_ranks(const std::vector<int>& group_ranks) const {
+  std::vector<int> global;
+  for (int r : group_ranks) global.push_back(ranks_.at(r));
+  return fmt::format("{} {}", global.size() == 1 ? "rank" : "ranks", fmt::join(global, ", "));
+}
+
+std::string Communicator::describe_group() const {
+  return fmt::format("'{}' (global ranks {})", name_, fmt::join(ranks_, ", "));
+}
+
+void check_comm_tensor(const char* op, const Tensor& t, Device device) {
+  LT_CHECK(t.is_contiguous(), "{}: the tensor {} is not contiguous; communicators take flat, contiguous ranges",
+           op, t.describe());
+  LT_CHECK(t.device == device, "{}: the tensor {} is on the wrong device for this communicator ({} expected)", op,
+           t.describe(), device == Device::cpu ? "cpu: use the Gloo communicator for CPU tensors"
+                                               : "cuda: use the NCCL communicator for CUDA tensors");
+  LT_CHECK(t.numel() == 0 || t.data != nullptr, "{}: the tensor {} has no data", op, t.describe());
+}
+
+std::unique_ptr<Communicator> make_communicator(Backend backend, TcpStore& store, const std::string& name,
+                                                const std::vector<int>& global_ranks, int my_global_rank,
+                                                CommOptions options) {
+  switch (backend) {
+    case Backend::gloo:
+      return std::make_unique<GlooCommunicator>(store, name, global_ranks, my_global_rank, options);
+    case Backend::nccl:
+      LT_FAIL("communicator '{}': the NCCL backend is not built yet (CUDA tensors); use the Gloo backend with CPU "
+              "tensors",
+              name);
+  }
+  LT_FAIL("unknown communicator backend {}", static_cast<int>(backend));
+}
+
+}  // namespace longtrain::parallel

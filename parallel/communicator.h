@@ -1,0 +1,137 @@
+// Communicator: collectives and point-to-point transfers among the ranks of one process group. One
+// interface, two backends: Gloo for CPU tensors (gloo_communicator.h; every parallel algorithm runs
+// and is tested on CPU with several processes) and NCCL for CUDA tensors (not written yet: it will
+// add a communication stream and events to order it against compute; see make_communicator).
+//
+// Tensors are contiguous views (f32, f64, bf16, i32) used as flat ranges; the element counts below
+// are numel(). Ranks are numbered inside the group: rank() in [0, size()); ranks() maps them to
+// global ranks. Collectives are called by every member in the same order. A communicator is used
+// by one thread at a time.
+//
+// Failure: every blocking call is bounded by timeout(). When it passes, or a peer's connection
+// breaks, the call throws longtrain::Error naming the operation, its sequence number, the group and
+// the rank(s) that did not arrive (each rank's progress is published through the store), and the
+// communicator is unusable afterwards.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "runtime/tensor.h"
+
+namespace longtrain::parallel {
+
+using Millis = std::chrono::milliseconds;
+
+class TcpStore;
+
+enum class ReduceOp : uint8_t { sum, max };
+
+std::string_view reduce_op_name(ReduceOp op);
+
+// One transfer of a grouped send/recv batch: send `tensor` to group rank `peer`, or receive into it
+// from `peer`. A recv's tensor must have the byte size of the matching send. Between two ranks,
+// sends match receives in the order they were issued.
+struct P2POp {
+  enum class Kind : uint8_t { send, recv };
+  Kind kind;
+  Tensor tensor;
+  int peer;
+
+  static P2POp send(Tensor t, int peer) { return {Kind::send, t, peer}; }
+  static P2POp recv(Tensor t, int peer) { return {Kind::recv, t, peer}; }
+};
+
+// A batch of transfers in flight. wait() blocks until all of them completed (bounded by the
+// communicator's timeout, counted from the wait() call, so compute between start and wait is
+// free). Destroying an unwaited handle waits, so the tensors' memory is never left in use. The
+// tensors must stay alive, and the communicator too, until then.
+class P2PWork {
+ public:
+  virtual ~P2PWork() = default;
+  virtual void wait() = 0;
+};
+
+// Traffic of this rank through one communicator (the payload bytes it handed to the transport).
+struct CommStats {
+  int64_t bytes_sent = 0;
+  int64_t bytes_received = 0;
+  int64_t collectives = 0;    // collective calls, barriers included
+  int64_t p2p_messages = 0;   // sends and receives posted
+};
+
+enum class Backend : uint8_t { gloo, nccl };
+
+struct CommOptions {
+  Millis timeout{300'000};  // bound of every blocking call
+};
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+
+  const std::string& name() const { return name_; }
+  int rank() const { return rank_; }
+  int size() const { return static_cast<int>(ranks_.size()); }
+  const std::vector<int>& ranks() const { return ranks_; }  // group rank -> global rank
+  virtual Backend backend() const = 0;
+  virtual Device device() const = 0;  // where its tensors must live
+
+  // In place: t := op over ranks of t.
+  virtual void all_reduce(Tensor t, ReduceOp op = ReduceOp::sum) = 0;
+  // in [size * n] on every rank; out [n] := op over ranks of in[rank * n, (rank + 1) * n). out may be
+  // that slice of in.
+  virtual void reduce_scatter(Tensor out, Tensor in, ReduceOp op = ReduceOp::sum) = 0;
+  // in [n]; out [size * n] with out[r * n, (r + 1) * n) := in of rank r. in may be this rank's slice.
+  virtual void all_gather(Tensor out, Tensor in) = 0;
+  // t := t of rank `root`.
+  virtual void broadcast(Tensor t, int root) = 0;
+  virtual void barrier() = 0;
+  // Posts every transfer of the batch and returns at once (communication overlaps compute).
+  [[nodiscard]] virtual std::unique_ptr<P2PWork> start_p2p(std::span<const P2POp> ops) = 0;
+  void p2p(std::span<const P2POp> ops) { start_p2p(ops)->wait(); }
+
+  CommStats stats() const;
+  void reset_stats();
+  Millis timeout() const { return timeout_; }
+  void set_timeout(Millis t) { timeout_ = t; }
+
+ protected:
+  Communicator(std::string name, std::vector<int> ranks, int rank, Millis timeout);
+
+  void count_sent(int64_t bytes) { bytes_sent_ += bytes; }
+  void count_received(int64_t bytes) { bytes_received_ += bytes; }
+  void count_collective() { ++collectives_; }
+  void count_p2p(int64_t n) { p2p_messages_ += n; }
+
+  // "rank 3" or "ranks 3, 5" from group ranks, shown as global ranks.
+  std::string describe_ranks(const std::vector<int>& group_ranks) const;
+  std::string describe_group() const;  // "'sp1' (global ranks 2, 3)"
+
+  std::string name_;
+  std::vector<int> ranks_;
+  int rank_;
+  Millis timeout_;
+
+ private:
+  std::atomic<int64_t> bytes_sent_{0}, bytes_received_{0}, collectives_{0}, p2p_messages_{0};
+};
+
+// Argument checks shared by the backends; throw naming the operation, the group and the tensors.
+void check_comm_tensor(const char* op, const Tensor& t, Device device);
+
+// Creates the communicator `name` over `global_ranks` (ascending or ring order) for this process,
+// global rank `my_global_rank`, which must be one of them. Every member calls it with the same name
+// and ranks; it returns once all have joined, or throws naming the ranks that did not join within
+// the timeout. Names are scoped by a generation counter, so creating the same group twice in one
+// process is fine as long as every member does it. Backend::nccl is not built yet and throws.
+std::unique_ptr<Communicator> make_communicator(Backend backend, TcpStore& store, const std::string& name,
+                                                const std::vector<int>& global_ranks, int my_global_rank,
+                                                CommOptions options = {});
+
+}  // namespace longtrain::parallel

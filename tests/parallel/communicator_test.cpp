@@ -1,0 +1,550 @@
+// The Gloo communicator with real processes (fork): every collective against a single-process
+// computation for 2 and 3 ranks (each rank can generate every rank's input, so each checks its own
+// result against the reference computed in double), exact traffic counters, grouped send/recv
+// overlapped with compute, the process groups, and failures: a rank that never arrives, never joins,
+// or dies is named in the others' errors, within the timeout.
+//
+// Children report "CASE <name> <error> <tolerance>" lines; the parent asserts error <= tolerance.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <iostream>
+#include <limits>
+#include <random>
+#include <sstream>
+
+#include "multiproc_util.h"
+#include "parallel/distributed.h"
+#include "parallel/net.h"
+
+namespace longtrain::parallel {
+namespace {
+
+using namespace std::chrono_literals;
+using test::Clock;
+
+WorldInfo local_world(int rank, int n, int port, int per_node = 0) {
+  WorldInfo w;
+  w.rank = rank;
+  w.world_size = n;
+  w.local_world_size = per_node > 0 ? per_node : n;
+  w.local_rank = rank % w.local_world_size;
+  w.master_addr = "127.0.0.1";
+  w.master_port = port;
+  w.source = "test";
+  return w;
+}
+
+DistributedOptions options(Millis timeout, int sp = 1) {
+  DistributedOptions o;
+  o.sp_size = sp;
+  o.timeout = timeout;
+  o.connect_timeout = 10s;
+  return o;
+}
+
+double as_double(float v) { return v; }
+double as_double(double v) { return v; }
+double as_double(int32_t v) { return v; }
+double as_double(bf16 v) { return static_cast<float>(v); }
+
+// Rank `rank`'s input for one case: uniform in [-1, 1) (integers in [-1000, 1000]).
+template <class T>
+std::vector<T> rank_input(int64_t n, int rank, uint64_t case_seed) {
+  std::mt19937_64 rng(case_seed * 1000003 + static_cast<uint64_t>(rank) * 7919 + 17);
+  std::uniform_real_distribution<double> u(-1.0, 1.0);
+  std::vector<T> v(static_cast<size_t>(n));
+  for (auto& x : v) {
+    if constexpr (std::is_same_v<T, int32_t>) {
+      x = static_cast<int32_t>(std::lround(u(rng) * 1000));
+    } else if constexpr (std::is_same_v<T, bf16>) {
+      x = bf16(static_cast<float>(u(rng)));
+    } else {
+      x = static_cast<T>(u(rng));
+    }
+  }
+  return v;
+}
+
+template <class T>
+Tensor view(std::vector<T>& v) {
+  return Tensor(v.data(), dtype_of<T>(), {static_cast<int64_t>(v.size())});
+}
+
+// max |got - ref| / max |ref|.
+template <class T>
+double rel_error(const T* got, const std::vector<double>& ref) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const double g = as_double(got[i]);
+    if (std::isnan(ref[i]) != std::isnan(g)) return std::numeric_limits<double>::infinity();
+    if (std::isnan(ref[i])) continue;
+    num = std::max(num, std::abs(g - ref[i]));
+    den = std::max(den, std::abs(ref[i]));
+  }
+  return den > 0 ? num / den : num;
+}
+
+// One tolerance per dtype for sums of a few values in [-1, 1); max is exact in every dtype.
+template <class T>
+double tolerance(ReduceOp op) {
+  if (op == ReduceOp::max || std::is_same_v<T, int32_t>) return 0.0;
+  if (std::is_same_v<T, double>) return 1e-15;
+  if (std::is_same_v<T, float>) return 1e-6;
+  return 1.0 / 256;  // bf16: summed in f32, rounded once to 8 significant bits
+}
+
+double reduce(ReduceOp op, double a, double b) {
+  if (op == ReduceOp::sum) return a + b;
+  if (std::isnan(a) || std::isnan(b)) return std::nan("");
+  return std::max(a, b);
+}
+
+std::vector<int64_t> balanced_chunks(int64_t n, int p) {
+  std::vector<int64_t> sizes(p);
+  for (int c = 0; c < p; ++c) sizes[c] = n / p + (c < n % p ? 1 : 0);
+  return sizes;
+}
+
+uint64_t next_seed() {
+  static uint64_t s = 0;
+  return ++s;
+}
+
+template <class T>
+void check_all_reduce(Communicator& c, int64_t n, ReduceOp op, std::ostream& rep) {
+  const uint64_t seed = next_seed();
+  std::vector<T> mine = rank_input<T>(n, c.rank(), seed);
+  std::vector<double> ref(static_cast<size_t>(n), op == ReduceOp::sum ? 0.0 : -INFINITY);
+  for (int q = 0; q < c.size(); ++q) {
+    std::vector<T> in = rank_input<T>(n, q, seed);
+    for (int64_t i = 0; i < n; ++i) ref[i] = reduce(op, ref[i], as_double(in[i]));
+  }
+  c.all_reduce(view(mine), op);
+  rep << "CASE all_reduce/" << dtype_name(dtype_of<T>()) << "/" << reduce_op_name(op) << "/n=" << n << " "
+      << rel_error(mine.data(), ref) << " " << tolerance<T>(op) << "\n";
+}
+
+template <class T>
+void check_reduce_scatter(Communicator& c, int64_t n, ReduceOp op, bool in_place, std::ostream& rep) {
+  const uint64_t seed = next_seed();
+  const int p = c.size(), r = c.rank();
+  std::vector<T> in = rank_input<T>(n * p, r, seed);
+  const std::vector<T> in_before = in;
+  std::vector<double> ref(static_cast<size_t>(n), op == ReduceOp::sum ? 0.0 : -INFINITY);
+  for (int q = 0; q < p; ++q) {
+    std::vector<T> other = rank_input<T>(n * p, q, seed);
+    for (int64_t i = 0; i < n; ++i) ref[i] = reduce(op, ref[i], as_double(other[r * n + i]));
+  }
+  std::vector<T> out(static_cast<size_t>(n));
+  Tensor out_view = in_place ? view(in).narrow(r * n, n) : view(out);
+  c.reduce_scatter(out_view, view(in), op);
+  const std::string name = std::string("reduce_scatter/") + std::string(dtype_name(dtype_of<T>())) + "/" +
+                           std::string(reduce_op_name(op)) + "/n=" + std::to_string(n) + (in_place ? "/in_place" : "");
+  rep << "CASE " << name << " " << rel_error(static_cast<const T*>(out_view.data), ref) << " " << tolerance<T>(op)
+      << "\n";
+  if (!in_place) {
+    rep << "CASE " << name << "/input_unchanged " << (std::memcmp(in.data(), in_before.data(), in.size() * sizeof(T)) != 0)
+        << " 0\n";
+  }
+}
+
+template <class T>
+void check_all_gather(Communicator& c, int64_t n, bool in_place, std::ostream& rep) {
+  const uint64_t seed = next_seed();
+  const int p = c.size(), r = c.rank();
+  std::vector<T> in = rank_input<T>(n, r, seed);
+  std::vector<T> out(static_cast<size_t>(n * p));
+  Tensor in_view = view(in);
+  if (in_place) {
+    std::copy(in.begin(), in.end(), out.begin() + r * n);
+    in_view = view(out).narrow(r * n, n);
+  }
+  c.all_gather(view(out), in_view);
+  std::vector<double> ref;
+  for (int q = 0; q < p; ++q) {
+    for (T v : rank_input<T>(n, q, seed)) ref.push_back(as_double(v));
+  }
+  rep << "CASE all_gather/" << dtype_name(dtype_of<T>()) << "/n=" << n << (in_place ? "/in_place" : "") << " "
+      << rel_error(out.data(), ref) << " 0\n";
+}
+
+template <class T>
+void check_broadcast(Communicator& c, int64_t n, std::ostream& rep) {
+  for (int root = 0; root < c.size(); ++root) {
+    const uint64_t seed = next_seed();
+    std::vector<T> t = rank_input<T>(n, c.rank(), seed);
+    c.broadcast(view(t), root);
+    std::vector<double> ref;
+    for (T v : rank_input<T>(n, root, seed)) ref.push_back(as_double(v));
+    rep << "CASE broadcast/" << dtype_name(dtype_of<T>()) << "/root=" << root << " " << rel_error(t.data(), ref)
+        << " 0\n";
+  }
+}
+
+// K/V-style rotation: every step posts the next transfer, computes on the current block, then waits.
+// After size-1 steps every rank has summed every rank's block.
+void check_ring_rotation(Communicator& c, std::ostream& rep) {
+  const int64_t n = 1031;
+  const uint64_t seed = next_seed();
+  const int p = c.size(), r = c.rank(), next = (r + 1) % p, prev = (r + p - 1) % p;
+  std::vector<float> cur = rank_input<float>(n, r, seed), incoming(n);
+  std::vector<double> acc(cur.begin(), cur.end());
+  const int64_t sent_before = c.stats().bytes_sent;
+  for (int step = 0; step < p - 1; ++step) {
+    const P2POp ops[] = {P2POp::send(view(cur), next), P2POp::recv(view(incoming), prev)};
+    auto work = c.start_p2p(ops);
+    volatile double busy = 0;  // stands for the attention block computed meanwhile
+    for (int i = 0; i < 200000; ++i) busy = busy + std::sqrt(static_cast<double>(i));
+    work->wait();
+    for (int64_t i = 0; i < n; ++i) acc[i] += incoming[i];
+    std::swap(cur, incoming);
+  }
+  std::vector<double> ref(n, 0.0);
+  for (int q = 0; q < p; ++q) {
+    std::vector<float> in = rank_input<float>(n, q, seed);
+    for (int64_t i = 0; i < n; ++i) ref[i] += in[i];
+  }
+  std::vector<float> accf(acc.begin(), acc.end());
+  rep << "CASE p2p/ring_rotation " << rel_error(accf.data(), ref) << " 1e-6\n";
+  rep << "CASE bytes/p2p_ring " << std::abs(c.stats().bytes_sent - sent_before - (p - 1) * n * 4) << " 0\n";
+}
+
+// One batch with two dtypes in both directions around the ring.
+void check_bidirectional_batch(Communicator& c, std::ostream& rep) {
+  const uint64_t seed = next_seed();
+  const int p = c.size(), r = c.rank(), next = (r + 1) % p, prev = (r + p - 1) % p;
+  std::vector<int32_t> ints = rank_input<int32_t>(37, r, seed), ints_in(37);
+  std::vector<bf16> halves = rank_input<bf16>(53, r, seed + 1), halves_in(53);
+  const P2POp ops[] = {P2POp::recv(view(ints_in), prev), P2POp::send(view(ints), next),
+                       P2POp::send(view(halves), prev), P2POp::recv(view(halves_in), next)};
+  c.p2p(ops);
+  std::vector<double> ref_ints, ref_halves;
+  for (int32_t v : rank_input<int32_t>(37, prev, seed)) ref_ints.push_back(v);
+  for (bf16 v : rank_input<bf16>(53, next, seed + 1)) ref_halves.push_back(as_double(v));
+  rep << "CASE p2p/bidirectional_i32 " << rel_error(ints_in.data(), ref_ints) << " 0\n";
+  rep << "CASE p2p/bidirectional_bf16 " << rel_error(halves_in.data(), ref_halves) << " 0\n";
+}
+
+// The counters against the volumes documented in gloo_communicator.h.
+void check_byte_counters(Communicator& c, std::ostream& rep) {
+  const int p = c.size(), r = c.rank();
+  const int64_t n = 1031;
+  auto chunks = balanced_chunks(n, p);
+  std::vector<float> buf(n * p, 1.0f), out(n);
+
+  c.reset_stats();
+  c.all_reduce(view(buf).narrow(0, n));
+  const int64_t expect_ar = 4 * ((n - chunks[r]) + (n - chunks[(r + 1) % p]));
+  rep << "CASE bytes/all_reduce " << std::abs(c.stats().bytes_sent - expect_ar) << " 0\n";
+  // Received: every chunk but (rank-1) in the reduce-scatter, every chunk but rank in the all-gather.
+  const int64_t expect_ar_in = 4 * ((n - chunks[(r + p - 1) % p]) + (n - chunks[r]));
+  rep << "CASE bytes/all_reduce_received " << std::abs(c.stats().bytes_received - expect_ar_in) << " 0\n";
+
+  c.reset_stats();
+  c.reduce_scatter(view(out), view(buf));
+  rep << "CASE bytes/reduce_scatter " << std::abs(c.stats().bytes_sent - 4 * (p - 1) * n) << " 0\n";
+
+  c.reset_stats();
+  c.all_gather(view(buf), view(out));
+  rep << "CASE bytes/all_gather " << std::abs(c.stats().bytes_sent - 4 * (p - 1) * n) << " 0\n";
+
+  c.reset_stats();
+  c.broadcast(view(out), 1);
+  rep << "CASE bytes/broadcast " << std::abs(c.stats().bytes_sent - (r == 1 ? 4 * (p - 1) * n : 0)) << " 0\n";
+  rep << "CASE bytes/collective_count " << std::abs(c.stats().collectives - 1) << " 0\n";
+
+  // bf16 is reduced in f32: the wire carries 4 bytes per element.
+  std::vector<bf16> h(n, bf16(1.0f));
+  c.reset_stats();
+  c.all_reduce(view(h));
+  rep << "CASE bytes/all_reduce_bf16_in_f32 " << std::abs(c.stats().bytes_sent - expect_ar) << " 0\n";
+}
+
+// Max sees a NaN from any rank (overflow / grad-norm checks rely on it).
+void check_max_propagates_nan(Communicator& c, std::ostream& rep) {
+  std::vector<float> v = {1.0f * c.rank(), -5.0f, 2.0f};
+  if (c.rank() == c.size() - 1) v[1] = std::nanf("");
+  c.all_reduce(view(v), ReduceOp::max);
+  std::vector<double> ref = {static_cast<double>(c.size() - 1), std::nan(""), 2.0};
+  rep << "CASE all_reduce/max_nan " << rel_error(v.data(), ref) << " 0\n";
+}
+
+// After a barrier, every rank's key set before it is visible.
+void check_barrier(Distributed& d, std::ostream& rep) {
+  Communicator& c = d.world();
+  int missing = 0;
+  for (int round = 0; round < 3; ++round) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(40 * ((c.rank() + round) % c.size())));
+    d.store().set(fmt::format("test/barrier/{}/{}", round, c.rank()), "1");
+    c.barrier();
+    for (int q = 0; q < c.size(); ++q) missing += !d.store().check({fmt::format("test/barrier/{}/{}", round, q)});
+  }
+  rep << "CASE barrier/keys_visible " << missing << " 0\n";
+}
+
+std::string collectives_on_every_dtype(int rank, int p, int port) {
+  Distributed d(local_world(rank, p, port), options(20s));
+  Communicator& c = d.world();
+  std::ostringstream rep;
+  rep.precision(3);
+  for (ReduceOp op : {ReduceOp::sum, ReduceOp::max}) {
+    for (int64_t n : {1, 2, 7, 1031, 65537}) {
+      check_all_reduce<float>(c, n, op, rep);
+      check_all_reduce<double>(c, n, op, rep);
+      check_all_reduce<bf16>(c, n, op, rep);
+      check_all_reduce<int32_t>(c, n, op, rep);
+    }
+    for (int64_t n : {1, 7, 1031}) {
+      check_reduce_scatter<float>(c, n, op, false, rep);
+      check_reduce_scatter<double>(c, n, op, false, rep);
+      check_reduce_scatter<bf16>(c, n, op, false, rep);
+      check_reduce_scatter<int32_t>(c, n, op, false, rep);
+    }
+  }
+  check_reduce_scatter<float>(c, 1031, ReduceOp::sum, true, rep);
+  check_reduce_scatter<bf16>(c, 7, ReduceOp::sum, true, rep);
+  for (int64_t n : {1, 7, 1031}) {
+    check_all_gather<float>(c, n, false, rep);
+    check_all_gather<bf16>(c, n, false, rep);
+    check_all_gather<int32_t>(c, n, false, rep);
+    check_all_gather<double>(c, n, true, rep);
+  }
+  check_broadcast<float>(c, 1031, rep);
+  check_broadcast<bf16>(c, 7, rep);
+  check_broadcast<int32_t>(c, 1, rep);
+  check_max_propagates_nan(c, rep);
+  check_barrier(d, rep);
+  check_ring_rotation(c, rep);
+  check_bidirectional_batch(c, rep);
+  check_byte_counters(c, rep);
+  return rep.str();
+}
+
+// Parses the CASE lines of every rank; asserts each; returns the worst error per dtype prefix.
+void expect_cases(const std::vector<test::RankOutcome>& outcomes, int min_cases) {
+  std::map<std::string, double> worst;
+  for (size_t r = 0; r < outcomes.size(); ++r) {
+    ASSERT_TRUE(outcomes[r].exited(0)) << "rank " << r << ":\n" << outcomes[r].text;
+    std::istringstream in(outcomes[r].text);
+    std::string word, name;
+    double err = 0, tol = 0;
+    int cases = 0;
+    while (in >> word) {
+      if (word != "CASE") continue;
+      in >> name >> err >> tol;
+      ++cases;
+      EXPECT_LE(err, tol) << "rank " << r << ": " << name;
+      const std::string kind = name.substr(0, name.find('/', name.find('/') + 1));
+      worst[kind] = std::max(worst[kind], err);
+    }
+    EXPECT_GE(cases, min_cases) << "rank " << r << " reported too few cases:\n" << outcomes[r].text;
+  }
+  for (const auto& [kind, err] : worst) std::cout << "  worst " << kind << ": " << err << "\n";
+}
+
+class CommunicatorRanks : public testing::TestWithParam<int> {};
+
+TEST_P(CommunicatorRanks, EveryCollectiveMatchesASingleProcessComputation) {
+  const int p = GetParam();
+  const int port = net::pick_free_port();
+  auto out = test::run_ranks(p, [&](int r) { return collectives_on_every_dtype(r, p, port); }, 60s);
+  expect_cases(out, 100);
+}
+
+INSTANTIATE_TEST_SUITE_P(Gloo, CommunicatorRanks, testing::Values(2, 3),
+                         [](const testing::TestParamInfo<int>& i) { return std::to_string(i.param) + "ranks"; });
+
+// A one-process world (what a plain `longtrain train` without the launcher gets): every collective
+// is the identity, nothing is sent, and no port is needed.
+TEST(OneRankWorld, CollectivesAreTheIdentity) {
+  Distributed d(WorldInfo{}, options(5s));
+  Communicator& c = d.world();
+  EXPECT_EQ(c.size(), 1);
+  EXPECT_EQ(d.sp().size(), 1);
+  std::vector<float> t = {1.5f, -2.0f, 3.25f}, out(3), gathered(3);
+  c.all_reduce(view(t));
+  c.reduce_scatter(view(out), view(t));
+  c.all_gather(view(gathered), view(out));
+  c.broadcast(view(gathered), 0);
+  c.barrier();
+  EXPECT_EQ(gathered, (std::vector<float>{1.5f, -2.0f, 3.25f}));
+  EXPECT_EQ(c.stats().bytes_sent, 0);
+  EXPECT_EQ(c.stats().collectives, 5);
+}
+
+TEST(OneRankWorld, BadArgumentsNameTheOperationAndTheGroup) {
+  Distributed d(WorldInfo{}, options(5s));
+  std::vector<float> in(4), out(3);
+  try {
+    d.world().reduce_scatter(view(out), view(in));
+    ADD_FAILURE() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_TRUE(std::string(e.what()).find("reduce_scatter on 'world' (global ranks 0)") != std::string::npos)
+        << e.what();
+  }
+  std::vector<float> big(8);
+  Tensor strided = view(big).reshape({4, 2}).narrow(1, 0, 1);
+  try {
+    d.world().all_reduce(strided);
+    ADD_FAILURE() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_TRUE(std::string(e.what()).find("all_reduce: the tensor f32[4, 1] cpu is not contiguous") !=
+                std::string::npos)
+        << e.what();
+  }
+  try {
+    make_communicator(Backend::nccl, d.store(), "gpu", {0}, 0);
+    ADD_FAILURE() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_TRUE(std::string(e.what()).find("NCCL backend is not built yet") != std::string::npos) << e.what();
+  }
+}
+
+// World 4 = 2 "nodes" x 2, sp 2: every group's communicator reduces exactly its members.
+TEST(ProcessGroupCommunicators, EachGroupReducesExactlyItsMembers) {
+  const int port = net::pick_free_port();
+  auto out = test::run_ranks(4, [&](int r) {
+    Distributed d(local_world(r, 4, port, 2), options(20s, 2));
+    std::ostringstream rep;
+    auto check = [&](const char* name, Communicator& c, const RankGroup& g) {
+      int32_t x = r + 1;
+      c.all_reduce(Tensor(&x, DType::i32, {1}));
+      int32_t expect = 0;
+      for (int q : g.ranks) expect += q + 1;
+      rep << "CASE group/" << name << " " << std::abs(x - expect) << " 0\n";
+      rep << "CASE group/" << name << "_members " << (c.ranks() != g.ranks) << " 0\n";
+    };
+    const ParallelShape s = d.shape();
+    check("world", d.world(), world_group(s));
+    check("sp", d.sp(), sp_group(s, r));
+    check("dp", d.dp(), dp_group(s, r));
+    check("intra", d.intra_node(), intra_node_ring(s, r));
+    check("inter", d.inter_node(), inter_node_ring(s, r));
+    return rep.str();
+  }, 30s);
+  expect_cases(out, 10);
+}
+
+bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+
+// Rank 2 never calls the all_reduce: ranks 0 and 1 fail after the 1 s timeout naming rank 2 and what
+// it was doing; rank 2 itself is stopped through the store (kExitPeerFailure), long before its sleep ends.
+TEST(CommunicatorFailure, AMissingRankIsNamedWhenTheCollectiveTimesOut) {
+  const int port = net::pick_free_port();
+  const auto start = Clock::now();
+  auto out = test::run_ranks(3, [&](int r) -> std::string {
+    Distributed d(local_world(r, 3, port), options(20s));  // a slow start must not trip the test
+    d.world().barrier();
+    d.world().set_timeout(1s);
+    if (r == 2) {
+      std::this_thread::sleep_for(30s);
+      return "rank 2 was never stopped";
+    }
+    std::vector<float> t(1031, 1.0f);
+    try {
+      d.world().all_reduce(view(t));
+    } catch (const Error& e) {
+      return e.what();
+    }
+    return "no error";
+  }, 20s);
+  EXPECT_LT(Clock::now() - start, 10s);
+  EXPECT_TRUE(out[2].exited(kExitPeerFailure)) << out[2].text;
+  int named = 0;
+  for (int r = 0; r < 2; ++r) {
+    if (out[r].exited(kExitPeerFailure)) continue;  // stopped by the other's report first
+    ASSERT_TRUE(out[r].exited(0)) << out[r].text;
+    const std::string& msg = out[r].text;
+    EXPECT_TRUE(contains(msg, "all_reduce #2 (sum, f32[1031] cpu) on communicator 'world' (global ranks 0, 1, 2)"))
+        << msg;
+    EXPECT_TRUE(contains(msg, "rank 2 did not arrive")) << msg;
+    EXPECT_TRUE(contains(msg, "rank 2 is still at collective #1 (barrier, completed)")) << msg;
+    EXPECT_TRUE(contains(msg, "timeout 1000 ms")) << msg;
+    ++named;
+  }
+  EXPECT_GE(named, 1) << "neither rank 0 nor rank 1 reported the timeout";
+  std::cout << "  rank 0 said: " << out[0].text << "\n";
+}
+
+// A receive whose sender never posts the send: the error names the peer and how far it got.
+TEST(CommunicatorFailure, AMissingSendIsNamed) {
+  const int port = net::pick_free_port();
+  auto out = test::run_ranks(2, [&](int r) -> std::string {
+    Distributed d(local_world(r, 2, port), options(20s));
+    d.world().barrier();
+    d.world().set_timeout(1s);
+    std::vector<float> t(64, 1.0f);
+    if (r == 1) {
+      const P2POp first[] = {P2POp::send(view(t), 0)};
+      d.world().p2p(first);  // send #1 arrives; #2 never will
+      std::this_thread::sleep_for(30s);
+      return "rank 1 was never stopped";
+    }
+    try {
+      const P2POp ops[] = {P2POp::recv(view(t), 1)};
+      d.world().p2p(ops);
+      auto work = d.world().start_p2p(ops);
+      work->wait();
+    } catch (const Error& e) {
+      return e.what();
+    }
+    return "no error";
+  }, 20s);
+  ASSERT_TRUE(out[0].exited(0)) << out[0].text;
+  EXPECT_TRUE(contains(out[0].text, "recv #2 from rank 1 on communicator 'world'")) << out[0].text;
+  EXPECT_TRUE(contains(out[0].text, "rank 1 did not arrive: it has posted 1 send(s) to rank 0, not send #2"))
+      << out[0].text;
+  EXPECT_TRUE(out[1].exited(kExitPeerFailure)) << out[1].text;
+}
+
+// Ranks 0 and 1 create a communicator over {0, 1, 2} that rank 2 never creates.
+TEST(CommunicatorFailure, ARankThatNeverJoinsIsNamed) {
+  const int port = net::pick_free_port();
+  auto out = test::run_ranks(3, [&](int r) -> std::string {
+    Distributed d(local_world(r, 3, port), options(20s));
+    if (r == 2) return "skipped";
+    try {
+      make_communicator(Backend::gloo, d.store(), "late", {0, 1, 2}, r, CommOptions{1s});
+    } catch (const Error& e) {
+      return e.what();
+    }
+    return "no error";
+  }, 20s);
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_TRUE(out[r].exited(0)) << out[r].text;
+    EXPECT_TRUE(contains(out[r].text, "creating communicator 'late' (global ranks 0, 1, 2)")) << out[r].text;
+    EXPECT_TRUE(contains(out[r].text, "rank 2 did not join within 1000 ms")) << out[r].text;
+  }
+  EXPECT_TRUE(out[2].exited(0));
+}
+
+// Rank 1 dies between collectives; the others, blocked in an all_reduce with a 20 s timeout, fail
+// within seconds: the dead rank's sockets close and the store reports it.
+TEST(CommunicatorFailure, ARankThatDiesStopsTheOthersWithinSeconds) {
+  const int port = net::pick_free_port();
+  const auto start = Clock::now();
+  auto out = test::run_ranks(3, [&](int r) -> std::string {
+    Distributed d(local_world(r, 3, port), options(20s));
+    d.world().barrier();
+    if (r == 1) ::_exit(3);
+    std::vector<double> t(100, 1.0);
+    try {
+      d.world().all_reduce(view(t));
+    } catch (const Error& e) {
+      return e.what();
+    }
+    return "no error";
+  }, 30s);
+  EXPECT_LT(Clock::now() - start, 8s);
+  EXPECT_TRUE(out[1].exited(3));
+  for (int r : {0, 2}) {
+    if (out[r].exited(kExitPeerFailure)) continue;  // stopped by the store's report
+    ASSERT_TRUE(out[r].exited(0)) << out[r].text;
+    EXPECT_TRUE(contains(out[r].text, "rank 1")) << out[r].text;
+  }
+}
+
+}  // namespace
+}  // namespace longtrain::parallel

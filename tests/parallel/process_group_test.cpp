@@ -1,0 +1,231 @@
+// Rank arithmetic of the process groups, and the world read from torchrun's / Slurm's environment.
+// Pure functions: no processes, no sockets.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <map>
+#include <set>
+#include <string>
+
+#include "parallel/distributed.h"
+#include "parallel/process_group.h"
+
+namespace longtrain::parallel {
+namespace {
+
+struct Shape {
+  int world, per_node, sp;
+};
+
+std::string shape_name(const testing::TestParamInfo<Shape>& info) {
+  return "world" + std::to_string(info.param.world) + "_node" + std::to_string(info.param.per_node) + "_sp" +
+         std::to_string(info.param.sp);
+}
+
+class ProcessGroupShapes : public testing::TestWithParam<Shape> {
+ protected:
+  ParallelShape shape() const { return {GetParam().world, GetParam().per_node, GetParam().sp}; }
+};
+
+// Groups of one kind partition the world, and every rank's own group is the one that contains it.
+TEST_P(ProcessGroupShapes, SpAndDpGroupsPartitionTheWorld) {
+  const ParallelShape s = shape();
+  std::vector<int> seen_sp(s.world_size, 0), seen_dp(s.world_size, 0);
+  for (const auto& g : all_sp_groups(s)) {
+    ASSERT_EQ(static_cast<int>(g.ranks.size()), s.sp_size);
+    for (size_t i = 1; i < g.ranks.size(); ++i) EXPECT_EQ(g.ranks[i], g.ranks[i - 1] + 1) << "SP ranks are consecutive";
+    for (int r : g.ranks) ++seen_sp[r];
+  }
+  for (const auto& g : all_dp_groups(s)) {
+    ASSERT_EQ(static_cast<int>(g.ranks.size()), s.dp_size());
+    for (int r : g.ranks) ++seen_dp[r];
+  }
+  for (int r = 0; r < s.world_size; ++r) {
+    EXPECT_EQ(seen_sp[r], 1) << "rank " << r;
+    EXPECT_EQ(seen_dp[r], 1) << "rank " << r;
+    EXPECT_GE(sp_group(s, r).index_of(r), 0);
+    EXPECT_GE(dp_group(s, r).index_of(r), 0);
+  }
+}
+
+// A DP group holds one rank of every SP group, all at the same position: the ranks that hold the
+// same tokens of different sequences, whose gradients are reduced together.
+TEST_P(ProcessGroupShapes, DpGroupTakesTheSamePositionInEverySpGroup) {
+  const ParallelShape s = shape();
+  for (int r = 0; r < s.world_size; ++r) {
+    const RankGroup dp = dp_group(s, r);
+    std::set<std::string> sp_names;
+    for (int q : dp.ranks) {
+      const RankGroup sp = sp_group(s, q);
+      EXPECT_EQ(sp.index_of(q), sp_group(s, r).index_of(r)) << "rank " << q << " in " << dp.name;
+      sp_names.insert(sp.name);
+    }
+    EXPECT_EQ(static_cast<int>(sp_names.size()), s.dp_size());
+  }
+}
+
+// The intra-node ring is the SP group's part on this node; the inter-node ring its ranks with this
+// local rank. Together they tile the SP group as a (nodes x ranks-per-node-in-group) grid.
+TEST_P(ProcessGroupShapes, RingsTileTheSpGroupByNodeAndLocalRank) {
+  const ParallelShape s = shape();
+  for (int r = 0; r < s.world_size; ++r) {
+    const RankGroup sp = sp_group(s, r);
+    const RankGroup intra = intra_node_ring(s, r);
+    const RankGroup inter = inter_node_ring(s, r);
+    EXPECT_GE(intra.index_of(r), 0);
+    EXPECT_GE(inter.index_of(r), 0);
+    for (int q : intra.ranks) {
+      EXPECT_EQ(q / s.local_world_size, r / s.local_world_size) << intra.name << " leaves the node";
+      EXPECT_GE(sp.index_of(q), 0) << intra.name << " leaves the SP group";
+    }
+    for (int q : inter.ranks) {
+      EXPECT_EQ(q % s.local_world_size, r % s.local_world_size) << inter.name << " mixes local ranks";
+      EXPECT_GE(sp.index_of(q), 0) << inter.name << " leaves the SP group";
+    }
+    // With regular rings, every member of the SP group is reached by exactly one (intra ring, inter
+    // ring) pair; ragged shapes say so instead.
+    std::multiset<int> grid;
+    for (int a : intra.ranks) {
+      for (int b : inter_node_ring(s, a).ranks) grid.insert(b);
+    }
+    const bool tiles = grid == std::multiset<int>(sp.ranks.begin(), sp.ranks.end());
+    if (has_regular_rings(s)) {
+      EXPECT_TRUE(tiles) << "rank " << r;
+    }
+    if (!tiles) {
+      EXPECT_FALSE(has_regular_rings(s)) << "rank " << r;
+    }
+    // Group names are job-wide ids: two ranks get the same name exactly when they share the group.
+    for (int q = 0; q < s.world_size; ++q) {
+      EXPECT_EQ(intra_node_ring(s, q).name == intra.name, intra.index_of(q) >= 0);
+      EXPECT_EQ(inter_node_ring(s, q).name == inter.name, inter.index_of(q) >= 0);
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, ProcessGroupShapes,
+                         testing::Values(Shape{1, 1, 1}, Shape{2, 2, 2}, Shape{3, 3, 3}, Shape{3, 3, 1},
+                                         Shape{6, 3, 2}, Shape{6, 2, 3}, Shape{8, 4, 2}, Shape{8, 4, 8},
+                                         Shape{12, 4, 6}, Shape{16, 8, 4}, Shape{16, 4, 16}, Shape{15, 5, 5},
+                                         Shape{24, 4, 12}),
+                         shape_name);
+
+TEST(ProcessGroups, RaggedRingsAreFlagged) {
+  EXPECT_TRUE(has_regular_rings({8, 4, 2}));
+  EXPECT_TRUE(has_regular_rings({16, 4, 8}));
+  EXPECT_FALSE(has_regular_rings({6, 2, 3}));
+  EXPECT_FALSE(has_regular_rings({12, 4, 6}));
+}
+
+TEST(ProcessGroups, WorkedExamplesFromTheHeader) {
+  const ParallelShape two_nodes_sp8{8, 4, 8};
+  EXPECT_EQ(intra_node_ring(two_nodes_sp8, 5).ranks, (std::vector<int>{4, 5, 6, 7}));
+  EXPECT_EQ(inter_node_ring(two_nodes_sp8, 5).ranks, (std::vector<int>{1, 5}));
+  EXPECT_EQ(dp_group(two_nodes_sp8, 5).ranks, (std::vector<int>{5}));
+  const ParallelShape two_nodes_sp2{8, 4, 2};
+  EXPECT_EQ(sp_group(two_nodes_sp2, 5).ranks, (std::vector<int>{4, 5}));
+  EXPECT_EQ(dp_group(two_nodes_sp2, 5).ranks, (std::vector<int>{1, 3, 5, 7}));
+  EXPECT_EQ(intra_node_ring(two_nodes_sp2, 5).ranks, (std::vector<int>{4, 5}));
+  EXPECT_EQ(inter_node_ring(two_nodes_sp2, 5).ranks, (std::vector<int>{5}));
+}
+
+void expect_error(const std::function<void()>& f, const std::vector<std::string>& parts) {
+  try {
+    f();
+    ADD_FAILURE() << "expected an error";
+  } catch (const Error& e) {
+    for (const auto& p : parts) EXPECT_NE(std::string(e.what()).find(p), std::string::npos) << e.what();
+  }
+}
+
+TEST(ProcessGroups, BadShapesAreRejectedNamingTheValue) {
+  expect_error([] { check_parallel_shape({6, 3, 4}); }, {"parallel.sp_size 4 does not divide the world size 6"});
+  expect_error([] { check_parallel_shape({6, 4, 2}); }, {"world size 6 is not a multiple of the ranks per node 4"});
+  expect_error([] { check_parallel_shape({4, 4, 0}); }, {"parallel.sp_size 0"});
+  expect_error([] { sp_group({4, 4, 2}, 4); }, {"rank 4 is outside [0, world size 4)"});
+}
+
+// --- the world from the environment --------------------------------------------------------------
+
+EnvLookup lookup(const std::map<std::string, std::string>& vars) {
+  return [vars](const char* name) -> const char* {
+    auto it = vars.find(name);
+    return it == vars.end() ? nullptr : it->second.c_str();
+  };
+}
+
+TEST(WorldFromEnv, TorchrunVariables) {
+  WorldInfo w = world_from_env(lookup({{"RANK", "5"},
+                                       {"WORLD_SIZE", "8"},
+                                       {"LOCAL_RANK", "1"},
+                                       {"LOCAL_WORLD_SIZE", "4"},
+                                       {"MASTER_ADDR", "node0"},
+                                       {"MASTER_PORT", "29511"}}));
+  EXPECT_EQ(w.source, "torchrun");
+  EXPECT_EQ(w.rank, 5);
+  EXPECT_EQ(w.world_size, 8);
+  EXPECT_EQ(w.local_rank, 1);
+  EXPECT_EQ(w.local_world_size, 4);
+  EXPECT_EQ(w.master_addr, "node0");
+  EXPECT_EQ(w.master_port, 29511);
+}
+
+TEST(WorldFromEnv, SlurmVariablesWhenNoLauncher) {
+  WorldInfo w = world_from_env(lookup({{"SLURM_PROCID", "6"},
+                                       {"SLURM_NTASKS", "8"},
+                                       {"SLURM_LOCALID", "2"},
+                                       {"SLURM_NTASKS_PER_NODE", "4(x2)"},
+                                       {"SLURM_JOB_NODELIST", "gpu[07-08]"}}));
+  EXPECT_EQ(w.source, "slurm");
+  EXPECT_EQ(w.rank, 6);
+  EXPECT_EQ(w.world_size, 8);
+  EXPECT_EQ(w.local_rank, 2);
+  EXPECT_EQ(w.local_world_size, 4);
+  EXPECT_EQ(w.master_addr, "gpu07");
+  EXPECT_EQ(w.master_port, 29500);
+}
+
+TEST(WorldFromEnv, NothingSetIsOneProcess) {
+  WorldInfo w = world_from_env(lookup({}));
+  EXPECT_EQ(w.source, "default");
+  EXPECT_EQ(w.rank, 0);
+  EXPECT_EQ(w.world_size, 1);
+}
+
+TEST(WorldFromEnv, PartialOrInconsistentSetsAreErrors) {
+  expect_error([] { world_from_env(lookup({{"RANK", "0"}, {"WORLD_SIZE", "2"}})); },
+               {"LOCAL_RANK is not set", "longtrain-run"});
+  expect_error(
+      [] {
+        world_from_env(lookup({{"RANK", "2"}, {"WORLD_SIZE", "2"}, {"LOCAL_RANK", "0"}, {"LOCAL_WORLD_SIZE", "1"},
+                               {"MASTER_ADDR", "a"}, {"MASTER_PORT", "1"}}));
+      },
+      {"RANK 2 is outside [0, WORLD_SIZE 2)"});
+  expect_error(
+      [] {
+        world_from_env(lookup({{"RANK", "3"}, {"WORLD_SIZE", "4"}, {"LOCAL_RANK", "0"}, {"LOCAL_WORLD_SIZE", "2"},
+                               {"MASTER_ADDR", "a"}, {"MASTER_PORT", "1"}}));
+      },
+      {"LOCAL_RANK 0 does not match RANK 3"});
+  expect_error(
+      [] {
+        world_from_env(lookup({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"LOCAL_RANK", "1"}, {"LOCAL_WORLD_SIZE", "2"}}));
+      },
+      {"MASTER_ADDR is not set"});
+  expect_error([] { world_from_env(lookup({{"RANK", "x1"}})); }, {"RANK='x1' is not an integer"});
+  expect_error([] { world_from_env(lookup({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "2"}, {"SLURM_LOCALID", "0"}})); },
+               {"SLURM_NTASKS_PER_NODE"});
+}
+
+TEST(SlurmNodelist, FirstHost) {
+  EXPECT_EQ(first_host_of_nodelist("node01"), "node01");
+  EXPECT_EQ(first_host_of_nodelist("a,b,c"), "a");
+  EXPECT_EQ(first_host_of_nodelist("node[03-05,9]"), "node03");
+  EXPECT_EQ(first_host_of_nodelist("rack[2-3]-gpu,login1"), "rack2-gpu");
+  EXPECT_EQ(first_host_of_nodelist("gpu[10,12],cpu[1-4]"), "gpu10");
+  EXPECT_EQ(first_tasks_per_node("8"), 8);
+  EXPECT_EQ(first_tasks_per_node("4(x2),3"), 4);
+}
+
+}  // namespace
+}  // namespace longtrain::parallel

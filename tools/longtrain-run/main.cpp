@@ -1,0 +1,501 @@
+// longtrain-run: the torchrun-style launcher. Starts --nproc-per-node ranks of a program on this node
+// and watches them:
+//
+//   longtrain-run --nnodes 2 --node-rank 0 --nproc-per-node 8 --master-addr node0 --master-port 29500
+//                 [--log-dir logs] [--grace-period 5] -- longtrain train config.yaml
+//
+// - Each rank gets torchrun's environment: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK
+//   (the node rank), MASTER_ADDR, MASTER_PORT (and OMP_NUM_THREADS=1 unless set, like torchrun).
+//   Global rank 0, the node-rank-0 launcher's first rank, serves the rendezvous store.
+// - Under srun with one launcher task per node, --nnodes, --node-rank and --master-addr default to
+//   SLURM_NNODES, SLURM_NODEID and the first host of SLURM_JOB_NODELIST. MASTER_ADDR/MASTER_PORT in
+//   the environment are the defaults of --master-addr/--master-port.
+// - Console lines are prefixed "[rank N]: "; --log-dir DIR also writes DIR/rank_N.log per rank.
+// - When a rank exits non-zero or dies of a signal, the others get SIGTERM (their whole process
+//   group), then SIGKILL after --grace-period seconds, and the launcher exits with that rank's code
+//   (128 + signal for a signal death). A rank stopped because another rank failed exits with
+//   kExitPeerFailure (75); that is never taken as the root cause when a real failure is known, and
+//   after such an exit the launcher waits 1 s for the real failure before it stops the others.
+// - SIGINT, SIGTERM, SIGHUP and SIGQUIT are forwarded to every rank and stop the job (grace, then
+//   SIGKILL); SIGUSR1/SIGUSR2 are forwarded only.
+// - Every rank has PR_SET_PDEATHSIG=SIGKILL: if this launcher is killed, its ranks die with it; the
+//   store then tells the other nodes' ranks (see parallel/store.h), so their launchers stop too.
+// - On node 0 a busy --master-port is reported before anything starts; on other nodes an
+//   unresolvable --master-addr is. An unreachable master makes the ranks fail once their connect
+//   timeout (LONGTRAIN_CONNECT_TIMEOUT_S) passes, with a message naming the address.
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/prctl.h>
+#include <sys/signalfd.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <filesystem>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+
+#include "parallel/distributed.h"
+#include "parallel/net.h"
+#include "parallel/store.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+namespace par = longtrain::parallel;
+
+// After a rank exits with kExitPeerFailure, how long the launcher waits for the failing rank's own
+// exit code before it stops the others.
+constexpr std::chrono::seconds kSettle{1};
+
+struct Args {
+  int nnodes = 1;
+  int nproc_per_node = 1;
+  int node_rank = 0;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 29500;
+  std::string log_dir;
+  double grace_s = 5.0;
+  std::vector<std::string> command;
+};
+
+void say(const std::string& line) {
+  std::string s = "[longtrain-run] " + line + "\n";
+  [[maybe_unused]] ssize_t w = ::write(2, s.data(), s.size());
+}
+
+[[noreturn]] void die(const std::string& line) {
+  say("error: " + line);
+  std::exit(1);
+}
+
+const char* env(const char* name) {
+  const char* v = std::getenv(name);
+  return v && *v ? v : nullptr;
+}
+
+// One output stream of one rank: a pipe read end and the unterminated tail of its last read.
+struct Stream {
+  int fd = -1;
+  int console_fd = 1;
+  std::string partial;
+};
+
+struct Rank {
+  int local = 0;
+  int global = 0;
+  pid_t pid = -1;
+  bool running = false;
+  bool signalled = false;  // the launcher sent it a stopping signal
+  int status = 0;
+  double ended_s = 0;
+  Stream out, err;
+  FILE* log = nullptr;
+  std::deque<std::string> last_err;  // its last stderr lines, for the failure summary
+};
+
+struct RootCause {
+  int rank_index;
+  int code;
+  bool peer_failure;
+};
+
+std::string describe_status(int status) {
+  if (WIFEXITED(status)) return fmt::format("exit code {}", WEXITSTATUS(status));
+  if (WIFSIGNALED(status)) return fmt::format("killed by signal {} ({})", WTERMSIG(status), strsignal(WTERMSIG(status)));
+  return "unknown status";
+}
+
+int exit_code_of(int status) { return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status); }
+
+class Launcher {
+ public:
+  explicit Launcher(Args a) : args_(std::move(a)), start_(Clock::now()) {}
+
+  int run() {
+    setup_signals();
+    if (!args_.log_dir.empty()) {
+      std::error_code ec;
+      std::filesystem::create_directories(args_.log_dir, ec);
+      if (ec) die(fmt::format("cannot create --log-dir '{}': {}", args_.log_dir, ec.message()));
+    }
+    const int world = args_.nnodes * args_.nproc_per_node;
+    say(fmt::format("node {} of {}: starting ranks {}-{} of {} (store at {}:{}{})", args_.node_rank, args_.nnodes,
+                    args_.node_rank * args_.nproc_per_node, (args_.node_rank + 1) * args_.nproc_per_node - 1, world,
+                    args_.master_addr, args_.master_port, args_.node_rank == 0 ? ", served by rank 0 here" : ""));
+    ranks_.resize(args_.nproc_per_node);
+    for (int i = 0; i < args_.nproc_per_node; ++i) spawn(i, world);
+    loop();
+    return finish();
+  }
+
+ private:
+  void setup_signals() {
+    sigset_t set;
+    sigemptyset(&set);
+    for (int s : {SIGCHLD, SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2}) sigaddset(&set, s);
+    ::sigprocmask(SIG_BLOCK, &set, &old_mask_);
+    sigfd_ = ::signalfd(-1, &set, SFD_CLOEXEC | SFD_NONBLOCK);
+    if (sigfd_ < 0) die(fmt::format("signalfd failed: {}", par::net::errno_text(errno)));
+    std::signal(SIGPIPE, SIG_IGN);  // a closed console must not kill the launcher and orphan the job
+  }
+
+  void spawn(int local, int world) {
+    Rank& r = ranks_[local];
+    r.local = local;
+    r.global = args_.node_rank * args_.nproc_per_node + local;
+    int out[2], err[2];
+    if (::pipe2(out, O_CLOEXEC) != 0 || ::pipe2(err, O_CLOEXEC) != 0) {
+      die(fmt::format("pipe failed: {}", par::net::errno_text(errno)));
+    }
+    if (!args_.log_dir.empty()) {
+      const std::string path = fmt::format("{}/rank_{}.log", args_.log_dir, r.global);
+      r.log = std::fopen(path.c_str(), "w");
+      if (r.log == nullptr) die(fmt::format("cannot write the log file {}: {}", path, std::strerror(errno)));
+    }
+    const pid_t launcher = ::getpid();
+    std::fflush(nullptr);
+    const pid_t pid = ::fork();
+    if (pid < 0) die(fmt::format("fork failed: {}", par::net::errno_text(errno)));
+    if (pid == 0) {
+      // Child: its own process group (so the launcher can signal the rank and everything it
+      // started), dies with the launcher, and gets the rank's environment.
+      ::setpgid(0, 0);
+      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (::getppid() != launcher) ::_exit(1);  // the launcher died before prctl took effect
+      ::dup2(out[1], 1);
+      ::dup2(err[1], 2);
+      std::signal(SIGPIPE, SIG_DFL);
+      ::sigprocmask(SIG_SETMASK, &old_mask_, nullptr);
+      ::setenv("RANK", std::to_string(r.global).c_str(), 1);
+      ::setenv("LOCAL_RANK", std::to_string(local).c_str(), 1);
+      ::setenv("GROUP_RANK", std::to_string(args_.node_rank).c_str(), 1);
+      ::setenv("WORLD_SIZE", std::to_string(world).c_str(), 1);
+      ::setenv("LOCAL_WORLD_SIZE", std::to_string(args_.nproc_per_node).c_str(), 1);
+      ::setenv("MASTER_ADDR", args_.master_addr.c_str(), 1);
+      ::setenv("MASTER_PORT", std::to_string(args_.master_port).c_str(), 1);
+      if (args_.nproc_per_node > 1) ::setenv("OMP_NUM_THREADS", "1", 0);
+      std::vector<char*> argv;
+      for (auto& a : args_.command) argv.push_back(a.data());
+      argv.push_back(nullptr);
+      ::execvp(argv[0], argv.data());
+      std::fprintf(stderr, "longtrain-run: cannot run '%s': %s\n", argv[0], std::strerror(errno));
+      ::_exit(127);
+    }
+    ::setpgid(pid, pid);  // also here, so the group exists before the launcher may signal it
+    ::close(out[1]);
+    ::close(err[1]);
+    r.pid = pid;
+    r.running = true;
+    r.out = Stream{out[0], 1, ""};
+    r.err = Stream{err[0], 2, ""};
+    ::fcntl(out[0], F_SETFL, O_NONBLOCK);
+    ::fcntl(err[0], F_SETFL, O_NONBLOCK);
+  }
+
+  // ---------------------------------------------------------------------------------------------
+
+  void loop() {
+    std::optional<Clock::time_point> drain_until;
+    for (;;) {
+      const bool any_running = std::any_of(ranks_.begin(), ranks_.end(), [](const Rank& r) { return r.running; });
+      const bool any_stream = std::any_of(ranks_.begin(), ranks_.end(),
+                                          [](const Rank& r) { return r.out.fd >= 0 || r.err.fd >= 0; });
+      if (!any_running) {
+        // Ranks are gone; their output may still sit in the pipes (or a leftover child of a rank
+        // holds them open): drain for a moment, then stop.
+        if (!any_stream) return;
+        if (!drain_until) drain_until = Clock::now() + std::chrono::seconds(2);
+        if (Clock::now() >= *drain_until) return;
+      }
+      std::vector<pollfd> fds{{sigfd_, POLLIN, 0}};
+      std::vector<Stream*> streams{nullptr};
+      std::vector<Rank*> owners{nullptr};
+      for (Rank& r : ranks_) {
+        for (Stream* s : {&r.out, &r.err}) {
+          if (s->fd < 0) continue;
+          fds.push_back({s->fd, POLLIN, 0});
+          streams.push_back(s);
+          owners.push_back(&r);
+        }
+      }
+      int timeout_ms = 100;  // also polls waitpid, in case a SIGCHLD was merged with another
+      if (kill_deadline_) {
+        timeout_ms = std::clamp<int>(
+            static_cast<int>(std::chrono::duration_cast<std::chrono::milliseconds>(*kill_deadline_ - Clock::now()).count()),
+            0, 100);
+      }
+      int n = ::poll(fds.data(), fds.size(), timeout_ms);
+      if (n < 0 && errno != EINTR) die(fmt::format("poll failed: {}", par::net::errno_text(errno)));
+      if (n > 0 && (fds[0].revents & POLLIN)) handle_signals();
+      for (size_t i = 1; i < fds.size(); ++i) {
+        if (fds[i].revents & (POLLIN | POLLHUP | POLLERR)) pump(*owners[i], *streams[i]);
+      }
+      reap();
+      if (!stopping_ && settle_deadline_ && Clock::now() >= *settle_deadline_) {
+        stop_all("no rank reported a failure of its own");
+      }
+      if (kill_deadline_ && Clock::now() >= *kill_deadline_) {
+        for (Rank& r : ranks_) {
+          if (r.running) {
+            ::kill(-r.pid, SIGKILL);
+            r.signalled = true;
+          }
+        }
+        kill_deadline_ = Clock::time_point::max();
+      }
+    }
+  }
+
+  void handle_signals() {
+    signalfd_siginfo info;
+    while (::read(sigfd_, &info, sizeof(info)) == sizeof(info)) {
+      const int sig = static_cast<int>(info.ssi_signo);
+      if (sig == SIGCHLD) continue;  // reap() runs after every wake-up
+      const bool stops = sig != SIGUSR1 && sig != SIGUSR2;
+      say(fmt::format("received {}: forwarding it to the ranks{}", strsignal(sig), stops ? " and stopping" : ""));
+      for (Rank& r : ranks_) {
+        if (!r.running) continue;
+        ::kill(-r.pid, sig);
+        if (stops) r.signalled = true;
+      }
+      if (stops) {
+        if (!received_signal_) received_signal_ = sig;
+        start_kill_clock();
+      }
+    }
+  }
+
+  void reap() {
+    for (;;) {
+      int status = 0;
+      pid_t pid = ::waitpid(-1, &status, WNOHANG);
+      if (pid <= 0) return;
+      for (size_t i = 0; i < ranks_.size(); ++i) {
+        Rank& r = ranks_[i];
+        if (r.pid != pid || !r.running) continue;
+        r.running = false;
+        r.status = status;
+        r.ended_s = seconds();
+        const int code = exit_code_of(status);
+        if (code == 0) continue;
+        // Deaths by the signals this launcher sent are consequences, not causes.
+        const bool ours = r.signalled && WIFSIGNALED(status);
+        const bool peer = WIFEXITED(status) && code == par::kExitPeerFailure;
+        if (!ours && (!root_ || (root_->peer_failure && !peer))) {
+          root_ = RootCause{static_cast<int>(i), code, peer};
+        }
+        const std::string what = fmt::format("rank {} (pid {}) failed with {} after {:.1f} s", r.global, r.pid,
+                                             describe_status(status), r.ended_s);
+        if (!stopping_ && peer && !(root_ && !root_->peer_failure)) {
+          // Stopped because another rank failed. That rank is usually on this node, exiting with
+          // its own code a moment later: give it kSettle before the SIGTERMs hide it.
+          if (!settle_deadline_) {
+            settle_deadline_ = Clock::now() + kSettle;
+            say(what + " (stopped because another rank failed); stopping the others in 1 s");
+          }
+        } else if (!stopping_) {
+          stop_all(what);
+        }
+        ::kill(-r.pid, SIGKILL);  // whatever the failed rank left behind in its process group
+      }
+    }
+  }
+
+  void stop_all(const std::string& why) {
+    say(fmt::format("{}: stopping the other ranks (SIGTERM, then SIGKILL after {:.1f} s)", why, args_.grace_s));
+    for (Rank& other : ranks_) {
+      if (!other.running) continue;
+      ::kill(-other.pid, SIGTERM);
+      other.signalled = true;
+    }
+    start_kill_clock();
+  }
+
+  void start_kill_clock() {
+    stopping_ = true;
+    if (!kill_deadline_) {
+      kill_deadline_ = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(args_.grace_s * 1000));
+    }
+  }
+
+  // Moves whatever the pipe holds to the console (prefixed) and the rank's log file.
+  void pump(Rank& r, Stream& s) {
+    char buf[65536];
+    for (;;) {
+      ssize_t n = ::read(s.fd, buf, sizeof(buf));
+      if (n > 0) {
+        s.partial.append(buf, static_cast<size_t>(n));
+        size_t pos;
+        while ((pos = s.partial.find('\n')) != std::string::npos) {
+          emit(r, s, s.partial.substr(0, pos));
+          s.partial.erase(0, pos + 1);
+        }
+        continue;
+      }
+      if (n < 0 && (errno == EAGAIN || errno == EINTR)) return;
+      // EOF (or an error): flush the unterminated tail and close.
+      if (!s.partial.empty()) emit(r, s, s.partial);
+      s.partial.clear();
+      ::close(s.fd);
+      s.fd = -1;
+      return;
+    }
+  }
+
+  void emit(Rank& r, Stream& s, const std::string& line) {
+    std::string out = fmt::format("[rank {}]: {}\n", r.global, line);
+    const char* p = out.data();
+    size_t left = out.size();
+    while (left > 0) {
+      ssize_t w = ::write(s.console_fd, p, left);
+      if (w < 0 && errno == EINTR) continue;
+      if (w <= 0) break;  // console gone: keep running, the log files still get everything
+      p += w;
+      left -= static_cast<size_t>(w);
+    }
+    if (r.log) {
+      std::fwrite(line.data(), 1, line.size(), r.log);
+      std::fputc('\n', r.log);
+      std::fflush(r.log);
+    }
+    if (&s == &r.err) {
+      r.last_err.push_back(line);
+      if (r.last_err.size() > 5) r.last_err.pop_front();
+    }
+  }
+
+  double seconds() const { return std::chrono::duration<double>(Clock::now() - start_).count(); }
+
+  int finish() {
+    for (Rank& r : ranks_) {
+      for (Stream* s : {&r.out, &r.err}) {
+        if (s->fd >= 0) ::close(s->fd);
+        s->fd = -1;
+      }
+      if (r.log) std::fclose(r.log);
+    }
+    int code = 0;
+    if (root_) {
+      code = root_->code;
+    } else if (received_signal_) {
+      code = 128 + received_signal_;
+    } else {
+      for (const Rank& r : ranks_) {
+        if (exit_code_of(r.status) != 0) code = exit_code_of(r.status);
+      }
+    }
+    if (code == 0) {
+      say(fmt::format("all {} ranks finished after {:.1f} s", ranks_.size(), seconds()));
+      return 0;
+    }
+    say("failure summary:");
+    for (size_t i = 0; i < ranks_.size(); ++i) {
+      const Rank& r = ranks_[i];
+      const bool is_root = root_ && root_->rank_index == static_cast<int>(i);
+      std::string note = is_root ? "root cause"
+                         : exit_code_of(r.status) == 0 ? "finished"
+                         : r.signalled ? "stopped by the launcher"
+                         : exit_code_of(r.status) == par::kExitPeerFailure ? "stopped after another rank failed"
+                                                                              : "failed";
+      say(fmt::format("  rank {:>3}  pid {:>7}  {:<32}  at {:6.1f} s  {}", r.global, r.pid, describe_status(r.status),
+                      r.ended_s, note));
+    }
+    if (root_) {
+      const Rank& r = ranks_[root_->rank_index];
+      if (!r.last_err.empty()) {
+        say(fmt::format("last stderr lines of rank {}:", r.global));
+        for (const auto& l : r.last_err) say("  " + l);
+      }
+    }
+    say(fmt::format("exit code {}", code));
+    return code;
+  }
+
+  Args args_;
+  Clock::time_point start_;
+  std::vector<Rank> ranks_;
+  sigset_t old_mask_{};
+  int sigfd_ = -1;
+  bool stopping_ = false;
+  std::optional<Clock::time_point> kill_deadline_;
+  std::optional<Clock::time_point> settle_deadline_;
+  std::optional<RootCause> root_;
+  int received_signal_ = 0;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Args a;
+  CLI::App app{"longtrain-run: start the ranks of a longtrain job on this node (torchrun's flags)"};
+  app.prefix_command();
+  auto* o_nnodes = app.add_option("--nnodes", a.nnodes, "number of nodes (launchers)");
+  app.add_option("--nproc-per-node,--nproc_per_node", a.nproc_per_node, "ranks on this node");
+  auto* o_node_rank = app.add_option("--node-rank,--node_rank", a.node_rank, "this node's rank in [0, nnodes)");
+  auto* o_addr = app.add_option("--master-addr,--master_addr", a.master_addr, "address of node 0 (rank 0 serves the store)");
+  auto* o_port = app.add_option("--master-port,--master_port", a.master_port, "port of the rendezvous store");
+  app.add_option("--log-dir,--log_dir", a.log_dir, "write DIR/rank_N.log for every rank");
+  app.add_option("--grace-period", a.grace_s, "seconds between SIGTERM and SIGKILL when stopping ranks (default 5)");
+  app.footer("Usage: longtrain-run [flags] [--] PROGRAM [ARGS...]\n");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  a.command = app.remaining();
+  if (!a.command.empty() && a.command.front() == "--") a.command.erase(a.command.begin());
+  if (a.command.empty()) die("no program to run; usage: longtrain-run [flags] [--] PROGRAM [ARGS...]");
+
+  // Defaults from the environment: MASTER_ADDR/MASTER_PORT, then Slurm when srun started one
+  // launcher per node (SLURM_NTASKS == SLURM_NNODES inside a job step).
+  try {
+    const char* ntasks = env("SLURM_NTASKS");
+    const char* nnodes = env("SLURM_NNODES") ? env("SLURM_NNODES") : env("SLURM_JOB_NUM_NODES");
+    const bool slurm_per_node = env("SLURM_STEP_ID") && ntasks && nnodes && std::string(ntasks) == nnodes;
+    if (o_nnodes->count() == 0 && slurm_per_node) a.nnodes = std::stoi(nnodes);
+    if (o_node_rank->count() == 0 && slurm_per_node && env("SLURM_NODEID")) a.node_rank = std::stoi(env("SLURM_NODEID"));
+    if (o_addr->count() == 0) {
+      if (env("MASTER_ADDR")) {
+        a.master_addr = env("MASTER_ADDR");
+      } else if (slurm_per_node && (env("SLURM_JOB_NODELIST") || env("SLURM_NODELIST"))) {
+        a.master_addr = par::first_host_of_nodelist(env("SLURM_JOB_NODELIST") ? env("SLURM_JOB_NODELIST")
+                                                                               : env("SLURM_NODELIST"));
+      }
+    }
+    if (o_port->count() == 0 && env("MASTER_PORT")) a.master_port = std::stoi(env("MASTER_PORT"));
+  } catch (const std::exception& e) {
+    die(fmt::format("cannot read the Slurm/MASTER_* environment: {}", e.what()));
+  }
+
+  if (a.nnodes < 1) die(fmt::format("--nnodes {} must be at least 1", a.nnodes));
+  if (a.nproc_per_node < 1) die(fmt::format("--nproc-per-node {} must be at least 1", a.nproc_per_node));
+  if (a.node_rank < 0 || a.node_rank >= a.nnodes) {
+    die(fmt::format("--node-rank {} is outside [0, --nnodes {})", a.node_rank, a.nnodes));
+  }
+  if (a.master_port < 1 || a.master_port > 65535) die(fmt::format("--master-port {} is outside [1, 65535]", a.master_port));
+  if (!(a.grace_s >= 0)) die(fmt::format("--grace-period {} must be >= 0", a.grace_s));
+
+  if (a.node_rank == 0) {
+    // Rank 0 will serve the store here; a busy port would only surface as a rank failure later.
+    if (!par::net::port_is_free(a.master_port)) {
+      die(fmt::format("--master-port {} is already in use on this machine (another job, or a leftover process of an "
+                      "earlier one, is listening there); pick a free port",
+                      a.master_port));
+    }
+  } else if (!par::net::host_resolves(a.master_addr)) {
+    die(fmt::format("--master-addr '{}' does not resolve to an address; give node 0's hostname or IP", a.master_addr));
+  }
+  return Launcher(std::move(a)).run();
+}
