@@ -58,3 +58,17 @@ if(NOT LONGTRAIN_CUDA STREQUAL "OFF")
     message(STATUS "longtrain: cuDNN ${CUDNN_LIBRARY}, NCCL ${NCCL_LIBRARY}")
   endif()
 endif()
+
+# longtrain_cuda_target(TARGET): settings every target with .cu sources needs.
+# - fmt 9 turns its constexpr support off under nvcc, which breaks its C++20 consteval format strings
+#   (runtime/error.h); nvcc 13 compiles fmt's constexpr code, so it is turned back on.
+# - CMake before 3.26 does not know nvcc's C++20 flag and rejects CUDA_STANDARD 20; there the CUDA
+#   sources are compiled as C++17 (they and the runtime headers they include need nothing newer).
+function(longtrain_cuda_target target)
+  if(NOT DEFINED CMAKE_CUDA20_STANDARD_COMPILE_OPTION)
+    set_target_properties(${target} PROPERTIES CUDA_STANDARD 17)
+  endif()
+  target_compile_definitions(${target} PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:FMT_USE_CONSTEXPR=1>)
+  target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:-lineinfo>)
+  set_target_properties(${target} PROPERTIES POSITION_INDEPENDENT_CODE ON)
+endfunction()

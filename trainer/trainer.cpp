@@ -15,6 +15,7 @@
 
 #include "model/hf_export.h"
 #include "model/safetensors.h"
+#include "parallel/distributed.h"
 #include "runtime/device.h"
 #include "trainer/checkpoint.h"
 #include "trainer/metrics.h"
@@ -54,14 +55,62 @@ AdamWConfig adamw_config(const TrainConfig& c) {
   return a;
 }
 
-data::LoaderOptions loader_options(const TrainConfig& c, const std::string& split) {
+// This process's place in the job: the world from the environment (longtrain-run or Slurm), its
+// data- and sequence-parallel ranks, and the communicators. A plain `longtrain train` is rank 0 of 1.
+struct Ranks {
+  std::unique_ptr<parallel::Distributed> dist;
+  int world_size = 1, dp_rank = 0, dp_size = 1, sp_rank = 0, sp_size = 1;
+  bool main = true;  // global rank 0: writes the run directory, logs and checkpoints
+
+  parallel::Communicator* world_comm() const { return dist ? &dist->world() : nullptr; }
+  // In place Σ over every rank of the world.
+  void sum(Tensor t) const {
+    if (dist) dist->world().all_reduce(t);
+  }
+  void sum(double* values, int64_t n) const { sum(Tensor(values, DType::f64, {n})); }
+};
+
+Ranks join_world(const TrainConfig& c) {
+  Ranks r;
+  const parallel::WorldInfo w = parallel::world_from_env();
+  r.sp_size = static_cast<int>(c.parallel.sp_size);
+  if (w.world_size == 1) {
+    LT_CHECK(r.sp_size == 1,
+             "parallel.sp_size is {} but this is a single process: launch {} processes per sequence-parallel group "
+             "with `longtrain-run --nproc-per-node {} longtrain train ...`",
+             r.sp_size, r.sp_size, r.sp_size);
+    return r;
+  }
+  parallel::DistributedOptions o;
+  o.sp_size = r.sp_size;
+  o.timeout = parallel::Millis(static_cast<int64_t>(c.parallel.timeout_s * 1000));
+  r.dist = std::make_unique<parallel::Distributed>(w, parallel::options_from_env(o));
+  r.world_size = w.world_size;
+  r.main = w.rank == 0;
+  r.sp_rank = r.dist->sp().rank();
+  r.dp_rank = r.dist->dp().rank();
+  r.dp_size = r.dist->dp().size();
+  return r;
+}
+
+// The attention every layer runs: one block on a single rank, else the configured distributed
+// schedule over this rank's sequence-parallel group.
+std::unique_ptr<attn::SequenceAttention> make_attention(const TrainConfig& c, const Ranks& r) {
+  if (r.sp_size == 1) return nullptr;  // the model's default LocalSequenceAttention
+  LT_FAIL("parallel.sp_size {}: the distributed attention schedules are not wired into the trainer yet",
+          r.sp_size);
+}
+
+data::LoaderOptions loader_options(const TrainConfig& c, const std::string& split, const Ranks& r) {
   data::LoaderOptions o;
   o.shard_dir = split == "val" && !c.data.val.empty() ? c.data.val : c.data.train;
   o.split = split;
   o.seq_len = c.data.seq_len;
   o.seed = static_cast<uint64_t>(c.train.seed);
-  o.sp_rank = 0;
-  o.sp_size = static_cast<int>(c.parallel.sp_size);
+  o.dp_rank = r.dp_rank;
+  o.dp_size = r.dp_size;
+  o.sp_rank = r.sp_rank;
+  o.sp_size = r.sp_size;
   o.layout = c.parallel.layout;
   o.prefetch = split == "train" ? static_cast<int>(c.data.prefetch) : 0;
   o.vocab_size = c.model.vocab_size;
@@ -177,10 +226,18 @@ std::string human_duration(double seconds) {
   return fmt::format("{}s", s);
 }
 
+// Global rank 0 logs to the console and to run_dir/train.log; the other ranks (empty log_file) only
+// print warnings and errors, which longtrain-run prefixes with their rank.
 std::shared_ptr<spdlog::logger> make_logger(const fs::path& log_file) {
   auto console = std::make_shared<spdlog::sinks::stdout_color_sink_mt>();
-  auto file = std::make_shared<spdlog::sinks::basic_file_sink_mt>(log_file.string());
-  auto logger = std::make_shared<spdlog::logger>("longtrain", spdlog::sinks_init_list{console, file});
+  std::shared_ptr<spdlog::logger> logger;
+  if (log_file.empty()) {
+    logger = std::make_shared<spdlog::logger>("longtrain", console);
+    logger->set_level(spdlog::level::warn);
+  } else {
+    auto file = std::make_shared<spdlog::sinks::basic_file_sink_mt>(log_file.string());
+    logger = std::make_shared<spdlog::logger>("longtrain", spdlog::sinks_init_list{console, file});
+  }
   logger->set_pattern("[%H:%M:%S] %v");
   logger->flush_on(spdlog::level::info);
   return logger;
@@ -188,20 +245,20 @@ std::shared_ptr<spdlog::logger> make_logger(const fs::path& log_file) {
 
 }  // namespace
 
-EvalResult evaluate(model::LlamaModel& model, data::Loader& loader, int64_t batches, int64_t buckets) {
+EvalResult evaluate(model::LlamaModel& model, data::Loader& loader, int64_t batches, int64_t buckets,
+                    parallel::Communicator* world) {
   const int64_t total = loader.steps_per_epoch();
   const int64_t n = batches <= 0 || batches > total ? total : batches;
   LT_CHECK(n > 0, "evaluation: the validation split of {} has no complete window of {} tokens",
            loader.options().shard_dir, loader.options().seq_len + 1);
   const int64_t S = loader.options().seq_len, B = std::max<int64_t>(1, buckets);
-  EvalResult r;
-  r.bucket_loss.assign(static_cast<size_t>(B), 0.0);
-  r.bucket_tokens.assign(static_cast<size_t>(B), 0);
+  // sums[0] = Σ loss, sums[1] = tokens, then per bucket: Σ loss, tokens (f64: exact counts, one
+  // all-reduce for everything).
+  std::vector<double> sums(static_cast<size_t>(2 + 2 * B), 0.0);
   const int64_t T = loader.local_len();
   Arena losses("eval losses", model.precision().device);
   losses.add("losses", {T}, model.precision().stat);
   losses.allocate();
-  double sum = 0.0;
   for (int64_t i = 0; i < n; ++i) {
     data::Batch b = loader.next();
     model.forward(shard_of(b), losses.get("losses"));
@@ -209,16 +266,22 @@ EvalResult evaluate(model::LlamaModel& model, data::Loader& loader, int64_t batc
     for (size_t t = 0; t < per_token.size(); ++t) {
       if (b.labels[t] == model::LlamaModel::kIgnoreIndex) continue;
       const size_t bucket = static_cast<size_t>(static_cast<int64_t>(b.positions[t]) * B / S);
-      r.bucket_loss[bucket] += per_token[t];
-      r.bucket_tokens[bucket] += 1;
-      sum += per_token[t];
-      r.tokens += 1;
+      sums[0] += per_token[t];
+      sums[1] += 1;
+      sums[2 + 2 * bucket] += per_token[t];
+      sums[3 + 2 * bucket] += 1;
     }
   }
-  for (size_t b = 0; b < r.bucket_loss.size(); ++b)
-    r.bucket_loss[b] = r.bucket_tokens[b] ? r.bucket_loss[b] / static_cast<double>(r.bucket_tokens[b]) : NAN;
-  r.loss = r.tokens ? sum / static_cast<double>(r.tokens) : NAN;
+  if (world) world->all_reduce(Tensor(sums.data(), DType::f64, {static_cast<int64_t>(sums.size())}));
+  EvalResult r;
+  r.tokens = static_cast<int64_t>(sums[1]);
+  r.loss = r.tokens ? sums[0] / sums[1] : NAN;
   r.perplexity = std::exp(r.loss);
+  for (int64_t k = 0; k < B; ++k) {
+    const double cnt = sums[static_cast<size_t>(3 + 2 * k)];
+    r.bucket_loss.push_back(cnt > 0 ? sums[static_cast<size_t>(2 + 2 * k)] / cnt : NAN);
+    r.bucket_tokens.push_back(static_cast<int64_t>(cnt));
+  }
   return r;
 }
 
@@ -251,29 +314,30 @@ UnigramBaseline unigram_baseline(const data::TokenCorpus& train, const data::Tok
 
 TrainSummary train(TrainConfig c, const std::string& resume, const TrainHooks& hooks) {
   // 1. Everything that can be wrong is checked before anything is created on disk.
-  LT_CHECK(c.parallel.sp_size == 1,
-           "parallel.sp_size is {}: sequence-parallel training is launched with longtrain-run (not yet wired into "
-           "`longtrain train`); use parallel.sp_size: 1",
-           c.parallel.sp_size);
   const model::Precision precision = precision_for(c);
   LT_CHECK(!c.data.train.empty(), "{}: data.train is empty: point it at a directory made by `longtrain prepare`",
            c.source);
-  data::Loader loader(loader_options(c, "train"));
-  std::unique_ptr<data::Loader> probe_val;
-  if (c.eval.batches > 0) probe_val = std::make_unique<data::Loader>(loader_options(c, "val"));
-  probe_val.reset();
+  Ranks ranks = join_world(c);
+  data::Loader loader(loader_options(c, "train", ranks));
+  if (c.eval.batches > 0) data::Loader probe_val(loader_options(c, "val", ranks));
   std::optional<CheckpointRef> resume_from;
   if (!resume.empty()) resume_from = resolve_resume(c.checkpoint.dir, resume);
 
-  // 2. The run directory, its log and the resolved config.
-  fs::create_directories(c.logging.run_dir);
+  // 2. The run directory, its log and the resolved config: written by global rank 0 only.
   const fs::path run_dir = c.logging.run_dir;
-  auto log = make_logger(run_dir / "train.log");
+  if (ranks.main) {
+    fs::create_directories(run_dir);
+    write_file_atomically(run_dir / "config.yaml", resolved_yaml(c));
+  }
+  auto log = make_logger(ranks.main ? run_dir / "train.log" : fs::path());
   spdlog::set_default_logger(log);
-  write_file_atomically(run_dir / "config.yaml", resolved_yaml(c));
-  MetricsLog metrics(run_dir / "metrics.jsonl");
+  std::optional<MetricsLog> metrics;
+  if (ranks.main) metrics.emplace(run_dir / "metrics.jsonl");
+  auto record = [&](const json& j) {
+    if (metrics) metrics->write(j);
+  };
 
-  model::LlamaModel model(c.model, precision, c.model.checkpoint, loader.local_len());
+  model::LlamaModel model(c.model, precision, c.model.checkpoint, loader.local_len(), make_attention(c, ranks));
   model.initialize(static_cast<uint64_t>(c.train.seed), c.model.init_std);
   AdamW opt(model.params(), adamw_config(c));
   RunState rs;
@@ -283,7 +347,7 @@ TrainSummary train(TrainConfig c, const std::string& resume, const TrainHooks& h
   }
 
   const int64_t micro = c.train.batch_size * c.train.grad_accum;
-  const int64_t tokens_per_step = micro * c.data.seq_len;
+  const int64_t tokens_per_step = micro * c.data.seq_len * ranks.dp_size;  // the whole world's
   const double flops_per_token = c.model.train_flops_per_token(c.data.seq_len);
   const size_t state_bytes = model.params().bytes() + model.grads().bytes() + opt.m().bytes() + opt.v().bytes() +
                              (opt.has_master() ? opt.master().bytes() : 0) + model.activation_bytes();
@@ -292,28 +356,36 @@ TrainSummary train(TrainConfig c, const std::string& resume, const TrainHooks& h
             c.model.n_heads, c.model.n_kv_heads, c.model.vocab_size);
   log->info("  device {} {}, checkpoint policy {}, seq_len {}, {} sequences per step ({} tokens), {} steps",
             enum_name(c.train.device), enum_name(c.train.dtype), model::checkpoint_policy_name(c.model.checkpoint),
-            c.data.seq_len, micro, tokens_per_step, c.train.steps);
-  log->info("  {} training windows per epoch; model state {:.1f} MiB; run directory {}", loader.num_windows(),
-            state_bytes / 1048576.0, run_dir.string());
+            c.data.seq_len, micro * ranks.dp_size, tokens_per_step, c.train.steps);
+  log->info("  {} ranks (data parallel {} × sequence parallel {}, layout {}, attention {}); {} training windows "
+            "per epoch; model state {:.1f} MiB per rank; run directory {}",
+            ranks.world_size, ranks.dp_size, ranks.sp_size, layout_name(c.parallel.layout),
+            enum_name(c.attention.schedule), loader.num_windows(), state_bytes / 1048576.0, run_dir.string());
 
   TrainSummary summary;
   summary.run_dir = run_dir;
   summary.first_step = rs.step + 1;
   LossPlot plot;
-  const bool tty = isatty(STDOUT_FILENO);
+  const bool tty = ranks.main && isatty(STDOUT_FILENO);
   const std::string title = fmt::format("{} — training loss", run_dir.filename().string());
+  auto clear_bar = [&] {
+    if (tty) fmt::print("\r\033[K");
+  };
 
   auto run_eval = [&](int64_t step) {
-    data::Loader val(loader_options(c, "val"));
-    EvalResult e = evaluate(model, val, c.eval.batches, c.eval.position_buckets);
+    data::Loader val(loader_options(c, "val", ranks));
+    EvalResult e = evaluate(model, val, c.eval.batches, c.eval.position_buckets, ranks.world_comm());
     std::string buckets;
-    for (size_t b = 0; b < e.bucket_loss.size(); ++b) buckets += fmt::format(" {:.3f}", e.bucket_loss[b]);
+    for (double b : e.bucket_loss) buckets += fmt::format(" {:.3f}", b);
     log->info("eval step {}: val loss {:.4f}, perplexity {:.2f} over {} tokens; by position bucket:{}", step, e.loss,
               e.perplexity, e.tokens, buckets);
-    metrics.write({{"step", step}, {"val_loss", e.loss}, {"val_perplexity", e.perplexity}, {"val_tokens", e.tokens},
-                   {"val_loss_by_position", e.bucket_loss}});
+    record({{"step", step}, {"val_loss", e.loss}, {"val_perplexity", e.perplexity}, {"val_tokens", e.tokens},
+            {"val_loss_by_position", e.bucket_loss}});
     plot.add_val(step, e.loss);
     return e;
+  };
+  auto checkpoint = [&] {
+    if (ranks.main) save_checkpoint(c, model, opt, loader, rs, summary.last_checkpoint);
   };
 
   using clock = std::chrono::steady_clock;
@@ -323,19 +395,25 @@ TrainSummary train(TrainConfig c, const std::string& resume, const TrainHooks& h
   while (rs.step < c.train.steps) {
     const auto t0 = clock::now();
     const int64_t step = rs.step + 1;
-    int64_t count = 0;
+    // The loss is the mean over every valid label of the step on every rank: count them first.
+    double count = 0;
     for (auto& b : batches) {
       b = loader.next();
-      count += valid_labels(b);
+      count += static_cast<double>(valid_labels(b));
     }
-    LT_CHECK(count > 0, "step {}: no valid label in the step's {} sequences", step, micro);
+    ranks.sum(&count, 1);
+    LT_CHECK(count > 0, "step {}: no valid label in the step's {} sequences", step, micro * ranks.dp_size);
     model.zero_grads();
     double loss_sum = 0.0;
     for (auto& b : batches) {
-      loss_sum += model.forward_backward(shard_of(b), 1.0 / static_cast<double>(count)).sum;
+      loss_sum += model.forward_backward(shard_of(b), 1.0 / count).sum;
       if (hooks.after_backward) hooks.after_backward(step, model);
     }
-    const double loss = loss_sum / static_cast<double>(count);
+    // Every rank's gradient is its share of the global one (its tokens, its data): sum them. The
+    // update then runs identically on every rank, so the replicas stay bit-identical.
+    ranks.sum(model.grads().flat());
+    ranks.sum(&loss_sum, 1);
+    const double loss = loss_sum / count;
     const double norm = global_norm(model.grads());
     rs.step = step;
     rs.tokens_seen += tokens_per_step;
@@ -353,10 +431,11 @@ TrainSummary train(TrainConfig c, const std::string& resume, const TrainHooks& h
                "step {}: {} steps in a row had a non-finite loss or gradient (train.max_nonfinite_skips = {}); "
                "stopping",
                step, rs.consecutive_skips, c.train.max_nonfinite_skips);
+      clear_bar();
       log->warn("step {}: non-finite {} ({}); update skipped ({} in a row)", step,
                 std::isfinite(loss) ? "gradient norm" : "loss", std::isfinite(loss) ? norm : loss,
                 rs.consecutive_skips);
-      metrics.write({{"step", step}, {"skipped", true}});
+      record({{"step", step}, {"skipped", true}});
     } else {
       rs.consecutive_skips = 0;
       AdamW::StepInfo info = opt.step_with_norm(model.params(), model.grads(), norm);
@@ -367,16 +446,15 @@ TrainSummary train(TrainConfig c, const std::string& resume, const TrainHooks& h
       const double tok_s = static_cast<double>(tokens_per_step) / dt;
       const double eta = elapsed / static_cast<double>(steps_timed) * static_cast<double>(c.train.steps - step);
       plot.add_train(step, loss);
-      metrics.write({{"step", step}, {"loss", loss}, {"lr", info.lr}, {"grad_norm", norm},
-                     {"tokens_per_s", tok_s}, {"tflops", tok_s * flops_per_token / 1e12},
-                     {"tokens_seen", rs.tokens_seen}, {"elapsed_s", elapsed}});
+      record({{"step", step}, {"loss", loss}, {"lr", info.lr}, {"grad_norm", norm}, {"tokens_per_s", tok_s},
+              {"tflops", tok_s * flops_per_token / 1e12}, {"tokens_seen", rs.tokens_seen}, {"elapsed_s", elapsed}});
       if (step % c.logging.log_every == 0 || step == c.train.steps || step == summary.first_step) {
-        if (tty) fmt::print("\r\033[K");
+        clear_bar();
         log->info("step {:>5}/{} | loss {:.4f} | lr {:.2e} | grad norm {:.3f} | {:.0f} tok/s | {:.3f} TFLOP/s | "
                   "mem {:.0f} MiB | ETA {}",
                   step, c.train.steps, loss, info.lr, norm, tok_s, tok_s * flops_per_token / 1e12,
                   state_bytes / 1048576.0, human_duration(eta));
-        if (c.logging.plot) plot.save(run_dir / "loss.svg", title);
+        if (ranks.main && c.logging.plot) plot.save(run_dir / "loss.svg", title);
       }
       if (tty) {
         const int width = 30, filled = static_cast<int>(width * step / c.train.steps);
@@ -387,25 +465,25 @@ TrainSummary train(TrainConfig c, const std::string& resume, const TrainHooks& h
       }
     }
     if (c.eval.batches > 0 && c.eval.every > 0 && step % c.eval.every == 0 && step < c.train.steps) {
-      if (tty) fmt::print("\r\033[K");
+      clear_bar();
       run_eval(step);
     }
     if (c.checkpoint.every > 0 && step % c.checkpoint.every == 0 && step < c.train.steps) {
-      if (tty) fmt::print("\r\033[K");
-      save_checkpoint(c, model, opt, loader, rs, summary.last_checkpoint);
+      clear_bar();
+      checkpoint();
     }
   }
-  if (tty) fmt::print("\r\033[K");
+  clear_bar();
   summary.last_step = rs.step;
   if (c.eval.batches > 0) {
     summary.final_eval = run_eval(rs.step);
-    data::Loader val(loader_options(c, "val"));
+    data::Loader val(loader_options(c, "val", ranks));
     UnigramBaseline u = unigram_baseline(loader.corpus(), val.corpus());
     log->info("unigram baseline: train entropy {:.4f} nats, validation cross-entropy {:.4f} nats; model: {:.4f}",
               u.train_entropy, u.val_cross_entropy, summary.final_eval->loss);
   }
-  if (summary.first_step <= rs.step || !resume_from) save_checkpoint(c, model, opt, loader, rs, summary.last_checkpoint);
-  if (c.logging.plot) plot.save(run_dir / "loss.svg", title);
+  if (summary.first_step <= rs.step || !resume_from) checkpoint();
+  if (ranks.main && c.logging.plot) plot.save(run_dir / "loss.svg", title);
   log->info("done: {} steps, {} skipped; run directory {}", rs.step, rs.skipped_total, run_dir.string());
   return summary;
 }

@@ -19,6 +19,7 @@
 
 #include "data/loader.h"
 #include "model/llama.h"
+#include "parallel/communicator.h"
 #include "trainer/config.h"
 #include "trainer/optimizer.h"
 
@@ -33,8 +34,10 @@ struct EvalResult {
   std::vector<int64_t> bucket_tokens;
 };
 
-// Evaluates `batches` windows of `loader` (all of them when batches is 0 or exceeds the split).
-EvalResult evaluate(model::LlamaModel& model, data::Loader& loader, int64_t batches, int64_t buckets);
+// Evaluates `batches` windows of `loader` (all of them when batches is 0 or exceeds the split). With
+// several ranks, each evaluates its own share (the loader's DP/SP rank) and `world` sums the results.
+EvalResult evaluate(model::LlamaModel& model, data::Loader& loader, int64_t batches, int64_t buckets,
+                    parallel::Communicator* world = nullptr);
 
 // What a model that ignores context achieves: the entropy of the training split's token
 // frequencies, and the cross-entropy of the validation split under them (add-one smoothed), in nats

@@ -1,0 +1,37 @@
+// cuDNN fused attention through the backend API (cudnn_graph.h; no cudnn-frontend): the composite
+// SDPA graphs of docs/cudnn-sdpa.md, which cuDNN matches to its Hopper flash-attention kernels.
+// Plain views in, no Tensor checks here: attention/cuda/local_attention.cu validates and calls these.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+
+namespace longtrain::attn::cudnn_sdpa {
+
+// A bf16 [tokens, heads, dim] view with strides in elements (dim is unit-stride).
+struct View {
+  void* data = nullptr;
+  int64_t tokens = 0, heads = 0, dim = 0;
+  int64_t token_stride = 0, head_stride = 0;
+};
+
+// An f32 [tokens, heads] view (the LSE, "stats" to cuDNN).
+struct StatsView {
+  float* data = nullptr;
+  int64_t tokens = 0, heads = 0;
+  int64_t token_stride = 0, head_stride = 0;
+};
+
+// o = softmax(scale · q·kᵀ [+ causal mask]) · v and lse = natural-log LSE of the scaled scores.
+// Causal is top-left aligned: query i sees keys j <= i.
+void forward(View o, StatsView lse, View q, View k, View v, bool causal, float scale);
+
+// dq, dk, dv (bf16, overwritten) of the block, given q, k, v, d_o, the final lse and delta =
+// rowsum(dO ⊙ O_final). cuDNN's graph normally forms delta itself from O; when its engines accept
+// delta as an input (tried once per shape) that graph is used, otherwise make_o() is called for an
+// O stand-in whose rowsum(d_o ⊙ o) is delta, and the usual graph runs on it. Measured on cuDNN 9.19
+// with an H200: no engine accepts the delta-input graph, so the O stand-in is what runs there.
+void backward(View dq, View dk, View dv, View q, View k, View v, View d_o, StatsView lse, StatsView delta,
+              const std::function<View()>& make_o, bool causal, float scale);
+
+}  // namespace longtrain::attn::cudnn_sdpa

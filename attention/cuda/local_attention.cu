@@ -1,0 +1,416 @@
+// Local block attention on CUDA: cuDNN's fused SDPA (attention/cuda/cudnn_sdpa.cpp) for the block
+// forward and backward, and our own fp32 kernels for D = rowsum(dO ⊙ O), the LSE merge, and the
+// accumulation of each block's gradients into the caller's (usually f32) dq/dk/dv accumulators.
+//
+// Two things cuDNN does differently from the contract, and how they are bridged:
+// - cuDNN writes dQ/dK/dV; the contract accumulates. The block's bf16 gradients go to scratch and an
+//   fp32 kernel adds them into dq/dk/dv.
+// - cuDNN's graph forms delta = rowsum(dO ⊙ O) itself from O; the contract passes delta (from the
+//   final O of all blocks) and no O. cudnn_sdpa first tries a graph that takes delta as an input;
+//   where no engine accepts it, cuDNN gets a stand-in O' = dO · delta / |dO|² per row, whose
+//   rowsum(dO ⊙ O') is delta up to one bf16 rounding of O' (relative error ≤ 2^-9, the same as
+//   rounding O itself to bf16).
+#include <cmath>
+#include <type_traits>
+
+#include "attention/backends.h"
+#include "attention/cuda/cudnn_sdpa.h"
+#include "kernels/cuda/cuda_common.cuh"
+
+namespace longtrain::attn::cuda {
+
+using namespace longtrain::cuda_util;
+
+namespace {
+
+// ---- kernels (one warp per (token, head) row of D elements) --------------------------------------
+// Each lane handles 4 consecutive elements per step (8-byte bf16 / 16-byte f32 accesses) when every
+// pointer and stride allows it (VEC), else single elements. These kernels are pure memory traffic.
+
+constexpr int kWarpsPerBlock = 8;
+
+struct RowView {  // [tokens, heads, dim] with element strides
+  int64_t tokens, heads, dim, ts, hs;
+};
+
+__device__ __forceinline__ int64_t warp_row() {
+  return (blockIdx.x * (int64_t)blockDim.x + threadIdx.x) >> 5;
+}
+
+__device__ __forceinline__ void load4(const float* p, float (&v)[4]) {
+  const float4 x = *reinterpret_cast<const float4*>(p);
+  v[0] = x.x, v[1] = x.y, v[2] = x.z, v[3] = x.w;
+}
+__device__ __forceinline__ void load4(const __nv_bfloat16* p, float (&v)[4]) {
+  const uint2 x = *reinterpret_cast<const uint2*>(p);
+  const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&x.x));
+  const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&x.y));
+  v[0] = a.x, v[1] = a.y, v[2] = b.x, v[3] = b.y;
+}
+__device__ __forceinline__ void store4(float* p, const float (&v)[4]) {
+  *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
+}
+__device__ __forceinline__ void store4(__nv_bfloat16* p, const float (&v)[4]) {
+  __nv_bfloat162 a = __floats2bfloat162_rn(v[0], v[1]), b = __floats2bfloat162_rn(v[2], v[3]);
+  uint2 x;
+  x.x = *reinterpret_cast<uint32_t*>(&a);
+  x.y = *reinterpret_cast<uint32_t*>(&b);
+  *reinterpret_cast<uint2*>(p) = x;
+}
+
+// Lane loops over a row: `step` elements per lane per iteration.
+template <bool VEC> struct Lanes {
+  static constexpr int step = VEC ? 4 : 1;
+  __device__ static int64_t first() { return static_cast<int64_t>(threadIdx.x & 31) * step; }
+  static constexpr int64_t stride = 32 * step;
+};
+
+template <bool VEC, class T> __device__ __forceinline__ void load_n(const T* p, float (&v)[4]) {
+  if constexpr (VEC) {
+    load4(p, v);
+  } else {
+    v[0] = to_float(p[0]);
+  }
+}
+template <bool VEC, class T> __device__ __forceinline__ void store_n(T* p, const float (&v)[4]) {
+  if constexpr (VEC) {
+    store4(p, v);
+  } else {
+    p[0] = from_float<T>(v[0]);
+  }
+}
+
+// delta[t, h] = Σ_d d_o[t, h, d] · o[t, h, d]
+template <bool VEC, class O, class G>
+__global__ void delta_kernel(float* delta, int64_t delta_ts, int64_t delta_hs, const O* o, RowView ov, const G* d_o,
+                             RowView gv) {
+  using L = Lanes<VEC>;
+  const int64_t row = warp_row();
+  if (row >= ov.tokens * ov.heads) return;
+  const int64_t t = row / ov.heads, h = row - t * ov.heads;
+  const O* orow = o + t * ov.ts + h * ov.hs;
+  const G* grow = d_o + t * gv.ts + h * gv.hs;
+  float acc = 0.0f;
+  for (int64_t d = L::first(); d < ov.dim; d += L::stride) {
+    float a[4], b[4];
+    load_n<VEC>(orow + d, a);
+    load_n<VEC>(grow + d, b);
+#pragma unroll
+    for (int i = 0; i < L::step; ++i) acc += a[i] * b[i];
+  }
+  acc = warp_sum(acc);
+  if ((threadIdx.x & 31) == 0) delta[t * delta_ts + h * delta_hs] = acc;
+}
+
+// o' [t, h, :] = d_o[t, h, :] · delta[t, h] / |d_o[t, h, :]|², computed on d_o / max|d_o| so the
+// squares neither overflow nor underflow; a zero d_o row gives o' = 0 (then delta = 0 as well).
+template <bool VEC>
+__global__ void o_proxy_kernel(__nv_bfloat16* out, RowView outv, const __nv_bfloat16* d_o, RowView gv,
+                               const float* delta, int64_t delta_ts, int64_t delta_hs) {
+  using L = Lanes<VEC>;
+  const int64_t row = warp_row();
+  if (row >= gv.tokens * gv.heads) return;
+  const int64_t t = row / gv.heads, h = row - t * gv.heads;
+  const __nv_bfloat16* g = d_o + t * gv.ts + h * gv.hs;
+  float amax = 0.0f;
+  for (int64_t d = L::first(); d < gv.dim; d += L::stride) {
+    float a[4];
+    load_n<VEC>(g + d, a);
+#pragma unroll
+    for (int i = 0; i < L::step; ++i) amax = fmaxf(amax, fabsf(a[i]));
+  }
+  amax = warp_max(amax);
+  const float inv = amax > 0.0f ? 1.0f / amax : 0.0f;
+  float sq = 0.0f;
+  for (int64_t d = L::first(); d < gv.dim; d += L::stride) {
+    float a[4];
+    load_n<VEC>(g + d, a);
+#pragma unroll
+    for (int i = 0; i < L::step; ++i) sq += (a[i] * inv) * (a[i] * inv);
+  }
+  sq = warp_sum(sq);
+  const float c = amax > 0.0f ? delta[t * delta_ts + h * delta_hs] / (amax * sq) : 0.0f;
+  __nv_bfloat16* o = out + t * outv.ts + h * outv.hs;
+  for (int64_t d = L::first(); d < gv.dim; d += L::stride) {
+    float a[4];
+    load_n<VEC>(g + d, a);
+#pragma unroll
+    for (int i = 0; i < L::step; ++i) a[i] = a[i] * inv * c;
+    store_n<VEC>(o + d, a);
+  }
+}
+
+// dst [t, h, :] (+)= src [t, h, :]
+template <bool VEC, class Dst, class Src>
+__global__ void add_rows_kernel(Dst* dst, RowView dv, const Src* src, RowView sv, bool accumulate) {
+  using L = Lanes<VEC>;
+  const int64_t row = warp_row();
+  if (row >= dv.tokens * dv.heads) return;
+  const int64_t t = row / dv.heads, h = row - t * dv.heads;
+  Dst* drow = dst + t * dv.ts + h * dv.hs;
+  const Src* srow = src + t * sv.ts + h * sv.hs;
+  for (int64_t d = L::first(); d < dv.dim; d += L::stride) {
+    float a[4], b[4];
+    load_n<VEC>(srow + d, b);
+    if (accumulate) {
+      load_n<VEC>(drow + d, a);
+#pragma unroll
+      for (int i = 0; i < L::step; ++i) b[i] += a[i];
+    }
+    store_n<VEC>(drow + d, b);
+  }
+}
+
+// (o_acc, lse_acc) <- merge((o_acc, lse_acc), (o_blk, lse_blk)); lse = -inf marks an empty side.
+template <bool VEC, class A, class B>
+__global__ void lse_merge_kernel(A* o_acc, RowView av, float* lse_acc, int64_t la_ts, int64_t la_hs, const B* o_blk,
+                                 RowView bv, const float* lse_blk, int64_t lb_ts, int64_t lb_hs) {
+  using L = Lanes<VEC>;
+  const int64_t row = warp_row();
+  if (row >= av.tokens * av.heads) return;
+  const int64_t t = row / av.heads, h = row - t * av.heads;
+  const float l1 = lse_acc[t * la_ts + h * la_hs], l2 = lse_blk[t * lb_ts + h * lb_hs];
+  if (l2 == -INFINITY) return;  // nothing to merge in
+  float w1, w2, l;
+  if (l1 == -INFINITY) {        // empty accumulator: take the block (its old O is ignored, even if NaN)
+    w1 = 0.0f;
+    w2 = 1.0f;
+    l = l2;
+  } else {
+    const float m = fmaxf(l1, l2);
+    l = m + log1pf(expf(-fabsf(l1 - l2)));
+    w1 = expf(l1 - l);
+    w2 = expf(l2 - l);
+  }
+  A* a = o_acc + t * av.ts + h * av.hs;
+  const B* b = o_blk + t * bv.ts + h * bv.hs;
+  for (int64_t d = L::first(); d < av.dim; d += L::stride) {
+    float x[4], y[4];
+    load_n<VEC>(a + d, x);
+    load_n<VEC>(b + d, y);
+#pragma unroll
+    for (int i = 0; i < L::step; ++i) x[i] = (w1 == 0.0f ? 0.0f : w1 * x[i]) + w2 * y[i];
+    store_n<VEC>(a + d, x);
+  }
+  __syncwarp();
+  if ((threadIdx.x & 31) == 0) lse_acc[t * la_ts + h * la_hs] = l;
+}
+
+// A block with no keys: o = 0, lse = -inf.
+template <class O>
+__global__ void empty_block_kernel(O* o, RowView ov, float* lse, int64_t l_ts, int64_t l_hs) {
+  const int64_t row = warp_row();
+  if (row >= ov.tokens * ov.heads) return;
+  const int64_t t = row / ov.heads, h = row - t * ov.heads;
+  O* orow = o + t * ov.ts + h * ov.hs;
+  for (int64_t d = threadIdx.x & 31; d < ov.dim; d += 32) orow[d] = from_float<O>(0.0f);
+  if ((threadIdx.x & 31) == 0) lse[t * l_ts + h * l_hs] = -INFINITY;
+}
+
+// ---- host helpers ---------------------------------------------------------------------------------
+
+RowView row_view(const Tensor& t) { return {t.shape[0], t.shape[1], t.shape[2], t.stride[0], t.stride[1]}; }
+RowView contiguous_rows(int64_t tokens, int64_t heads, int64_t dim) {
+  return {tokens, heads, dim, heads * dim, dim};
+}
+
+// 4-element accesses need D, both row strides and the base address aligned to 4 elements.
+bool vectorizable(const void* p, RowView r, size_t elem) {
+  return r.dim % 4 == 0 && r.ts % 4 == 0 && r.hs % 4 == 0 && reinterpret_cast<uintptr_t>(p) % (4 * elem) == 0;
+}
+
+// Calls f(std::true_type) or f(std::false_type).
+template <class F> void with_vec(bool vec, F&& f) {
+  if (vec)
+    f(std::true_type{});
+  else
+    f(std::false_type{});
+}
+
+unsigned row_blocks(int64_t rows) {
+  return static_cast<unsigned>((rows + kWarpsPerBlock - 1) / kWarpsPerBlock);
+}
+
+cudnn_sdpa::View sdpa_view(const Tensor& t) {
+  return {t.data, t.shape[0], t.shape[1], t.shape[2], t.stride[0], t.stride[1]};
+}
+cudnn_sdpa::View sdpa_view(void* data, RowView r) { return {data, r.tokens, r.heads, r.dim, r.ts, r.hs}; }
+cudnn_sdpa::StatsView stats_view(const Tensor& t) {
+  return {static_cast<float*>(t.data), t.shape[0], t.shape[1], t.stride[0], t.stride[1]};
+}
+
+void check_qkv(const char* op, const Tensor& q, const Tensor& k, const Tensor& v) {
+  check_tensor(q, 3, op, "q");
+  check_tensor(k, 3, op, "k");
+  check_tensor(v, 3, op, "v");
+  check_dtype(q, DType::bf16, op, "q");
+  check_dtype(k, DType::bf16, op, "k");
+  check_dtype(v, DType::bf16, op, "v");
+  check_same_shape(k, v, op);
+  const int64_t hq = q.size(1), hkv = k.size(1), d = q.size(2);
+  LT_CHECK(k.size(2) == d, "{}: k {} must have q's head dim {}", op, k.describe(), d);
+  LT_CHECK(hkv > 0 && hq % hkv == 0, "{}: q heads {} must be a multiple of k/v heads {} (GQA)", op, hq, hkv);
+  LT_CHECK(d % 8 == 0 && d <= 256, "{}: head dim {} must be a multiple of 8 and at most 256 for cuDNN attention", op,
+           d);
+}
+
+void check_rows(const char* op, const Tensor& t, const char* name, const Tensor& like) {
+  check_tensor(t, 3, op, name);
+  check_float(t, op, name);
+  LT_CHECK(t.size(0) == like.size(0) && t.size(1) == like.size(1) && t.size(2) == like.size(2),
+           "{}: {} {} must have the shape of {}", op, name, t.describe(), like.describe());
+}
+
+void check_stats(const char* op, const Tensor& s, const char* name, int64_t tokens, int64_t heads) {
+  check_tensor(s, 2, op, name);
+  check_dtype(s, DType::f32, op, name);
+  LT_CHECK(s.size(0) == tokens && s.size(1) == heads, "{}: {} {} must be [{}, {}]", op, name, s.describe(), tokens,
+           heads);
+}
+
+template <class F> void dispatch2(DType a, DType b, const char* op, F&& f) {
+  dispatch_float(a, op, [&](auto ta) { dispatch_float(b, op, [&](auto tb) { f(ta, tb); }); });
+}
+
+}  // namespace
+
+void attention_block_forward(Tensor o, Tensor lse, Tensor q, Tensor k, Tensor v, BlockMask mask, double scale) {
+  const char* op = "attention_block_forward";
+  check_qkv(op, q, k, v);
+  check_rows(op, o, "o", q);
+  const int64_t tq = q.size(0), tk = k.size(0), hq = q.size(1);
+  check_stats(op, lse, "lse", tq, hq);
+  const bool causal = mask == BlockMask::causal_diagonal;
+  LT_CHECK(!causal || tq == tk, "{}: a causal_diagonal block needs as many queries as keys, got {} and {}", op, tq, tk);
+  if (tq == 0) return;
+  if (tk == 0) {
+    dispatch_float(o.dtype, op, [&](auto tag) {
+      using O = typename decltype(tag)::type;
+      empty_block_kernel<O><<<row_blocks(tq * hq), 32 * kWarpsPerBlock, 0, cuda_stream()>>>(
+          static_cast<O*>(o.data), row_view(o), static_cast<float*>(lse.data), lse.stride[0], lse.stride[1]);
+    });
+    LT_CUDA_LAUNCH_CHECK("empty_block_kernel");
+    return;
+  }
+  if (o.dtype == DType::bf16) {
+    cudnn_sdpa::forward(sdpa_view(o), stats_view(lse), sdpa_view(q), sdpa_view(k), sdpa_view(v), causal,
+                        static_cast<float>(scale));
+    return;
+  }
+  // f32 O: cuDNN writes bf16, widened into the caller's tensor.
+  const RowView tmp = contiguous_rows(tq, hq, q.size(2));
+  void* o16 = scratch(Scratch::attn_fwd_out, static_cast<size_t>(tq * hq * q.size(2)) * sizeof(__nv_bfloat16));
+  cudnn_sdpa::forward(sdpa_view(o16, tmp), stats_view(lse), sdpa_view(q), sdpa_view(k), sdpa_view(v), causal,
+                      static_cast<float>(scale));
+  const bool vec = vectorizable(o.data, row_view(o), sizeof(float)) && vectorizable(o16, tmp, 2);
+  with_vec(vec, [&](auto v) {
+    add_rows_kernel<decltype(v)::value, float, __nv_bfloat16><<<row_blocks(tq * hq), 32 * kWarpsPerBlock, 0,
+                                                                cuda_stream()>>>(
+        static_cast<float*>(o.data), row_view(o), static_cast<const __nv_bfloat16*>(o16), tmp, false);
+  });
+  LT_CUDA_LAUNCH_CHECK("add_rows_kernel");
+}
+
+void attention_delta(Tensor delta, Tensor o, Tensor d_o) {
+  const char* op = "attention_delta";
+  check_tensor(o, 3, op, "o");
+  check_float(o, op, "o");
+  check_rows(op, d_o, "d_o", o);
+  check_stats(op, delta, "delta", o.size(0), o.size(1));
+  const int64_t rows = o.size(0) * o.size(1);
+  if (rows == 0) return;
+  dispatch2(o.dtype, d_o.dtype, op, [&](auto ot, auto gt) {
+    using O = typename decltype(ot)::type;
+    using G = typename decltype(gt)::type;
+    const bool vec = vectorizable(o.data, row_view(o), sizeof(O)) && vectorizable(d_o.data, row_view(d_o), sizeof(G));
+    with_vec(vec, [&](auto v) {
+      delta_kernel<decltype(v)::value, O, G><<<row_blocks(rows), 32 * kWarpsPerBlock, 0, cuda_stream()>>>(
+          static_cast<float*>(delta.data), delta.stride[0], delta.stride[1], static_cast<const O*>(o.data),
+          row_view(o), static_cast<const G*>(d_o.data), row_view(d_o));
+    });
+  });
+  LT_CUDA_LAUNCH_CHECK("delta_kernel");
+}
+
+void attention_block_backward(Tensor dq, Tensor dk, Tensor dv, Tensor q, Tensor k, Tensor v, Tensor d_o, Tensor lse,
+                              Tensor delta, BlockMask mask, double scale) {
+  const char* op = "attention_block_backward";
+  check_qkv(op, q, k, v);
+  check_rows(op, dq, "dq", q);
+  check_rows(op, dk, "dk", k);
+  check_rows(op, dv, "dv", v);
+  check_tensor(d_o, 3, op, "d_o");
+  check_dtype(d_o, DType::bf16, op, "d_o");
+  check_same_shape(d_o, q, op);
+  const int64_t tq = q.size(0), tk = k.size(0), hq = q.size(1), hkv = k.size(1), d = q.size(2);
+  check_stats(op, lse, "lse", tq, hq);
+  check_stats(op, delta, "delta", tq, hq);
+  const bool causal = mask == BlockMask::causal_diagonal;
+  LT_CHECK(!causal || tq == tk, "{}: a causal_diagonal block needs as many queries as keys, got {} and {}", op, tq, tk);
+  if (tq == 0 || tk == 0) return;  // no query-key pairs: every gradient contribution is zero
+
+  const RowView qrows = contiguous_rows(tq, hq, d), krows = contiguous_rows(tk, hkv, d);
+  const size_t qbytes = static_cast<size_t>(tq * hq * d) * sizeof(__nv_bfloat16);
+  const size_t kbytes = static_cast<size_t>(tk * hkv * d) * sizeof(__nv_bfloat16);
+  void* dq16 = scratch(Scratch::attn_dq, qbytes);
+  void* dk16 = scratch(Scratch::attn_dk, kbytes);
+  void* dv16 = scratch(Scratch::attn_dv, kbytes);
+
+  // Only called when cuDNN cannot take delta directly: the O stand-in, in scratch.
+  auto make_o = [&]() {
+    void* o_proxy = scratch(Scratch::attn_o_proxy, qbytes);
+    const bool vec = vectorizable(d_o.data, row_view(d_o), 2);
+    with_vec(vec, [&](auto v) {
+      o_proxy_kernel<decltype(v)::value><<<row_blocks(tq * hq), 32 * kWarpsPerBlock, 0, cuda_stream()>>>(
+          static_cast<__nv_bfloat16*>(o_proxy), qrows, static_cast<const __nv_bfloat16*>(d_o.data), row_view(d_o),
+          static_cast<const float*>(delta.data), delta.stride[0], delta.stride[1]);
+    });
+    LT_CUDA_LAUNCH_CHECK("o_proxy_kernel");
+    return sdpa_view(o_proxy, qrows);
+  };
+  cudnn_sdpa::backward(sdpa_view(dq16, qrows), sdpa_view(dk16, krows), sdpa_view(dv16, krows), sdpa_view(q),
+                       sdpa_view(k), sdpa_view(v), sdpa_view(d_o), stats_view(lse), stats_view(delta), make_o, causal,
+                       static_cast<float>(scale));
+
+  auto accumulate = [&](Tensor& dst, const void* src, RowView srows, const char* name) {
+    dispatch_float(dst.dtype, op, [&](auto tag) {
+      using Dst = typename decltype(tag)::type;
+      const bool vec = vectorizable(dst.data, row_view(dst), sizeof(Dst)) && vectorizable(src, srows, 2);
+      with_vec(vec, [&](auto v) {
+        add_rows_kernel<decltype(v)::value, Dst, __nv_bfloat16><<<row_blocks(srows.tokens * srows.heads),
+                                                                  32 * kWarpsPerBlock, 0, cuda_stream()>>>(
+            static_cast<Dst*>(dst.data), row_view(dst), static_cast<const __nv_bfloat16*>(src), srows, true);
+      });
+    });
+    LT_CUDA_LAUNCH_CHECK(name);
+  };
+  accumulate(dq, dq16, qrows, "add_rows_kernel (dq)");
+  accumulate(dk, dk16, krows, "add_rows_kernel (dk)");
+  accumulate(dv, dv16, krows, "add_rows_kernel (dv)");
+}
+
+void lse_merge(Tensor o_acc, Tensor lse_acc, Tensor o_blk, Tensor lse_blk) {
+  const char* op = "lse_merge";
+  check_tensor(o_acc, 3, op, "o_acc");
+  check_float(o_acc, op, "o_acc");
+  check_rows(op, o_blk, "o_blk", o_acc);
+  const int64_t tq = o_acc.size(0), h = o_acc.size(1);
+  check_stats(op, lse_acc, "lse_acc", tq, h);
+  check_stats(op, lse_blk, "lse_blk", tq, h);
+  if (tq * h == 0) return;
+  dispatch2(o_acc.dtype, o_blk.dtype, op, [&](auto at, auto bt) {
+    using A = typename decltype(at)::type;
+    using B = typename decltype(bt)::type;
+    const bool vec =
+        vectorizable(o_acc.data, row_view(o_acc), sizeof(A)) && vectorizable(o_blk.data, row_view(o_blk), sizeof(B));
+    with_vec(vec, [&](auto v) {
+      lse_merge_kernel<decltype(v)::value, A, B><<<row_blocks(tq * h), 32 * kWarpsPerBlock, 0, cuda_stream()>>>(
+          static_cast<A*>(o_acc.data), row_view(o_acc), static_cast<float*>(lse_acc.data), lse_acc.stride[0],
+          lse_acc.stride[1], static_cast<const B*>(o_blk.data), row_view(o_blk),
+          static_cast<const float*>(lse_blk.data), lse_blk.stride[0], lse_blk.stride[1]);
+    });
+  });
+  LT_CUDA_LAUNCH_CHECK("lse_merge_kernel");
+}
+
+}  // namespace longtrain::attn::cuda

@@ -1,0 +1,72 @@
+// Device-side helpers shared by the CUDA ops (kernels/cuda/*.cu) and the CUDA attention kernels:
+// the float/bf16 dispatch, conversions and block reductions. Host-side helpers are in cuda_host.h.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include "kernels/cuda/cuda_host.h"
+
+namespace longtrain::cuda_util {
+
+// ---- dtype dispatch ---------------------------------------------------------------------------
+
+template <class T> struct TypeTag {
+  using type = T;
+};
+
+// Calls f(TypeTag<float>) or f(TypeTag<__nv_bfloat16>) by dtype.
+template <class F> void dispatch_float(DType dtype, const char* op, F&& f) {
+  switch (dtype) {
+    case DType::f32: f(TypeTag<float>{}); return;
+    case DType::bf16: f(TypeTag<__nv_bfloat16>{}); return;
+    default: LT_FAIL("{}: dtype {} is not supported on CUDA (bf16 or f32)", op, dtype_name(dtype));
+  }
+}
+
+// ---- device-side helpers ----------------------------------------------------------------------
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <class T> __device__ __forceinline__ T from_float(float x);
+template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// Sum over the block (blockDim.x a multiple of 32, at most 1024); every thread gets the result.
+// The summation order is fixed, so results are bitwise reproducible. `scratch` holds 32 floats.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  v = warp_sum(v);
+  __syncthreads();  // scratch may still be read by a previous call
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  v = lane < nwarps ? scratch[lane] : 0.0f;
+  return warp_sum(v);
+}
+
+__device__ __forceinline__ float block_max(float v, float* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  v = warp_max(v);
+  __syncthreads();
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  v = lane < nwarps ? scratch[lane] : -INFINITY;
+  return warp_max(v);
+}
+
+}  // namespace longtrain::cuda_util

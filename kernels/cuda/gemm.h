@@ -1,0 +1,19 @@
+// The one GEMM entry point of the CUDA ops (cuBLASLt; kernels/cuda/linear.cu), shared by linear and
+// the fused LM head + cross-entropy.
+#pragma once
+
+#include <cstdint>
+
+#include "runtime/dtype.h"
+
+namespace longtrain::cuda_util {
+
+// Column-major D[m, n] = alpha · op(A)[m, k] · op(B)[k, n] + beta · D, on cuda_stream().
+// A is stored k×m when trans_a (else m×k) with leading dimension lda; B likewise; D is m×n, ldd.
+// A and B have dtype `ab` (bf16 or f32), D has dtype `d` (bf16 or f32; f32 with bf16 inputs is the
+// weight-gradient case). Accumulation is fp32 (no TF32). Matmul descriptors, layouts and the
+// heuristic's algorithm are cached per shape, leading dimensions, dtypes and pointer alignment.
+void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const void* A, int64_t lda, const void* B,
+          int64_t ldb, void* D, int64_t ldd, DType ab, DType d, float alpha, float beta);
+
+}  // namespace longtrain::cuda_util

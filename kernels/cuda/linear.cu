@@ -1,0 +1,193 @@
+// Linear layers (no bias) on cuBLASLt: bf16 (or f32) inputs, fp32 accumulation, the weight gradient
+// accumulated in place with beta = 1. Row-major [T, K] tensors are column-major K×T matrices to
+// cuBLAS, so every product below is written in its column-major form.
+#include <cublasLt.h>
+
+#include <map>
+#include <mutex>
+#include <tuple>
+
+#include "kernels/backends.h"
+#include "kernels/cuda/cuda_common.cuh"
+#include "kernels/cuda/gemm.h"
+
+#define LT_CUBLAS_CHECK(expr)                                                                         \
+  do {                                                                                                \
+    cublasStatus_t st_ = (expr);                                                                      \
+    LT_CHECK(st_ == CUBLAS_STATUS_SUCCESS, "{} failed: {} ({})", #expr, cublasLtGetStatusName(st_),   \
+             cublasLtGetStatusString(st_));                                                           \
+  } while (0)
+
+namespace longtrain::cuda_util {
+
+namespace {
+
+constexpr size_t kWorkspaceBytes = 32u << 20;  // what llm.c and PyTorch give cuBLASLt on Hopper
+
+cudaDataType_t cuda_type(DType t) {
+  switch (t) {
+    case DType::f32: return CUDA_R_32F;
+    case DType::bf16: return CUDA_R_16BF;
+    default: LT_FAIL("gemm: dtype {} is not supported (bf16 or f32)", dtype_name(t));
+  }
+}
+
+// Largest power of two <= 256 dividing both the address and the leading dimension in bytes.
+uint32_t alignment(const void* p, int64_t ld, DType t) {
+  uint64_t v = reinterpret_cast<uint64_t>(p) | static_cast<uint64_t>(ld * dtype_size(t));
+  uint32_t a = 256;
+  while (a > 1 && (v % a) != 0) a >>= 1;
+  return a;
+}
+
+using GemmKey = std::tuple<bool, bool, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, int, uint32_t,
+                           uint32_t, uint32_t, bool>;
+
+struct GemmPlan {
+  cublasLtMatmulDesc_t desc = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
+  cublasLtMatmulAlgo_t algo{};
+};
+
+struct Gemms {
+  std::mutex mutex;
+  cublasLtHandle_t handle = nullptr;
+  void* workspace = nullptr;
+  // Plans live as long as the process: descriptors are tiny, and destroying them at exit would race
+  // the CUDA runtime's own teardown.
+  std::map<GemmKey, GemmPlan> plans;
+};
+
+Gemms& gemms() {
+  static Gemms* g = [] {
+    auto* s = new Gemms;
+    LT_CUBLAS_CHECK(cublasLtCreate(&s->handle));
+    s->workspace = scratch(Scratch::cublas_workspace, kWorkspaceBytes);
+    return s;
+  }();
+  return *g;
+}
+
+GemmPlan make_plan(cublasLtHandle_t handle, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
+                   int64_t lda, int64_t ldb, int64_t ldd, DType ab, DType d, uint32_t align_a, uint32_t align_b,
+                   uint32_t align_d, bool accumulate) {
+  GemmPlan p;
+  LT_CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  cublasOperation_t ta = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, tb = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+  LT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)));
+  LT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)));
+  // Stored shapes: A is k×m when transposed, else m×k; B is n×k when transposed, else k×n.
+  LT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.a, cuda_type(ab), trans_a ? k : m, trans_a ? m : k, lda));
+  LT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.b, cuda_type(ab), trans_b ? n : k, trans_b ? k : n, ldb));
+  LT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.d, cuda_type(d), m, n, ldd));
+
+  cublasLtMatmulPreference_t pref = nullptr;
+  LT_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+  uint64_t ws = kWorkspaceBytes;
+  LT_CUBLAS_CHECK(
+      cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
+  LT_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_a,
+                                                       sizeof(align_a)));
+  LT_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b,
+                                                       sizeof(align_b)));
+  LT_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_d,
+                                                       sizeof(align_d)));
+  LT_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_d,
+                                                       sizeof(align_d)));
+  cublasLtMatmulHeuristicResult_t result{};
+  int found = 0;
+  cublasStatus_t st =
+      cublasLtMatmulAlgoGetHeuristic(handle, p.desc, p.a, p.b, p.d, p.d, pref, 1, &result, &found);
+  cublasLtMatmulPreferenceDestroy(pref);
+  LT_CHECK(st == CUBLAS_STATUS_SUCCESS && found > 0,
+           "cuBLASLt has no algorithm for m={} n={} k={} (lda={} ldb={} ldd={}, {} inputs, {} output, "
+           "transa={} transb={}, alignments {}/{}/{} bytes, accumulate={}): {}",
+           m, n, k, lda, ldb, ldd, dtype_name(ab), dtype_name(d), trans_a, trans_b, align_a, align_b, align_d,
+           accumulate, cublasLtGetStatusString(st));
+  p.algo = result.algo;
+  return p;
+}
+
+}  // namespace
+
+void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const void* A, int64_t lda, const void* B,
+          int64_t ldb, void* D, int64_t ldd, DType ab, DType d, float alpha, float beta) {
+  if (m == 0 || n == 0) return;
+  if (k == 0) {  // an empty sum: D = beta · D; only beta 0 (overwrite) and 1 (accumulate) occur here
+    LT_CHECK(beta == 1.0f || beta == 0.0f, "gemm: k = 0 with beta {}", beta);
+    if (beta == 0.0f) LT_CUDA_CHECK(cudaMemset2DAsync(D, ldd * dtype_size(d), 0, m * dtype_size(d), n, cuda_stream()));
+    return;
+  }
+  Gemms& g = gemms();
+  const uint32_t align_a = alignment(A, lda, ab), align_b = alignment(B, ldb, ab), align_d = alignment(D, ldd, d);
+  const bool accumulate = beta != 0.0f;
+  GemmKey key{trans_a, trans_b, m, n, k, lda, ldb, ldd, static_cast<int>(ab), static_cast<int>(d),
+              align_a, align_b, align_d, accumulate};
+  const GemmPlan* plan;
+  {
+    std::lock_guard<std::mutex> lock(g.mutex);
+    auto it = g.plans.find(key);
+    if (it == g.plans.end())
+      it = g.plans.emplace(key, make_plan(g.handle, trans_a, trans_b, m, n, k, lda, ldb, ldd, ab, d, align_a, align_b,
+                                          align_d, accumulate)).first;
+    plan = &it->second;
+  }
+  LT_CUBLAS_CHECK(cublasLtMatmul(g.handle, plan->desc, &alpha, A, plan->a, B, plan->b, &beta, D, plan->d, D, plan->d,
+                                 &plan->algo, g.workspace, kWorkspaceBytes, cuda_stream()));
+}
+
+}  // namespace longtrain::cuda_util
+
+namespace longtrain::ops::cuda {
+
+using namespace longtrain::cuda_util;
+
+namespace {
+
+void check_linear(const char* op, const Tensor& x, const char* xn, const Tensor& w) {
+  check_tensor(x, 2, op, xn);
+  check_tensor(w, 2, op, "w");
+  check_float(w, op, "w");
+  LT_CHECK(x.dtype == w.dtype, "{}: {} {} and w {} must have the same dtype", op, xn, x.describe(), w.describe());
+}
+
+}  // namespace
+
+// y [T, N] = x [T, K] · w [N, K]ᵀ   ⇔   column-major yᵀ (N×T) = w (stored K×N, transposed) · xᵀ (K×T)
+void linear_forward(Tensor y, Tensor x, Tensor w) {
+  const char* op = "linear_forward";
+  check_linear(op, x, "x", w);
+  check_tensor(y, 2, op, "y");
+  LT_CHECK(y.dtype == x.dtype, "{}: y {} must have x's dtype {}", op, y.describe(), dtype_name(x.dtype));
+  const int64_t T = x.size(0), K = x.size(1), N = w.size(0);
+  LT_CHECK(w.size(1) == K, "{}: w {} must be [N, {}] for x {}", op, w.describe(), K, x.describe());
+  LT_CHECK(y.size(0) == T && y.size(1) == N, "{}: y {} must be [{}, {}]", op, y.describe(), T, N);
+  gemm(true, false, N, T, K, w.data, w.stride[0], x.data, x.stride[0], y.data, y.stride[0], x.dtype, y.dtype, 1.0f,
+       0.0f);
+}
+
+// dx [T, K] = dy [T, N] · w [N, K]      ⇔  dxᵀ (K×T) = w (stored K×N) · dyᵀ (N×T)
+// dw [N, K] += dyᵀ · x                 ⇔  dwᵀ (K×N) += xᵀ (K×T) · dy (stored N×T, transposed)
+void linear_backward(Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w) {
+  const char* op = "linear_backward";
+  check_linear(op, x, "x", w);
+  check_tensor(dy, 2, op, "dy");
+  check_tensor(dw, 2, op, "dw");
+  check_float(dw, op, "dw");
+  LT_CHECK(dy.dtype == x.dtype, "{}: dy {} must have x's dtype {}", op, dy.describe(), dtype_name(x.dtype));
+  const int64_t T = x.size(0), K = x.size(1), N = w.size(0);
+  LT_CHECK(w.size(1) == K, "{}: w {} must be [N, {}] for x {}", op, w.describe(), K, x.describe());
+  LT_CHECK(dy.size(0) == T && dy.size(1) == N, "{}: dy {} must be [{}, {}]", op, dy.describe(), T, N);
+  check_same_shape(dw, w, op);
+  if (!dx.empty()) {
+    check_tensor(dx, 2, op, "dx");
+    check_same_shape(dx, x, op);
+    LT_CHECK(dx.dtype == x.dtype, "{}: dx {} must have x's dtype {}", op, dx.describe(), dtype_name(x.dtype));
+    gemm(false, false, K, T, N, w.data, w.stride[0], dy.data, dy.stride[0], dx.data, dx.stride[0], x.dtype, dx.dtype,
+         1.0f, 0.0f);
+  }
+  gemm(false, true, K, N, T, x.data, x.stride[0], dy.data, dy.stride[0], dw.data, dw.stride[0], x.dtype, dw.dtype,
+       1.0f, 1.0f);
+}
+
+}  // namespace longtrain::ops::cuda

@@ -1,0 +1,71 @@
+// Rotary position embedding on CUDA, in place on a strided [T, H, D] view (rotate-half convention).
+// The angle pos · theta^(-2i/D) is formed and reduced in double precision: at positions of 10^5 to
+// 10^6 an fp32 angle is off by tenths of a radian, which would make long-context RoPE wrong.
+// One thread owns one (token, i) pair and rotates it in every head, so each sin/cos is computed once.
+#include <cmath>
+
+#include "kernels/backends.h"
+#include "kernels/cuda/cuda_common.cuh"
+
+namespace longtrain::ops::cuda {
+
+using namespace longtrain::cuda_util;
+
+namespace {
+
+// sign = +1: forward rotation by +angle; sign = -1: the transpose (rotation by -angle).
+template <class T>
+__global__ void rope_kernel(T* x, int64_t t_stride, int64_t h_stride, const int32_t* positions, int64_t pos_stride,
+                            int64_t n_tokens, int64_t n_heads, int half, double log_theta, float sign) {
+  const int64_t t = blockIdx.x * (int64_t)blockDim.y + threadIdx.y;
+  if (t >= n_tokens) return;
+  const double pos = static_cast<double>(positions[t * pos_stride]);
+  for (int i = threadIdx.x; i < half; i += blockDim.x) {
+    const double inv_freq = exp(-log_theta * (2.0 * i) / (2.0 * half));  // theta^(-2i/D)
+    double s, c;
+    sincos(pos * inv_freq, &s, &c);
+    const float cf = static_cast<float>(c), sf = sign * static_cast<float>(s);
+    T* base = x + t * t_stride + i;
+    for (int64_t h = 0; h < n_heads; ++h) {
+      T* p = base + h * h_stride;
+      const float a = to_float(p[0]), b = to_float(p[half]);
+      p[0] = from_float<T>(a * cf - b * sf);
+      p[half] = from_float<T>(b * cf + a * sf);
+    }
+  }
+}
+
+void rope(const char* op, Tensor x, Tensor positions, const RopeParams& p, float sign) {
+  check_tensor(x, 3, op, "x");
+  check_float(x, op, "x");
+  LT_CHECK(positions.device == Device::cuda && positions.ndim == 1, "{}: positions must be a 1-d CUDA tensor, got {}",
+           op, positions.describe());
+  check_dtype(positions, DType::i32, op, "positions");
+  const int64_t T = x.size(0), H = x.size(1), D = x.size(2);
+  LT_CHECK(positions.size(0) == T, "{}: positions {} must have one entry per token of x {}", op,
+           positions.describe(), x.describe());
+  LT_CHECK(D % 2 == 0, "{}: head dim {} must be even", op, D);
+  LT_CHECK(p.theta > 0.0, "{}: rope theta must be positive, got {}", op, p.theta);
+  if (T == 0) return;
+  const int half = static_cast<int>(D / 2);
+  const int tx = half >= 128 ? 128 : (half >= 64 ? 64 : 32);
+  const dim3 block(tx, 256 / tx);
+  const unsigned grid = static_cast<unsigned>((T + block.y - 1) / block.y);
+  dispatch_float(x.dtype, op, [&](auto tag) {
+    using T_ = typename decltype(tag)::type;
+    rope_kernel<T_><<<grid, block, 0, cuda_stream()>>>(static_cast<T_*>(x.data), x.stride[0], x.stride[1],
+                                                       static_cast<const int32_t*>(positions.data), positions.stride[0],
+                                                       T, H, half, std::log(p.theta), sign);
+  });
+  LT_CUDA_LAUNCH_CHECK("rope_kernel");
+}
+
+}  // namespace
+
+void rope_forward(Tensor x, Tensor positions, const RopeParams& p) { rope("rope_forward", x, positions, p, 1.0f); }
+
+void rope_backward(Tensor dx, Tensor positions, const RopeParams& p) {
+  rope("rope_backward", dx, positions, p, -1.0f);
+}
+
+}  // namespace longtrain::ops::cuda

@@ -1,0 +1,255 @@
+// CUDA local block attention (cuDNN fused SDPA + our fp32 kernels) against the CPU reference
+// (attention/cpu) on the same bf16-rounded inputs: forward O and LSE, and the backward's dQ/dK/dV
+// increments (the accumulators start from random values, so "+=" is checked). Causal-diagonal and
+// unmasked blocks, MHA and GQA, odd lengths, Q/K/V as strided views of one fused QKV buffer, and an
+// f32 O. Then the properties the distributed schedules rely on: blocks merged with lse_merge equal
+// the whole (forward and backward), and results do not change between runs. Skips without a GPU.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "attention/local_attention.h"
+#include "gpu_test_util.h"
+
+namespace longtrain::test {
+namespace {
+
+using attn::BlockMask;
+
+// A [T, heads, D] view of columns [col0, col0 + heads·D) of a [T, W] buffer.
+Tensor head_view(const Tensor& buf, int64_t col0, int64_t heads, int64_t D) {
+  Tensor v = buf;
+  v.data = static_cast<char*>(buf.data) + col0 * dtype_size(buf.dtype);
+  v.ndim = 3;
+  v.shape = {buf.shape[0], heads, D, 0};
+  v.stride = {buf.stride[0], D, 1, 0};
+  return v;
+}
+
+std::vector<double> minus(const std::vector<double>& a, const std::vector<double>& b) {
+  std::vector<double> d(a.size());
+  for (size_t i = 0; i < a.size(); ++i) d[i] = a[i] - b[i];
+  return d;
+}
+
+struct Case {
+  const char* name;
+  int64_t Tq, Tk, Hq, Hkv, D;
+  BlockMask mask;
+  bool fused_qkv;  // q, k, v as strided views of one [T, (Hq + 2·Hkv)·D] buffer (needs Tq == Tk)
+  DType o_dtype;
+};
+
+void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
+
+class GpuAttention : public ::testing::TestWithParam<Case> {};
+
+TEST_P(GpuAttention, ForwardAndBackwardMatchCpuReference) {
+  LT_REQUIRE_GPU();
+  const Case c = GetParam();
+  const double scale = 1.0 / std::sqrt(static_cast<double>(c.D));
+  const int64_t nq = c.Tq * c.Hq * c.D, nk = c.Tk * c.Hkv * c.D;
+  const auto q = random_values(nq, 101, DType::bf16), k = random_values(nk, 102, DType::bf16);
+  const auto v = random_values(nk, 103, DType::bf16), d_o = random_values(nq, 104, DType::bf16);
+  const auto dq0 = random_values(nq, 105, DType::f32), dk0 = random_values(nk, 106, DType::f32);
+  const auto dv0 = random_values(nk, 107, DType::f32);
+
+  // CPU reference in double.
+  HostTensor<double> q_h = host_tensor({c.Tq, c.Hq, c.D}, q), k_h = host_tensor({c.Tk, c.Hkv, c.D}, k);
+  HostTensor<double> v_h = host_tensor({c.Tk, c.Hkv, c.D}, v), do_h = host_tensor({c.Tq, c.Hq, c.D}, d_o);
+  HostTensor<double> o_h({c.Tq, c.Hq, c.D}), lse_h({c.Tq, c.Hq}), delta_h({c.Tq, c.Hq});
+  HostTensor<double> dq_h = host_tensor({c.Tq, c.Hq, c.D}, dq0), dk_h = host_tensor({c.Tk, c.Hkv, c.D}, dk0);
+  HostTensor<double> dv_h = host_tensor({c.Tk, c.Hkv, c.D}, dv0);
+  attn::attention_block_forward(o_h, lse_h, q_h, k_h, v_h, c.mask, scale);
+  attn::attention_delta(delta_h, o_h, do_h);
+  attn::attention_block_backward(dq_h, dk_h, dv_h, q_h, k_h, v_h, do_h, lse_h, delta_h, c.mask, scale);
+
+  // GPU: bf16 q/k/v/dO (separate, or views of one fused QKV buffer), f32 LSE/delta/accumulators.
+  const int64_t W = (c.Hq + 2 * c.Hkv) * c.D;
+  DeviceTensor qkv_d(DType::bf16, {c.fused_qkv ? c.Tq : 1, W});
+  DeviceTensor q_sep(DType::bf16, {c.Tq, c.Hq, c.D}), k_sep(DType::bf16, {c.Tk, c.Hkv, c.D});
+  DeviceTensor v_sep(DType::bf16, {c.Tk, c.Hkv, c.D});
+  Tensor q_d = q_sep, k_d = k_sep, v_d = v_sep;
+  if (c.fused_qkv) {
+    ASSERT_EQ(c.Tq, c.Tk);
+    std::vector<double> fused(static_cast<size_t>(c.Tq * W));
+    const int64_t wq = c.Hq * c.D, wk = c.Hkv * c.D;
+    for (int64_t t = 0; t < c.Tq; ++t) {
+      for (int64_t i = 0; i < wq; ++i) fused[t * W + i] = q[t * wq + i];
+      for (int64_t i = 0; i < wk; ++i) fused[t * W + wq + i] = k[t * wk + i];
+      for (int64_t i = 0; i < wk; ++i) fused[t * W + wq + wk + i] = v[t * wk + i];
+    }
+    upload(qkv_d, fused);
+    q_d = head_view(qkv_d, 0, c.Hq, c.D);
+    k_d = head_view(qkv_d, wq, c.Hkv, c.D);
+    v_d = head_view(qkv_d, wq + wk, c.Hkv, c.D);
+  } else {
+    upload(q_sep, q);
+    upload(k_sep, k);
+    upload(v_sep, v);
+  }
+  DeviceTensor do_d(DType::bf16, {c.Tq, c.Hq, c.D}), o_d(c.o_dtype, {c.Tq, c.Hq, c.D});
+  DeviceTensor lse_d(DType::f32, {c.Tq, c.Hq}), delta_d(DType::f32, {c.Tq, c.Hq});
+  DeviceTensor dq_d(DType::f32, {c.Tq, c.Hq, c.D}), dk_d(DType::f32, {c.Tk, c.Hkv, c.D});
+  DeviceTensor dv_d(DType::f32, {c.Tk, c.Hkv, c.D});
+  upload(do_d, d_o);
+  upload(dq_d, dq0);
+  upload(dk_d, dk0);
+  upload(dv_d, dv0);
+  attn::attention_block_forward(o_d, lse_d, q_d, k_d, v_d, c.mask, scale);
+  attn::attention_delta(delta_d, o_d, do_d);
+  attn::attention_block_backward(dq_d, dk_d, dv_d, q_d, k_d, v_d, do_d, lse_d, delta_d, c.mask, scale);
+
+  const std::string tag = std::string(" [") + c.name + "]";
+  // O is computed in bf16 by cuDNN even when stored as f32, so both are held to the bf16 tolerance.
+  expect_close("attention O" + tag, DType::bf16, download(o_d), o_h.values);
+  expect_close("attention LSE (f32)" + tag, DType::f32, download(lse_d), lse_h.values);
+  expect_close("attention delta (f32 of bf16 O)" + tag, DType::bf16, download(delta_d), delta_h.values);
+  expect_close("attention dQ increment" + tag, DType::bf16, minus(download(dq_d), dq0), minus(dq_h.values, dq0));
+  expect_close("attention dK increment" + tag, DType::bf16, minus(download(dk_d), dk0), minus(dk_h.values, dk0));
+  expect_close("attention dV increment" + tag, DType::bf16, minus(download(dv_d), dv0), minus(dv_h.values, dv0));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Blocks, GpuAttention,
+    ::testing::Values(Case{"causal_mha_s37_d64", 37, 37, 2, 2, 64, BlockMask::causal_diagonal, false, DType::bf16},
+                      Case{"causal_gqa8x2_s257_d128_fused", 257, 257, 8, 2, 128, BlockMask::causal_diagonal, true,
+                           DType::bf16},
+                      Case{"causal_gqa4x2_s600_d128_f32o", 600, 600, 4, 2, 128, BlockMask::causal_diagonal, false,
+                           DType::f32},
+                      Case{"none_mha_s128_d128_fused", 128, 128, 4, 4, 128, BlockMask::none, true, DType::bf16},
+                      Case{"none_gqa4x1_q96_k321_d64_f32o", 96, 321, 4, 1, 64, BlockMask::none, false, DType::f32},
+                      Case{"none_gqa6x2_q333_k77_d128", 333, 77, 6, 2, 128, BlockMask::none, false, DType::bf16}),
+    [](const ::testing::TestParamInfo<Case>& info) { return std::string(info.param.name); });
+
+TEST(GpuAttentionKernels, DeltaAndLseMergeMatchCpuReference) {
+  LT_REQUIRE_GPU();
+  const int64_t T = 53, H = 5, D = 96, n = T * H * D;
+  const auto o = random_values(n, 201, DType::f32), d_o = random_values(n, 202, DType::bf16);
+  HostTensor<double> o_h = host_tensor({T, H, D}, o), do_h = host_tensor({T, H, D}, d_o), delta_h({T, H});
+  attn::attention_delta(delta_h, o_h, do_h);
+  DeviceTensor o_d(DType::f32, {T, H, D}), do_d(DType::bf16, {T, H, D}), delta_d(DType::f32, {T, H});
+  upload(o_d, o);
+  upload(do_d, d_o);
+  attn::attention_delta(delta_d, o_d, do_d);
+  expect_close("attention_delta (f32 O, bf16 dO)", DType::f32, download(delta_d), delta_h.values);
+
+  // lse_merge: an f32 accumulator (some rows empty: lse = -inf, O garbage) with a bf16 block.
+  auto lse_acc = random_values(T * H, 203, DType::f32, 0.0, 6.0);
+  for (size_t i = 0; i < lse_acc.size(); i += 7) lse_acc[i] = -std::numeric_limits<double>::infinity();
+  const auto lse_blk = random_values(T * H, 204, DType::f32, 0.0, 6.0);
+  const auto o_blk = random_values(n, 205, DType::bf16);
+  HostTensor<double> oa_h = host_tensor({T, H, D}, o), la_h = host_tensor({T, H}, lse_acc);
+  HostTensor<double> ob_h = host_tensor({T, H, D}, o_blk), lb_h = host_tensor({T, H}, lse_blk);
+  attn::lse_merge(oa_h, la_h, ob_h, lb_h);
+  DeviceTensor oa_d(DType::f32, {T, H, D}), la_d(DType::f32, {T, H}), ob_d(DType::bf16, {T, H, D});
+  DeviceTensor lb_d(DType::f32, {T, H});
+  upload(oa_d, o);
+  upload(la_d, lse_acc);
+  upload(ob_d, o_blk);
+  upload(lb_d, lse_blk);
+  attn::lse_merge(oa_d, la_d, ob_d, lb_d);
+  expect_close("lse_merge O (f32 acc, bf16 block)", DType::f32, download(oa_d), oa_h.values);
+  expect_close("lse_merge LSE", DType::f32, download(la_d), la_h.values);
+}
+
+// The ring decomposition of one causal sequence of 2·B tokens into B-token blocks:
+//   O(Q1) = blk(Q1, K1, causal);  O(Q2) = merge(blk(Q2, K1, none), blk(Q2, K2, causal));
+// and the backward of each block with the *final* LSE and delta, accumulated into dQ/dK/dV.
+// The merged result must equal the whole-sequence block (forward and backward) within bf16 rounding.
+TEST(GpuAttentionKernels, CausalBlocksMergedEqualTheWhole) {
+  LT_REQUIRE_GPU();
+  const int64_t B = 192, S = 2 * B, Hq = 8, Hkv = 2, D = 64;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+  const auto q = random_values(S * Hq * D, 301, DType::bf16), k = random_values(S * Hkv * D, 302, DType::bf16);
+  const auto v = random_values(S * Hkv * D, 303, DType::bf16), d_o = random_values(S * Hq * D, 304, DType::bf16);
+  DeviceTensor q_d(DType::bf16, {S, Hq, D}), k_d(DType::bf16, {S, Hkv, D}), v_d(DType::bf16, {S, Hkv, D});
+  DeviceTensor do_d(DType::bf16, {S, Hq, D});
+  upload(q_d, q);
+  upload(k_d, k);
+  upload(v_d, v);
+  upload(do_d, d_o);
+  const Tensor Q = q_d, K = k_d, V = v_d, dO = do_d;
+
+  // Whole.
+  DeviceTensor o_w(DType::f32, {S, Hq, D}), lse_w(DType::f32, {S, Hq}), delta_w(DType::f32, {S, Hq});
+  DeviceTensor dq_w(DType::f32, {S, Hq, D}), dk_w(DType::f32, {S, Hkv, D}), dv_w(DType::f32, {S, Hkv, D});
+  for (const DeviceTensor* t : {&dq_w, &dk_w, &dv_w}) zero(*t);
+  attn::attention_block_forward(o_w, lse_w, Q, K, V, BlockMask::causal_diagonal, scale);
+  attn::attention_delta(delta_w, o_w, dO);
+  attn::attention_block_backward(dq_w, dk_w, dv_w, Q, K, V, dO, lse_w, delta_w, BlockMask::causal_diagonal, scale);
+
+  // Blocks: fp32 accumulators (0, -inf), bf16 block outputs.
+  DeviceTensor o_acc(DType::f32, {S, Hq, D}), lse_acc(DType::f32, {S, Hq}), delta(DType::f32, {S, Hq});
+  DeviceTensor o_blk(DType::bf16, {B, Hq, D}), lse_blk(DType::f32, {B, Hq});
+  DeviceTensor dq(DType::f32, {S, Hq, D}), dk(DType::f32, {S, Hkv, D}), dv(DType::f32, {S, Hkv, D});
+  for (const DeviceTensor* t : {&o_acc, &dq, &dk, &dv}) zero(*t);
+  upload(lse_acc, std::vector<double>(S * Hq, -std::numeric_limits<double>::infinity()));
+  struct Pair {
+    int64_t qb, kb;
+    BlockMask mask;
+  };
+  const Pair pairs[] = {{0, 0, BlockMask::causal_diagonal}, {1, 0, BlockMask::none}, {1, 1, BlockMask::causal_diagonal}};
+  for (const Pair& p : pairs) {
+    attn::attention_block_forward(o_blk, lse_blk, Q.narrow(p.qb * B, B), K.narrow(p.kb * B, B), V.narrow(p.kb * B, B),
+                                  p.mask, scale);
+    attn::lse_merge(Tensor(o_acc).narrow(p.qb * B, B), Tensor(lse_acc).narrow(p.qb * B, B), o_blk, lse_blk);
+  }
+  attn::attention_delta(delta, o_acc, dO);
+  for (const Pair& p : pairs) {
+    attn::attention_block_backward(Tensor(dq).narrow(p.qb * B, B), Tensor(dk).narrow(p.kb * B, B),
+                                   Tensor(dv).narrow(p.kb * B, B), Q.narrow(p.qb * B, B), K.narrow(p.kb * B, B),
+                                   V.narrow(p.kb * B, B), dO.narrow(p.qb * B, B), Tensor(lse_acc).narrow(p.qb * B, B),
+                                   Tensor(delta).narrow(p.qb * B, B), p.mask, scale);
+  }
+  expect_close("blocks merged O == whole", DType::bf16, download(o_acc), download(o_w));
+  expect_close("blocks merged LSE == whole", DType::f32, download(lse_acc), download(lse_w));
+  expect_close("blocks dQ == whole", DType::bf16, download(dq), download(dq_w));
+  expect_close("blocks dK == whole", DType::bf16, download(dk), download(dk_w));
+  expect_close("blocks dV == whole", DType::bf16, download(dv), download(dv_w));
+}
+
+// Forward is bitwise reproducible. cuDNN's default backward accumulates dQ with atomics, so its bits
+// may differ between runs (docs/cudnn-sdpa.md saw a few dozen of 1.6M elements differ, unmasked):
+// the backward must agree within rounding, and the number of differing elements is reported.
+TEST(GpuAttentionKernels, RunTwice) {
+  LT_REQUIRE_GPU();
+  for (BlockMask mask : {BlockMask::causal_diagonal, BlockMask::none}) {
+    const bool causal = mask == BlockMask::causal_diagonal;
+    SCOPED_TRACE(causal ? "causal" : "none");
+    const int64_t S = 1024, Hq = 8, Hkv = 2, D = 128;
+    const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+    DeviceTensor q(DType::bf16, {S, Hq, D}), k(DType::bf16, {S, Hkv, D}), v(DType::bf16, {S, Hkv, D});
+    DeviceTensor d_o(DType::bf16, {S, Hq, D});
+    upload(q, random_values(S * Hq * D, 401, DType::bf16));
+    upload(k, random_values(S * Hkv * D, 402, DType::bf16));
+    upload(v, random_values(S * Hkv * D, 403, DType::bf16));
+    upload(d_o, random_values(S * Hq * D, 404, DType::bf16));
+    auto run = [&]() {
+      DeviceTensor o(DType::bf16, {S, Hq, D}), lse(DType::f32, {S, Hq}), delta(DType::f32, {S, Hq});
+      DeviceTensor dq(DType::f32, {S, Hq, D}), dk(DType::f32, {S, Hkv, D}), dv(DType::f32, {S, Hkv, D});
+      for (const DeviceTensor* t : {&dq, &dk, &dv}) zero(*t);
+      attn::attention_block_forward(o, lse, q, k, v, mask, scale);
+      attn::attention_delta(delta, o, d_o);
+      attn::attention_block_backward(dq, dk, dv, q, k, v, d_o, lse, delta, mask, scale);
+      return std::vector<std::vector<double>>{download(o), download(lse), download(dq), download(dk), download(dv)};
+    };
+    const auto a = run(), b = run();
+    EXPECT_TRUE(a[0] == b[0]) << "forward O differs between runs";
+    EXPECT_TRUE(a[1] == b[1]) << "forward LSE differs between runs";
+    const char* names[] = {"", "", "dQ", "dK", "dV"};
+    for (int i = 2; i < 5; ++i) {
+      size_t differ = 0;
+      for (size_t j = 0; j < a[i].size(); ++j) differ += a[i][j] != b[i][j];
+      std::printf("  run twice (%s): %s differs in %zu of %zu elements\n", causal ? "causal" : "none", names[i], differ,
+                  a[i].size());
+      expect_close(std::string("run twice ") + names[i] + (causal ? " causal" : " none"), DType::bf16, b[i], a[i]);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace longtrain::test

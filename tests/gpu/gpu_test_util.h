@@ -1,0 +1,165 @@
+// Helpers of the GPU tests: owning device tensors, uploads that round to the device dtype (the CPU
+// reference then computes in double on exactly the values the GPU saw), downloads to double, the one
+// tolerance per dtype, and the skip when no GPU is present.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <initializer_list>
+#include <ostream>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "runtime/device.h"
+#include "runtime/tensor.h"
+#include "test_util.h"
+
+namespace longtrain {
+// Test parameters print as their names.
+inline void PrintTo(DType d, std::ostream* os) { *os << dtype_name(d); }
+}  // namespace longtrain
+
+namespace longtrain::test {
+
+// The error a CUDA op may have against the double-precision CPU reference on the same inputs,
+// measured as max|gpu - ref| / max|ref| (test::relative_error):
+// - bf16 storage: outputs are rounded to bf16 (unit roundoff 2^-9, ulp 2^-8 at the top of a binade)
+//   and inputs of GEMMs and of cuDNN's second matmuls (P, dS) are bf16 too; measured errors sit at
+//   2e-3 .. 7e-3 (attention, docs/cudnn-sdpa.md), so 4 bf16 ulps = 1.5625e-2 leaves a 2x margin.
+// - f32 storage: fp32 math throughout (no TF32); differences from the double reference are
+//   summation order and expf/logf ulps, ~1e-6 relative; 1e-4 leaves room for long reductions.
+inline double gpu_tolerance(DType storage) { return storage == DType::bf16 ? 4.0 / 256.0 : 1e-4; }
+
+// Skips the test when longtrain was built without CUDA or no GPU is visible (CI).
+#define LT_REQUIRE_GPU()                                                             \
+  do {                                                                               \
+    if (!::longtrain::cuda_available()) GTEST_SKIP() << "no CUDA device available"; \
+  } while (0)
+
+// CUDA memory owned by the test.
+struct DeviceTensor {
+  Tensor view;
+
+  DeviceTensor(DType dtype, std::initializer_list<int64_t> shape) {
+    Tensor probe(nullptr, dtype, shape, Device::cuda);
+    view = probe;
+    view.data = device_alloc(Device::cuda, probe.nbytes());
+  }
+  ~DeviceTensor() { device_free(Device::cuda, view.data); }
+  DeviceTensor(const DeviceTensor&) = delete;
+  DeviceTensor& operator=(const DeviceTensor&) = delete;
+  operator Tensor() const { return view; }
+};
+
+// Rounds v to what `dtype` stores (bf16 round-to-nearest-even, f32, or unchanged for f64).
+inline double round_to(double v, DType dtype) {
+  if (dtype == DType::bf16) return static_cast<float>(bf16(static_cast<float>(v)));
+  if (dtype == DType::f32) return static_cast<float>(v);
+  return v;
+}
+
+inline std::vector<double> round_all(std::vector<double> v, DType dtype) {
+  for (double& x : v) x = round_to(x, dtype);
+  return v;
+}
+
+// Uniform random doubles in [lo, hi), rounded to `dtype`.
+inline std::vector<double> random_values(size_t n, uint64_t seed, DType dtype, double lo = -1.0, double hi = 1.0) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<double> dist(lo, hi);
+  std::vector<double> v(n);
+  for (double& x : v) x = round_to(dist(rng), dtype);
+  return v;
+}
+
+// Copies values (converted to t's dtype) into the contiguous device tensor t.
+inline void upload(const Tensor& t, const std::vector<double>& values) {
+  ASSERT_EQ(static_cast<size_t>(t.numel()), values.size());
+  const size_t n = values.size();
+  std::vector<unsigned char> host(n * dtype_size(t.dtype));
+  for (size_t i = 0; i < n; ++i) {
+    switch (t.dtype) {
+      case DType::bf16: reinterpret_cast<bf16*>(host.data())[i] = bf16(static_cast<float>(values[i])); break;
+      case DType::f32: reinterpret_cast<float*>(host.data())[i] = static_cast<float>(values[i]); break;
+      case DType::f64: reinterpret_cast<double*>(host.data())[i] = values[i]; break;
+      case DType::i32: reinterpret_cast<int32_t*>(host.data())[i] = static_cast<int32_t>(values[i]); break;
+    }
+  }
+  Tensor src = t;
+  src.data = host.data();
+  src.device = Device::cpu;
+  copy(t, src);
+}
+
+inline void upload_ints(const Tensor& t, const std::vector<int32_t>& values) {
+  ASSERT_EQ(t.dtype, DType::i32);
+  ASSERT_EQ(static_cast<size_t>(t.numel()), values.size());
+  Tensor src = t;
+  src.data = const_cast<int32_t*>(values.data());
+  src.device = Device::cpu;
+  copy(t, src);
+}
+
+// The contiguous device tensor t as doubles.
+inline std::vector<double> download(const Tensor& t) {
+  const size_t n = static_cast<size_t>(t.numel());
+  std::vector<unsigned char> host(n * dtype_size(t.dtype));
+  Tensor dst = t;
+  dst.data = host.data();
+  dst.device = Device::cpu;
+  copy(dst, t);
+  std::vector<double> out(n);
+  for (size_t i = 0; i < n; ++i) {
+    switch (t.dtype) {
+      case DType::bf16: out[i] = static_cast<float>(reinterpret_cast<const bf16*>(host.data())[i]); break;
+      case DType::f32: out[i] = reinterpret_cast<const float*>(host.data())[i]; break;
+      case DType::f64: out[i] = reinterpret_cast<const double*>(host.data())[i]; break;
+      case DType::i32: out[i] = reinterpret_cast<const int32_t*>(host.data())[i]; break;
+    }
+  }
+  return out;
+}
+
+// The raw bytes of a contiguous device tensor (for bitwise run-twice comparisons).
+inline std::vector<unsigned char> download_bytes(const Tensor& t) {
+  std::vector<unsigned char> host(t.nbytes());
+  Tensor dst = t;
+  dst.data = host.data();
+  dst.device = Device::cpu;
+  copy(dst, t);
+  return host;
+}
+
+// A host f64 tensor holding `values`.
+inline HostTensor<double> host_tensor(std::initializer_list<int64_t> shape, const std::vector<double>& values) {
+  HostTensor<double> h(shape);
+  EXPECT_EQ(h.size(), values.size());
+  for (size_t i = 0; i < h.size() && i < values.size(); ++i) h[i] = values[i];
+  return h;
+}
+
+inline const char* name_of(DType d) { return d == DType::bf16 ? "bf16" : (d == DType::f32 ? "f32" : "f64"); }
+
+// Prints the measured error (the evidence in the test log), records it in the XML output, and expects
+// it within gpu_tolerance(storage).
+inline void expect_close(const std::string& what, DType storage, const std::vector<double>& got,
+                         const std::vector<double>& reference) {
+  ASSERT_EQ(got.size(), reference.size()) << what;
+  const double error = relative_error(got, reference);
+  const double tol = gpu_tolerance(storage);
+  std::printf("  %-48s %-4s max|err|/max|ref| = %.3e (tolerance %.1e)\n", what.c_str(), name_of(storage), error, tol);
+  ::testing::Test::RecordProperty(what + " " + name_of(storage), std::to_string(error));
+  EXPECT_LT(error, tol) << what << " (" << name_of(storage) << ")";
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (std::isfinite(got[i]) != std::isfinite(reference[i])) {
+      ADD_FAILURE() << what << ": element " << i << " is " << got[i] << ", the reference " << reference[i];
+      break;
+    }
+  }
+}
+
+}  // namespace longtrain::test

@@ -1,0 +1,343 @@
+// Every CUDA op (kernels/cuda) against the CPU reference (kernels/cpu) on the same random inputs: the
+// inputs are rounded to the device dtype first, the CPU computes in double on those values, and the
+// GPU result must be within gpu_tolerance(dtype) (gpu_test_util.h). Sizes are odd or prime so that
+// tails and unaligned leading dimensions are exercised; accumulating outputs (dx of rmsnorm, every
+// weight gradient) start from random values, so "+=" is checked, not just "=". Each test runs for
+// bf16 (the training dtype) and f32, and skips without a GPU.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gpu_test_util.h"
+#include "kernels/ops.h"
+#include "runtime/error.h"
+
+namespace longtrain::test {
+namespace {
+
+std::vector<int32_t> random_ints(size_t n, uint64_t seed, int32_t lo, int32_t hi) {
+  std::mt19937_64 rng(seed);
+  std::uniform_int_distribution<int32_t> dist(lo, hi - 1);
+  std::vector<int32_t> v(n);
+  for (auto& x : v) x = dist(rng);
+  return v;
+}
+
+HostTensor<int32_t> host_ints(std::initializer_list<int64_t> shape, const std::vector<int32_t>& values) {
+  HostTensor<int32_t> h(shape);
+  for (size_t i = 0; i < h.size(); ++i) h[i] = values[i];
+  return h;
+}
+
+// Runs f, which must throw longtrain::Error mentioning every one of `parts`.
+void expect_error(const std::function<void()>& f, std::initializer_list<std::string> parts) {
+  try {
+    f();
+    ADD_FAILURE() << "expected a longtrain::Error";
+  } catch (const Error& e) {
+    const std::string message = e.what();
+    for (const std::string& part : parts)
+      EXPECT_NE(message.find(part), std::string::npos) << "missing \"" << part << "\" in: " << message;
+  }
+}
+
+// A [T, heads, D] view of columns [col0, col0 + heads·D) of a [T, W] buffer (a Q or K slice of QKV).
+Tensor head_view(const Tensor& buf, int64_t col0, int64_t heads, int64_t D) {
+  Tensor v = buf;
+  v.data = static_cast<char*>(buf.data) + col0 * dtype_size(buf.dtype);
+  v.ndim = 3;
+  v.shape = {buf.shape[0], heads, D, 0};
+  v.stride = {buf.stride[0], D, 1, 0};
+  return v;
+}
+
+class GpuOps : public ::testing::TestWithParam<DType> {};
+
+TEST_P(GpuOps, EmbeddingForwardBackwardAndBadToken) {
+  LT_REQUIRE_GPU();
+  const DType dt = GetParam();
+  const int64_t V = 97, C = 203, T = 131;
+  const auto table = random_values(V * C, 1, dt);
+  const auto tokens = random_ints(T, 2, 0, V);  // 131 draws from 97 ids: repeats guaranteed
+  const auto d_table0 = random_values(V * C, 3, dt);
+  const auto d_out = random_values(T * C, 4, dt);
+
+  HostTensor<double> table_h = host_tensor({V, C}, table), out_h({T, C});
+  HostTensor<int32_t> tok_h = host_ints({T}, tokens);
+  ops::embedding_forward(out_h, tok_h, table_h);
+  HostTensor<double> d_table_h = host_tensor({V, C}, d_table0), d_out_h = host_tensor({T, C}, d_out);
+  ops::embedding_backward(d_table_h, tok_h, d_out_h);
+
+  DeviceTensor table_d(dt, {V, C}), tok_d(DType::i32, {T}), out_d(dt, {T, C});
+  DeviceTensor d_table_d(dt, {V, C}), d_out_d(dt, {T, C});
+  upload(table_d, table);
+  upload_ints(tok_d, tokens);
+  upload(d_table_d, d_table0);
+  upload(d_out_d, d_out);
+  ops::embedding_forward(out_d, tok_d, table_d);
+  ops::embedding_backward(d_table_d, tok_d, d_out_d);
+  expect_close("embedding_forward out", dt, download(out_d), out_h.values);
+  expect_close("embedding_backward d_table (+=)", dt, download(d_table_d), d_table_h.values);
+
+  auto bad = tokens;
+  bad[17] = static_cast<int32_t>(V + 3);
+  upload_ints(tok_d, bad);
+  expect_error([&] { ops::embedding_forward(out_d, tok_d, table_d); }, {"token id 100", "position 17"});
+}
+
+TEST_P(GpuOps, RmsnormForwardBackward) {
+  LT_REQUIRE_GPU();
+  const DType dt = GetParam();
+  const int64_t T = 67, C = 203;
+  const double eps = 1e-5;
+  const auto x = random_values(T * C, 11, dt, -2.0, 2.0);
+  const auto w = random_values(C, 12, dt, 0.5, 1.5);
+  const auto dy = random_values(T * C, 13, dt);
+  const auto dx0 = random_values(T * C, 14, dt);
+  const auto dw0 = random_values(C, 15, dt);
+
+  HostTensor<double> x_h = host_tensor({T, C}, x), w_h = host_tensor({C}, w), y_h({T, C}), rstd_h({T});
+  ops::rmsnorm_forward(y_h, rstd_h, x_h, w_h, eps);
+  HostTensor<double> dy_h = host_tensor({T, C}, dy), dx_h = host_tensor({T, C}, dx0), dw_h = host_tensor({C}, dw0);
+  ops::rmsnorm_backward(dx_h, dw_h, dy_h, x_h, w_h, rstd_h);
+
+  DeviceTensor x_d(dt, {T, C}), w_d(dt, {C}), y_d(dt, {T, C}), rstd_d(DType::f32, {T});
+  DeviceTensor dy_d(dt, {T, C}), dx_d(dt, {T, C}), dw_d(dt, {C});
+  upload(x_d, x);
+  upload(w_d, w);
+  upload(dy_d, dy);
+  upload(dx_d, dx0);
+  upload(dw_d, dw0);
+  ops::rmsnorm_forward(y_d, rstd_d, x_d, w_d, eps);
+  ops::rmsnorm_backward(dx_d, dw_d, dy_d, x_d, w_d, rstd_d);
+  expect_close("rmsnorm_forward y", dt, download(y_d), y_h.values);
+  expect_close("rmsnorm_forward rstd (f32 statistic)", DType::f32, download(rstd_d), rstd_h.values);
+  expect_close("rmsnorm_backward dx (+=)", dt, download(dx_d), dx_h.values);
+  expect_close("rmsnorm_backward dw (+=)", dt, download(dw_d), dw_h.values);
+}
+
+// RoPE in place on the K slice of a fused QKV buffer (a strided view at a column offset), at
+// positions up to 2^20, where an fp32 angle would be off by tenths of a radian.
+TEST_P(GpuOps, RopeOnStridedQkvViewAtLongPositions) {
+  LT_REQUIRE_GPU();
+  const DType dt = GetParam();
+  const int64_t T = 37, Hq = 3, Hkv = 1, D = 64, W = (Hq + 2 * Hkv) * D;
+  const auto qkv = random_values(T * W, 21, dt);
+  const auto positions = random_ints(T, 22, 0, 1 << 20);
+  const ops::RopeParams p{500000.0};
+
+  HostTensor<double> qkv_h = host_tensor({T, W}, qkv);
+  HostTensor<int32_t> pos_h = host_ints({T}, positions);
+  DeviceTensor qkv_d(dt, {T, W}), pos_d(DType::i32, {T});
+  upload(qkv_d, qkv);
+  upload_ints(pos_d, positions);
+
+  ops::rope_forward(head_view(qkv_h, Hq * D, Hkv, D), pos_h, p);
+  ops::rope_forward(head_view(qkv_d, Hq * D, Hkv, D), pos_d, p);
+  ops::rope_forward(head_view(qkv_h, 0, Hq, D), pos_h, p);
+  ops::rope_forward(head_view(qkv_d, 0, Hq, D), pos_d, p);
+  expect_close("rope_forward (Q and K views of QKV; V untouched)", dt, download(qkv_d), qkv_h.values);
+
+  // The backward on the GPU's own output, against the CPU's backward of the same values.
+  const auto rotated = download(qkv_d);
+  HostTensor<double> back_h = host_tensor({T, W}, rotated);
+  ops::rope_backward(head_view(back_h, Hq * D, Hkv, D), pos_h, p);
+  ops::rope_backward(head_view(qkv_d, Hq * D, Hkv, D), pos_d, p);
+  expect_close("rope_backward (K view of QKV)", dt, download(qkv_d), back_h.values);
+}
+
+TEST_P(GpuOps, SwigluForwardBackward) {
+  LT_REQUIRE_GPU();
+  const DType dt = GetParam();
+  const int64_t T = 53, F = 173;
+  const auto gate_up = random_values(T * 2 * F, 31, dt, -3.0, 3.0);
+  const auto d_out = random_values(T * F, 32, dt);
+
+  HostTensor<double> gu_h = host_tensor({T, 2 * F}, gate_up), out_h({T, F}), dgu_h({T, 2 * F});
+  HostTensor<double> dout_h = host_tensor({T, F}, d_out);
+  ops::swiglu_forward(out_h, gu_h);
+  ops::swiglu_backward(dgu_h, dout_h, gu_h);
+
+  DeviceTensor gu_d(dt, {T, 2 * F}), out_d(dt, {T, F}), dgu_d(dt, {T, 2 * F}), dout_d(dt, {T, F});
+  upload(gu_d, gate_up);
+  upload(dout_d, d_out);
+  ops::swiglu_forward(out_d, gu_d);
+  ops::swiglu_backward(dgu_d, dout_d, gu_d);
+  expect_close("swiglu_forward out", dt, download(out_d), out_h.values);
+  expect_close("swiglu_backward d_gate_up", dt, download(dgu_d), dgu_h.values);
+}
+
+// y = x·wᵀ, dx = dy·w, dw += dyᵀ·x; one shape with odd (unaligned) leading dimensions, one aligned.
+TEST_P(GpuOps, LinearForwardBackward) {
+  LT_REQUIRE_GPU();
+  const DType dt = GetParam();
+  struct Shape {
+    int64_t T, K, N;
+  };
+  for (Shape s : {Shape{77, 131, 59}, Shape{64, 256, 128}}) {
+    SCOPED_TRACE(fmt::format("T={} K={} N={}", s.T, s.K, s.N));
+    const auto x = random_values(s.T * s.K, 41, dt);
+    const auto w = random_values(s.N * s.K, 42, dt);
+    const auto dy = random_values(s.T * s.N, 43, dt);
+    const auto dw0 = random_values(s.N * s.K, 44, dt);
+
+    HostTensor<double> x_h = host_tensor({s.T, s.K}, x), w_h = host_tensor({s.N, s.K}, w), y_h({s.T, s.N});
+    HostTensor<double> dy_h = host_tensor({s.T, s.N}, dy), dx_h({s.T, s.K}), dw_h = host_tensor({s.N, s.K}, dw0);
+    ops::linear_forward(y_h, x_h, w_h);
+    ops::linear_backward(dx_h, dw_h, dy_h, x_h, w_h);
+
+    DeviceTensor x_d(dt, {s.T, s.K}), w_d(dt, {s.N, s.K}), y_d(dt, {s.T, s.N});
+    DeviceTensor dy_d(dt, {s.T, s.N}), dx_d(dt, {s.T, s.K}), dw_d(dt, {s.N, s.K});
+    upload(x_d, x);
+    upload(w_d, w);
+    upload(dy_d, dy);
+    upload(dw_d, dw0);
+    ops::linear_forward(y_d, x_d, w_d);
+    ops::linear_backward(dx_d, dw_d, dy_d, x_d, w_d);
+    const std::string tag = fmt::format(" [{}x{}x{}]", s.T, s.K, s.N);
+    expect_close("linear_forward y" + tag, dt, download(y_d), y_h.values);
+    expect_close("linear_backward dx" + tag, dt, download(dx_d), dx_h.values);
+    expect_close("linear_backward dw (+=)" + tag, dt, download(dw_d), dw_h.values);
+
+    if (dt == DType::bf16) {  // bf16 activations with an fp32 weight-gradient accumulator
+      DeviceTensor dw32_d(DType::f32, {s.N, s.K});
+      upload(dw32_d, dw0);
+      ops::linear_backward(Tensor(), dw32_d, dy_d, x_d, w_d);
+      expect_close("linear_backward dw f32 accumulator (+=)" + tag, DType::f32, download(dw32_d), dw_h.values);
+    }
+  }
+}
+
+TEST_P(GpuOps, ResidualAdd) {
+  LT_REQUIRE_GPU();
+  const DType dt = GetParam();
+  const int64_t T = 41, C = 211;
+  const auto y0 = random_values(T * C, 51, dt), x = random_values(T * C, 52, dt);
+  HostTensor<double> y_h = host_tensor({T, C}, y0), x_h = host_tensor({T, C}, x);
+  ops::add_inplace(y_h, x_h);
+
+  DeviceTensor y_d(dt, {T, C}), x_d(dt, {T, C});
+  upload(y_d, y0);
+  upload(x_d, x);
+  ops::add_inplace(y_d, x_d);
+  expect_close("add_inplace y", dt, download(y_d), y_h.values);
+
+  // A row-strided view: columns [5, 5 + 100) of both.
+  DeviceTensor y2_d(dt, {T, C});
+  upload(y2_d, y0);
+  ops::add_inplace(Tensor(y2_d).narrow(1, 5, 100), Tensor(x_d).narrow(1, 5, 100));
+  HostTensor<double> y2_h = host_tensor({T, C}, y0);
+  ops::add_inplace(Tensor(y2_h).narrow(1, 5, 100), Tensor(x_h).narrow(1, 5, 100));
+  expect_close("add_inplace strided view", dt, download(y2_d), y2_h.values);
+
+  if (dt == DType::bf16) {  // a bf16 branch into an fp32 residual stream
+    DeviceTensor y32_d(DType::f32, {T, C});
+    upload(y32_d, y0);
+    ops::add_inplace(y32_d, x_d);
+    expect_close("add_inplace f32 += bf16", DType::f32, download(y32_d), y_h.values);
+  }
+}
+
+// Several chunks (45 tokens in chunks of 16), ignored labels, grad_scale, dw accumulated.
+TEST_P(GpuOps, LmHeadCrossEntropyChunkedAndBadLabel) {
+  LT_REQUIRE_GPU();
+  const DType dt = GetParam();
+  const int64_t T = 45, C = 67, V = 501;
+  const auto x = random_values(T * C, 61, dt);
+  const auto w = random_values(V * C, 62, dt, -0.5, 0.5);
+  const auto dw0 = random_values(V * C, 63, dt);
+  auto labels = random_ints(T, 64, 0, V);
+  for (int64_t t : {0, 7, 8, 30, 44}) labels[t] = -100;
+  ops::CrossEntropyParams p;
+  p.chunk_tokens = 16;
+  p.grad_scale = 1.0 / (T - 5);
+
+  HostTensor<double> x_h = host_tensor({T, C}, x), w_h = host_tensor({V, C}, w), dw_h = host_tensor({V, C}, dw0);
+  HostTensor<double> loss_h({T}), dx_h({T, C});
+  HostTensor<int32_t> lab_h = host_ints({T}, labels);
+  ops::lm_head_cross_entropy(loss_h, dx_h, dw_h, x_h, w_h, lab_h, p);
+
+  DeviceTensor x_d(dt, {T, C}), w_d(dt, {V, C}), dw_d(dt, {V, C}), loss_d(DType::f32, {T}), dx_d(dt, {T, C});
+  DeviceTensor lab_d(DType::i32, {T});
+  upload(x_d, x);
+  upload(w_d, w);
+  upload(dw_d, dw0);
+  upload_ints(lab_d, labels);
+  ops::lm_head_cross_entropy(loss_d, dx_d, dw_d, x_d, w_d, lab_d, p);
+  expect_close("lm_head_cross_entropy losses (f32)", DType::f32, download(loss_d), loss_h.values);
+  expect_close("lm_head_cross_entropy dx", dt, download(dx_d), dx_h.values);
+  expect_close("lm_head_cross_entropy dw (+=)", dt, download(dw_d), dw_h.values);
+
+  if (dt == DType::bf16) {  // bf16 activations with an fp32 weight-gradient accumulator: the increment
+    DeviceTensor dw32_d(DType::f32, {V, C});
+    zero(dw32_d);
+    ops::lm_head_cross_entropy(loss_d, dx_d, dw32_d, x_d, w_d, lab_d, p);
+    std::vector<double> increment(dw_h.values.size());
+    for (size_t i = 0; i < increment.size(); ++i) increment[i] = dw_h.values[i] - dw0[i];
+    expect_close("lm_head_cross_entropy dw f32 accumulator", dt, download(dw32_d), increment);
+  }
+
+  // Evaluation (no dx): losses only, dw untouched.
+  DeviceTensor loss2_d(DType::f32, {T});
+  const auto dw_before = download(dw_d);
+  ops::lm_head_cross_entropy(loss2_d, Tensor(), Tensor(), x_d, w_d, lab_d, p);
+  expect_close("lm_head_cross_entropy eval losses (f32)", DType::f32, download(loss2_d), loss_h.values);
+  EXPECT_EQ(download(dw_d), dw_before);
+
+  auto bad = labels;
+  bad[9] = static_cast<int32_t>(V);
+  upload_ints(lab_d, bad);
+  expect_error([&] { ops::lm_head_cross_entropy(loss_d, dx_d, dw_d, x_d, w_d, lab_d, p); }, {"label 501", "position 9"});
+  EXPECT_EQ(download(dw_d), dw_before) << "a bad label must be reported before anything is written";
+}
+
+// Every backward that reduces (embedding rows, rmsnorm dw, GEMMs, the chunked LM head) gives the same
+// bits when run twice from the same state.
+TEST_P(GpuOps, BackwardsAreBitwiseDeterministic) {
+  LT_REQUIRE_GPU();
+  const DType dt = GetParam();
+  const int64_t T = 257, C = 96, V = 1000;
+  const auto x = random_values(T * C, 71, dt), dy = random_values(T * C, 72, dt);
+  const auto w = random_values(C, 73, dt, 0.5, 1.5), lm = random_values(V * C, 74, dt, -0.5, 0.5);
+  const auto tokens = random_ints(T, 75, 0, 13);  // heavy repetition
+  const auto labels = random_ints(T, 76, 0, V);
+
+  DeviceTensor x_d(dt, {T, C}), dy_d(dt, {T, C}), w_d(dt, {C}), lm_d(dt, {V, C}), rstd_d(DType::f32, {T});
+  DeviceTensor y_d(dt, {T, C}), tok_d(DType::i32, {T}), lab_d(DType::i32, {T}), loss_d(DType::f32, {T});
+  upload(x_d, x);
+  upload(dy_d, dy);
+  upload(w_d, w);
+  upload(lm_d, lm);
+  upload_ints(tok_d, tokens);
+  upload_ints(lab_d, labels);
+  ops::rmsnorm_forward(y_d, rstd_d, x_d, w_d, 1e-5);
+
+  auto run = [&]() {
+    DeviceTensor dx_d(dt, {T, C}), dw_d(dt, {C}), dtab_d(dt, {V, C}), dlm_d(dt, {V, C}), dxl_d(dt, {T, C});
+    DeviceTensor dwl_d(dt, {C, C}), dxx_d(dt, {T, C}), wl_d(dt, {C, C});
+    for (DeviceTensor* t : {&dx_d, &dw_d, &dtab_d, &dlm_d, &dxl_d, &dwl_d, &dxx_d}) zero(*t);
+    upload(wl_d, random_values(C * C, 77, dt));
+    ops::rmsnorm_backward(dx_d, dw_d, dy_d, x_d, w_d, rstd_d);
+    ops::embedding_backward(dtab_d, tok_d, dy_d);
+    ops::lm_head_cross_entropy(loss_d, dxl_d, dlm_d, x_d, lm_d, lab_d, ops::CrossEntropyParams{-100, 0.01, 64});
+    ops::linear_backward(dxx_d, dwl_d, dy_d, x_d, wl_d);
+    std::vector<std::vector<unsigned char>> out;
+    for (DeviceTensor* t : {&dx_d, &dw_d, &dtab_d, &dlm_d, &dxl_d, &dwl_d, &dxx_d, &loss_d})
+      out.push_back(download_bytes(*t));
+    return out;
+  };
+  const auto first = run(), second = run();
+  const char* names[] = {"rmsnorm dx", "rmsnorm dw", "embedding d_table", "lm head dw", "lm head dx",
+                         "linear dw", "linear dx", "losses"};
+  for (size_t i = 0; i < first.size(); ++i) EXPECT_TRUE(first[i] == second[i]) << names[i] << " differs between runs";
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, GpuOps, ::testing::Values(DType::bf16, DType::f32),
+                         [](const ::testing::TestParamInfo<DType>& info) { return std::string(name_of(info.param)); });
+
+}  // namespace
+}  // namespace longtrain::test
