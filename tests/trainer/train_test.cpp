@@ -13,111 +13,14 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
-#include "data/prepare.h"
-#include "data/tokenizer.h"
-#include "trainer/trainer.h"
+#include "train_fixture.h"
 
 namespace longtrain::trainer {
 namespace {
 
+using test::TrainTest;
+using test::read_file;
 namespace fs = std::filesystem;
-
-std::string read_file(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), {});
-}
-
-// A corpus with structure a small model can learn: sentences from a tiny grammar.
-std::string synthetic_document(std::mt19937& rng) {
-  static const char* subjects[] = {"the cat", "a dog", "my sister", "the old man", "every child", "our teacher"};
-  static const char* verbs[] = {"sees", "likes", "follows", "paints", "remembers", "finds"};
-  static const char* objects[] = {"the garden", "a red ball", "the river", "her letters", "the morning", "a song"};
-  std::string doc;
-  const int sentences = 3 + static_cast<int>(rng() % 5);
-  for (int s = 0; s < sentences; ++s) {
-    doc += fmt::format("{} {} {}. ", subjects[rng() % 6], verbs[rng() % 6], objects[rng() % 6]);
-  }
-  return doc;
-}
-
-class TrainTest : public ::testing::Test {
- protected:
-  static fs::path root_;
-
-  static void SetUpTestSuite() {
-    root_ = fs::temp_directory_path() / fmt::format("longtrain-train-test-{}", getpid());
-    fs::remove_all(root_);
-    fs::create_directories(root_);
-    std::mt19937 rng(5);
-    {
-      std::ofstream out(root_ / "corpus.jsonl");
-      for (int d = 0; d < 300; ++d) out << "{\"text\": \"" << synthetic_document(rng) << "\"}\n";
-    }
-    data::TokenizerTrainOptions to;
-    to.inputs = {(root_ / "corpus.jsonl").string()};
-    to.model_prefix = (root_ / "tok").string();
-    to.vocab_size = 320;
-    to.threads = 1;
-    data::train_tokenizer(to);
-    data::PrepareOptions po;
-    po.tokenizer = (root_ / "tok.model").string();
-    po.inputs = {(root_ / "corpus.jsonl").string()};
-    po.output = (root_ / "shards").string();
-    po.val_fraction = 0.1;
-    po.threads = 1;
-    po.progress = false;
-    data::prepare_corpus(po);
-  }
-  static void TearDownTestSuite() { fs::remove_all(root_); }
-
-  // A small model on the synthetic corpus; `extra` is appended YAML (later keys win via --set).
-  static fs::path write_config(const std::string& name, const std::string& extra = "") {
-    fs::path p = root_ / (name + ".yaml");
-    std::ofstream out(p);
-    out << fmt::format(R"(model:
-  vocab_size: 320
-  dim: 32
-  n_layers: 2
-  n_heads: 4
-  n_kv_heads: 2
-  ffn_dim: 64
-  max_seq_len: 64
-data:
-  train: {0}/shards
-  tokenizer: {0}/tok.model
-  seq_len: 32
-train:
-  device: cpu
-  steps: 8
-  batch_size: 2
-  grad_accum: 2
-  seed: 3
-optim:
-  lr: 0.003
-  warmup_steps: 2
-  min_lr: 0.0003
-checkpoint:
-  every: 4
-eval:
-  batches: 3
-  every: 0
-logging:
-  run_dir: {0}/runs/{1}
-  log_every: 100
-  plot: true
-{2})",
-                       root_.string(), name, extra);
-    return p;
-  }
-
-  static TrainConfig config(const std::string& name, const std::vector<std::string>& sets = {},
-                            const std::string& extra = "") {
-    TrainConfig c = load_config(write_config(name, extra).string(), sets);
-    resolve_device(c, false);
-    return c;
-  }
-};
-fs::path TrainTest::root_;
 
 TEST_F(TrainTest, ResumeIsBitExact) {
   TrainSummary whole = train(config("whole"));
