@@ -47,4 +47,13 @@ void lm_head_cross_entropy(Tensor losses, Tensor dx, Tensor dw, Tensor x, Tensor
               losses, dx, dw, x, w, labels, p);
 }
 
+void convert(Tensor dst, Tensor src) {
+  LT_DISPATCH(common_device("convert", {&dst, &src}), convert, dst, src);
+}
+void adamw_update(Tensor param, Tensor master, Tensor m, Tensor v, Tensor grad, const AdamWParams& p) {
+  LT_DISPATCH(common_device("adamw_update", {&param, &master, &m, &v, &grad}), adamw_update, param, master, m, v,
+              grad, p);
+}
+double sum_squares(Tensor x) { LT_DISPATCH(common_device("sum_squares", {&x}), sum_squares, x); }
+
 }  // namespace longtrain::ops

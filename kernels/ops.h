@@ -76,4 +76,29 @@ struct CrossEntropyParams {
 void lm_head_cross_entropy(Tensor losses, Tensor dx, Tensor dw, Tensor x, Tensor w, Tensor labels,
                            const CrossEntropyParams& p);
 
+// ---- conversion ------------------------------------------------------------------------------
+// dst = src element by element, converting the float dtype (f32/f64/bf16; to bf16 rounds to nearest
+// even). Same shape, both contiguous.
+void convert(Tensor dst, Tensor src);
+
+// ---- optimizer ---------------------------------------------------------------------------------
+// One AdamW step (decoupled weight decay, bias correction) over a flat range, with g = grad·grad_scale:
+//   m = β1·m + (1−β1)·g;  v = β2·v + (1−β2)·g²;
+//   w = w − lr·(weight_decay·w + (m / bias_correction1) / (sqrt(v / bias_correction2) + eps))
+// w is the master copy when `master` is non-empty (f32; param then receives w rounded to its dtype,
+// e.g. bf16), else param itself (f32/f64). m and v have the master's (or param's) dtype; grad may be
+// bf16. All tensors are 1-d with the same length.
+struct AdamWParams {
+  double lr = 0.0;
+  double beta1 = 0.9, beta2 = 0.95, eps = 1e-8;
+  double weight_decay = 0.0;
+  double bias_correction1 = 1.0;  // 1 − β1^step
+  double bias_correction2 = 1.0;  // 1 − β2^step
+  double grad_scale = 1.0;        // gradient clipping factor
+};
+void adamw_update(Tensor param, Tensor master, Tensor m, Tensor v, Tensor grad, const AdamWParams& p);
+
+// Σ x² accumulated in double (returned on the host; a CUDA call synchronises). NaN/Inf propagate.
+double sum_squares(Tensor x);
+
 }  // namespace longtrain::ops

@@ -12,14 +12,18 @@ Device common_device(const char* op, std::initializer_list<const Tensor*> tensor
 
 }  // namespace longtrain
 
-// Calls backend::cuda::NAME or backend::cpu::NAME with the arguments, by the tensors' device.
+// Returns backend cuda::NAME(...) or cpu::NAME(...) by the tensors' device (a statement).
 #ifdef LONGTRAIN_HAS_CUDA
-#define LT_DISPATCH(device, NAME, ...)                                                  \
-  ((device) == ::longtrain::Device::cuda ? cuda::NAME(__VA_ARGS__) : cpu::NAME(__VA_ARGS__))
+#define LT_DISPATCH(device, NAME, ...)                                       \
+  do {                                                                       \
+    if ((device) == ::longtrain::Device::cuda) return cuda::NAME(__VA_ARGS__); \
+    return cpu::NAME(__VA_ARGS__);                                           \
+  } while (0)
 #else
-#define LT_DISPATCH(device, NAME, ...)                                                                  \
-  ((device) == ::longtrain::Device::cuda                                                                \
-       ? ::longtrain::raise_error(__FILE__, __LINE__, #NAME " on a CUDA tensor, but longtrain was built " \
-                                                          "without CUDA")                                \
-       : cpu::NAME(__VA_ARGS__))
+#define LT_DISPATCH(device, NAME, ...)                                                        \
+  do {                                                                                        \
+    if ((device) == ::longtrain::Device::cuda)                                                \
+      LT_FAIL("{} on a CUDA tensor, but longtrain was built without CUDA (-DLONGTRAIN_CUDA=ON)", #NAME); \
+    return cpu::NAME(__VA_ARGS__);                                                            \
+  } while (0)
 #endif

@@ -1,0 +1,147 @@
+// AdamW against a plain transcription of PyTorch's torch.optim.AdamW, the learning-rate schedules,
+// clipping, no-decay patterns, bf16 parameters with f32 master weights, and the flat-range ops.
+#include <cmath>
+
+#include <gtest/gtest.h>
+
+#include "kernels/ops.h"
+#include "test_util.h"
+#include "trainer/optimizer.h"
+
+namespace longtrain::trainer {
+namespace {
+
+AdamWConfig base_config() {
+  AdamWConfig c;
+  c.lr = 1e-2;
+  c.min_lr = 1e-3;
+  c.beta1 = 0.9;
+  c.beta2 = 0.95;
+  c.eps = 1e-8;
+  c.weight_decay = 0.1;
+  c.warmup_steps = 2;
+  c.total_steps = 10;
+  c.schedule = LrSchedule::cosine;
+  c.grad_clip = 0.0;
+  c.no_decay = {"norm"};
+  return c;
+}
+
+TEST(LearningRate, WarmupThenCosineLinearOrConstant) {
+  AdamWConfig c = base_config();
+  EXPECT_DOUBLE_EQ(learning_rate(c, 1), 0.5e-2);
+  EXPECT_DOUBLE_EQ(learning_rate(c, 2), 1e-2);
+  EXPECT_NEAR(learning_rate(c, 6), 1e-3 + 0.5 * 9e-3, 1e-15);  // halfway through the decay
+  EXPECT_DOUBLE_EQ(learning_rate(c, 10), 1e-3);
+  c.schedule = LrSchedule::linear;
+  EXPECT_NEAR(learning_rate(c, 4), 1e-3 + 0.75 * 9e-3, 1e-15);
+  c.schedule = LrSchedule::constant;
+  EXPECT_DOUBLE_EQ(learning_rate(c, 9), 1e-2);
+}
+
+// PyTorch's AdamW, one parameter tensor, in double.
+struct ReferenceAdamW {
+  std::vector<double> w, m, v;
+  void step(const std::vector<double>& g, double lr, double b1, double b2, double eps, double wd, int t) {
+    for (size_t i = 0; i < w.size(); ++i) {
+      w[i] *= 1.0 - lr * wd;
+      m[i] = b1 * m[i] + (1 - b1) * g[i];
+      v[i] = b2 * v[i] + (1 - b2) * g[i] * g[i];
+      const double mhat = m[i] / (1 - std::pow(b1, t)), vhat = v[i] / (1 - std::pow(b2, t));
+      w[i] -= lr * mhat / (std::sqrt(vhat) + eps);
+    }
+  }
+};
+
+TEST(AdamW, MatchesPyTorchsAdamWWithScheduleAndNoDecay) {
+  Arena params("parameters", Device::cpu), grads("gradients", Device::cpu);
+  for (Arena* a : {&params, &grads}) {
+    a->add("layers.0.weight", {5, 3}, DType::f64);
+    a->add("layers.0.norm.weight", {7}, DType::f64);
+    a->allocate();
+  }
+  test::HostTensor<double> init({22});
+  test::fill_uniform(init, 3);
+  std::copy(init.values.begin(), init.values.begin() + 15, params.get("layers.0.weight").ptr<double>());
+  std::copy(init.values.begin() + 15, init.values.end(), params.get("layers.0.norm.weight").ptr<double>());
+  ReferenceAdamW ref_w{std::vector<double>(init.values.begin(), init.values.begin() + 15), std::vector<double>(15),
+                       std::vector<double>(15)};
+  ReferenceAdamW ref_n{std::vector<double>(init.values.begin() + 15, init.values.end()), std::vector<double>(7),
+                       std::vector<double>(7)};
+  AdamWConfig c = base_config();
+  AdamW opt(params, c);
+  for (int t = 1; t <= 6; ++t) {
+    test::HostTensor<double> g({22});
+    test::fill_uniform(g, 100 + t);
+    std::copy(g.values.begin(), g.values.begin() + 15, grads.get("layers.0.weight").ptr<double>());
+    std::copy(g.values.begin() + 15, g.values.end(), grads.get("layers.0.norm.weight").ptr<double>());
+    AdamW::StepInfo info = opt.step(params, grads);
+    EXPECT_DOUBLE_EQ(info.lr, learning_rate(c, t));
+    ref_w.step({g.values.begin(), g.values.begin() + 15}, info.lr, c.beta1, c.beta2, c.eps, c.weight_decay, t);
+    ref_n.step({g.values.begin() + 15, g.values.end()}, info.lr, c.beta1, c.beta2, c.eps, 0.0, t);
+  }
+  const double* w = params.get("layers.0.weight").ptr<double>();
+  const double* n = params.get("layers.0.norm.weight").ptr<double>();
+  for (int i = 0; i < 15; ++i) EXPECT_NEAR(w[i], ref_w.w[i], 1e-14);
+  for (int i = 0; i < 7; ++i) EXPECT_NEAR(n[i], ref_n.w[i], 1e-14);
+}
+
+TEST(AdamW, ClipsByTheGlobalNorm) {
+  Arena params("parameters", Device::cpu), grads("gradients", Device::cpu);
+  for (Arena* a : {&params, &grads}) {
+    a->add("w", {4}, DType::f32);
+    a->allocate();
+  }
+  float* g = grads.get("w").ptr<float>();
+  g[0] = 3;
+  g[1] = 4;  // norm 5
+  AdamWConfig c = base_config();
+  c.grad_clip = 1.0;
+  AdamW opt(params, c);
+  AdamW::StepInfo info = opt.step(params, grads);
+  EXPECT_FLOAT_EQ(info.grad_norm, 5.0);
+  EXPECT_FLOAT_EQ(info.clip_scale, 0.2);
+  // The first Adam step moves each weight by lr·sign(g) whatever the scale (bias-corrected).
+  EXPECT_NEAR(params.get("w").ptr<float>()[0], -learning_rate(c, 1), 1e-6);
+}
+
+TEST(AdamW, Bf16ParametersKeepF32MasterWeights) {
+  Arena params("parameters", Device::cpu), grads("gradients", Device::cpu);
+  params.add("w", {64}, DType::bf16);
+  grads.add("w", {64}, DType::bf16);
+  params.allocate();
+  grads.allocate();
+  for (int i = 0; i < 64; ++i) {
+    params.get("w").ptr<bf16>()[i] = bf16(0.1f * static_cast<float>(i));
+    grads.get("w").ptr<bf16>()[i] = bf16(std::sin(static_cast<float>(i)));
+  }
+  AdamWConfig c = base_config();
+  c.lr = 1e-4;  // smaller than bf16 resolution near 1: only the master weights can hold the change
+  AdamW opt(params, c);
+  ASSERT_TRUE(opt.has_master());
+  for (int t = 0; t < 3; ++t) opt.step(params, grads);
+  const float* master = opt.master().get("w").ptr<float>();
+  for (int i = 0; i < 64; ++i) EXPECT_EQ(params.get("w").ptr<bf16>()[i].bits, bf16(master[i]).bits) << i;
+  EXPECT_NE(master[40], static_cast<float>(bf16(4.0f)));
+}
+
+TEST(FlatOps, SumSquaresAndConvert) {
+  test::HostTensor<float> x({1001});
+  test::fill_uniform(x, 9);
+  double ref = 0;
+  for (float v : x.values) ref += double(v) * v;
+  EXPECT_NEAR(ops::sum_squares(x), ref, 1e-12 * ref);
+  x[17] = NAN;
+  EXPECT_TRUE(std::isnan(ops::sum_squares(x)));
+  test::HostTensor<bf16> b({1001});
+  test::HostTensor<double> d({1001});
+  x[17] = 1.0f;
+  ops::convert(b, x);
+  ops::convert(d, b);
+  for (int i = 0; i < 1001; ++i) EXPECT_EQ(d[i], static_cast<float>(bf16(x[i])));
+  test::HostTensor<float> wrong({1000});
+  EXPECT_THROW(ops::convert(wrong, x), Error);
+}
+
+}  // namespace
+}  // namespace longtrain::trainer
