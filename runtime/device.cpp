@@ -23,6 +23,24 @@ bool cuda_available() {
 #endif
 }
 
+int cuda_device_count() {
+#ifdef LONGTRAIN_HAS_CUDA
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
+#else
+  return 0;
+#endif
+}
+
+void select_cuda_device(int index) {
+  const int n = cuda_device_count();
+  LT_CHECK(index >= 0 && index < n, "GPU {} requested but {} {} visible (CUDA_VISIBLE_DEVICES, --nproc-per-node)",
+           index, n, n == 1 ? "is" : "are");
+#ifdef LONGTRAIN_HAS_CUDA
+  LT_CUDA_CHECK(cudaSetDevice(index));
+#endif
+}
+
 void* device_alloc(Device device, size_t bytes) {
   if (bytes == 0) bytes = 1;
   if (device == Device::cpu) {

@@ -8,6 +8,10 @@
 namespace longtrain {
 
 bool cuda_available();  // built with CUDA and at least one device visible
+int cuda_device_count();  // 0 without CUDA
+// Makes GPU `index` current for this process (a rank uses its LOCAL_RANK); errors name the index and
+// how many GPUs are visible.
+void select_cuda_device(int index);
 
 void* device_alloc(Device device, size_t bytes);  // 256-byte aligned; throws on failure
 void device_free(Device device, void* ptr);

@@ -31,12 +31,24 @@ constexpr const char* kTrainerState = "trainer_state.json";
 constexpr const char* kOptimizerFile = "optimizer.safetensors";
 constexpr const char* kConfigFile = "config.yaml";
 
+// resolve_device has settled "auto": cuda trains in bf16 with f32 statistics and master weights.
 model::Precision precision_for(const TrainConfig& c) {
-  LT_CHECK(c.train.device == DeviceChoice::cpu,
-           "train.device is {}: the training loop runs on the CPU so far (CUDA training lands with the CUDA "
-           "backend); set train.device: cpu",
-           enum_name(c.train.device));
+  if (c.train.device == DeviceChoice::cuda) return model::Precision::cuda_mixed();
   return model::Precision::cpu(c.train.dtype == DTypeChoice::f64 ? DType::f64 : DType::f32);
+}
+
+// A host arena with the same table as `a` (for checkpoint I/O of device arenas); `copy_in` fills it.
+Arena host_mirror(const Arena& a, bool copy_in) {
+  Arena h(a.kind() + " (host)", Device::cpu);
+  for (const ArenaEntry& e : a.table()) h.add(e.name, e.shape, e.dtype);
+  h.allocate();
+  if (copy_in)
+    for (size_t i = 0; i < a.table().size(); ++i) copy(h.at(i), a.at(i));
+  return h;
+}
+
+void copy_arena(const Arena& dst, const Arena& src) {
+  for (size_t i = 0; i < src.table().size(); ++i) copy(dst.at(i), src.at(i));
 }
 
 AdamWConfig adamw_config(const TrainConfig& c) {
@@ -74,6 +86,8 @@ Ranks join_world(const TrainConfig& c) {
   Ranks r;
   const parallel::WorldInfo w = parallel::world_from_env();
   r.sp_size = static_cast<int>(c.parallel.sp_size);
+  const bool gpu = c.train.device == DeviceChoice::cuda;
+  if (gpu) select_cuda_device(w.local_rank);  // one GPU per rank, before any allocation
   if (w.world_size == 1) {
     LT_CHECK(r.sp_size == 1,
              "parallel.sp_size is {} but this is a single process: launch {} processes per sequence-parallel group "
@@ -83,6 +97,7 @@ Ranks join_world(const TrainConfig& c) {
   }
   parallel::DistributedOptions o;
   o.sp_size = r.sp_size;
+  o.backend = gpu ? parallel::Backend::nccl : parallel::Backend::gloo;
   o.timeout = parallel::Millis(static_cast<int64_t>(c.parallel.timeout_s * 1000));
   r.dist = std::make_unique<parallel::Distributed>(w, parallel::options_from_env(o));
   r.world_size = w.world_size;
@@ -117,11 +132,26 @@ data::LoaderOptions loader_options(const TrainConfig& c, const std::string& spli
   return o;
 }
 
-// A batch's vectors as the model's shard (CPU: views of the vectors themselves).
-model::TokenShard shard_of(data::Batch& b) {
+// A batch as the model's shard: on the CPU views of the batch's vectors, on a GPU copies of them in
+// `staging` (three i32 [T] entries: tokens, labels, positions).
+model::TokenShard shard_of(data::Batch& b, const Arena* staging = nullptr) {
   const int64_t n = static_cast<int64_t>(b.tokens.size());
-  return {Tensor(b.tokens.data(), DType::i32, {n}), Tensor(b.labels.data(), DType::i32, {n}),
-          Tensor(b.positions.data(), DType::i32, {n})};
+  model::TokenShard host{Tensor(b.tokens.data(), DType::i32, {n}), Tensor(b.labels.data(), DType::i32, {n}),
+                         Tensor(b.positions.data(), DType::i32, {n})};
+  if (!staging || staging->device() == Device::cpu) return host;
+  model::TokenShard dev{staging->get("tokens").narrow(0, n), staging->get("labels").narrow(0, n),
+                        staging->get("positions").narrow(0, n)};
+  copy(dev.tokens, host.tokens);
+  copy(dev.labels, host.labels);
+  copy(dev.positions, host.positions);
+  return dev;
+}
+
+Arena shard_staging(Device device, int64_t T) {
+  Arena a("token staging", device);
+  for (const char* name : {"tokens", "labels", "positions"}) a.add(name, {T}, DType::i32);
+  a.allocate();
+  return a;
 }
 
 int64_t valid_labels(const data::Batch& b) {
@@ -174,8 +204,21 @@ void save_checkpoint(const TrainConfig& c, const model::LlamaModel& model, AdamW
   CheckpointRef ref = save_checkpoint_dir(c.checkpoint.dir, rs.step, [&](const fs::path& tmp) {
     model::HfLlamaConfig hf;
     hf.model = c.model;
-    model::export_hf_directory(tmp.string(), hf, const_cast<model::LlamaModel&>(model).params());
-    model::save_safetensors((tmp / kOptimizerFile).string(), optimizer_tensors(opt));
+    const Arena& params = const_cast<model::LlamaModel&>(model).params();
+    if (params.device() == Device::cpu) {
+      model::export_hf_directory(tmp.string(), hf, params);
+      model::save_safetensors((tmp / kOptimizerFile).string(), optimizer_tensors(opt));
+    } else {
+      model::export_hf_directory(tmp.string(), hf, host_mirror(params, true));
+      Arena m = host_mirror(opt.m(), true), v = host_mirror(opt.v(), true);
+      std::vector<model::NamedTensor> t;
+      for (size_t i = 0; i < m.table().size(); ++i) t.push_back({"m." + m.table()[i].name, m.at(i)});
+      for (size_t i = 0; i < v.table().size(); ++i) t.push_back({"v." + v.table()[i].name, v.at(i)});
+      Arena master = opt.has_master() ? host_mirror(opt.master(), true) : Arena("none", Device::cpu);
+      if (opt.has_master())
+        for (size_t i = 0; i < master.table().size(); ++i) t.push_back({"master." + master.table()[i].name, master.at(i)});
+      model::save_safetensors((tmp / kOptimizerFile).string(), t);
+    }
     json state = {{"step", rs.step},
                   {"optimizer_steps", opt.steps_taken()},
                   {"consecutive_skips", rs.consecutive_skips},
@@ -205,9 +248,23 @@ RunState restore_checkpoint(const fs::path& dir, const TrainConfig& c, model::Ll
             "original values (or start a new run directory)",
             dir.string(), diff);
   }
-  model::load_safetensors((dir / "model.safetensors").string(), model.params());
   model::SafetensorsFile optim((dir / kOptimizerFile).string());
-  for (const model::NamedTensor& t : optimizer_tensors(opt)) optim.read(t.name, t.tensor);
+  if (model.params().device() == Device::cpu) {
+    model::load_safetensors((dir / "model.safetensors").string(), model.params());
+    for (const model::NamedTensor& t : optimizer_tensors(opt)) optim.read(t.name, t.tensor);
+  } else {
+    Arena params = host_mirror(model.params(), false);
+    model::load_safetensors((dir / "model.safetensors").string(), params);
+    copy_arena(model.params(), params);
+    auto load_state = [&](const char* prefix, Arena& device_arena) {
+      Arena h = host_mirror(device_arena, false);
+      for (size_t i = 0; i < h.table().size(); ++i) optim.read(std::string(prefix) + "." + h.table()[i].name, h.at(i));
+      copy_arena(device_arena, h);
+    };
+    load_state("m", opt.m());
+    load_state("v", opt.v());
+    if (opt.has_master()) load_state("master", opt.master());
+  }
   opt.set_steps_taken(state.at("optimizer_steps").get<int64_t>());
   loader.restore(state.at("loader").get<data::LoaderState>());
   RunState rs;
@@ -259,9 +316,10 @@ EvalResult evaluate(model::LlamaModel& model, data::Loader& loader, int64_t batc
   Arena losses("eval losses", model.precision().device);
   losses.add("losses", {T}, model.precision().stat);
   losses.allocate();
+  const Arena staging = shard_staging(model.precision().device, T);
   for (int64_t i = 0; i < n; ++i) {
     data::Batch b = loader.next();
-    model.forward(shard_of(b), losses.get("losses"));
+    model.forward(shard_of(b, &staging), losses.get("losses"));
     std::vector<double> per_token = host_values(losses.get("losses"));
     for (size_t t = 0; t < per_token.size(); ++t) {
       if (b.labels[t] == model::LlamaModel::kIgnoreIndex) continue;
@@ -392,6 +450,7 @@ TrainSummary train(TrainConfig c, const std::string& resume, const TrainHooks& h
   const auto start = clock::now();
   int64_t steps_timed = 0;
   std::vector<data::Batch> batches(static_cast<size_t>(micro));
+  const Arena staging = shard_staging(precision.device, loader.local_len());
   while (rs.step < c.train.steps) {
     const auto t0 = clock::now();
     const int64_t step = rs.step + 1;
@@ -406,7 +465,7 @@ TrainSummary train(TrainConfig c, const std::string& resume, const TrainHooks& h
     model.zero_grads();
     double loss_sum = 0.0;
     for (auto& b : batches) {
-      loss_sum += model.forward_backward(shard_of(b), 1.0 / count).sum;
+      loss_sum += model.forward_backward(shard_of(b, &staging), 1.0 / count).sum;
       if (hooks.after_backward) hooks.after_backward(step, model);
     }
     // Every rank's gradient is its share of the global one (its tokens, its data): sum them. The
