@@ -4,6 +4,9 @@
 #include <fmt/ranges.h>
 
 #include "parallel/gloo_communicator.h"
+#ifdef LONGTRAIN_HAS_CUDA
+#include "parallel/nccl_communicator.h"
+#endif
 #include "runtime/error.h"
 
 namespace longtrain::parallel {
@@ -50,9 +53,14 @@ std::unique_ptr<Communicator> make_communicator(Backend backend, TcpStore& store
     case Backend::gloo:
       return std::make_unique<GlooCommunicator>(store, name, global_ranks, my_global_rank, options);
     case Backend::nccl:
-      LT_FAIL("communicator '{}': the NCCL backend is not built yet (CUDA tensors); use the Gloo backend with CPU "
+#ifdef LONGTRAIN_HAS_CUDA
+      return std::make_unique<NcclCommunicator>(store, name, global_ranks, my_global_rank, options);
+#else
+      LT_FAIL("communicator '{}': the NCCL backend is not in this build (longtrain was built without CUDA; "
+              "configure with -DLONGTRAIN_CUDA=ON on a machine with CUDA and NCCL); use the Gloo backend with CPU "
               "tensors",
               name);
+#endif
   }
   LT_FAIL("unknown communicator backend {}", static_cast<int>(backend));
 }

@@ -1,7 +1,8 @@
 // Communicator: collectives and point-to-point transfers among the ranks of one process group. One
 // interface, two backends: Gloo for CPU tensors (gloo_communicator.h; every parallel algorithm runs
-// and is tested on CPU with several processes) and NCCL for CUDA tensors (not written yet: it will
-// add a communication stream and events to order it against compute; see make_communicator).
+// and is tested on CPU with several processes) and NCCL for CUDA tensors (nccl_communicator.h, in
+// CUDA builds: its operations are queued on a communication stream ordered against the compute
+// stream by events, so they return before the device has done them; see there).
 //
 // Tensors are contiguous views (f32, f64, bf16, i32) used as flat ranges; the element counts below
 // are numel(). Ranks are numbered inside the group: rank() in [0, size()); ranks() maps them to
@@ -11,7 +12,8 @@
 // Failure: every blocking call is bounded by timeout(). When it passes, or a peer's connection
 // breaks, the call throws longtrain::Error naming the operation, its sequence number, the group and
 // the rank(s) that did not arrive (each rank's progress is published through the store), and the
-// communicator is unusable afterwards.
+// communicator is unusable afterwards. (NCCL: a watchdog keeps the bound on the device and the next
+// call on the communicator throws; nccl_communicator.h.)
 #pragma once
 
 #include <atomic>
@@ -50,7 +52,8 @@ struct P2POp {
 // A batch of transfers in flight. wait() blocks until all of them completed (bounded by the
 // communicator's timeout, counted from the wait() call, so compute between start and wait is
 // free). Destroying an unwaited handle waits, so the tensors' memory is never left in use. The
-// tensors must stay alive, and the communicator too, until then.
+// tensors must stay alive, and the communicator too, until then. NCCL: wait() makes the compute
+// stream wait for the transfers instead of blocking the host (nccl_communicator.h).
 class P2PWork {
  public:
   virtual ~P2PWork() = default;
@@ -129,7 +132,8 @@ void check_comm_tensor(const char* op, const Tensor& t, Device device);
 // global rank `my_global_rank`, which must be one of them. Every member calls it with the same name
 // and ranks; it returns once all have joined, or throws naming the ranks that did not join within
 // the timeout. Names are scoped by a generation counter, so creating the same group twice in one
-// process is fine as long as every member does it. Backend::nccl is not built yet and throws.
+// process is fine as long as every member does it. Backend::nccl uses the calling thread's current
+// CUDA device (one GPU per rank) and exists only in CUDA builds; elsewhere it throws.
 std::unique_ptr<Communicator> make_communicator(Backend backend, TcpStore& store, const std::string& name,
                                                 const std::vector<int>& global_ranks, int my_global_rank,
                                                 CommOptions options = {});

@@ -1,5 +1,9 @@
 #include "parallel/distributed.h"
 
+#ifdef LONGTRAIN_HAS_CUDA
+#include "parallel/nccl_communicator.h"
+#endif
+
 #include <charconv>
 #include <cmath>
 #include <cstdlib>
@@ -154,12 +158,21 @@ StoreOptions store_options(const WorldInfo& w, const DistributedOptions& o) {
   return s;
 }
 
+// NCCL communicators live on the calling thread's current GPU: make it this rank's first.
+ProcessGroups create_groups(const WorldInfo& w, const DistributedOptions& o, TcpStore& store,
+                            const ParallelShape& shape) {
+#ifdef LONGTRAIN_HAS_CUDA
+  if (o.backend == Backend::nccl) select_local_cuda_device(w.local_rank, w.local_world_size);
+#endif
+  return create_process_groups(o.backend, store, shape, w.rank, CommOptions{o.timeout});
+}
+
 }  // namespace
 
 Distributed::Distributed(const WorldInfo& world, DistributedOptions options)
     : world_(world),
       shape_(checked_shape(world, options.sp_size)),
       store_(store_options(world, options)),
-      groups_(create_process_groups(options.backend, store_, shape_, world.rank, CommOptions{options.timeout})) {}
+      groups_(create_groups(world, options, store_, shape_)) {}
 
 }  // namespace longtrain::parallel

@@ -46,6 +46,8 @@ int first_tasks_per_node(std::string_view tasks_per_node);
 
 struct DistributedOptions {
   int sp_size = 1;
+  // gloo for CPU tensors; nccl for CUDA tensors (CUDA builds): the process then takes GPU
+  // LOCAL_RANK (cudaSetDevice) before its communicators are created, one GPU per rank.
   Backend backend = Backend::gloo;
   Millis timeout{300'000};
   Millis connect_timeout{300'000};

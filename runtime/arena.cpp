@@ -40,6 +40,12 @@ size_t Arena::add(const std::string& name, std::vector<int64_t> shape, DType dty
   return entries_.size() - 1;
 }
 
+void Arena::pad_to_multiple(size_t bytes) {
+  LT_CHECK(base_ == nullptr, "arena '{}': padded after allocation", kind_);
+  LT_CHECK(bytes > 0, "arena '{}': padding to a multiple of 0 bytes", kind_);
+  bytes_ = (bytes_ + bytes - 1) / bytes * bytes;
+}
+
 void Arena::allocate() {
   LT_CHECK(base_ == nullptr, "arena '{}' allocated twice", kind_);
   // Round up to whole 256-byte blocks so the zeroing view below covers the allocation exactly.

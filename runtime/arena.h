@@ -34,6 +34,9 @@ class Arena {
 
   // Adds an entry; returns its index. Only before allocate().
   size_t add(const std::string& name, std::vector<int64_t> shape, DType dtype, bool align = true);
+  // Grows the arena's end (zero padding after the last entry) to a multiple of `bytes`, so that its
+  // flat view splits evenly into shards (ZeRO-1). Only before allocate().
+  void pad_to_multiple(size_t bytes);
   // Allocates the whole arena once and zeroes it.
   void allocate();
 

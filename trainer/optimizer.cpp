@@ -22,39 +22,52 @@ double learning_rate(const AdamWConfig& c, int64_t step) {
 
 double global_norm(const Arena& grads) { return std::sqrt(ops::sum_squares(grads.flat())); }
 
-AdamW::AdamW(const Arena& params, const AdamWConfig& config)
+
+AdamW::AdamW(const Arena& params, const AdamWConfig& config, int64_t shard_begin, int64_t shard_end)
     : config_(config), master_("master weights", params.device()), m_("adam m", params.device()),
       v_("adam v", params.device()) {
   LT_CHECK(config.beta1 >= 0 && config.beta1 < 1 && config.beta2 >= 0 && config.beta2 < 1,
            "optim.beta1 and optim.beta2 must lie in [0, 1) (got {}, {})", config.beta1, config.beta2);
-  // Moments (and master weights for bf16 parameters) in f32; f64 when the model itself is f64.
-  const DType pdt = params.table().front().dtype;
-  const DType sdt = pdt == DType::f64 ? DType::f64 : DType::f32;
+  const Tensor flat = params.flat();
+  begin_ = shard_begin;
+  end_ = shard_end < 0 ? flat.numel() : shard_end;
+  LT_CHECK(0 <= begin_ && begin_ <= end_ && end_ <= flat.numel(), "optimizer shard [{}, {}) outside the {} parameters",
+           begin_, end_, flat.numel());
+  // Which elements decay: one segment per parameter tensor, by name (padding between tensors is
+  // zero and stays zero either way).
+  const size_t elem = dtype_size(flat.dtype);
   for (const ArenaEntry& e : params.table()) {
-    m_.add(e.name, e.shape, sdt);
-    v_.add(e.name, e.shape, sdt);
-    if (pdt != sdt) master_.add(e.name, e.shape, sdt);
+    bool decay = true;
+    for (const std::string& pattern : config_.no_decay)
+      if (e.name.find(pattern) != std::string::npos) decay = false;
+    const int64_t b = std::max(begin_, static_cast<int64_t>(e.offset / elem));
+    const int64_t en = std::min(end_, static_cast<int64_t>(e.offset / elem) + e.numel);
+    if (b < en) segments_.push_back({b, en, decay});
   }
+  // Moments (and master weights for bf16 parameters) in f32; f64 when the model itself is f64.
+  const DType sdt = flat.dtype == DType::f64 ? DType::f64 : DType::f32;
+  const int64_t n = end_ - begin_;
+  m_.add("m", {std::max<int64_t>(n, 1)}, sdt);
+  v_.add("v", {std::max<int64_t>(n, 1)}, sdt);
   m_.allocate();
   v_.allocate();
-  if (pdt != sdt) {
+  if (flat.dtype != sdt) {
+    master_.add("master", {std::max<int64_t>(n, 1)}, sdt);
     master_.allocate();
-    for (size_t i = 0; i < params.table().size(); ++i) ops::convert(master_.at(i), params.at(i));
+    if (n > 0) ops::convert(master_.flat().narrow(0, n), flat.narrow(0, begin_, n));
   }
-}
-
-bool AdamW::decays(const std::string& name) const {
-  for (const std::string& pattern : config_.no_decay)
-    if (name.find(pattern) != std::string::npos) return false;
-  return true;
 }
 
 AdamW::StepInfo AdamW::step(Arena& params, const Arena& grads) {
-  return step_with_norm(params, grads, global_norm(grads));
+  LT_CHECK(begin_ == 0 && end_ == params.flat().numel(), "AdamW::step on a sharded optimizer; use step_shard");
+  Tensor g = grads.flat();
+  return step_shard(params, g, std::sqrt(ops::sum_squares(g)));
 }
 
-AdamW::StepInfo AdamW::step_with_norm(Arena& params, const Arena& grads, double grad_norm) {
+AdamW::StepInfo AdamW::step_shard(Arena& params, Tensor grad_shard, double grad_norm) {
   LT_CHECK(std::isfinite(grad_norm), "AdamW step {} with a non-finite gradient norm", step_ + 1);
+  LT_CHECK(grad_shard.numel() == end_ - begin_, "AdamW: a gradient shard of {} elements for a shard of {}",
+           grad_shard.numel(), end_ - begin_);
   ++step_;
   StepInfo info;
   info.lr = learning_rate(config_, step_);
@@ -68,12 +81,13 @@ AdamW::StepInfo AdamW::step_with_norm(Arena& params, const Arena& grads, double 
   p.bias_correction1 = 1.0 - std::pow(config_.beta1, static_cast<double>(step_));
   p.bias_correction2 = 1.0 - std::pow(config_.beta2, static_cast<double>(step_));
   p.grad_scale = info.clip_scale;
-  for (size_t i = 0; i < params.table().size(); ++i) {
-    const ArenaEntry& e = params.table()[i];
-    p.weight_decay = decays(e.name) ? config_.weight_decay : 0.0;
-    auto flat = [](Tensor t) { return t.reshape({t.numel()}); };
-    ops::adamw_update(flat(params.at(i)), has_master() ? flat(master_.at(i)) : Tensor{}, flat(m_.at(i)),
-                      flat(v_.at(i)), flat(grads.at(i)), p);
+  const Tensor flat = params.flat();
+  for (const Segment& s : segments_) {
+    const int64_t n = s.end - s.begin, local = s.begin - begin_;
+    p.weight_decay = s.decay ? config_.weight_decay : 0.0;
+    ops::adamw_update(flat.narrow(0, s.begin, n), has_master() ? master_.flat().narrow(0, local, n) : Tensor{},
+                      m_.flat().narrow(0, local, n), v_.flat().narrow(0, local, n), grad_shard.narrow(0, local, n),
+                      p);
   }
   return info;
 }

@@ -35,37 +35,49 @@ double learning_rate(const AdamWConfig& c, int64_t step);
 // sqrt(Σ g²) over the whole arena (NaN/Inf when any gradient is).
 double global_norm(const Arena& grads);
 
+// AdamW over a flat range of the parameter arena: the whole arena on one rank, or this rank's shard
+// under ZeRO-1 (the ranks split the flat view into equal shards; each keeps optimizer state for its
+// shard only, and the updated shards are all-gathered). The state is three flat arenas (one entry
+// each): "master" (f32 master weights, only when the parameters are bf16), "m" and "v".
 class AdamW {
  public:
-  AdamW(const Arena& params, const AdamWConfig& config);
+  // Owns the flat elements [shard_begin, shard_end) of params.flat(); shard_end < 0 means the end.
+  AdamW(const Arena& params, const AdamWConfig& config, int64_t shard_begin = 0, int64_t shard_end = -1);
 
   struct StepInfo {
     double lr = 0.0;
     double grad_norm = 0.0;  // before clipping
     double clip_scale = 1.0;
   };
-  // One update from `grads` (already averaged over the global batch). Non-finite gradients must be
-  // caught by the caller before this (see global_norm).
+  // One rank: the update from the whole gradient arena (already averaged over the global batch).
   StepInfo step(Arena& params, const Arena& grads);
-  // Applies an update with a known grad norm (the caller may have all-reduced it).
-  StepInfo step_with_norm(Arena& params, const Arena& grads, double grad_norm);
+  // The update of this rank's shard from its gradient shard (flat, shard-sized) and the norm of
+  // the whole gradient (the caller sums the shards' squares over the ranks). Only the shard of
+  // `params` changes; the caller all-gathers it. Non-finite norms must be caught before this.
+  StepInfo step_shard(Arena& params, Tensor grad_shard, double grad_norm);
 
   int64_t steps_taken() const { return step_; }
   void set_steps_taken(int64_t s) { step_ = s; }
   const AdamWConfig& config() const { return config_; }
-  void set_total_steps(int64_t n) { config_.total_steps = n; }
+  int64_t shard_begin() const { return begin_; }
+  int64_t shard_end() const { return end_; }
 
-  // Optimizer state as arenas with the parameter table's names (m, v and, when separate, master).
   Arena& m() { return m_; }
   Arena& v() { return v_; }
   bool has_master() const { return master_.allocated(); }
   Arena& master() { return master_; }
 
  private:
-  bool decays(const std::string& name) const;
+  // A run of flat elements with one weight-decay setting (one parameter tensor, clipped to the shard).
+  struct Segment {
+    int64_t begin, end;  // flat element range
+    bool decay;
+  };
 
   AdamWConfig config_;
   int64_t step_ = 0;
+  int64_t begin_ = 0, end_ = 0;
+  std::vector<Segment> segments_;
   Arena master_, m_, v_;
 };
 

@@ -14,6 +14,8 @@
 #include <spdlog/spdlog.h>
 
 #include "model/hf_export.h"
+#include "attention/distributed/distributed_attention.h"
+#include "kernels/ops.h"
 #include "model/safetensors.h"
 #include "parallel/distributed.h"
 #include "runtime/device.h"
@@ -28,7 +30,6 @@ using nlohmann::json;
 namespace {
 
 constexpr const char* kTrainerState = "trainer_state.json";
-constexpr const char* kOptimizerFile = "optimizer.safetensors";
 constexpr const char* kConfigFile = "config.yaml";
 
 // resolve_device has settled "auto": cuda trains in bf16 with f32 statistics and master weights.
@@ -71,7 +72,7 @@ AdamWConfig adamw_config(const TrainConfig& c) {
 // data- and sequence-parallel ranks, and the communicators. A plain `longtrain train` is rank 0 of 1.
 struct Ranks {
   std::unique_ptr<parallel::Distributed> dist;
-  int world_size = 1, dp_rank = 0, dp_size = 1, sp_rank = 0, sp_size = 1;
+  int world_size = 1, global_rank = 0, dp_rank = 0, dp_size = 1, sp_rank = 0, sp_size = 1;
   bool main = true;  // global rank 0: writes the run directory, logs and checkpoints
 
   parallel::Communicator* world_comm() const { return dist ? &dist->world() : nullptr; }
@@ -101,6 +102,7 @@ Ranks join_world(const TrainConfig& c) {
   o.timeout = parallel::Millis(static_cast<int64_t>(c.parallel.timeout_s * 1000));
   r.dist = std::make_unique<parallel::Distributed>(w, parallel::options_from_env(o));
   r.world_size = w.world_size;
+  r.global_rank = w.rank;
   r.main = w.rank == 0;
   r.sp_rank = r.dist->sp().rank();
   r.dp_rank = r.dist->dp().rank();
@@ -111,9 +113,17 @@ Ranks join_world(const TrainConfig& c) {
 // The attention every layer runs: one block on a single rank, else the configured distributed
 // schedule over this rank's sequence-parallel group.
 std::unique_ptr<attn::SequenceAttention> make_attention(const TrainConfig& c, const Ranks& r) {
-  if (r.sp_size == 1) return nullptr;  // the model's default LocalSequenceAttention
-  LT_FAIL("parallel.sp_size {}: the distributed attention schedules are not wired into the trainer yet",
-          r.sp_size);
+  attn::SequenceAttentionSpec spec;
+  spec.schedule = attn::parse_schedule(enum_name(c.attention.schedule));
+  spec.causal = c.attention.causal;
+  spec.scale = 1.0 / std::sqrt(static_cast<double>(c.model.head_dim));
+  spec.layout = c.parallel.layout;
+  if (r.dist && r.sp_size > 1) {
+    spec.sp = &r.dist->sp();
+    spec.intra_node = &r.dist->intra_node();
+    spec.inter_node = &r.dist->inter_node();
+  }
+  return attn::make_sequence_attention(spec);
 }
 
 data::LoaderOptions loader_options(const TrainConfig& c, const std::string& split, const Ranks& r) {
@@ -178,16 +188,49 @@ std::string read_text(const fs::path& p) {
   return std::string(std::istreambuf_iterator<char>(in), {});
 }
 
-// Optimizer state as named tensors: "m.<param>", "v.<param>" (and "master.<param>").
-std::vector<model::NamedTensor> optimizer_tensors(AdamW& opt) {
-  std::vector<model::NamedTensor> out;
-  auto add = [&](const char* prefix, const Arena& a) {
-    for (size_t i = 0; i < a.table().size(); ++i) out.push_back({fmt::format("{}.{}", prefix, a.table()[i].name), a.at(i)});
+// This rank's optimizer state file in a checkpoint: the flat shard of m, v (and the f32 master
+// weights) with the shard's place recorded, so a resume with another world size is refused clearly.
+std::string optimizer_file(int rank) { return fmt::format("optimizer.rank{}.safetensors", rank); }
+
+void save_optimizer_shard(const fs::path& path, AdamW& opt, const Ranks& ranks) {
+  std::vector<Arena> host;
+  std::vector<model::NamedTensor> tensors;
+  for (Arena* a : {&opt.m(), &opt.v(), opt.has_master() ? &opt.master() : nullptr}) {
+    if (!a) continue;
+    const Arena& h = a->device() == Device::cpu ? *a : host.emplace_back(host_mirror(*a, true));
+    tensors.push_back({h.table()[0].name, h.at(0).narrow(0, opt.shard_end() - opt.shard_begin())});
+  }
+  model::SafetensorsSaveOptions so;
+  so.metadata = {{"world_size", std::to_string(ranks.world_size)},
+                 {"rank", std::to_string(ranks.global_rank)},
+                 {"shard_begin", std::to_string(opt.shard_begin())},
+                 {"shard_end", std::to_string(opt.shard_end())}};
+  model::save_safetensors(path.string(), tensors, so);
+}
+
+void load_optimizer_shard(const fs::path& dir, AdamW& opt, const Ranks& ranks) {
+  const fs::path path = dir / optimizer_file(ranks.global_rank);
+  LT_CHECK(fs::exists(path),
+           "cannot resume from {}: it has no optimizer shard for rank {} ({}); it was written by a run with fewer "
+           "ranks: resume with the world size it was trained with",
+           dir.string(), ranks.global_rank, path.filename().string());
+  model::SafetensorsFile f(path.string());
+  auto meta = [&](const char* key) -> int64_t {
+    auto it = f.metadata().find(key);
+    LT_CHECK(it != f.metadata().end(), "{}: metadata '{}' missing", path.string(), key);
+    return std::stoll(it->second);
   };
-  add("m", opt.m());
-  add("v", opt.v());
-  if (opt.has_master()) add("master", opt.master());
-  return out;
+  LT_CHECK(meta("world_size") == ranks.world_size && meta("shard_begin") == opt.shard_begin() &&
+               meta("shard_end") == opt.shard_end(),
+           "cannot resume from {}: its optimizer state was sharded over {} ranks and this run has {}: resume with "
+           "the world size it was trained with (longtrain-run --nnodes/--nproc-per-node)",
+           dir.string(), meta("world_size"), ranks.world_size);
+  for (Arena* a : {&opt.m(), &opt.v(), opt.has_master() ? &opt.master() : nullptr}) {
+    if (!a) continue;
+    Arena h = host_mirror(*a, false);
+    f.read(h.table()[0].name, h.at(0).narrow(0, opt.shard_end() - opt.shard_begin()));
+    copy_arena(*a, h);
+  }
 }
 
 struct RunState {
@@ -197,27 +240,34 @@ struct RunState {
   int64_t tokens_seen = 0;
 };
 
+// Collective: every rank writes its optimizer shard into the temporary directory rank 0 opened,
+// then rank 0 writes the model, the trainer state and the config and commits the directory.
 void save_checkpoint(const TrainConfig& c, const model::LlamaModel& model, AdamW& opt, const data::Loader& loader,
-                     const RunState& rs, std::optional<fs::path>& last) {
+                     const RunState& rs, const Ranks& ranks, std::optional<fs::path>& last) {
   CheckpointSaveOptions so;
   so.keep_last = static_cast<int>(c.checkpoint.keep_last);
-  CheckpointRef ref = save_checkpoint_dir(c.checkpoint.dir, rs.step, [&](const fs::path& tmp) {
+  std::optional<PendingCheckpoint> pending;
+  fs::path tmp;
+  if (ranks.main) {
+    pending = begin_checkpoint(c.checkpoint.dir, rs.step);
+    tmp = pending->tmp_dir;
+  }
+  const std::string key = fmt::format("checkpoint/step_{}/tmp_dir", rs.step);
+  if (ranks.dist) {
+    if (ranks.main) ranks.dist->store().set(key, tmp.string());
+    else tmp = ranks.dist->store().get(key);
+  }
+  try {
+    save_optimizer_shard(tmp / optimizer_file(ranks.global_rank), opt, ranks);
+    if (ranks.dist) ranks.dist->world().barrier();  // every shard is on disk
+    if (!ranks.main) return;
     model::HfLlamaConfig hf;
     hf.model = c.model;
     const Arena& params = const_cast<model::LlamaModel&>(model).params();
     if (params.device() == Device::cpu) {
       model::export_hf_directory(tmp.string(), hf, params);
-      model::save_safetensors((tmp / kOptimizerFile).string(), optimizer_tensors(opt));
     } else {
       model::export_hf_directory(tmp.string(), hf, host_mirror(params, true));
-      Arena m = host_mirror(opt.m(), true), v = host_mirror(opt.v(), true);
-      std::vector<model::NamedTensor> t;
-      for (size_t i = 0; i < m.table().size(); ++i) t.push_back({"m." + m.table()[i].name, m.at(i)});
-      for (size_t i = 0; i < v.table().size(); ++i) t.push_back({"v." + v.table()[i].name, v.at(i)});
-      Arena master = opt.has_master() ? host_mirror(opt.master(), true) : Arena("none", Device::cpu);
-      if (opt.has_master())
-        for (size_t i = 0; i < master.table().size(); ++i) t.push_back({"master." + master.table()[i].name, master.at(i)});
-      model::save_safetensors((tmp / kOptimizerFile).string(), t);
     }
     json state = {{"step", rs.step},
                   {"optimizer_steps", opt.steps_taken()},
@@ -225,20 +275,25 @@ void save_checkpoint(const TrainConfig& c, const model::LlamaModel& model, AdamW
                   {"skipped_total", rs.skipped_total},
                   {"tokens_seen", rs.tokens_seen},
                   {"seed", c.train.seed},
+                  {"world_size", ranks.world_size},
                   {"loader", loader.state()},
                   {"config_hash", config_hash(c)}};
     write_file_atomically(tmp / kTrainerState, state.dump(2) + "\n");
     write_file_atomically(tmp / kConfigFile, resolved_yaml(c));
     if (!c.data.tokenizer.empty() && fs::exists(c.data.tokenizer))
       fs::copy_file(c.data.tokenizer, tmp / "tokenizer.model", fs::copy_options::overwrite_existing);
-  }, so);
-  last = ref.path;
-  spdlog::info("checkpoint {} written", ref.path.string());
+    CheckpointRef ref = commit_checkpoint(*pending, so);
+    last = ref.path;
+    spdlog::info("checkpoint {} written", ref.path.string());
+  } catch (...) {
+    if (pending) abort_checkpoint(*pending);
+    throw;
+  }
 }
 
 // Restores model, optimizer, loader and counters from `dir`; the config must hash the same.
 RunState restore_checkpoint(const fs::path& dir, const TrainConfig& c, model::LlamaModel& model, AdamW& opt,
-                            data::Loader& loader) {
+                            data::Loader& loader, const Ranks& ranks) {
   json state = json::parse(read_text(dir / kTrainerState));
   const std::string saved_hash = state.at("config_hash").get<std::string>();
   if (saved_hash != config_hash(c)) {
@@ -248,22 +303,13 @@ RunState restore_checkpoint(const fs::path& dir, const TrainConfig& c, model::Ll
             "original values (or start a new run directory)",
             dir.string(), diff);
   }
-  model::SafetensorsFile optim((dir / kOptimizerFile).string());
+  load_optimizer_shard(dir, opt, ranks);
   if (model.params().device() == Device::cpu) {
     model::load_safetensors((dir / "model.safetensors").string(), model.params());
-    for (const model::NamedTensor& t : optimizer_tensors(opt)) optim.read(t.name, t.tensor);
   } else {
     Arena params = host_mirror(model.params(), false);
     model::load_safetensors((dir / "model.safetensors").string(), params);
     copy_arena(model.params(), params);
-    auto load_state = [&](const char* prefix, Arena& device_arena) {
-      Arena h = host_mirror(device_arena, false);
-      for (size_t i = 0; i < h.table().size(); ++i) optim.read(std::string(prefix) + "." + h.table()[i].name, h.at(i));
-      copy_arena(device_arena, h);
-    };
-    load_state("m", opt.m());
-    load_state("v", opt.v());
-    if (opt.has_master()) load_state("master", opt.master());
   }
   opt.set_steps_taken(state.at("optimizer_steps").get<int64_t>());
   loader.restore(state.at("loader").get<data::LoaderState>());
@@ -395,12 +441,16 @@ TrainSummary train(TrainConfig c, const std::string& resume, const TrainHooks& h
     if (metrics) metrics->write(j);
   };
 
-  model::LlamaModel model(c.model, precision, c.model.checkpoint, loader.local_len(), make_attention(c, ranks));
+  // Parameters are replicated; the optimizer state is sharded over every rank (ZeRO-1): rank r
+  // updates the r-th equal slice of the flat parameter buffer and the slices are all-gathered.
+  model::LlamaModel model(c.model, precision, c.model.checkpoint, loader.local_len(), make_attention(c, ranks),
+                          ranks.world_size);
   model.initialize(static_cast<uint64_t>(c.train.seed), c.model.init_std);
-  AdamW opt(model.params(), adamw_config(c));
+  const int64_t shard = model.params().flat().numel() / ranks.world_size;
+  AdamW opt(model.params(), adamw_config(c), ranks.global_rank * shard, (ranks.global_rank + 1) * shard);
   RunState rs;
   if (resume_from) {
-    rs = restore_checkpoint(resume_from->path, c, model, opt, loader);
+    rs = restore_checkpoint(resume_from->path, c, model, opt, loader, ranks);
     log->info("resumed from {} at step {}", resume_from->path.string(), rs.step);
   }
 
@@ -443,7 +493,7 @@ TrainSummary train(TrainConfig c, const std::string& resume, const TrainHooks& h
     return e;
   };
   auto checkpoint = [&] {
-    if (ranks.main) save_checkpoint(c, model, opt, loader, rs, summary.last_checkpoint);
+    save_checkpoint(c, model, opt, loader, rs, ranks, summary.last_checkpoint);
   };
 
   using clock = std::chrono::steady_clock;
@@ -470,10 +520,15 @@ TrainSummary train(TrainConfig c, const std::string& resume, const TrainHooks& h
     }
     // Every rank's gradient is its share of the global one (its tokens, its data): sum them. The
     // update then runs identically on every rank, so the replicas stay bit-identical.
-    ranks.sum(model.grads().flat());
-    ranks.sum(&loss_sum, 1);
-    const double loss = loss_sum / count;
-    const double norm = global_norm(model.grads());
+    // Each rank's gradient is its share of the global one (its tokens, its data). Reduce-scatter
+    // them: rank r gets the sum over ranks of its shard, all the optimizer needs.
+    const Tensor grads = model.grads().flat();
+    const Tensor grad_shard = grads.narrow(0, opt.shard_begin(), shard);
+    if (ranks.dist) ranks.dist->world().reduce_scatter(grad_shard, grads);
+    double sums[2] = {loss_sum, ops::sum_squares(grad_shard)};
+    ranks.sum(sums, 2);
+    const double loss = sums[0] / count;
+    const double norm = std::sqrt(sums[1]);
     rs.step = step;
     rs.tokens_seen += tokens_per_step;
 
@@ -497,7 +552,11 @@ TrainSummary train(TrainConfig c, const std::string& resume, const TrainHooks& h
       record({{"step", step}, {"skipped", true}});
     } else {
       rs.consecutive_skips = 0;
-      AdamW::StepInfo info = opt.step_with_norm(model.params(), model.grads(), norm);
+      AdamW::StepInfo info = opt.step_shard(model.params(), grad_shard, norm);
+      if (ranks.dist) {  // every rank gets every updated shard: the replicas stay bit-identical
+        const Tensor params = model.params().flat();
+        ranks.dist->world().all_gather(params, params.narrow(0, opt.shard_begin(), shard));
+      }
       summary.losses.push_back(loss);
       const double dt = std::chrono::duration<double>(clock::now() - t0).count();
       ++steps_timed;

@@ -1,19 +1,25 @@
 // Local block attention (attention/local_attention.h) on the CPU: the forward against the definition
 // (full score matrix, softmax), the backward against central finite differences and against the
-// definition, blocks merged with lse_merge against the whole sequence, the merge's empty cases, and
-// argument errors.
+// definition, blocks merged with lse_merge against the whole sequence, long blocks cut into several
+// query tiles, bit-identical results for any thread count, the merge's empty cases, and argument
+// errors.
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <limits>
 #include <ostream>
 #include <random>
 #include <string>
+#include <thread>
 #include <type_traits>
 #include <vector>
 
+#include "attention/cpu/work_items.h"
 #include "attention/local_attention.h"
 #include "test_util.h"
 
@@ -511,6 +517,154 @@ INSTANTIATE_TEST_SUITE_P(LocalAttention, BlocksEqualWhole,
                                          Case{kMQA, BlockMask::none, 37, 37}),
                          case_name);
 
+// ---- long blocks: several query tiles ------------------------------------------------------------
+
+// The CPU path cuts a block into tiles of query rows; these blocks have several (the last one partial)
+// and the head_dim of the CPU demo's model. Forward and backward against the definition, on fused
+// strided views, with dq/dk/dv accumulating onto random initial values. Inputs are rounded to f32 for
+// both dtypes, so one reference serves both.
+template <class T>
+void check_long_block(const Dims& s, BlockMask mask, const Inputs& in, const Reference& ref, double scale) {
+  BlockTensors<T> t(s, true);
+  store<T>(t.q, in.q);
+  store<T>(t.k, in.k);
+  store<T>(t.v, in.v);
+  store<T>(t.d_o, in.d_o);
+  const std::vector<double> dq0 = random_values<float>(in.q.size(), 94, -0.25, 0.25);
+  const std::vector<double> dk0 = random_values<float>(in.k.size(), 95, -0.25, 0.25);
+  const std::vector<double> dv0 = random_values<float>(in.v.size(), 96, -0.25, 0.25);
+  store<T>(t.dq, dq0);
+  store<T>(t.dk, dk0);
+  store<T>(t.dv, dv0);
+  attention_block_forward(t.o, t.lse, t.q, t.k, t.v, mask, scale);
+  attention_delta(t.delta, t.o, t.d_o);
+  attention_block_backward(t.dq, t.dk, t.dv, t.q, t.k, t.v, t.d_o, t.lse, t.delta, mask, scale);
+
+  auto increment = [](const std::vector<double>& after, const std::vector<double>& before) {
+    std::vector<double> d(after.size());
+    for (size_t i = 0; i < d.size(); ++i) d[i] = after[i] - before[i];
+    return d;
+  };
+  const double err_o = test::relative_error(fetch<T>(t.o), ref.o);
+  const double err_lse = test::relative_error(fetch<T>(t.lse), ref.lse);
+  // Gradients are compared as increments: the initial values are not part of what is measured.
+  const double err_dq = test::relative_error(increment(fetch<T>(t.dq), dq0), ref.dq);
+  const double err_dk = test::relative_error(increment(fetch<T>(t.dk), dk0), ref.dk);
+  const double err_dv = test::relative_error(increment(fetch<T>(t.dv), dv0), ref.dv);
+  std::printf("  %s %s %ldx%ld: O %.2e, LSE %.2e, dq %.2e, dk %.2e, dv %.2e\n", dtype_label<T>(),
+              mask == BlockMask::causal_diagonal ? "causal" : "none  ", static_cast<long>(s.tq),
+              static_cast<long>(s.tk), err_o, err_lse, err_dq, err_dk, err_dv);
+  EXPECT_LT(err_o, tolerance<T>());
+  EXPECT_LT(err_lse, tolerance<T>());
+  EXPECT_LT(err_dq, tolerance<T>());
+  EXPECT_LT(err_dk, tolerance<T>());
+  EXPECT_LT(err_dv, tolerance<T>());
+}
+
+TEST(LocalAttention, LongBlocksMatchTheDefinition) {
+  struct LongCase {
+    Dims dims;
+    BlockMask mask;
+  };
+  for (const LongCase& c : {LongCase{{600, 600, 4, 2, 32}, BlockMask::causal_diagonal},
+                            LongCase{{600, 600, 4, 2, 32}, BlockMask::none},
+                            LongCase{{211, 443, 4, 2, 32}, BlockMask::none}}) {
+    const double scale = 1.0 / std::sqrt(static_cast<double>(c.dims.d));
+    const Inputs in = make_inputs<float>(c.dims, 41);
+    const Reference ref = reference_attention(in, c.dims, c.mask, scale);
+    check_long_block<double>(c.dims, c.mask, in, ref, scale);
+    check_long_block<float>(c.dims, c.mask, in, ref, scale);
+  }
+}
+
+// ---- threads ---------------------------------------------------------------------------------------
+
+// Fixes the CPU attention's thread count for a scope.
+struct AttentionThreads {
+  explicit AttentionThreads(int n) { cpu::set_attention_threads(n); }
+  ~AttentionThreads() { cpu::set_attention_threads(0); }
+  AttentionThreads(const AttentionThreads&) = delete;
+  AttentionThreads& operator=(const AttentionThreads&) = delete;
+};
+
+// Every output of forward, delta and backward for one block, as computed with `threads` threads.
+template <class T>
+std::vector<std::vector<double>> outputs_with_threads(const Dims& s, BlockMask mask, int threads) {
+  AttentionThreads fixed(threads);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(s.d));
+  const Inputs in = make_inputs<T>(s, 53);
+  BlockTensors<T> t(s, true);
+  store<T>(t.q, in.q);
+  store<T>(t.k, in.k);
+  store<T>(t.v, in.v);
+  store<T>(t.d_o, in.d_o);
+  store<T>(t.dq, random_values<T>(in.q.size(), 97, -0.25, 0.25));
+  store<T>(t.dk, random_values<T>(in.k.size(), 98, -0.25, 0.25));
+  store<T>(t.dv, random_values<T>(in.v.size(), 99, -0.25, 0.25));
+  attention_block_forward(t.o, t.lse, t.q, t.k, t.v, mask, scale);
+  attention_delta(t.delta, t.o, t.d_o);
+  attention_block_backward(t.dq, t.dk, t.dv, t.q, t.k, t.v, t.d_o, t.lse, t.delta, mask, scale);
+  return {fetch<T>(t.o), fetch<T>(t.lse), fetch<T>(t.delta), fetch<T>(t.dq), fetch<T>(t.dk), fetch<T>(t.dv)};
+}
+
+// Work is split over threads by (query head, query tile) in the forward and by KV head in the
+// backward; no split may change a single bit, or runs would not reproduce across machines with
+// different core counts (and checkpoint resume would not be bit-exact).
+TEST(LocalAttention, ResultsAreBitIdenticalForAnyThreadCount) {
+  const Dims s{300, 300, 6, 3, 32};  // 5 query tiles × 6 heads forward, 3 KV heads backward
+  const char* names[] = {"o", "lse", "delta", "dq", "dk", "dv"};
+  for (BlockMask mask : {BlockMask::causal_diagonal, BlockMask::none}) {
+    const auto f64_1 = outputs_with_threads<double>(s, mask, 1);
+    const auto f32_1 = outputs_with_threads<float>(s, mask, 1);
+    for (int threads : {2, 3}) {
+      const auto f64_n = outputs_with_threads<double>(s, mask, threads);
+      const auto f32_n = outputs_with_threads<float>(s, mask, threads);
+      for (size_t i = 0; i < f64_1.size(); ++i) {
+        // Bit patterns, not values: -0 == 0 and NaN != NaN would hide or invent differences.
+        EXPECT_EQ(0, std::memcmp(f64_1[i].data(), f64_n[i].data(), f64_1[i].size() * sizeof(double)))
+            << "f64 " << names[i] << " differs between 1 and " << threads << " threads";
+        EXPECT_EQ(0, std::memcmp(f32_1[i].data(), f32_n[i].data(), f32_1[i].size() * sizeof(double)))
+            << "f32 " << names[i] << " differs between 1 and " << threads << " threads";
+      }
+    }
+  }
+}
+
+// The work-item runner (attention/cpu/work_items.h) itself: every item runs exactly once, a second
+// thread really takes items (so the test above compares real multi-threaded runs), OpenBLAS is held
+// at one thread inside a multi-threaded run and restored after it, and an item's error reaches the caller.
+TEST(CpuWorkItems, EveryItemRunsOnceAndHelpersTakePart) {
+  const int blas_threads = cpu::attention_threads();  // OpenBLAS's count: no fixed count is set
+  constexpr int64_t kItems = 40;
+  std::vector<std::atomic<int>> runs(kItems);
+  std::vector<int> worker_of(kItems, -1);
+  std::atomic<int> max_threads_inside{0};
+  cpu::run_work_items(kItems, 2, [&](int64_t item, int worker) {
+    runs[static_cast<size_t>(item)].fetch_add(1);
+    worker_of[static_cast<size_t>(item)] = worker;
+    max_threads_inside.store(std::max(max_threads_inside.load(), cpu::attention_threads()));
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));  // long enough for the helper to wake
+  });
+  for (int64_t i = 0; i < kItems; ++i) EXPECT_EQ(runs[static_cast<size_t>(i)].load(), 1) << "item " << i;
+  EXPECT_TRUE(std::all_of(worker_of.begin(), worker_of.end(), [](int w) { return w == 0 || w == 1; }));
+  EXPECT_TRUE(std::count(worker_of.begin(), worker_of.end(), 1) > 0) << "no item ran on the helper thread";
+  EXPECT_EQ(max_threads_inside.load(), 1) << "OpenBLAS was not held at one thread inside the run";
+  EXPECT_EQ(cpu::attention_threads(), blas_threads) << "OpenBLAS's thread count was not restored";
+
+  std::atomic<int> started{0};
+  auto failing = [&](int64_t item, int) {
+    started.fetch_add(1);
+    if (item == 3) LT_FAIL("item {} failed", item);
+  };
+  try {
+    cpu::run_work_items(kItems, 2, failing);
+    ADD_FAILURE() << "the item's error was not rethrown";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("item 3 failed"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(cpu::attention_threads(), blas_threads) << "OpenBLAS's thread count was not restored after an error";
+}
+
 // ---- lse_merge -----------------------------------------------------------------------------------
 
 constexpr int64_t kMergeRows = 7, kMergeHeads = 3;
@@ -682,6 +836,15 @@ TEST(LocalAttention, HeadDimMismatchIsAnError) {
   EXPECT_HAS(msg, "attention_block_forward: head_dim differs between q f64[5, 3, 6] cpu, k f64[5, 3, 4] cpu");
   msg = error_of([&] { attention_block_backward(dq, dk, dv, q, k, v, o, lse, delta, BlockMask::none, 0.4); });
   EXPECT_HAS(msg, "attention_block_backward: head_dim differs");
+}
+
+TEST(LocalAttention, OverlappingTokenRowsAreAnError) {
+  HostTensor<double> q({5, 3, 6}), k({5, 3, 6}), v({5, 3, 6}), o({5, 3, 6}), lse({5, 3});
+  Tensor k_overlapping = k;
+  k_overlapping.stride[0] = 4;  // token rows 4 apart but 6 long
+  const std::string msg =
+      error_of([&] { attention_block_forward(o, lse, q, k_overlapping, v, BlockMask::none, 0.4); });
+  EXPECT_HAS(msg, "attention_block_forward: k f64[5, 3, 6] cpu has token stride 4 < head_dim 6");
 }
 
 TEST(LocalAttention, MixedDtypesAndWrongShapesAreErrors) {

@@ -58,6 +58,70 @@ TEST_F(DistributedTrainTest, DataParallelEqualsOneRankWithTheWholeBatch) {
   EXPECT_TRUE(fs::exists(root_ / "runs/dp_two/checkpoints/step_10/model.safetensors"));
 }
 
+// Sequence parallelism through the trainer: 20 steps with the sequence split over 2 ranks give the
+// losses of 1 rank holding it whole, for every schedule.
+TEST_F(DistributedTrainTest, SequenceParallelTrainingEqualsOneRank) {
+  const std::vector<std::string> common = {"train.steps=20", "eval.batches=0", "checkpoint.every=0",
+                                           "train.batch_size=1", "optim.warmup_steps=2"};
+  TrainSummary single = train(config("sp_single", common));
+  struct Case {
+    const char* name;
+    const char* schedule;
+    const char* layout;
+  };
+  for (const Case& k : {Case{"sp_ring", "ring", "contiguous"}, Case{"sp_zigzag", "zigzag", "zigzag"},
+                        Case{"sp_distflash", "distflash", "contiguous"}, Case{"sp_burst", "burst", "zigzag"}}) {
+    std::string args = "train " + write_config(k.name).string();
+    for (const std::string& s : common) args += " --set " + s;
+    args += fmt::format(" --set parallel.sp_size=2 --set attention.schedule={} --set parallel.layout={}", k.schedule,
+                        k.layout);
+    ASSERT_EQ(launch(2, args), 0) << k.name;
+    std::vector<double> sp = logged_losses(root_ / "runs" / k.name);
+    ASSERT_EQ(sp.size(), single.losses.size()) << k.name;
+    double worst = 0;
+    for (size_t i = 0; i < sp.size(); ++i)
+      worst = std::max(worst, std::abs(sp[i] - single.losses[i]) / std::abs(single.losses[i]));
+    EXPECT_LT(worst, 1e-5) << k.name;
+    ::testing::Test::RecordProperty(k.name, fmt::format("{:.2e}", worst));
+  }
+}
+
+// ZeRO-1: each rank checkpoints its optimizer shard; resuming on the same world size continues the
+// uninterrupted run bit for bit, and another world size is refused naming both.
+TEST_F(DistributedTrainTest, ShardedOptimizerResumesBitExactly) {
+  auto args_for = [&](const std::string& name) {
+    std::string args = "train " + write_config(name).string();
+    for (const char* s : {"train.steps=8", "checkpoint.every=4", "eval.batches=0", "train.batch_size=2"})
+      args += std::string(" --set ") + s;
+    return args;
+  };
+  ASSERT_EQ(launch(2, args_for("zero_whole")), 0);
+  const fs::path step4 = root_ / "runs/zero_whole/checkpoints/step_4";
+  ASSERT_TRUE(fs::exists(step4 / "optimizer.rank0.safetensors"));
+  ASSERT_TRUE(fs::exists(step4 / "optimizer.rank1.safetensors"));
+
+  fs::create_directories(root_ / "runs/zero_resumed/checkpoints");
+  fs::copy(step4, root_ / "runs/zero_resumed/checkpoints/step_4", fs::copy_options::recursive);
+  ASSERT_EQ(launch(2, args_for("zero_resumed") + " --resume auto"), 0);
+  std::vector<double> whole = logged_losses(root_ / "runs/zero_whole"),
+                      resumed = logged_losses(root_ / "runs/zero_resumed");
+  ASSERT_EQ(whole.size(), 8u);
+  ASSERT_EQ(resumed.size(), 4u);
+  for (size_t i = 0; i < 4; ++i) EXPECT_EQ(resumed[i], whole[4 + i]) << "step " << 5 + i;
+  EXPECT_EQ(test::read_file(root_ / "runs/zero_whole/checkpoints/step_8/model.safetensors"),
+            test::read_file(root_ / "runs/zero_resumed/checkpoints/step_8/model.safetensors"));
+
+  // One process cannot take over the state of two.
+  TrainConfig one = config("zero_resumed", {"train.steps=8", "checkpoint.every=4", "eval.batches=0",
+                                            "train.batch_size=2"});
+  try {
+    train(one, (root_ / "runs/zero_whole/checkpoints/step_4").string());
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("sharded over 2 ranks and this run has 1"), std::string::npos) << e.what();
+  }
+}
+
 TEST_F(DistributedTrainTest, SequenceParallelSizeWithoutEnoughProcessesIsAClearError) {
   try {
     train(config("sp_alone", {"parallel.sp_size=2", "parallel.layout=zigzag"}));

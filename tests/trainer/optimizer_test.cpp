@@ -120,7 +120,7 @@ TEST(AdamW, Bf16ParametersKeepF32MasterWeights) {
   AdamW opt(params, c);
   ASSERT_TRUE(opt.has_master());
   for (int t = 0; t < 3; ++t) opt.step(params, grads);
-  const float* master = opt.master().get("w").ptr<float>();
+  const float* master = opt.master().flat().ptr<float>();
   for (int i = 0; i < 64; ++i) EXPECT_EQ(params.get("w").ptr<bf16>()[i].bits, bf16(master[i]).bits) << i;
   EXPECT_NE(master[40], static_cast<float>(bf16(4.0f)));
 }

@@ -1,0 +1,132 @@
+// Sequence-parallel attention: one sequence of S tokens split over the P ranks of a sequence-parallel
+// (SP) group, each rank holding S/P tokens in the chosen layout (parallel/layout.h), every rank
+// getting the exact O and LSE of its tokens over the whole sequence, and the exact dQ, dK, dV.
+// Four schedules compute the same function (docs/distributed-attention.md describes each):
+//
+//   ring       K/V rotate around the SP ring (P steps); the dK/dV accumulator of each K/V block
+//              follows it on the same ring and comes home after P-1 hops. Causal blocks above the
+//              diagonal are skipped, so with the contiguous layout rank r computes r + 1/2 blocks of
+//              (S/P)² while rank P-1 computes P - 1/2. Works with either layout; over the zigzag
+//              layout it computes exactly the zigzag schedule's blocks.
+//   zigzag     the ring over the zigzag layout (2P chunks; rank r holds chunks r and 2P-1-r): every
+//              rank computes the same area every step (half a block of (S/P)² when causal).
+//   distflash  DistFlashAttn over the contiguous layout: ⌊P/2⌋+1 steps; at step t a rank r >= t
+//              fetches K/V of rank r-t directly (point-to-point at distance t, prefetched during
+//              step t-1), and a rank that ran out of causal work helps rank r-t+P: it receives that
+//              rank's Q (backward: Q, dO, LSE and D), computes against its own K/V and sends the
+//              partial (O, LSE) (backward: dQ) back to the owner, which merges it. Backward mirrors
+//              it: owners send dK/dV partials back to the K/V's rank. Full attention (causal =
+//              false) fetches all P-1 remote K/V blocks the same way (P steps).
+//   burst      BurstAttention: forward rotates K/V like ring; backward rotates Q, dO, LSE and
+//              D = rowsum(dO ⊙ O) instead, keeps dK/dV local, and sends the dQ accumulator of the
+//              visiting Q block along behind it: per hop (3·D + 2)/(4·D) of ring's backward bytes
+//              with MHA (0.78 at D = 16, 0.754 at D = 128). With GQA/MQA, Q has more heads than
+//              K/V, so burst moves *more* than ring (Hq/Hkv times the Q-side tensors); use ring or
+//              zigzag there. Topology-aware double ring when the SP group spans nodes: blocks
+//              circulate on the intra-node ring, and each node's blocks move to the next node on
+//              the inter-node ring (GPUs with the same local rank) once per intra-node cycle, that
+//              transfer hidden behind the whole cycle; the dQ accumulators follow the same route,
+//              summed over nodes on the inter-node ring. Same bytes as the single ring.
+//              Layout: either. With zigzag it is balanced like zigzag; with contiguous it is correct
+//              but causal work is as unbalanced as ring's (rank r does r + 1/2 blocks in forward,
+//              P - r - 1/2 in backward), so configs should pair burst with zigzag.
+//
+// Common to all: the next step's inputs are posted (Communicator::start_p2p) before the current
+// block computes and waited for after it, into spare buffers that persist across calls (allocated
+// once per shape); partial O, LSE and the dQ/dK/dV accumulators that cross steps are in the
+// accumulator dtype (f32 for bf16 tensors on CUDA; the tensor dtype, f32 or f64, on CPU); K/V travel
+// with n_kv_heads, never expanded; blocks are computed by attention/local_attention.h with the mask
+// that follows from global chunk indices (block_plan.h), so any layout is exact.
+//
+// Every rank of the group calls forward/backward for every layer in the same order with the same
+// local length T = S/P (what the loader hands out); T must split into the layout's chunks
+// (zigzag: T even). The factory validates the schedule/layout pairing before any work.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "attention/sequence_attention.h"
+#include "parallel/communicator.h"
+#include "parallel/layout.h"
+
+namespace longtrain::attn {
+
+enum class Schedule : uint8_t { ring, zigzag, distflash, burst };
+
+std::string_view schedule_name(Schedule s);
+// "ring", "zigzag", "distflash" or "burst"; anything else is an error naming the accepted values.
+Schedule parse_schedule(std::string_view name);
+
+struct SequenceAttentionSpec {
+  Schedule schedule = Schedule::zigzag;
+  bool causal = true;
+  double scale = 0.0;  // softmax scale (usually 1/sqrt(head_dim)); must be > 0
+  SeqLayout layout = SeqLayout::zigzag;
+  // The SP group (not owned; must outlive the attention). Null or size 1: one rank holds the whole
+  // sequence and the factory returns LocalSequenceAttention.
+  parallel::Communicator* sp = nullptr;
+  // burst only (ignored by the others): this rank's intra-node and inter-node rings of the SP group
+  // (parallel/process_group.h). When both are given, the inter-node ring has more than one member
+  // and they tile the SP group as nodes × ranks per node, burst runs the double ring; otherwise (a
+  // group inside one node, or a ragged shape) it runs the single ring over `sp`.
+  parallel::Communicator* intra_node = nullptr;
+  parallel::Communicator* inter_node = nullptr;
+};
+
+// Throws longtrain::Error naming the setting and the fix: zigzag needs the zigzag layout, distflash
+// the contiguous one; scale > 0; communicators on one device and consistent with each other.
+void check_sequence_attention_spec(const SequenceAttentionSpec& spec);
+
+// The attention the model calls for this spec (validated first).
+std::unique_ptr<SequenceAttention> make_sequence_attention(const SequenceAttentionSpec& spec);
+
+// What one forward or backward call did, step by step, on this rank: the query-key pairs its block
+// calls covered (a causal diagonal block of n rows counts n(n+1)/2) and the bytes it sent. Tests
+// check balance and traffic with it; benchmarks turn it into idle fractions.
+struct ScheduleStep {
+  int64_t pairs = 0;
+  int64_t bytes_sent = 0;
+};
+struct ScheduleTrace {
+  // One entry per compute step, plus a trailing one for the transfers after the last step (the
+  // accumulators' last hops in a ring backward, distflash's last partial results).
+  std::vector<ScheduleStep> steps;
+  int64_t pairs() const;
+  int64_t bytes_sent() const;
+};
+
+// The base of the four schedules (schedules.h): the group, the layout and the traces.
+class DistributedAttention : public SequenceAttention {
+ public:
+  Schedule schedule() const { return schedule_; }
+  bool causal() const { return causal_; }
+  SeqLayout layout() const { return layout_; }
+  int sp_size() const { return sp_.size(); }
+  int sp_rank() const { return sp_.rank(); }
+  // "ring over 'sp0' (4 ranks)", "double ring: 2 nodes x 2 ranks", ... for logs.
+  virtual std::string describe() const = 0;
+
+  const ScheduleTrace& last_forward() const { return forward_trace_; }
+  const ScheduleTrace& last_backward() const { return backward_trace_; }
+
+ protected:
+  DistributedAttention(Schedule schedule, const SequenceAttentionSpec& spec);
+
+  // Checks the shapes of a forward/backward call (q [T, Hq, D], k/v [T, Hkv, D], T splitting into
+  // the layout's chunks, the output dtypes) and returns T. `op` names the call in errors.
+  int64_t check_call(const char* op, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o,
+                     const Tensor& lse) const;
+
+  Schedule schedule_;
+  bool causal_;
+  double scale_;
+  SeqLayout layout_;
+  parallel::Communicator& sp_;
+  ScheduleTrace forward_trace_, backward_trace_;
+};
+
+}  // namespace longtrain::attn

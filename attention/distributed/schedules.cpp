@@ -1,0 +1,372 @@
+// The distributed attention's shared parts (the base class, scratch, block calls), the ring/zigzag
+// and burst schedules, and the factory. distflash is in distflash_attention.cpp.
+#include "attention/distributed/schedules.h"
+
+#include <cmath>
+#include <limits>
+
+#include <fmt/format.h>
+
+namespace longtrain::attn {
+
+// ---- names, traces, base class ----------------------------------------------------------------------
+
+std::string_view schedule_name(Schedule s) {
+  switch (s) {
+    case Schedule::ring: return "ring";
+    case Schedule::zigzag: return "zigzag";
+    case Schedule::distflash: return "distflash";
+    case Schedule::burst: return "burst";
+  }
+  return "?";
+}
+
+Schedule parse_schedule(std::string_view name) {
+  for (Schedule s : {Schedule::ring, Schedule::zigzag, Schedule::distflash, Schedule::burst})
+    if (schedule_name(s) == name) return s;
+  LT_FAIL("unknown attention schedule '{}': use ring, zigzag, distflash or burst", name);
+}
+
+int64_t ScheduleTrace::pairs() const {
+  int64_t n = 0;
+  for (const ScheduleStep& s : steps) n += s.pairs;
+  return n;
+}
+
+int64_t ScheduleTrace::bytes_sent() const {
+  int64_t n = 0;
+  for (const ScheduleStep& s : steps) n += s.bytes_sent;
+  return n;
+}
+
+DistributedAttention::DistributedAttention(Schedule schedule, const SequenceAttentionSpec& spec)
+    : schedule_(schedule), causal_(spec.causal), scale_(spec.scale), layout_(spec.layout), sp_(*spec.sp) {}
+
+int64_t DistributedAttention::check_call(const char* op, const Tensor& q, const Tensor& k, const Tensor& v,
+                                         const Tensor& o, const Tensor& lse) const {
+  const std::string where = fmt::format("{} attention {} on sequence-parallel rank {} of {}", schedule_name(schedule_),
+                                        op, sp_.rank(), sp_.size());
+  LT_CHECK(q.ndim == 3 && k.ndim == 3 && v.ndim == 3, "{}: q {}, k {}, v {} must be [tokens, heads, head_dim]", where,
+           q.describe(), k.describe(), v.describe());
+  const int64_t T = q.size(0);
+  LT_CHECK(k.size(0) == T && v.size(0) == T,
+           "{}: q has {} tokens but k {} and v {}; sequence-parallel attention is self-attention over one shard", where,
+           T, k.size(0), v.size(0));
+  check_same_shape(k, v, "sequence-parallel attention: k and v");
+  LT_CHECK(k.size(2) == q.size(2), "{}: q {} and k {} differ in head_dim", where, q.describe(), k.describe());
+  LT_CHECK(k.size(1) > 0 && q.size(1) % k.size(1) == 0,
+           "{}: q has {} heads, not a multiple of the {} K/V heads (GQA/MQA need n_heads % n_kv_heads == 0)", where,
+           q.size(1), k.size(1));
+  LT_CHECK(q.dtype == k.dtype && q.dtype == v.dtype, "{}: q {}, k {} and v {} must share one dtype", where,
+           q.describe(), k.describe(), v.describe());
+  for (const Tensor* t : {&q, &k, &v, &o, &lse})
+    LT_CHECK(t->device == sp_.device(), "{}: {} is not on the device of the communicator {} ({})", where,
+             t->describe(), sp_.name(), sp_.device() == Device::cpu ? "cpu" : "cuda");
+  const DType acc = dist::accumulator_dtype(q.dtype);
+  LT_CHECK(o.ndim == 3 && o.size(0) == T && o.size(1) == q.size(1) && o.size(2) == q.size(2),
+           "{}: o {} must have the shape of q {}", where, o.describe(), q.describe());
+  LT_CHECK(o.dtype == q.dtype || o.dtype == acc, "{}: o {} must be {} or {}", where, o.describe(),
+           dtype_name(q.dtype), dtype_name(acc));
+  LT_CHECK(lse.ndim == 2 && lse.size(0) == T && lse.size(1) == q.size(1) && lse.dtype == acc,
+           "{}: lse {} must be {}[{}, {}] (the accumulator dtype of {} tensors)", where, lse.describe(),
+           dtype_name(acc), T, q.size(1), dtype_name(q.dtype));
+  const int64_t chunks_per_rank = layout_ == SeqLayout::zigzag ? 2 : 1;
+  LT_CHECK(T > 0 && T % chunks_per_rank == 0,
+           "{}: the local shard has {} tokens, which the {} layout cannot split into its {} chunk(s) per rank; "
+           "data.seq_len must be a multiple of {} (= {} x parallel.sp_size)",
+           where, T, layout_name(layout_), chunks_per_rank, chunks_per_rank * sp_.size(), chunks_per_rank);
+  return T;
+}
+
+namespace dist {
+
+// ---- scratch and block calls ------------------------------------------------------------------------
+
+ForwardScratch prepare_forward(MessageSlots& slots, Tensor o, Tensor lse) {
+  const DType acc = lse.dtype;
+  const int64_t T = o.size(0), H = o.size(1), D = o.size(2);
+  const bool separate = o.dtype != acc;
+  MessageSpec spec = {{{T, H, D}, acc}, {{T, H}, acc}};
+  if (separate) spec.push_back({{T, H, D}, acc});
+  slots.ensure(spec, 1, o.device);
+  ForwardScratch s{slots[0][0], slots[0][1], separate ? slots[0][2] : o};
+  fill_tensor(s.o_acc, 0.0);
+  fill_tensor(lse, -std::numeric_limits<double>::infinity());
+  return s;
+}
+
+void finish_forward(const ForwardScratch& s, Tensor o) {
+  if (s.o_acc.data != o.data) copy_tensor(o, s.o_acc);
+}
+
+BackwardScratch prepare_backward(MessageSlots& slots, Tensor dq, Tensor dk, Tensor dv, Tensor o, Tensor lse,
+                                 Tensor d_o) {
+  const DType acc = lse.dtype;
+  MessageSpec spec = {{{lse.size(0), lse.size(1)}, acc}};
+  const Tensor* grads[3] = {&dq, &dk, &dv};
+  for (const Tensor* g : grads)
+    if (g->dtype != acc) spec.push_back({{g->size(0), g->size(1), g->size(2)}, acc});
+  slots.ensure(spec, 1, lse.device);
+  BackwardScratch s;
+  s.delta = slots[0][0];
+  size_t part = 1;
+  Tensor* outs[3] = {&s.dq, &s.dk, &s.dv};
+  for (int i = 0; i < 3; ++i) {
+    if (grads[i]->dtype != acc) {
+      *outs[i] = slots[0][part++];
+      fill_tensor(*outs[i], 0.0);
+    } else {
+      *outs[i] = *grads[i];
+    }
+  }
+  attention_delta(s.delta, o, d_o);
+  return s;
+}
+
+void finish_backward(const BackwardScratch& s, Tensor dq, Tensor dk, Tensor dv) {
+  if (s.dq.data != dq.data) add_tensor(dq, s.dq);
+  if (s.dk.data != dk.data) add_tensor(dk, s.dk);
+  if (s.dv.data != dv.data) add_tensor(dv, s.dv);
+}
+
+void forward_call(const BlockCall& c, Tensor o_acc, Tensor lse_acc, Tensor o_blk, Tensor lse_blk, Tensor q, Tensor k,
+                  Tensor v, double scale) {
+  Tensor ob = o_blk.narrow(0, c.q_start, c.q_len), lb = lse_blk.narrow(0, c.q_start, c.q_len);
+  attention_block_forward(ob, lb, q.narrow(0, c.q_start, c.q_len), k.narrow(0, c.k_start, c.k_len),
+                          v.narrow(0, c.k_start, c.k_len), c.mask, scale);
+  lse_merge(o_acc.narrow(0, c.q_start, c.q_len), lse_acc.narrow(0, c.q_start, c.q_len), ob, lb);
+}
+
+void backward_call(const BlockCall& c, Tensor dq, Tensor dk, Tensor dv, Tensor q, Tensor k, Tensor v, Tensor d_o,
+                   Tensor lse, Tensor delta, double scale) {
+  auto rows = [&](const Tensor& t) { return t.narrow(0, c.q_start, c.q_len); };
+  auto keys = [&](const Tensor& t) { return t.narrow(0, c.k_start, c.k_len); };
+  attention_block_backward(rows(dq), keys(dk), keys(dv), rows(q), keys(k), keys(v), rows(d_o), rows(lse),
+                           rows(delta), c.mask, scale);
+}
+
+void check_backward_tensors(const char* schedule, Tensor dq, Tensor dk, Tensor dv, Tensor q, Tensor k, Tensor o,
+                            Tensor d_o) {
+  auto same = [&](const Tensor& a, const Tensor& b, const char* what) {
+    check_same_shape(a, b, fmt::format("{} attention backward: {}", schedule, what).c_str());
+  };
+  same(dq, q, "dq and q");
+  same(dk, k, "dk and k");
+  same(dv, k, "dv and v");
+  same(d_o, q, "d_o and q");
+  same(o, q, "o and q");
+  LT_CHECK(d_o.dtype == q.dtype, "{} attention backward: d_o {} must have q's dtype {}", schedule, d_o.describe(),
+           dtype_name(q.dtype));
+}
+
+namespace {
+
+MessageSpec kv_spec(const Tensor& k) {
+  return {{{k.size(0), k.size(1), k.size(2)}, k.dtype}, {{k.size(0), k.size(1), k.size(2)}, k.dtype}};
+}
+
+// The forward of ring, zigzag and burst: K/V blocks rotate over `topo`; at each round this rank's
+// queries meet the block it holds and the partial results merge into (o, lse).
+void rotating_kv_forward(RingRotation& rotation, MessageSlots& scratch, const RingTopology& topo, SeqLayout layout,
+                         bool causal, double scale, Tensor o, Tensor lse, Tensor q, Tensor k, Tensor v,
+                         ScheduleTrace& trace) {
+  const int64_t T = q.size(0);
+  const int P = topo.size(), me = topo.sp_rank();
+  const ForwardScratch s = prepare_forward(scratch, o, lse);
+  RotationHooks hooks;
+  hooks.compute = [&](int, int source, const Message* block, const Message*) {
+    const Tensor kk = block ? (*block)[0] : k, vv = block ? (*block)[1] : v;
+    int64_t pairs = 0;
+    for (const BlockCall& c : plan_block_calls(layout, P, T, me, source, causal)) {
+      forward_call(c, s.o_acc, lse, s.o_blk, s.lse_blk, q, kk, vv, scale);
+      pairs += c.pairs();
+    }
+    return pairs;
+  };
+  auto pack = [&](const Message& m) {
+    copy_tensor(m[0], k);
+    copy_tensor(m[1], v);
+  };
+  rotation.run(topo, kv_spec(k), {}, q.device, pack, hooks, trace);
+  finish_forward(s, o);
+}
+
+}  // namespace
+
+// ---- ring and zigzag ----------------------------------------------------------------------------------
+
+RingAttention::RingAttention(Schedule schedule, const SequenceAttentionSpec& spec)
+    : DistributedAttention(schedule, spec) {}
+
+std::string RingAttention::describe() const {
+  return fmt::format("{}: K/V ring over {} ({} ranks, {} layout, {})", schedule_name(schedule_), sp_.name(),
+                     sp_.size(), layout_name(layout_), causal_ ? "causal" : "full attention");
+}
+
+void RingAttention::forward(Tensor o, Tensor lse, Tensor q, Tensor k, Tensor v) {
+  ++counters.forward_calls;
+  check_call("forward", q, k, v, o, lse);
+  rotating_kv_forward(forward_rotation_, fwd_scratch_, RingTopology::single(sp_), layout_, causal_, scale_, o, lse, q,
+                      k, v, forward_trace_);
+  counters.bytes_sent += forward_trace_.bytes_sent();
+}
+
+void RingAttention::backward(Tensor dq, Tensor dk, Tensor dv, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse,
+                             Tensor d_o) {
+  ++counters.backward_calls;
+  const int64_t T = check_call("backward", q, k, v, o, lse);
+  check_backward_tensors(schedule_name(schedule_).data(), dq, dk, dv, q, k, o, d_o);
+  const int P = sp_.size(), me = sp_.rank();
+  const BackwardScratch s = prepare_backward(bwd_scratch_, dq, dk, dv, o, lse, d_o);
+  const DType acc = lse.dtype;
+  const MessageSpec dkv = {{{k.size(0), k.size(1), k.size(2)}, acc}, {{k.size(0), k.size(1), k.size(2)}, acc}};
+  RotationHooks hooks;
+  hooks.compute = [&](int, int source, const Message* block, const Message* grads) {
+    const Tensor kk = block ? (*block)[0] : k, vv = block ? (*block)[1] : v;
+    const Tensor gk = grads ? (*grads)[0] : s.dk, gv = grads ? (*grads)[1] : s.dv;
+    int64_t pairs = 0;
+    for (const BlockCall& c : plan_block_calls(layout_, P, T, me, source, causal_)) {
+      backward_call(c, s.dq, gk, gv, q, kk, vv, d_o, lse, s.delta, scale_);
+      pairs += c.pairs();
+    }
+    return pairs;
+  };
+  hooks.add_to_own = [&](const Message& m) {
+    add_tensor(s.dk, m[0]);
+    add_tensor(s.dv, m[1]);
+  };
+  auto pack = [&](const Message& m) {
+    copy_tensor(m[0], k);
+    copy_tensor(m[1], v);
+  };
+  backward_rotation_.run(RingTopology::single(sp_), kv_spec(k), dkv, q.device, pack, hooks, backward_trace_);
+  finish_backward(s, dq, dk, dv);
+  counters.bytes_sent += backward_trace_.bytes_sent();
+}
+
+// ---- burst --------------------------------------------------------------------------------------------
+
+namespace {
+
+// The double ring when every rank of the group can use it; the single ring otherwise. All ranks must
+// choose alike (they exchange blocks by the chosen route): when the rings are given (by every rank:
+// the spec is the same everywhere), the choice is agreed over the group with one small all-reduce.
+// A group inside one node (inter-node ring of one) or a ragged shape (rings that do not tile the
+// group, parallel::has_regular_rings false) runs the single ring.
+RingTopology burst_topology(const SequenceAttentionSpec& spec) {
+  parallel::Communicator& sp = *spec.sp;
+  if (spec.intra_node == nullptr || spec.inter_node == nullptr) return RingTopology::single(sp);
+  int32_t refuse = 1;
+  if (spec.inter_node->size() > 1 && spec.intra_node->size() * spec.inter_node->size() == sp.size()) {
+    refuse = 0;
+    try {
+      (void)RingTopology::double_ring(sp, *spec.intra_node, *spec.inter_node);
+    } catch (const Error&) {
+      refuse = 1;
+    }
+  }
+  // A host flag: the Gloo communicator takes it as is. (The NCCL one will need it on the device.)
+  Tensor flag(&refuse, DType::i32, {1}, Device::cpu);
+  sp.all_reduce(flag, parallel::ReduceOp::max);
+  if (refuse == 0) return RingTopology::double_ring(sp, *spec.intra_node, *spec.inter_node);
+  return RingTopology::single(sp);
+}
+
+}  // namespace
+
+BurstAttention::BurstAttention(const SequenceAttentionSpec& spec)
+    : DistributedAttention(Schedule::burst, spec), topology_(burst_topology(spec)) {}
+
+std::string BurstAttention::describe() const {
+  if (topology_.is_double())
+    return fmt::format("burst: double ring, {} nodes x {} ranks (intra-node ring {}, inter-node ring {}), {} "
+                       "layout, {}",
+                       topology_.I, topology_.L, topology_.intra->name(), topology_.inter->name(),
+                       layout_name(layout_), causal_ ? "causal" : "full attention");
+  return fmt::format("burst: single ring over {} ({} ranks, {} layout, {})", sp_.name(), sp_.size(),
+                     layout_name(layout_), causal_ ? "causal" : "full attention");
+}
+
+void BurstAttention::forward(Tensor o, Tensor lse, Tensor q, Tensor k, Tensor v) {
+  ++counters.forward_calls;
+  check_call("forward", q, k, v, o, lse);
+  rotating_kv_forward(forward_rotation_, fwd_scratch_, topology_, layout_, causal_, scale_, o, lse, q, k, v,
+                      forward_trace_);
+  counters.bytes_sent += forward_trace_.bytes_sent();
+}
+
+void BurstAttention::backward(Tensor dq, Tensor dk, Tensor dv, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse,
+                              Tensor d_o) {
+  ++counters.backward_calls;
+  const int64_t T = check_call("backward", q, k, v, o, lse);
+  check_backward_tensors("burst", dq, dk, dv, q, k, o, d_o);
+  const int P = sp_.size(), me = sp_.rank();
+  const BackwardScratch s = prepare_backward(bwd_scratch_, dq, dk, dv, o, lse, d_o);
+  const DType acc = lse.dtype;
+  const int64_t Hq = q.size(1), D = q.size(2);
+  // The Q side of a block: Q, dO, LSE and D = rowsum(dO ⊙ O) (so O itself never travels).
+  const MessageSpec q_side = {{{T, Hq, D}, q.dtype}, {{T, Hq, D}, d_o.dtype}, {{T, Hq}, acc}, {{T, Hq}, acc}};
+  const MessageSpec dq_spec = {{{T, Hq, D}, acc}};
+  RotationHooks hooks;
+  hooks.compute = [&](int, int source, const Message* block, const Message* grads) {
+    const Tensor qq = block ? (*block)[0] : q, gg = block ? (*block)[1] : d_o, ll = block ? (*block)[2] : lse,
+                 dd = block ? (*block)[3] : s.delta;
+    const Tensor gq = grads ? (*grads)[0] : s.dq;
+    int64_t pairs = 0;
+    for (const BlockCall& c : plan_block_calls(layout_, P, T, source, me, causal_)) {
+      backward_call(c, gq, s.dk, s.dv, qq, k, v, gg, ll, dd, scale_);
+      pairs += c.pairs();
+    }
+    return pairs;
+  };
+  hooks.add_to_own = [&](const Message& m) { add_tensor(s.dq, m[0]); };
+  auto pack = [&](const Message& m) {
+    copy_tensor(m[0], q);
+    copy_tensor(m[1], d_o);
+    copy_tensor(m[2], lse);
+    copy_tensor(m[3], s.delta);
+  };
+  backward_rotation_.run(topology_, q_side, dq_spec, q.device, pack, hooks, backward_trace_);
+  finish_backward(s, dq, dk, dv);
+  counters.bytes_sent += backward_trace_.bytes_sent();
+}
+
+}  // namespace dist
+
+// ---- factory ------------------------------------------------------------------------------------------
+
+void check_sequence_attention_spec(const SequenceAttentionSpec& spec) {
+  LT_CHECK(spec.scale > 0 && std::isfinite(spec.scale),
+           "sequence attention: the softmax scale must be a positive number (usually 1/sqrt(head_dim)), got {}",
+           spec.scale);
+  if (spec.schedule == Schedule::zigzag)
+    LT_CHECK(spec.layout == SeqLayout::zigzag,
+             "attention.schedule zigzag needs parallel.layout zigzag (it balances causal work through that layout); "
+             "use schedule ring or distflash with the contiguous layout");
+  if (spec.schedule == Schedule::distflash)
+    LT_CHECK(spec.layout == SeqLayout::contiguous,
+             "attention.schedule distflash needs parallel.layout contiguous (it balances causal work by moving "
+             "queries between ranks); use schedule zigzag or burst with the zigzag layout");
+  LT_CHECK((spec.intra_node == nullptr) == (spec.inter_node == nullptr),
+           "sequence attention: pass both the intra-node and the inter-node ring (burst's double ring) or neither");
+  if (spec.sp == nullptr) return;
+  for (const parallel::Communicator* c : {spec.intra_node, spec.inter_node})
+    LT_CHECK(c == nullptr || c->device() == spec.sp->device(),
+             "sequence attention: communicator {} is on another device than the sequence-parallel group {}",
+             c ? c->name() : "", spec.sp->name());
+}
+
+std::unique_ptr<SequenceAttention> make_sequence_attention(const SequenceAttentionSpec& spec) {
+  check_sequence_attention_spec(spec);
+  if (spec.sp == nullptr || spec.sp->size() == 1)
+    return std::make_unique<LocalSequenceAttention>(spec.causal, spec.scale);
+  switch (spec.schedule) {
+    case Schedule::ring:
+    case Schedule::zigzag: return std::make_unique<dist::RingAttention>(spec.schedule, spec);
+    case Schedule::distflash: return std::make_unique<dist::DistFlashAttention>(spec);
+    case Schedule::burst: return std::make_unique<dist::BurstAttention>(spec);
+  }
+  LT_FAIL("unknown attention schedule {}", static_cast<int>(spec.schedule));
+}
+
+}  // namespace longtrain::attn

@@ -1,0 +1,244 @@
+// comm_bench: all_reduce and send/recv bus bandwidth through longtrain's NCCL communicator on the
+// GPUs of one node, written beside torch.distributed's numbers measured in the same run (the anchor
+// JSON of a torch script started by torchrun on the same machine just before).
+//
+//   longtrain-run --nproc-per-node 2 -- comm_bench [--sizes-mib 1,2,4,...,1024] [--anchor torch.json]
+//       [--out result.json] [--commit SHA] [--topology FILE] [--warmup 5]
+//
+// Sizes are bytes per rank in f32: the all_reduce buffer; the send buffer and the receive buffer of
+// send/recv. Each rank sends to the next rank and receives from the previous one in one batch
+// (nccl-tests' sendrecv; with 2 ranks both directions of the link are busy).
+// Timing: after a barrier, CUDA events on the compute stream around `iters` back-to-back calls (each
+// call makes the communication stream wait for the compute stream and the compute stream wait for
+// it: the cost a trainer pays), iters = clamp(4 GiB / bytes, 20, 200) after `warmup` calls; an
+// operation's time is the slowest rank's mean. algbw = bytes / time (GB/s = 1e9 B/s); busbw = algbw
+// x 2(n-1)/n for all_reduce, = algbw for send/recv (nccl-tests' conventions). The torch anchor uses
+// the same sizes, iteration counts and formulas.
+#include <cuda_runtime_api.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <ctime>
+#include <fstream>
+#include <functional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "parallel/distributed.h"
+#include "parallel/nccl_communicator.h"
+#include "runtime/cuda_check.h"
+#include "runtime/device.h"
+
+using namespace longtrain;
+using namespace longtrain::parallel;
+using nlohmann::json;
+
+namespace {
+
+struct Options {
+  std::vector<int64_t> sizes_mib{1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024};
+  std::string anchor, out, commit = "unknown", topology;
+  int warmup = 5;
+  std::string command;
+};
+
+Options parse(int argc, char** argv) {
+  Options o;
+  for (int i = 0; i < argc; ++i) o.command += (i ? " " : "") + std::string(argv[i]);
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto next = [&]() -> std::string {
+      LT_CHECK(i + 1 < argc, "comm_bench: {} needs a value", a);
+      return argv[++i];
+    };
+    if (a == "--sizes-mib") {
+      o.sizes_mib.clear();
+      std::stringstream ss(next());
+      for (std::string item; std::getline(ss, item, ',');) o.sizes_mib.push_back(std::stoll(item));
+    } else if (a == "--anchor") {
+      o.anchor = next();
+    } else if (a == "--out") {
+      o.out = next();
+    } else if (a == "--commit") {
+      o.commit = next();
+    } else if (a == "--topology") {
+      o.topology = next();
+    } else if (a == "--warmup") {
+      o.warmup = std::stoi(next());
+    } else {
+      LT_FAIL("comm_bench: unknown argument '{}' (see the comment at the top of bench/comm_bench.cpp)", a);
+    }
+  }
+  return o;
+}
+
+int iterations(int64_t bytes) {
+  return static_cast<int>(std::clamp<int64_t>((int64_t{4} << 30) / bytes, 20, 200));
+}
+
+struct DeviceBuffer {
+  void* p = nullptr;
+  explicit DeviceBuffer(size_t bytes) : p(device_alloc(Device::cuda, bytes)) {}
+  ~DeviceBuffer() { device_free(Device::cuda, p); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+};
+
+struct Row {
+  std::string op;
+  int64_t bytes = 0;
+  int iters = 0;
+  double time_us = 0, algbw = 0, busbw = 0;
+};
+
+// Mean time of one call in microseconds, the slowest rank's.
+double time_calls(NcclCommunicator& c, int warmup, int iters, const std::function<void()>& call) {
+  for (int i = 0; i < warmup; ++i) call();
+  c.barrier();
+  cudaEvent_t start, stop;
+  LT_CUDA_CHECK(cudaEventCreate(&start));
+  LT_CUDA_CHECK(cudaEventCreate(&stop));
+  LT_CUDA_CHECK(cudaEventRecord(start, cuda_stream()));
+  for (int i = 0; i < iters; ++i) call();
+  LT_CUDA_CHECK(cudaEventRecord(stop, cuda_stream()));
+  LT_CUDA_CHECK(cudaEventSynchronize(stop));
+  float ms = 0;
+  LT_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  float us = ms * 1000.0f / static_cast<float>(iters);
+  DeviceBuffer slowest(sizeof(float));
+  const Tensor t(slowest.p, DType::f32, {1}, Device::cuda);
+  copy(t, Tensor(&us, DType::f32, {1}));
+  c.all_reduce(t, ReduceOp::max);
+  copy(Tensor(&us, DType::f32, {1}), t);
+  return us;
+}
+
+json machine_info(const Options& o, int world_size) {
+  int device = 0, count = 0, driver = 0, runtime = 0;
+  LT_CUDA_CHECK(cudaGetDevice(&device));
+  LT_CUDA_CHECK(cudaGetDeviceCount(&count));
+  cudaDeviceProp prop{};
+  LT_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+  cudaDriverGetVersion(&driver);
+  cudaRuntimeGetVersion(&runtime);
+  char host[256] = {};
+  ::gethostname(host, sizeof(host) - 1);
+  json m = {{"gpu", prop.name},
+            {"gpus_visible", count},
+            {"ranks", world_size},
+            {"gpu_memory_gib", std::round(prop.totalGlobalMem / double(1 << 30) * 10) / 10},
+            {"driver", driver},
+            {"cuda_runtime", runtime},
+            {"nccl", nccl_version()},
+            {"host", host}};
+  if (!o.topology.empty()) {
+    std::ifstream f(o.topology);
+    std::stringstream ss;
+    ss << f.rdbuf();
+    m["topology"] = ss.str();
+  }
+  return m;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    const Options o = parse(argc, argv);
+    const WorldInfo w = world_from_env();
+    DistributedOptions dopt;
+    dopt.backend = Backend::nccl;
+    Distributed d(w, options_from_env(dopt));
+    auto& c = dynamic_cast<NcclCommunicator&>(d.world());
+    const int n = c.size(), next = (c.rank() + 1) % n, prev = (c.rank() + n - 1) % n;
+    LT_CHECK(n >= 2, "comm_bench needs at least 2 ranks (start it with longtrain-run --nproc-per-node 2)");
+
+    const int64_t max_bytes = *std::max_element(o.sizes_mib.begin(), o.sizes_mib.end()) << 20;
+    DeviceBuffer reduce_buf(max_bytes), send_buf(max_bytes), recv_buf(max_bytes);
+    LT_CUDA_CHECK(cudaMemset(reduce_buf.p, 0, max_bytes));
+    LT_CUDA_CHECK(cudaMemset(send_buf.p, 0, max_bytes));
+
+    std::vector<Row> rows;
+    for (const std::string op : {"all_reduce", "sendrecv"}) {
+      for (int64_t mib : o.sizes_mib) {
+        const int64_t bytes = mib << 20, elems = bytes / 4;
+        Row row{op, bytes, iterations(bytes)};
+        const Tensor reduce(reduce_buf.p, DType::f32, {elems}, Device::cuda);
+        const Tensor send(send_buf.p, DType::f32, {elems}, Device::cuda);
+        const Tensor recv(recv_buf.p, DType::f32, {elems}, Device::cuda);
+        const P2POp batch[] = {P2POp::send(send, next), P2POp::recv(recv, prev)};
+        std::function<void()> call = [&] { c.all_reduce(reduce); };
+        if (op == "sendrecv") call = [&] { c.start_p2p(batch)->wait(); };
+        row.time_us = time_calls(c, o.warmup, row.iters, call);
+        row.algbw = static_cast<double>(bytes) / row.time_us / 1e3;
+        row.busbw = op == "all_reduce" ? row.algbw * 2.0 * (n - 1) / n : row.algbw;
+        rows.push_back(row);
+        if (c.rank() == 0) {
+          std::printf("%-10s %7lld MiB  %9.1f us  algbw %7.1f GB/s  busbw %7.1f GB/s\n", op.c_str(),
+                      static_cast<long long>(mib), row.time_us, row.algbw, row.busbw);
+          std::fflush(stdout);
+        }
+      }
+    }
+    c.synchronize();
+    if (c.rank() != 0 || o.out.empty()) return 0;
+
+    json anchor;
+    if (!o.anchor.empty()) {
+      std::ifstream f(o.anchor);
+      LT_CHECK(f.good(), "comm_bench: cannot read the anchor '{}'", o.anchor);
+      anchor = json::parse(f);
+    }
+    json out_rows = json::array();
+    for (const Row& r : rows) {
+      json row = {{"op", r.op},
+                  {"bytes", r.bytes},
+                  {"iters", r.iters},
+                  {"ours", {{"time_us", std::round(r.time_us * 10) / 10},
+                            {"algbw_GBps", std::round(r.algbw * 10) / 10},
+                            {"busbw_GBps", std::round(r.busbw * 10) / 10}}}};
+      for (const json& a : anchor.is_object() ? anchor.value("rows", json::array()) : json::array()) {
+        if (a.at("op") != r.op || a.at("bytes").get<int64_t>() != r.bytes) continue;
+        row["torch"] = {{"time_us", std::round(a.at("time_us").get<double>() * 10) / 10},
+                        {"algbw_GBps", std::round(a.at("algbw_GBps").get<double>() * 10) / 10},
+                        {"busbw_GBps", std::round(a.at("busbw_GBps").get<double>() * 10) / 10}};
+        row["ratio_busbw_ours_over_torch"] = std::round(r.busbw / a.at("busbw_GBps").get<double>() * 1000) / 1000;
+      }
+      out_rows.push_back(row);
+    }
+    char date[32];
+    const std::time_t now = std::time(nullptr);
+    std::strftime(date, sizeof(date), "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
+    json result = {
+        {"benchmark", "all_reduce and send/recv bus bandwidth, f32, one rank per GPU, one node"},
+        {"date", date},
+        {"commit", o.commit},
+        {"command", o.command},
+        {"machine", machine_info(o, n)},
+        {"ours", "longtrain NcclCommunicator (bench/comm_bench.cpp): all_reduce(t); start_p2p({send next, recv "
+                 "prev})->wait(); each call ordered against the compute stream by events"},
+        {"timing", "CUDA events on the compute stream around iters = clamp(4 GiB / bytes, 20, 200) back-to-back "
+                   "calls after warmup calls and a barrier; the slowest rank's mean. algbw = bytes / time; busbw = "
+                   "algbw * 2(n-1)/n (all_reduce), = algbw (sendrecv); GB/s = 1e9 B/s"},
+        {"rows", out_rows}};
+    if (!o.anchor.empty()) {
+      result["anchor"] = {{"file", o.anchor}};
+      for (const char* key : {"script", "command", "torch_version", "nccl_version", "note"}) {
+        if (anchor.contains(key)) result["anchor"][key] = anchor[key];
+      }
+    }
+    std::ofstream(o.out) << result.dump(1) << "\n";
+    std::printf("wrote %s\n", o.out.c_str());
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "comm_bench: %s\n", e.what());
+    return 1;
+  }
+}
