@@ -3,6 +3,7 @@
 #include <cmath>
 #include <vector>
 
+#include "model/memory_plan.h"
 #include "runtime/device.h"
 
 namespace longtrain::model {
@@ -46,13 +47,6 @@ Tensor heads_view(const Tensor& qkv, int64_t col, int64_t heads, int64_t D) {
   return v;
 }
 
-// The tensors each layer keeps under each policy; everything else is per-step scratch.
-bool keeps(CheckpointPolicy policy, const std::string& what) {
-  if (policy == CheckpointPolicy::none) return true;
-  if (policy == CheckpointPolicy::remat_aware) return what == "o" || what == "lse";
-  return false;
-}
-
 // Σ of a [T] tensor on any device, in double on the host.
 double sum_to_host(const Tensor& t) {
   if (t.dtype == DType::f64 && t.device == Device::cpu) {
@@ -79,7 +73,7 @@ int64_t count_valid_labels(const Tensor& labels, int32_t ignore_index) {
 }  // namespace
 
 LlamaModel::LlamaModel(const LlamaConfig& config, Precision precision, CheckpointPolicy policy, int64_t max_tokens,
-                       std::unique_ptr<attn::SequenceAttention> attention)
+                       std::unique_ptr<attn::SequenceAttention> attention, int64_t flat_shards)
     : config_(config), precision_(precision), policy_(policy), max_tokens_(max_tokens),
       attention_(std::move(attention)), params_("parameters", precision.device),
       grads_("gradients", precision.device), acts_("activations", precision.device) {
@@ -91,45 +85,17 @@ LlamaModel::LlamaModel(const LlamaConfig& config, Precision precision, Checkpoin
 
   add_parameter_entries(params_, config_, precision_.param);
   add_parameter_entries(grads_, config_, precision_.param);
+  LT_CHECK(flat_shards >= 1, "flat_shards must be at least 1 (got {})", flat_shards);
+  params_.pad_to_multiple(static_cast<size_t>(flat_shards) * dtype_size(precision_.param));
+  grads_.pad_to_multiple(static_cast<size_t>(flat_shards) * dtype_size(precision_.param));
   params_.allocate();
   grads_.allocate();
   p_ = parameter_views(params_, config_);
   g_ = parameter_views(grads_, config_);
 
-  const int64_t T = max_tokens, C = config_.dim, F = config_.ffn_dim, Hq = config_.n_heads;
-  const DType act = precision_.act, stat = precision_.stat;
-  // Residual stream: x_0 .. x_L, the one tensor every policy keeps per layer.
-  for (int64_t l = 0; l <= config_.n_layers; ++l) acts_.add(fmt::format("residual.{}", l), {T, C}, act);
-  // Per-layer tensors, kept per layer or as one scratch copy, by policy.
-  struct Kind {
-    const char* name;
-    std::vector<int64_t> shape;
-    DType dtype;
-  };
-  const Kind kinds[] = {
-      {"n1", {T, C}, act},          {"rstd1", {T}, stat},       {"qkv", {T, config_.qkv_dim()}, act},
-      {"o", {T, Hq, config_.head_dim}, act}, {"lse", {T, Hq}, stat}, {"h", {T, C}, act},
-      {"n2", {T, C}, act},          {"rstd2", {T}, stat},       {"gate_up", {T, 2 * F}, act},
-      {"s", {T, F}, act},
-  };
-  for (const Kind& k : kinds) {
-    if (keeps(policy_, k.name)) {
-      for (int64_t l = 0; l < config_.n_layers; ++l) acts_.add(fmt::format("layers.{}.{}", l, k.name), k.shape, k.dtype);
-    } else {
-      acts_.add(fmt::format("scratch.{}", k.name), k.shape, k.dtype);
-    }
-  }
-  // Scratch of the forward (projection outputs) and of the backward (activation gradients).
-  acts_.add("proj", {T, C}, act);
-  acts_.add("final_norm", {T, C}, act);
-  acts_.add("final_rstd", {T}, stat);
-  acts_.add("losses", {T}, stat);
-  acts_.add("d_residual", {T, C}, act);
-  acts_.add("d_norm", {T, C}, act);
-  acts_.add("d_s", {T, F}, act);
-  acts_.add("d_gate_up", {T, 2 * F}, act);
-  acts_.add("d_o", {T, Hq * config_.head_dim}, act);
-  acts_.add("d_qkv", {T, config_.qkv_dim()}, act);
+  // The activation table (model/memory_plan.cpp), shared with the memory plan so that the plan is
+  // exactly what is allocated here.
+  add_activation_entries(acts_, config_, precision_, policy_, max_tokens);
   acts_.allocate();
 }
 
@@ -137,7 +103,7 @@ void LlamaModel::zero_grads() { zero(grads_.flat()); }
 
 LlamaModel::LayerActs LlamaModel::layer_acts(int64_t l, int64_t T) const {
   auto get = [&](const char* name) {
-    Tensor t = keeps(policy_, name) ? acts_.get(fmt::format("layers.{}.{}", l, name))
+    Tensor t = keeps_activation(policy_, name) ? acts_.get(fmt::format("layers.{}.{}", l, name))
                                     : acts_.get(fmt::format("scratch.{}", name));
     return t.narrow(0, T);  // the first T tokens of a buffer sized for max_tokens
   };

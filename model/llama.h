@@ -63,8 +63,10 @@ struct LossSum {
 class LlamaModel {
  public:
   // Allocates parameters, gradients and activations for shards of up to `max_tokens` tokens.
+  // flat_shards > 1 pads the parameter and gradient arenas so their flat views split into that many
+  // equal shards (ZeRO-1 over the ranks).
   LlamaModel(const LlamaConfig& config, Precision precision, CheckpointPolicy policy, int64_t max_tokens,
-             std::unique_ptr<attn::SequenceAttention> attention = nullptr);
+             std::unique_ptr<attn::SequenceAttention> attention = nullptr, int64_t flat_shards = 1);
 
   const LlamaConfig& config() const { return config_; }
   CheckpointPolicy policy() const { return policy_; }

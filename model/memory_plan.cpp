@@ -1,0 +1,250 @@
+#include "model/memory_plan.h"
+
+#include <algorithm>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+
+#ifdef LONGTRAIN_HAS_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+#include "kernels/ops.h"
+#include "model/parameters.h"
+
+namespace longtrain::model {
+
+bool keeps_activation(CheckpointPolicy policy, std::string_view kind) {
+  if (policy == CheckpointPolicy::none) return true;
+  if (policy == CheckpointPolicy::remat_aware) return kind == "o" || kind == "lse";
+  return false;
+}
+
+void add_activation_entries(Arena& acts, const LlamaConfig& config, const Precision& precision,
+                            CheckpointPolicy policy, int64_t max_tokens) {
+  const int64_t T = max_tokens, C = config.dim, F = config.ffn_dim, Hq = config.n_heads;
+  const DType act = precision.act, stat = precision.stat;
+  // Residual stream: x_0 .. x_L, the one tensor every policy keeps per layer.
+  for (int64_t l = 0; l <= config.n_layers; ++l) acts.add(fmt::format("residual.{}", l), {T, C}, act);
+  // Per-layer tensors, kept per layer or as one scratch copy, by policy.
+  struct Kind {
+    const char* name;
+    std::vector<int64_t> shape;
+    DType dtype;
+  };
+  const Kind kinds[] = {
+      {"n1", {T, C}, act},          {"rstd1", {T}, stat},       {"qkv", {T, config.qkv_dim()}, act},
+      {"o", {T, Hq, config.head_dim}, act}, {"lse", {T, Hq}, stat}, {"h", {T, C}, act},
+      {"n2", {T, C}, act},          {"rstd2", {T}, stat},       {"gate_up", {T, 2 * F}, act},
+      {"s", {T, F}, act},
+  };
+  for (const Kind& k : kinds) {
+    if (keeps_activation(policy, k.name)) {
+      for (int64_t l = 0; l < config.n_layers; ++l)
+        acts.add(fmt::format("layers.{}.{}", l, k.name), k.shape, k.dtype);
+    } else {
+      acts.add(fmt::format("scratch.{}", k.name), k.shape, k.dtype);
+    }
+  }
+  // Scratch of the forward (projection outputs) and of the backward (activation gradients).
+  acts.add("proj", {T, C}, act);
+  acts.add("final_norm", {T, C}, act);
+  acts.add("final_rstd", {T}, stat);
+  acts.add("losses", {T}, stat);
+  acts.add("d_residual", {T, C}, act);
+  acts.add("d_norm", {T, C}, act);
+  acts.add("d_s", {T, F}, act);
+  acts.add("d_gate_up", {T, 2 * F}, act);
+  acts.add("d_o", {T, Hq * config.head_dim}, act);
+  acts.add("d_qkv", {T, config.qkv_dim()}, act);
+}
+
+namespace {
+
+constexpr size_t kMiB = size_t{1} << 20;
+constexpr size_t kGiB = size_t{1} << 30;
+
+// The CUDA ops' scratch buffers grow in whole MiB (kernels/cuda/cuda_common.cu).
+size_t scratch_bytes(size_t bytes) { return (bytes + kMiB - 1) / kMiB * kMiB; }
+
+size_t arena_bytes(const Arena& a) { return a.bytes(); }
+
+std::string human(size_t bytes) {
+  if (bytes >= kGiB) return fmt::format("{:.2f} GiB", static_cast<double>(bytes) / kGiB);
+  return fmt::format("{:.1f} MiB", static_cast<double>(bytes) / kMiB);
+}
+
+int cuda_sm_count() {
+#ifdef LONGTRAIN_HAS_CUDA
+  int dev = 0, sms = 0;
+  if (cudaGetDevice(&dev) == cudaSuccess &&
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess && sms > 0)
+    return sms;
+#endif
+  return 132;  // an H100/H200; only sizes rmsnorm_backward's few-MiB partial sums
+}
+
+}  // namespace
+
+MemoryPlan plan_memory(const LlamaConfig& config, const Precision& precision, CheckpointPolicy policy,
+                       int64_t tokens_per_rank, int64_t optimizer_shards) {
+  config.validate();
+  LT_CHECK(tokens_per_rank > 0, "a memory plan needs at least one token per rank (got {})", tokens_per_rank);
+  LT_CHECK(optimizer_shards >= 1, "a memory plan needs at least one optimizer shard (got {})", optimizer_shards);
+  MemoryPlan plan;
+  plan.config = config;
+  plan.precision = precision;
+  plan.policy = policy;
+  plan.tokens = tokens_per_rank;
+  plan.optimizer_shards = optimizer_shards;
+  const Device dev = precision.device;
+
+  // Parameters and gradients: LlamaModel's tables, padded as it pads them for flat shards.
+  Arena params("parameters", dev);
+  add_parameter_entries(params, config, precision.param);
+  params.pad_to_multiple(static_cast<size_t>(optimizer_shards) * dtype_size(precision.param));
+  plan.parameters = arena_bytes(params);
+  plan.gradients = plan.parameters;  // the same table in the same dtype
+
+  // Optimizer state as trainer::AdamW builds it: flat arenas over this rank's shard of the parameters'
+  // flat view (padding between tensors included), moments in f32 (f64 for an f64 model), and a master
+  // copy in that dtype when the parameters are stored in another (bf16).
+  const DType state = precision.param == DType::f64 ? DType::f64 : DType::f32;
+  const int64_t flat = static_cast<int64_t>(plan.parameters / dtype_size(precision.param));
+  const int64_t shard = std::max<int64_t>(flat / optimizer_shards, 1);
+  plan.adam_m = plan.adam_v = static_cast<size_t>(shard) * dtype_size(state);
+  plan.master_weights = precision.param != state ? plan.adam_m : 0;
+
+  // Activations: the model's own table, split into what layers keep and what is scratch.
+  Arena acts("activations", dev);
+  add_activation_entries(acts, config, precision, policy, tokens_per_rank);
+  plan.activations = arena_bytes(acts);
+  const std::vector<ArenaEntry>& table = acts.table();
+  for (size_t i = 0; i < table.size(); ++i) {
+    const ArenaEntry& e = table[i];
+    // An entry's footprint runs to the next entry's offset (alignment padding included).
+    const size_t end = i + 1 < table.size() ? table[i + 1].offset : acts.bytes();
+    const size_t footprint = end - e.offset;
+    const bool per_layer = e.name.rfind("residual.", 0) == 0 || e.name.rfind("layers.", 0) == 0;
+    if (per_layer) plan.saved += footprint;
+    if (e.name == "residual.0" || e.name.rfind("layers.0.", 0) == 0) plan.saved_per_layer += footprint;
+  }
+  plan.activation_scratch = plan.activations - plan.saved;
+  plan.saved_kinds = "x";
+  for (const char* kind : {"n1", "rstd1", "qkv", "o", "lse", "h", "n2", "rstd2", "gate_up", "s"})
+    if (keeps_activation(policy, kind)) plan.saved_kinds += fmt::format(", {}", kind);
+
+  // Workspaces outside the arenas.
+  const int64_t T = tokens_per_rank, V = config.vocab_size, C = config.dim, Hq = config.n_heads,
+                Hkv = config.n_kv_heads, D = config.head_dim;
+  const int64_t chunk = std::min<int64_t>(ops::CrossEntropyParams{}.chunk_tokens, T);
+  const size_t act = dtype_size(precision.act), stat = dtype_size(precision.stat);
+  const size_t q_elems = static_cast<size_t>(T * Hq * D), kv_elems = static_cast<size_t>(T * Hkv * D);
+  const size_t rows = static_cast<size_t>(T * Hq);
+  if (dev == Device::cuda) {
+    // cross_entropy.cu: f32 logits and act-dtype d(logits) of one chunk.
+    plan.lm_head_workspace = scratch_bytes(static_cast<size_t>(chunk * V) * 4) +
+                             scratch_bytes(static_cast<size_t>(chunk * V) * act);
+    // LocalSequenceAttention's delta arena; local_attention.cu's bf16 dQ, dK, dV of the block and the
+    // O stand-in; cudnn_sdpa.cpp's fp32 dQ accumulator and rowsum(dO ⊙ O). (cuDNN's own workspace is
+    // reported by the plan once built and is small for SDPA; it is left to the headroom.)
+    plan.attention_workspace = rows * stat + scratch_bytes(q_elems * 2) + 2 * scratch_bytes(kv_elems * 2) +
+                               scratch_bytes(q_elems * 2) + scratch_bytes(q_elems * 4) + scratch_bytes(rows * 4);
+    // linear.cu's cuBLASLt workspace (32 MiB), rmsnorm_backward's partial sums, embedding_backward's
+    // index plan, the bad-index flag.
+    const int64_t norm_blocks = std::min<int64_t>(T, 4LL * cuda_sm_count());
+    const int64_t unique_ids = std::min(V, T);
+    plan.gemm_workspace = scratch_bytes(32 * kMiB) + scratch_bytes(static_cast<size_t>(norm_blocks * C) * 4) +
+                          scratch_bytes(static_cast<size_t>(2 * unique_ids + 1 + T) * 4) + scratch_bytes(4);
+  } else {
+    // kernels/cpu/cross_entropy.cpp: one chunk of logits (then their gradient) in the model's dtype;
+    // the attention delta arena.
+    plan.lm_head_workspace = static_cast<size_t>(chunk * V) * act;
+    plan.attention_workspace = rows * stat;
+  }
+  return plan;
+}
+
+std::string MemoryPlan::table() const {
+  const Precision& p = precision;
+  std::string out = fmt::format(
+      "memory plan: {} parameters, {} layers, dim {}, vocab {}; {} (parameters {}, activations {}, statistics {}); "
+      "checkpoint {}; {} tokens per rank\n",
+      config.num_parameters(), config.n_layers, config.dim, config.vocab_size, p.device == Device::cuda ? "cuda" : "cpu",
+      dtype_name(p.param), dtype_name(p.act), dtype_name(p.stat), checkpoint_policy_name(policy), tokens);
+  auto row = [&](const std::string& what, size_t bytes, const std::string& detail) {
+    out += fmt::format("  {:<22} {:>11}   {}\n", what, human(bytes), detail);
+  };
+  const DType state = p.param == DType::f64 ? DType::f64 : DType::f32;
+  row("parameters", parameters, fmt::format("{} × {}", config.num_parameters(), dtype_name(p.param)));
+  row("gradients", gradients, fmt::format("{} × {}", config.num_parameters(), dtype_name(p.param)));
+  if (master_weights > 0) row("master weights", master_weights, fmt::format("AdamW, {}", dtype_name(state)));
+  row("adam m", adam_m, fmt::format("AdamW, {}", dtype_name(state)));
+  row("adam v", adam_v, fmt::format("AdamW, {}", dtype_name(state)));
+  if (optimizer_shards > 1) out += fmt::format("  (optimizer state: one of {} ZeRO-1 shards)\n", optimizer_shards);
+  const size_t final_residual = saved - saved_per_layer * static_cast<size_t>(config.n_layers);
+  row("activations, saved", saved,
+      fmt::format("{} per layer ({}) × {} layers + {} final residual", human(saved_per_layer), saved_kinds,
+                  config.n_layers, human(final_residual)));
+  row("activations, scratch", activation_scratch,
+      "once for all layers: recomputed tensors, projections, backward gradients");
+  row("LM head workspace", lm_head_workspace,
+      fmt::format("{} tokens × {} vocab of logits at a time",
+                  std::min<int64_t>(ops::CrossEntropyParams{}.chunk_tokens, tokens), config.vocab_size));
+  row("attention workspace", attention_workspace,
+      p.device == Device::cuda ? "delta, fp32 dQ accumulator, bf16 dQ/dK/dV, O stand-in" : "delta");
+  if (gemm_workspace > 0) row("GEMM/op workspace", gemm_workspace, "cuBLASLt workspace, norm partials, index plan");
+  row("total", total(), "");
+  return out;
+}
+
+DeviceMemory device_memory(Device device) {
+  DeviceMemory m;
+  if (device == Device::cuda) {
+#ifdef LONGTRAIN_HAS_CUDA
+    cudaError_t err = cudaMemGetInfo(&m.free, &m.total);
+    LT_CHECK(err == cudaSuccess, "cudaMemGetInfo failed: {} (is a GPU visible? CUDA_VISIBLE_DEVICES)",
+             cudaGetErrorString(err));
+    return m;
+#else
+    LT_FAIL("GPU memory asked for, but longtrain was built without CUDA (-DLONGTRAIN_CUDA=ON)");
+#endif
+  }
+  std::ifstream in("/proc/meminfo");
+  std::string key;
+  size_t value = 0;
+  std::string unit;
+  while (in >> key >> value >> unit) {
+    if (key == "MemTotal:") m.total = value * 1024;
+    if (key == "MemAvailable:") m.free = value * 1024;
+  }
+  return m;
+}
+
+size_t memory_headroom(const DeviceMemory& memory) { return std::max<size_t>(kGiB, memory.total / 50); }
+
+void check_memory_fits(const MemoryPlan& plan, const DeviceMemory& memory) {
+  const size_t need = plan.total() + memory_headroom(memory);
+  if (need <= memory.free) return;
+  const char* where = plan.precision.device == Device::cuda ? "GPU" : "host";
+  std::string knobs;
+  if (plan.policy != CheckpointPolicy::full) {
+    MemoryPlan full = plan_memory(plan.config, plan.precision, CheckpointPolicy::full, plan.tokens);
+    knobs += fmt::format("model.checkpoint: full would need {} in all; ", human(full.total()));
+  }
+  if (plan.tokens > 1) {
+    MemoryPlan half = plan_memory(plan.config, plan.precision, plan.policy, (plan.tokens + 1) / 2);
+    knobs += fmt::format("halving the tokens per rank (data.seq_len, or doubling parallel.sp_size) would need {}",
+                         human(half.total()));
+  }
+  LT_FAIL("not enough {} memory: training needs {} (parameters {}, gradients {}, optimizer state {}, activations {} "
+          "under checkpoint policy {} for {} tokens per rank, workspace {}) plus {} headroom, but only {} of {} "
+          "are free. {}",
+          where, human(plan.total()), human(plan.parameters), human(plan.gradients), human(plan.optimizer()),
+          human(plan.activations), checkpoint_policy_name(plan.policy), plan.tokens, human(plan.workspace()),
+          human(memory_headroom(memory)), human(memory.free), human(memory.total), knobs);
+}
+
+}  // namespace longtrain::model

@@ -1,0 +1,103 @@
+// Memory plan: the bytes of every buffer a training run will allocate on one rank, computed before
+// anything is allocated, from (model shape, precision, checkpoint policy, tokens per rank).
+//
+// The arenas are planned by building the very tables the model and the optimizer build (same entries,
+// same 256-byte alignment), just never allocating them, so the plan and the real allocation cannot
+// drift apart: LlamaModel's constructor fills its activation arena with add_activation_entries below.
+// Workspaces outside the arenas (the LM head's logits chunk, the attention backward's buffers, the
+// cuBLASLt workspace) are grow-only scratch of the CUDA ops; their sizes follow the ops' code
+// (kernels/cuda/cross_entropy.cu, attention/cuda/local_attention.cu, attention/cuda/cudnn_sdpa.cpp).
+//
+//   MemoryPlan plan = plan_memory(config, Precision::cuda_mixed(), CheckpointPolicy::remat_aware, 65536);
+//   fmt::print("{}", plan.table());
+//   check_memory_fits(plan, device_memory(Device::cuda));   // a clear error when it does not fit
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "model/llama.h"
+#include "runtime/arena.h"
+
+namespace longtrain::model {
+
+// ---- the activation table, shared with LlamaModel ---------------------------------------------
+
+// Whether a layer keeps the per-layer activation `kind` (n1, rstd1, qkv, o, lse, h, n2, rstd2,
+// gate_up, s) between forward and backward under `policy`; a kind it does not keep lives in one
+// scratch copy shared by all layers and is recomputed in backward. The layer input (the residual
+// stream) is kept under every policy.
+bool keeps_activation(CheckpointPolicy policy, std::string_view kind);
+
+// Adds every activation entry of a model with shards of up to `max_tokens` tokens to `acts`:
+// residual.0 .. residual.L [T, C]; layers.<l>.<kind> for kept kinds, scratch.<kind> otherwise; the
+// forward and backward scratch (proj, final_norm, final_rstd, losses, d_residual, d_norm, d_s,
+// d_gate_up, d_o, d_qkv).
+void add_activation_entries(Arena& acts, const LlamaConfig& config, const Precision& precision,
+                            CheckpointPolicy policy, int64_t max_tokens);
+
+// ---- the plan ---------------------------------------------------------------------------------
+
+struct MemoryPlan {
+  LlamaConfig config;
+  Precision precision;
+  CheckpointPolicy policy = CheckpointPolicy::remat_aware;
+  int64_t tokens = 0;  // per rank (sequence length / sp_size × micro-batch)
+
+  int64_t optimizer_shards = 1;
+
+  // Arenas (LlamaModel and trainer::AdamW), bytes as Arena::bytes() reports them.
+  size_t parameters = 0;
+  size_t gradients = 0;
+  size_t master_weights = 0;  // 0 when the parameters are the master copy (f32/f64 on CPU)
+  size_t adam_m = 0;
+  size_t adam_v = 0;
+  size_t activations = 0;     // the whole activation arena = saved + scratch
+
+  // The activation arena split by kind.
+  size_t saved_per_layer = 0;     // what one layer keeps: its input x plus the kinds the policy keeps
+  size_t saved = 0;               // saved_per_layer × n_layers + the final residual
+  size_t activation_scratch = 0;  // one copy for all layers (recomputed kinds, projections, gradients)
+  std::string saved_kinds;        // e.g. "x, o, lse"
+
+  // Grow-only workspaces outside the arenas.
+  size_t lm_head_workspace = 0;    // one chunk of f32 logits and of their gradient
+  size_t attention_workspace = 0;  // delta, cuDNN's fp32 dQ accumulator, the block's bf16 dQ/dK/dV, O stand-in
+  size_t gemm_workspace = 0;       // cuBLASLt workspace, norm partial sums, embedding index plan
+
+  size_t optimizer() const { return master_weights + adam_m + adam_v; }
+  size_t workspace() const { return lm_head_workspace + attention_workspace + gemm_workspace; }
+  size_t total() const { return parameters + gradients + optimizer() + activations + workspace(); }
+
+  // A printable table (one line per item, GiB/MiB, what each holds), ending with the total.
+  std::string table() const;
+};
+
+// The plan for a model of `config` in `precision` under `policy` with shards of `tokens_per_rank`
+// tokens, trained with trainer::AdamW (f32 moments; f32 master weights when the parameters are bf16).
+// optimizer_shards > 1 plans ZeRO-1: the parameter and gradient arenas padded as
+// LlamaModel(..., flat_shards) pads them, and the optimizer state of one of that many equal shards.
+MemoryPlan plan_memory(const LlamaConfig& config, const Precision& precision, CheckpointPolicy policy,
+                       int64_t tokens_per_rank, int64_t optimizer_shards = 1);
+
+struct DeviceMemory {
+  size_t free = 0;
+  size_t total = 0;
+};
+
+// Free and total memory of the current CUDA device (cudaMemGetInfo), or of the host (MemAvailable,
+// MemTotal of /proc/meminfo) for Device::cpu.
+DeviceMemory device_memory(Device device);
+
+// Headroom kept free beyond the plan: CUDA context, cuBLAS/cuDNN handles and the kernels they load,
+// allocator rounding. 1 GiB or 2% of the device, the larger.
+size_t memory_headroom(const DeviceMemory& memory);
+
+// Throws longtrain::Error when plan.total() + memory_headroom() exceeds memory.free. The message
+// says what needs how much, what is free, and which knob to turn (model.checkpoint, data.seq_len,
+// parallel.sp_size), with the totals those knobs would give.
+void check_memory_fits(const MemoryPlan& plan, const DeviceMemory& memory);
+
+}  // namespace longtrain::model

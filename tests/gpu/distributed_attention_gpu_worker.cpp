@@ -1,0 +1,369 @@
+// The program distributed_attention_gpu_test.cpp runs under longtrain-run: 2 ranks, one GPU each,
+// NCCL. Every schedule/layout pairing computes causal GQA attention (8 query heads, 2 KV heads,
+// head_dim 128, 1024 tokens in all) in bf16 with f32 LSE, Q/K/V read as views of a fused QKV buffer
+// and dQ/dK/dV accumulated into a zeroed fused dQKV buffer, as the model calls it. Each rank also
+// computes, over the whole sequence and from the same bf16 inputs:
+//   - the f64 CPU reference (attention/cpu), and
+//   - single-GPU attention (LocalSequenceAttention on its own GPU: the P = 1 path),
+// and reports for its own tokens (same rows for every error, so P = 1 and P = 2 are compared on the
+// same scale):
+//   ERR <config> <tensor> <P=1 error vs f64> <P=2 error vs f64> <P=2 vs P=1>
+//   CASE <name> <value> <bound>      (the test asserts value <= bound)
+// Besides the errors: two problems (A, B) go through forward A, forward B, backward B, backward A
+// with no host synchronisation in between (send buffers and accumulators are reused across calls
+// while the device still runs, so missing stream ordering shows as wrong results); a second backward
+// adds to the first (+=); a repeated forward gives the same bits; the bytes sent match the schedule's
+// definition with bf16 tensors and f32 accumulators on the wire.
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "attention/distributed/distributed_attention.h"
+#include "attention/local_attention.h"
+#include "attention/sequence_attention.h"
+#include "parallel/distributed.h"
+#include "parallel/layout.h"
+#include "runtime/cuda_check.h"
+#include "runtime/device.h"
+#include "test_util.h"
+
+namespace {
+
+using namespace longtrain;
+using namespace longtrain::attn;
+using test::HostTensor;
+
+constexpr int64_t kS = 1024, kHq = 8, kHkv = 2, kD = 128, kW = kHq + 2 * kHkv;
+
+// Errors are max|got - ref| / max|ref| (test::relative_error). Bounds:
+// - bf16 tensors (O, dQ, dK, dV): 4 bf16 ulps, as for the single-GPU attention tests (gpu_test_util.h).
+// - the f32 LSE: 1e-4, the f32 bound of the same file (cuDNN forms scores in f32 from bf16 inputs).
+// - P = 2 against P = 1: at most 1.5x P = 1's error (bf16 noise: the partial results of two blocks are
+//   each rounded to bf16 by cuDNN before the f32 sum), but never asked to resolve less than one
+//   rounding of the stored dtype (2^-9 for bf16, 2^-20 ~ 8 f32 ulps for the LSE).
+constexpr double kBf16Tolerance = 4.0 / 256.0, kF32Tolerance = 1e-4;
+constexpr double kP2OverP1 = 1.5;
+double tolerance(bool f32) { return f32 ? kF32Tolerance : kBf16Tolerance; }
+double resolution(bool f32) { return f32 ? std::ldexp(1.0, -20) : std::ldexp(1.0, -9); }
+
+// ---- device buffers -----------------------------------------------------------------------------------
+
+struct DeviceBuffer {
+  Tensor t;
+  DeviceBuffer(DType dtype, std::initializer_list<int64_t> shape) {
+    Tensor probe(nullptr, dtype, shape, Device::cuda);
+    t = probe;
+    t.data = device_alloc(Device::cuda, probe.nbytes());
+    zero(t);
+  }
+  ~DeviceBuffer() { device_free(Device::cuda, t.data); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+};
+
+void upload(const Tensor& t, const std::vector<double>& v) {
+  LT_CHECK(static_cast<size_t>(t.numel()) == v.size(), "upload: {} values into {}", v.size(), t.describe());
+  std::vector<unsigned char> host(t.nbytes());
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (t.dtype == DType::bf16) {
+      reinterpret_cast<bf16*>(host.data())[i] = bf16(static_cast<float>(v[i]));
+    } else {
+      reinterpret_cast<float*>(host.data())[i] = static_cast<float>(v[i]);
+    }
+  }
+  Tensor src = t;
+  src.data = host.data();
+  src.device = Device::cpu;
+  copy(t, src);  // queued on the compute stream, like everything the schedules do
+}
+
+std::vector<double> download(const Tensor& t) {
+  std::vector<unsigned char> host(t.nbytes());
+  Tensor dst = t;
+  dst.data = host.data();
+  dst.device = Device::cpu;
+  copy(dst, t);  // waits for the compute stream
+  std::vector<double> out(static_cast<size_t>(t.numel()));
+  for (size_t i = 0; i < out.size(); ++i) {
+    out[i] = t.dtype == DType::bf16 ? static_cast<double>(static_cast<float>(reinterpret_cast<bf16*>(host.data())[i]))
+                                    : static_cast<double>(reinterpret_cast<float*>(host.data())[i]);
+  }
+  return out;
+}
+
+std::vector<unsigned char> download_bytes(const Tensor& t) {
+  std::vector<unsigned char> host(t.nbytes());
+  Tensor dst = t;
+  dst.data = host.data();
+  dst.device = Device::cpu;
+  copy(dst, t);
+  return host;
+}
+
+// [T, heads, D] columns [h0, h0 + heads) of a fused [T, W, D] buffer.
+Tensor heads_of(const Tensor& fused, int64_t h0, int64_t heads) { return fused.narrow(1, h0, heads); }
+
+// ---- the whole-sequence problem ----------------------------------------------------------------------
+
+// Per-token tensors as doubles, row-major [tokens, heads, D] (or [tokens, heads] for the LSE).
+struct Outputs {
+  std::vector<double> o, lse, dq, dk, dv;
+};
+const char* const kTensorNames[5] = {"o", "lse", "dq", "dk", "dv"};
+const std::vector<double>& part(const Outputs& x, int i) {
+  const std::vector<double>* p[5] = {&x.o, &x.lse, &x.dq, &x.dk, &x.dv};
+  return *p[i];
+}
+int64_t row_width(int i) { return i == 1 ? kHq : (i == 0 || i == 2 ? kHq * kD : kHkv * kD); }
+
+struct Problem {
+  double scale = 1.0 / std::sqrt(static_cast<double>(kD));
+  std::vector<double> q, k, v, d_o;  // whole sequence, bf16-rounded
+};
+
+// Unit-variance Q/K (scores of O(1) after the 1/sqrt(D) scale, so softmax is neither flat nor
+// one-hot) and dO, rounded to bf16 so that every computation sees the same inputs.
+Problem make_problem(uint64_t seed) {
+  Problem p;
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<double> u(-std::sqrt(3.0), std::sqrt(3.0));
+  auto fill = [&](std::vector<double>& x, int64_t n) {
+    x.resize(static_cast<size_t>(n));
+    for (double& e : x) e = static_cast<float>(bf16(static_cast<float>(u(rng))));
+  };
+  fill(p.q, kS * kHq * kD);
+  fill(p.k, kS * kHkv * kD);
+  fill(p.v, kS * kHkv * kD);
+  fill(p.d_o, kS * kHq * kD);
+  return p;
+}
+
+Outputs cpu_reference(const Problem& p) {
+  auto host = [](const std::vector<double>& v, std::initializer_list<int64_t> shape) {
+    HostTensor<double> t(shape);
+    t.values = v;
+    t.view.data = t.values.data();
+    return t;
+  };
+  const HostTensor<double> q = host(p.q, {kS, kHq, kD}), k = host(p.k, {kS, kHkv, kD}), v = host(p.v, {kS, kHkv, kD}),
+                           d_o = host(p.d_o, {kS, kHq, kD});
+  HostTensor<double> o({kS, kHq, kD}), lse({kS, kHq}), delta({kS, kHq}), dq({kS, kHq, kD}), dk({kS, kHkv, kD}),
+      dv({kS, kHkv, kD});
+  attention_block_forward(o, lse, q, k, v, BlockMask::causal_diagonal, p.scale);
+  attention_delta(delta, o, d_o);
+  attention_block_backward(dq, dk, dv, q, k, v, d_o, lse, delta, BlockMask::causal_diagonal, p.scale);
+  return {o.values, lse.values, dq.values, dk.values, dv.values};
+}
+
+// The rows of `whole` ([S, width]) at the global token indices `rows`.
+std::vector<double> take_rows(const std::vector<double>& whole, const std::vector<int64_t>& rows, int64_t width) {
+  std::vector<double> out;
+  out.reserve(rows.size() * static_cast<size_t>(width));
+  for (int64_t g : rows)
+    out.insert(out.end(), whole.begin() + g * width, whole.begin() + (g + 1) * width);
+  return out;
+}
+
+// One rank's tokens on the device, laid out as the model holds them.
+struct Shard {
+  std::vector<int64_t> rows;  // global index of each local token
+  int64_t n;
+  DeviceBuffer qkv, o, lse, d_o, dqkv;
+  Tensor q, k, v, dq, dk, dv;
+
+  Shard(const Problem& p, std::vector<int64_t> rows_)
+      : rows(std::move(rows_)),
+        n(static_cast<int64_t>(rows.size())),
+        qkv(DType::bf16, {n, kW, kD}),
+        o(DType::bf16, {n, kHq, kD}),
+        lse(DType::f32, {n, kHq}),
+        d_o(DType::bf16, {n, kHq, kD}),
+        dqkv(DType::bf16, {n, kW, kD}) {
+    q = heads_of(qkv.t, 0, kHq);
+    k = heads_of(qkv.t, kHq, kHkv);
+    v = heads_of(qkv.t, kHq + kHkv, kHkv);
+    dq = heads_of(dqkv.t, 0, kHq);
+    dk = heads_of(dqkv.t, kHq, kHkv);
+    dv = heads_of(dqkv.t, kHq + kHkv, kHkv);
+    std::vector<double> fused(static_cast<size_t>(n * kW * kD));
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t g = rows[static_cast<size_t>(j)];
+      double* dst = fused.data() + j * kW * kD;
+      std::copy_n(p.q.begin() + g * kHq * kD, kHq * kD, dst);
+      std::copy_n(p.k.begin() + g * kHkv * kD, kHkv * kD, dst + kHq * kD);
+      std::copy_n(p.v.begin() + g * kHkv * kD, kHkv * kD, dst + (kHq + kHkv) * kD);
+    }
+    upload(qkv.t, fused);
+    upload(d_o.t, take_rows(p.d_o, rows, kHq * kD));
+  }
+
+  void forward(SequenceAttention& a) { a.forward(o.t, lse.t, q, k, v); }
+  void backward(SequenceAttention& a) { a.backward(dq, dk, dv, q, k, v, o.t, lse.t, d_o.t); }
+
+  Outputs read() const {
+    Outputs x;
+    x.o = download(o.t);
+    x.lse = download(lse.t);
+    const std::vector<double> g = download(dqkv.t);
+    for (int64_t j = 0; j < n; ++j) {
+      const double* row = g.data() + j * kW * kD;
+      x.dq.insert(x.dq.end(), row, row + kHq * kD);
+      x.dk.insert(x.dk.end(), row + kHq * kD, row + (kHq + kHkv) * kD);
+      x.dv.insert(x.dv.end(), row + (kHq + kHkv) * kD, row + kW * kD);
+    }
+    return x;
+  }
+};
+
+std::vector<int64_t> all_rows() {
+  std::vector<int64_t> r(kS);
+  for (int64_t i = 0; i < kS; ++i) r[static_cast<size_t>(i)] = i;
+  return r;
+}
+
+// Single-GPU attention over the whole sequence (what one rank without sequence parallelism runs).
+Outputs single_gpu(const Problem& p) {
+  Shard whole(p, all_rows());
+  LocalSequenceAttention local(/*causal=*/true, p.scale);
+  whole.forward(local);
+  whole.backward(local);
+  return whole.read();
+}
+
+Outputs rows_of(const Outputs& whole, const std::vector<int64_t>& rows) {
+  Outputs x;
+  std::vector<double>* dst[5] = {&x.o, &x.lse, &x.dq, &x.dk, &x.dv};
+  for (int i = 0; i < 5; ++i) *dst[i] = take_rows(part(whole, i), rows, row_width(i));
+  return x;
+}
+
+// ---- one schedule --------------------------------------------------------------------------------------
+
+struct Config {
+  Schedule schedule;
+  SeqLayout layout;
+};
+
+// Bytes this rank sends in one forward and one backward at P = 2 (the definitions of
+// tests/attention/distributed_attention_test.cpp's expected_bytes, P = 2), with bf16 tensors (2
+// bytes) and f32 partials and accumulators (4 bytes) on the wire.
+std::pair<int64_t, int64_t> expected_bytes(Schedule s, int rank, int64_t T) {
+  const int64_t kv = 2 * T * kHkv * kD * 2, dkv = 2 * T * kHkv * kD * 4;
+  const int64_t q_side = 2 * T * kHq * kD * 2 + 2 * T * kHq * 4, dq = T * kHq * kD * 4;
+  switch (s) {
+    case Schedule::ring:
+    case Schedule::zigzag: return {kv, kv + dkv};
+    case Schedule::burst: return {kv, q_side + dq};
+    case Schedule::distflash: return rank == 0 ? std::pair<int64_t, int64_t>{kv, kv} : std::pair<int64_t, int64_t>{0, dkv};
+  }
+  return {-1, -1};
+}
+
+void check_schedule(parallel::Distributed& d, const Config& cfg, const Problem& a, const Problem& b,
+                    const Outputs& ref_a, const Outputs& gpu1_a, const Outputs& gpu1_b) {
+  parallel::Communicator& sp = d.sp();
+  const int P = sp.size(), r = sp.rank();
+  const std::string name = fmt::format("{}/{}", schedule_name(cfg.schedule), layout_name(cfg.layout));
+  SequenceAttentionSpec spec;
+  spec.schedule = cfg.schedule;
+  spec.causal = true;
+  spec.scale = a.scale;
+  spec.layout = cfg.layout;
+  spec.sp = &sp;
+  spec.intra_node = &d.intra_node();  // as the trainer passes them: burst agrees on its rings on the device
+  spec.inter_node = &d.inter_node();
+  std::unique_ptr<SequenceAttention> attention = make_sequence_attention(spec);
+  const auto* da = dynamic_cast<const DistributedAttention*>(attention.get());
+  std::printf("CASE %s/is_distributed %d 0\n", name.c_str(), da == nullptr ? 1 : 0);
+  if (da) std::printf("NOTE rank %d: %s\n", r, da->describe().c_str());
+
+  const std::vector<int64_t> rows = layout_global_indices(cfg.layout, kS, P, r);
+  Shard sa(a, rows), sb(b, rows);
+  LT_CUDA_CHECK(cudaStreamSynchronize(cuda_stream()));
+  const auto t0 = std::chrono::steady_clock::now();
+  const int64_t sent0 = sp.stats().bytes_sent;
+  // Interleaved like two layers of a model, with no host synchronisation in between.
+  sa.forward(*attention);
+  sb.forward(*attention);
+  sb.backward(*attention);
+  sa.backward(*attention);
+  const int64_t sent = sp.stats().bytes_sent - sent0;
+  const Outputs got_a = sa.read(), got_b = sb.read();
+  const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  std::printf("NOTE rank %d: %s: 2 forwards + 2 backwards in %.1f ms (first calls: cuDNN plans included)\n", r,
+              name.c_str(), ms);
+
+  const Outputs ref = rows_of(ref_a, rows), one = rows_of(gpu1_a, rows), one_b = rows_of(gpu1_b, rows);
+  for (int i = 0; i < 5; ++i) {
+    const bool f32 = i == 1;
+    const double e1 = test::relative_error(part(one, i), part(ref, i));
+    const double e2 = test::relative_error(part(got_a, i), part(ref, i));
+    const double vs1 = test::relative_error(part(got_a, i), part(one, i));
+    const double vs1_b = test::relative_error(part(got_b, i), part(one_b, i));
+    std::printf("ERR %s %s %.4e %.4e %.4e\n", name.c_str(), kTensorNames[i], e1, e2, vs1);
+    std::printf("CASE %s/%s/p1_vs_f64 %.6e %.6e\n", name.c_str(), kTensorNames[i], e1, tolerance(f32));
+    std::printf("CASE %s/%s/p2_vs_f64 %.6e %.6e\n", name.c_str(), kTensorNames[i], e2, tolerance(f32));
+    std::printf("CASE %s/%s/p2_no_worse_than_p1 %.6e %.6e\n", name.c_str(), kTensorNames[i], e2,
+                std::max(kP2OverP1 * e1, resolution(f32)));
+    std::printf("CASE %s/%s/p2_vs_p1 %.6e %.6e\n", name.c_str(), kTensorNames[i], vs1, tolerance(f32));
+    std::printf("CASE %s/%s/interleaved_b_vs_p1 %.6e %.6e\n", name.c_str(), kTensorNames[i], vs1_b, tolerance(f32));
+  }
+
+  const auto [fwd, bwd] = expected_bytes(cfg.schedule, r, kS / P);
+  std::printf("CASE %s/bytes_sent %lld 0\n", name.c_str(), static_cast<long long>(std::llabs(sent - 2 * (fwd + bwd))));
+
+  // backward accumulates: a second one doubles dQ/dK/dV (up to bf16 rounding of the sum).
+  sa.backward(*attention);
+  const Outputs twice = sa.read();
+  for (int i = 2; i < 5; ++i) {
+    std::vector<double> doubled = part(got_a, i);
+    for (double& x : doubled) x *= 2.0;
+    std::printf("CASE %s/%s/second_backward_adds %.6e %.6e\n", name.c_str(), kTensorNames[i],
+                test::relative_error(part(twice, i), doubled), kBf16Tolerance);
+  }
+
+  // The persistent buffers give the same bits when the forward runs again.
+  const std::vector<unsigned char> o_bits = download_bytes(sa.o.t), lse_bits = download_bytes(sa.lse.t);
+  sa.forward(*attention);
+  const bool same = download_bytes(sa.o.t) == o_bits && download_bytes(sa.lse.t) == lse_bits;
+  std::printf("CASE %s/repeat_forward_bitwise %d 0\n", name.c_str(), same ? 0 : 1);
+  std::fflush(stdout);
+}
+
+}  // namespace
+
+int main() {
+  try {
+    const parallel::WorldInfo w = parallel::world_from_env();
+    parallel::DistributedOptions opt;
+    opt.backend = parallel::Backend::nccl;  // takes GPU LOCAL_RANK first
+    opt.sp_size = w.world_size;
+    parallel::Distributed d(w, parallel::options_from_env(opt));
+    LT_CHECK(d.sp().size() == 2, "distributed_attention_gpu_worker runs on 2 ranks, got {}", d.sp().size());
+
+    const Problem a = make_problem(1), b = make_problem(2);
+    const Outputs ref_a = cpu_reference(a);
+    const Outputs gpu1_a = single_gpu(a), gpu1_b = single_gpu(b);
+    const std::vector<Config> configs = {{Schedule::ring, SeqLayout::contiguous},  {Schedule::ring, SeqLayout::zigzag},
+                                         {Schedule::zigzag, SeqLayout::zigzag},    {Schedule::distflash, SeqLayout::contiguous},
+                                         {Schedule::burst, SeqLayout::zigzag},     {Schedule::burst, SeqLayout::contiguous}};
+    for (const Config& cfg : configs) check_schedule(d, cfg, a, b, ref_a, gpu1_a, gpu1_b);
+    d.sp().barrier();
+    std::printf("DONE\n");
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "distributed_attention_gpu_worker: %s\n", e.what());
+    std::fflush(stdout);
+    return 1;
+  }
+}

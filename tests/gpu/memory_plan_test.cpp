@@ -1,0 +1,198 @@
+// The memory plan (model/memory_plan.h): on the CPU, every arena it plans has exactly the bytes a
+// constructed model and optimizer allocate, for every policy; the per-kind split adds up; too little
+// memory is an error naming the knobs. On the GPU, the plan is within 10% of the device memory one
+// real training step (forward, backward, AdamW) takes, measured with cudaMemGetInfo.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <string>
+
+#include "gpu_test_util.h"
+#include "model/llama.h"
+#include "model/memory_plan.h"
+#include "trainer/optimizer.h"
+
+#ifdef LONGTRAIN_HAS_CUDA
+#include "runtime/cuda_check.h"
+#endif
+
+namespace longtrain::test {
+namespace {
+
+using model::CheckpointPolicy;
+using model::LlamaConfig;
+using model::LlamaModel;
+using model::MemoryPlan;
+using model::Precision;
+
+LlamaConfig small_config() {
+  LlamaConfig c;
+  c.vocab_size = 101;
+  c.dim = 24;
+  c.n_layers = 3;
+  c.n_heads = 4;
+  c.n_kv_heads = 2;
+  c.head_dim = 6;
+  c.ffn_dim = 40;
+  return c;
+}
+
+const CheckpointPolicy kPolicies[] = {CheckpointPolicy::none, CheckpointPolicy::full, CheckpointPolicy::remat_aware};
+
+TEST(MemoryPlan, ArenasEqualWhatTheModelAndOptimizerAllocate) {
+  const int64_t T = 37;
+  for (DType dt : {DType::f32, DType::f64}) {
+    for (CheckpointPolicy policy : kPolicies) {
+      for (int64_t shards : {1, 3}) {
+        LlamaConfig c = small_config();
+        c.tie_embeddings = shards == 3;
+        const std::string what = fmt::format("{} {}{}, {} optimizer shard(s)", dtype_name(dt),
+                                             model::checkpoint_policy_name(policy),
+                                             c.tie_embeddings ? " tied" : "", shards);
+        const MemoryPlan plan = model::plan_memory(c, Precision::cpu(dt), policy, T, shards);
+        LlamaModel m(c, Precision::cpu(dt), policy, T, nullptr, shards);
+        const int64_t flat = m.params().flat().numel();  // ZeRO-1: this rank owns the first of `shards`
+        trainer::AdamW opt(m.params(), trainer::AdamWConfig{}, 0, flat / shards);
+        EXPECT_EQ(plan.parameters, m.params().bytes()) << what;
+        EXPECT_EQ(plan.gradients, m.grads().bytes()) << what;
+        EXPECT_EQ(plan.activations, m.activation_bytes()) << what;
+        EXPECT_EQ(plan.adam_m, opt.m().bytes()) << what;
+        EXPECT_EQ(plan.adam_v, opt.v().bytes()) << what;
+        EXPECT_EQ(plan.master_weights, opt.has_master() ? opt.master().bytes() : 0) << what;
+        // The split by kind covers the arena, and the per-layer part repeats for every layer.
+        EXPECT_EQ(plan.saved + plan.activation_scratch, plan.activations) << what;
+        const size_t residual = static_cast<size_t>(T * c.dim) * dtype_size(dt);
+        EXPECT_GE(plan.saved, plan.saved_per_layer * static_cast<size_t>(c.n_layers) + residual) << what;
+        EXPECT_LT(plan.saved, plan.saved_per_layer * static_cast<size_t>(c.n_layers) + residual + 256) << what;
+      }
+    }
+  }
+}
+
+// What each policy keeps per layer: full only x; remat_aware x, O and LSE; none everything.
+TEST(MemoryPlan, PoliciesKeepWhatTheyPromise) {
+  LlamaConfig c = small_config();
+  const int64_t T = 64;
+  const size_t e = 4;  // f32
+  auto round256 = [](size_t b) { return (b + 255) / 256 * 256; };
+  const size_t x = round256(T * c.dim * e), o = round256(T * c.n_heads * c.head_dim * e), lse = round256(T * c.n_heads * e);
+  const MemoryPlan full = model::plan_memory(c, Precision::cpu(DType::f32), CheckpointPolicy::full, T);
+  const MemoryPlan remat = model::plan_memory(c, Precision::cpu(DType::f32), CheckpointPolicy::remat_aware, T);
+  const MemoryPlan none = model::plan_memory(c, Precision::cpu(DType::f32), CheckpointPolicy::none, T);
+  EXPECT_EQ(full.saved_per_layer, x);
+  EXPECT_EQ(remat.saved_per_layer, x + o + lse);
+  EXPECT_EQ(remat.saved_kinds, "x, o, lse");
+  EXPECT_GT(none.saved_per_layer, remat.saved_per_layer);
+  EXPECT_LT(full.activations, remat.activations);
+  EXPECT_LT(remat.activations, none.activations);
+  const std::string table = remat.table();
+  for (const char* part : {"parameters", "gradients", "adam m", "adam v", "activations, saved", "x, o, lse",
+                           "activations, scratch", "LM head workspace", "total"})
+    EXPECT_NE(table.find(part), std::string::npos) << part << " missing from:\n" << table;
+  std::printf("%s", remat.table().c_str());
+}
+
+// The plan of the benchmark's shape for the GPU, computed on any machine (nothing is allocated), and
+// the error when it does not fit.
+TEST(MemoryPlan, TooLittleMemoryIsAnErrorNamingTheKnobs) {
+  LlamaConfig c;
+  c.vocab_size = 32000;
+  c.dim = 2048;
+  c.n_layers = 22;
+  c.n_heads = 32;
+  c.n_kv_heads = 4;
+  c.head_dim = 64;
+  c.ffn_dim = 5632;
+  const MemoryPlan plan = model::plan_memory(c, Precision::cuda_mixed(), CheckpointPolicy::remat_aware, 65536);
+  std::printf("%s", plan.table().c_str());
+  const double n = static_cast<double>(c.num_parameters());
+  EXPECT_NEAR(static_cast<double>(plan.parameters), 2 * n, 2 * n * 1e-3);  // bf16
+  EXPECT_NEAR(static_cast<double>(plan.optimizer()), 12 * n, 12 * n * 1e-3);  // f32 master, m, v
+  // x, O (bf16) and LSE (f32) per layer at 64K tokens.
+  EXPECT_EQ(plan.saved_per_layer, static_cast<size_t>(65536) * (2048 * 2 + 2048 * 2 + 32 * 4));
+
+  model::DeviceMemory small{8ull << 30, 16ull << 30};
+  try {
+    model::check_memory_fits(plan, small);
+    ADD_FAILURE() << "a 1.1B model at 64K tokens fitted in 8 GiB";
+  } catch (const Error& err) {
+    const std::string m = err.what();
+    for (const char* part : {"not enough GPU memory", "parameters", "optimizer state", "remat_aware", "65536",
+                             "8.00 GiB", "model.checkpoint: full", "data.seq_len", "parallel.sp_size"})
+      EXPECT_NE(m.find(part), std::string::npos) << "missing \"" << part << "\" in: " << m;
+  }
+  model::DeviceMemory big{200ull << 30, 256ull << 30};
+  EXPECT_NO_THROW(model::check_memory_fits(plan, big));
+}
+
+#ifdef LONGTRAIN_HAS_CUDA
+size_t free_device_bytes() {
+  LT_CUDA_CHECK(cudaDeviceSynchronize());
+  return model::device_memory(Device::cuda).free;
+}
+#endif
+
+// One training step (forward, backward, AdamW) of a model whose state is ~1.5 GiB: the device memory
+// it took (free memory before the model was built minus free memory after the step; nothing is freed
+// in between: arenas live on, scratch only grows) is within 10% of the plan. Libraries are warmed
+// up first with a smaller model, so their handles and kernels are not counted against the plan.
+// (The warm-up's 32 MiB cuBLASLt workspace is planned but already held: 2% of this plan.) Run on its
+// own, as ctest runs each test in its own process: scratch grown by an earlier, larger test in the
+// same process would be reused and not measured. Measured on an H200: 1582.0 MiB taken, 1587.8 planned.
+TEST(MemoryPlanGpu, PlanIsWithinTenPercentOfOneMeasuredStep) {
+  LT_REQUIRE_GPU();
+#ifdef LONGTRAIN_HAS_CUDA
+  LlamaConfig c;
+  c.vocab_size = 32000;
+  c.dim = 512;
+  c.n_layers = 4;
+  c.n_heads = 8;
+  c.n_kv_heads = 4;
+  c.head_dim = 64;
+  c.ffn_dim = 1408;
+  c.max_seq_len = 16384;
+  const int64_t T = 16384;
+  auto step = [&](LlamaModel& m, trainer::AdamW& opt, int64_t tokens) {
+    const int64_t V = m.config().vocab_size;
+    std::vector<int32_t> ids(static_cast<size_t>(tokens)), labels(ids.size()), pos(ids.size());
+    for (int64_t t = 0; t < tokens; ++t) {
+      ids[t] = static_cast<int32_t>((t * 7919) % V);
+      labels[t] = static_cast<int32_t>(((t + 1) * 7919) % V);
+      pos[t] = static_cast<int32_t>(t);
+    }
+    DeviceTensor d_ids(DType::i32, {tokens}), d_labels(DType::i32, {tokens}), d_pos(DType::i32, {tokens});
+    upload_ints(d_ids, ids);
+    upload_ints(d_labels, labels);
+    upload_ints(d_pos, pos);
+    m.zero_grads();
+    m.forward_backward({d_ids, d_labels, d_pos}, 1.0 / static_cast<double>(tokens));
+    opt.step(m.params(), m.grads());
+  };
+  {  // warm-up: cuBLASLt/cuDNN handles, kernel modules, the cuDNN plans' host state
+    LlamaConfig w = c;
+    w.n_layers = 1;
+    w.vocab_size = 512;
+    LlamaModel m(w, Precision::cuda_mixed(), CheckpointPolicy::remat_aware, 1024);
+    trainer::AdamW opt(m.params(), trainer::AdamWConfig{});
+    step(m, opt, 1024);
+  }
+  const MemoryPlan plan = model::plan_memory(c, Precision::cuda_mixed(), CheckpointPolicy::remat_aware, T);
+  const size_t before = free_device_bytes();
+  // Parameters stay zero: memory does not depend on their values, and it saves the host-side init.
+  LlamaModel m(c, Precision::cuda_mixed(), CheckpointPolicy::remat_aware, T);
+  trainer::AdamW opt(m.params(), trainer::AdamWConfig{});
+  step(m, opt, T);
+  const size_t after = free_device_bytes();
+  const double measured = static_cast<double>(before - after), planned = static_cast<double>(plan.total());
+  std::printf("%s", plan.table().c_str());
+  std::printf("  measured: %.1f MiB taken by one step; plan %.1f MiB (plan/measured = %.3f)\n", measured / 1048576.0,
+              planned / 1048576.0, planned / measured);
+  ::testing::Test::RecordProperty("plan_over_measured", std::to_string(planned / measured));
+  EXPECT_LT(std::abs(planned - measured), 0.10 * measured);
+#endif
+}
+
+}  // namespace
+}  // namespace longtrain::test

@@ -1,0 +1,310 @@
+// The whole model on the GPU: one training step of LlamaModel in Precision::cuda_mixed() (bf16
+// parameters and activations, f32 statistics; cuBLASLt GEMMs, cuDNN attention) against the CPU
+// reference model holding the same bf16-rounded parameters (computed in f64, so the reference's own
+// error is nil); the three checkpoint policies against each other on the GPU; run-twice determinism;
+// trainer::AdamW stepping device arenas against the same step on the CPU.
+//
+// Tolerance of a whole step (max|gpu - cpu| / max|cpu| per tensor): every op rounds its output to bf16
+// (unit roundoff 2^-9), and a gradient at the first layer has passed through ~25 of them (embedding,
+// 2 × (norm, QKV, RoPE, attention, o_proj, add, norm, gate/up, SwiGLU, down, add), final norm, LM
+// head) forward and again backward, with weight gradients accumulated by bf16 GEMMs. Independent
+// roundings of that count give a few 2^-9 on the largest entries; the tolerance is 8 bf16 ulps at
+// the top of a binade, 8 × 2^-8 = 3.1e-2 (2× gpu_tolerance(bf16) of a single op). The loss, a mean
+// over ~50 tokens in f32, must agree to 5e-3 relative. Measured on an H200 (cuDNN 9.19): loss 1.4e-4,
+// gradients 5.5e-3 .. 1.45e-2 (worst: layer 0's post_attention_layernorm weight).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "gpu_test_util.h"
+#include "model/llama.h"
+#include "model/parameters.h"
+#include "trainer/optimizer.h"
+
+namespace longtrain::test {
+namespace {
+
+using model::CheckpointPolicy;
+using model::LlamaConfig;
+using model::LlamaModel;
+using model::Precision;
+
+constexpr double kStepTolerance = 8.0 / 256.0;
+constexpr double kLossTolerance = 5e-3;
+
+LlamaConfig tiny_config() {
+  LlamaConfig c;
+  c.vocab_size = 97;
+  c.dim = 64;
+  c.n_layers = 2;
+  c.n_heads = 4;
+  c.n_kv_heads = 2;
+  c.head_dim = 64;  // TinyLlama's head dim (cuDNN takes multiples of 8 up to 256)
+  c.ffn_dim = 176;
+  c.rope_theta = 10000.0;
+  c.norm_eps = 1e-5;
+  c.max_seq_len = 128;
+  return c;
+}
+
+constexpr int64_t kTokens = 61;
+
+// Token ids, next-token labels (every seventh ignored) and global positions of one shard.
+struct Batch {
+  std::vector<int32_t> tokens, labels, positions;
+  int64_t valid = 0;
+  Batch(int64_t T, int64_t vocab, int32_t first_position) {
+    uint64_t s = 12345;
+    auto next = [&] {
+      s = s * 6364136223846793005ull + 1442695040888963407ull;
+      return static_cast<int32_t>((s >> 33) % static_cast<uint64_t>(vocab));
+    };
+    for (int64_t t = 0; t <= T; ++t) tokens.push_back(next());
+    for (int64_t t = 0; t < T; ++t) {
+      labels.push_back(t % 7 == 6 ? LlamaModel::kIgnoreIndex : tokens[t + 1]);
+      valid += labels.back() != LlamaModel::kIgnoreIndex;
+      positions.push_back(first_position + static_cast<int32_t>(t));
+    }
+    tokens.resize(static_cast<size_t>(T));
+  }
+};
+
+// The shard as device tensors (owned).
+struct DeviceShard {
+  DeviceTensor tokens, labels, positions;
+  explicit DeviceShard(const Batch& b)
+      : tokens(DType::i32, {static_cast<int64_t>(b.tokens.size())}),
+        labels(DType::i32, {static_cast<int64_t>(b.labels.size())}),
+        positions(DType::i32, {static_cast<int64_t>(b.positions.size())}) {
+    upload_ints(tokens, b.tokens);
+    upload_ints(labels, b.labels);
+    upload_ints(positions, b.positions);
+  }
+  model::TokenShard shard() const { return {tokens, labels, positions}; }
+};
+
+struct HostShard {
+  HostTensor<int32_t> tokens, labels, positions;
+  explicit HostShard(const Batch& b)
+      : tokens({static_cast<int64_t>(b.tokens.size())}), labels({static_cast<int64_t>(b.labels.size())}),
+        positions({static_cast<int64_t>(b.positions.size())}) {
+    tokens.values = b.tokens;
+    labels.values = b.labels;
+    positions.values = b.positions;
+  }
+  model::TokenShard shard() const { return {tokens, labels, positions}; }
+};
+
+// Entry `e` of an arena, whatever its device, as doubles.
+std::vector<double> entry_values(const Arena& a, size_t i) {
+  Tensor t = a.at(i);
+  Tensor flat = t.reshape({t.numel()});
+  if (a.device() == Device::cuda) return download(flat);
+  std::vector<double> out(static_cast<size_t>(flat.numel()));
+  for (size_t j = 0; j < out.size(); ++j) {
+    switch (flat.dtype) {
+      case DType::f64: out[j] = flat.ptr<double>()[j]; break;
+      case DType::f32: out[j] = flat.ptr<float>()[j]; break;
+      case DType::bf16: out[j] = static_cast<float>(flat.ptr<bf16>()[j]); break;
+      default: break;
+    }
+  }
+  return out;
+}
+
+// A GPU model with seeded bf16 parameters (init_std 0.08: attention patterns far from uniform).
+std::unique_ptr<LlamaModel> gpu_model(CheckpointPolicy policy) {
+  auto m = std::make_unique<LlamaModel>(tiny_config(), Precision::cuda_mixed(), policy, kTokens);
+  m->initialize(/*seed=*/2024, /*init_std=*/0.08);
+  return m;
+}
+
+// The CPU f64 model holding exactly the GPU model's (bf16) parameter values.
+std::unique_ptr<LlamaModel> cpu_copy(const LlamaModel& gpu, CheckpointPolicy policy) {
+  auto m = std::make_unique<LlamaModel>(tiny_config(), Precision::cpu(DType::f64), policy, kTokens);
+  LlamaModel& g = const_cast<LlamaModel&>(gpu);
+  for (size_t i = 0; i < g.params().table().size(); ++i) {
+    EXPECT_EQ(g.params().table()[i].name, m->params().table()[i].name);
+    const std::vector<double> v = entry_values(g.params(), i);
+    Tensor dst = m->params().at(i);
+    std::memcpy(dst.data, v.data(), v.size() * sizeof(double));
+  }
+  return m;
+}
+
+TEST(GpuModel, OneStepLossAndEveryGradientMatchTheCpuReference) {
+  LT_REQUIRE_GPU();
+  const Batch batch(kTokens, tiny_config().vocab_size, /*first_position=*/3);
+  auto gpu = gpu_model(CheckpointPolicy::remat_aware);
+  auto cpu = cpu_copy(*gpu, CheckpointPolicy::remat_aware);
+  const double scale = 1.0 / static_cast<double>(batch.valid);
+
+  DeviceShard ds(batch);
+  HostShard hs(batch);
+  gpu->zero_grads();
+  cpu->zero_grads();
+  const model::LossSum lg = gpu->forward_backward(ds.shard(), scale);
+  const model::LossSum lc = cpu->forward_backward(hs.shard(), scale);
+  EXPECT_EQ(lg.count, batch.valid);
+  EXPECT_EQ(lc.count, batch.valid);
+  const double loss_error = std::abs(lg.sum - lc.sum) / std::abs(lc.sum);
+  std::printf("  loss: gpu %.6f cpu %.6f (mean over %lld labels), relative error %.2e (tolerance %.1e)\n",
+              lg.sum * scale, lc.sum * scale, (long long)lc.count, loss_error, kLossTolerance);
+  EXPECT_LT(loss_error, kLossTolerance);
+  ::testing::Test::RecordProperty("loss_relative_error", std::to_string(loss_error));
+
+  double worst = 0.0;
+  std::string worst_name;
+  const auto& table = gpu->grads().table();
+  for (size_t i = 0; i < table.size(); ++i) {
+    const std::vector<double> g = entry_values(gpu->grads(), i), r = entry_values(cpu->grads(), i);
+    const double err = relative_error(g, r);
+    std::printf("  %-52s max|err|/max|ref| = %.3e\n", table[i].name.c_str(), err);
+    EXPECT_LT(err, kStepTolerance) << table[i].name;
+    double ref_max = 0.0;
+    for (double x : r) ref_max = std::max(ref_max, std::abs(x));
+    EXPECT_GT(ref_max, 0.0) << table[i].name << ": a zero reference gradient tests nothing";
+    for (double x : g) ASSERT_TRUE(std::isfinite(x)) << table[i].name;
+    if (err > worst) worst = err, worst_name = table[i].name;
+  }
+  std::printf("  worst gradient: %s, %.3e (tolerance %.2e)\n", worst_name.c_str(), worst, kStepTolerance);
+  ::testing::Test::RecordProperty("worst_gradient_relative_error", std::to_string(worst));
+}
+
+// The three policies recompute with the same kernels on the same inputs: gradients agree within bf16
+// rounding (and are normally bit-identical); attention forward runs once per layer under none and
+// remat_aware, twice under full.
+TEST(GpuModel, CheckpointPoliciesAgreeWithinBf16Rounding) {
+  LT_REQUIRE_GPU();
+  const Batch batch(kTokens, tiny_config().vocab_size, 0);
+  DeviceShard ds(batch);
+  std::vector<std::vector<double>> reference;
+  for (CheckpointPolicy policy : {CheckpointPolicy::remat_aware, CheckpointPolicy::none, CheckpointPolicy::full}) {
+    auto m = gpu_model(policy);
+    m->zero_grads();
+    m->forward_backward(ds.shard(), 1.0 / static_cast<double>(batch.valid));
+    const int64_t L = tiny_config().n_layers;
+    EXPECT_EQ(m->attention().counters.forward_calls, L * (policy == CheckpointPolicy::full ? 2 : 1));
+    EXPECT_EQ(m->attention().counters.backward_calls, L);
+    std::vector<std::vector<double>> grads;
+    for (size_t i = 0; i < m->grads().table().size(); ++i) grads.push_back(entry_values(m->grads(), i));
+    if (reference.empty()) {
+      reference = grads;
+      continue;
+    }
+    double worst = 0.0;
+    bool identical = true;
+    for (size_t i = 0; i < grads.size(); ++i) {
+      const double err = relative_error(grads[i], reference[i]);
+      worst = std::max(worst, err);
+      identical = identical && grads[i] == reference[i];
+      EXPECT_LT(err, 2.0 / 256.0) << checkpoint_policy_name(policy) << " vs remat_aware: "
+                                  << m->grads().table()[i].name;
+    }
+    std::printf("  %-11s vs remat_aware: worst relative difference %.3e%s\n", checkpoint_policy_name(policy), worst,
+                identical ? " (bit-identical)" : "");
+  }
+}
+
+// Same model, same batch, twice: the same loss bits (the forward pass is bitwise reproducible). The
+// gradients agree within bf16 rounding; they may differ in a few bits because cuDNN's attention
+// backward accumulates dQ with atomics (tests/gpu/attention_gpu_test.cpp, RunTwice): the number of
+// differing elements is printed.
+TEST(GpuModel, RunTwiceGivesIdenticalLossBits) {
+  LT_REQUIRE_GPU();
+  const Batch batch(kTokens, tiny_config().vocab_size, 0);
+  DeviceShard ds(batch);
+  auto m = gpu_model(CheckpointPolicy::remat_aware);
+  auto run = [&] {
+    m->zero_grads();
+    const model::LossSum l = m->forward_backward(ds.shard(), 1.0 / static_cast<double>(batch.valid));
+    return std::make_pair(l.sum, download(m->grads().flat()));
+  };
+  const auto first = run(), second = run();
+  EXPECT_EQ(std::memcmp(&first.first, &second.first, sizeof(double)), 0)
+      << "loss " << first.first << " then " << second.first;
+  size_t differ = 0;
+  for (size_t i = 0; i < first.second.size(); ++i) differ += first.second[i] != second.second[i];
+  std::printf("  run twice: loss bits identical (%.9g); gradients differ in %zu of %zu elements, max %.3e relative\n",
+              first.first, differ, first.second.size(), relative_error(second.second, first.second));
+  EXPECT_LT(relative_error(second.second, first.second), 2.0 / 256.0);
+  // A second model built the same way gives the same loss bits too (no state carried in caches).
+  auto other = gpu_model(CheckpointPolicy::remat_aware);
+  other->zero_grads();
+  const model::LossSum l3 = other->forward_backward(ds.shard(), 1.0 / static_cast<double>(batch.valid));
+  EXPECT_EQ(std::memcmp(&first.first, &l3.sum, sizeof(double)), 0);
+}
+
+// trainer::AdamW runs through the ops, so it steps device arenas: two steps on the GPU model's bf16
+// parameters (f32 master weights) equal the same two steps on CPU copies of the arenas, with gradient
+// clipping active (the global norm comes from the GPU's sum_squares).
+TEST(GpuModel, AdamWStepOnDeviceArenasEqualsTheCpuStep) {
+  LT_REQUIRE_GPU();
+  const Batch batch(kTokens, tiny_config().vocab_size, 0);
+  DeviceShard ds(batch);
+  auto m = gpu_model(CheckpointPolicy::remat_aware);
+  m->zero_grads();
+  m->forward_backward(ds.shard(), 1.0 / static_cast<double>(batch.valid));
+
+  // CPU arenas with the same table (same dtype, same offsets), holding the same bytes.
+  Arena cpu_params("parameters", Device::cpu), cpu_grads("gradients", Device::cpu);
+  model::add_parameter_entries(cpu_params, tiny_config(), DType::bf16);
+  model::add_parameter_entries(cpu_grads, tiny_config(), DType::bf16);
+  cpu_params.allocate();
+  cpu_grads.allocate();
+  ASSERT_EQ(cpu_params.bytes(), m->params().bytes());
+  const std::vector<unsigned char> pbytes = download_bytes(m->params().flat());
+  std::memcpy(cpu_params.base(), pbytes.data(), pbytes.size());
+  const std::vector<unsigned char> gbytes = download_bytes(m->grads().flat());
+  std::memcpy(cpu_grads.base(), gbytes.data(), gbytes.size());
+
+  trainer::AdamWConfig cfg;
+  cfg.lr = 1e-2;
+  cfg.min_lr = 1e-3;
+  cfg.warmup_steps = 0;
+  cfg.total_steps = 10;
+  cfg.weight_decay = 0.1;
+  const double norm = trainer::global_norm(m->grads());
+  cfg.grad_clip = 0.5 * norm;  // clipping active
+  trainer::AdamW gpu_opt(m->params(), cfg), cpu_opt(cpu_params, cfg);
+  ASSERT_TRUE(gpu_opt.has_master());
+  for (int step = 0; step < 2; ++step) {
+    const auto gi = gpu_opt.step(m->params(), m->grads());
+    const auto ci = cpu_opt.step(cpu_params, cpu_grads);
+    EXPECT_NEAR(gi.grad_norm, ci.grad_norm, 1e-12 * ci.grad_norm);
+    EXPECT_NEAR(gi.clip_scale, ci.clip_scale, 1e-12);
+    EXPECT_LT(gi.clip_scale, 1.0);
+  }
+  auto compare = [&](const Arena& g, const Arena& c, const char* what) {
+    int64_t n = 0, identical = 0, beyond = 0;
+    for (size_t i = 0; i < g.table().size(); ++i) {
+      const std::vector<double> a = entry_values(g, i), b = entry_values(c, i);
+      for (size_t j = 0; j < a.size(); ++j, ++n) {
+        if (a[j] == b[j]) {
+          ++identical;
+          continue;
+        }
+        const double ulp = std::ldexp(1.0, std::ilogb(std::max(std::abs(b[j]), 1e-38)) - 23);
+        beyond += !(std::abs(a[j] - b[j]) <= ulp);
+      }
+    }
+    std::printf("  adamw %-15s %lld of %lld elements bit-identical to the CPU step, %lld beyond one f32 ulp\n", what,
+                (long long)identical, (long long)n, (long long)beyond);
+    EXPECT_EQ(beyond, 0) << what;
+  };
+  compare(gpu_opt.master(), cpu_opt.master(), "master weights");
+  compare(gpu_opt.m(), cpu_opt.m(), "m");
+  compare(gpu_opt.v(), cpu_opt.v(), "v");
+  // bf16 parameters: the rounded master weights, so equal wherever the master weights are.
+  const std::vector<double> gp = download(m->params().flat()), gw = download(gpu_opt.master().flat());
+  ASSERT_EQ(gp.size(), gw.size());
+  for (size_t j = 0; j < gp.size(); ++j) ASSERT_EQ(gp[j], round_to(gw[j], DType::bf16)) << "flat element " << j;
+}
+
+}  // namespace
+}  // namespace longtrain::test
