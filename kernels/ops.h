@@ -101,4 +101,9 @@ void adamw_update(Tensor param, Tensor master, Tensor m, Tensor v, Tensor grad, 
 // Σ x² accumulated in double (returned on the host; a CUDA call synchronises). NaN/Inf propagate.
 double sum_squares(Tensor x);
 
+// ---- CPU threads -------------------------------------------------------------------------------
+// Threads of the CPU GEMMs (OpenBLAS) and, through it, of the CPU attention; 0 = every core.
+void set_cpu_threads(int threads);
+int cpu_threads();
+
 }  // namespace longtrain::ops

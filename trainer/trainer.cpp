@@ -416,16 +416,25 @@ UnigramBaseline unigram_baseline(const data::TokenCorpus& train, const data::Tok
   return b;
 }
 
+model::MemoryPlan plan_training_memory(const TrainConfig& c, int world_size) {
+  const int64_t tokens = c.data.seq_len / c.parallel.sp_size;
+  return model::plan_memory(c.model, precision_for(c), c.model.checkpoint, tokens, world_size);
+}
+
 TrainSummary train(TrainConfig c, const std::string& resume, const TrainHooks& hooks) {
   // 1. Everything that can be wrong is checked before anything is created on disk.
   const model::Precision precision = precision_for(c);
   LT_CHECK(!c.data.train.empty(), "{}: data.train is empty: point it at a directory made by `longtrain prepare`",
            c.source);
   Ranks ranks = join_world(c);
+  if (precision.device == Device::cpu) ops::set_cpu_threads(static_cast<int>(c.train.threads));
   data::Loader loader(loader_options(c, "train", ranks));
   if (c.eval.batches > 0) data::Loader probe_val(loader_options(c, "val", ranks));
   std::optional<CheckpointRef> resume_from;
   if (!resume.empty()) resume_from = resolve_resume(c.checkpoint.dir, resume);
+  // Too little memory is an error now, naming the knobs, not an allocation failure mid-setup.
+  const model::MemoryPlan plan = plan_training_memory(c, ranks.world_size);
+  model::check_memory_fits(plan, model::device_memory(precision.device));
 
   // 2. The run directory, its log and the resolved config: written by global rank 0 only.
   const fs::path run_dir = c.logging.run_dir;

@@ -19,6 +19,7 @@
 
 #include "data/loader.h"
 #include "model/llama.h"
+#include "model/memory_plan.h"
 #include "parallel/communicator.h"
 #include "trainer/config.h"
 #include "trainer/optimizer.h"
@@ -47,6 +48,10 @@ struct UnigramBaseline {
   double val_cross_entropy = 0.0;
 };
 UnigramBaseline unigram_baseline(const data::TokenCorpus& train, const data::TokenCorpus& val);
+
+// What training `config` on `world_size` ranks will allocate per rank, before allocating anything
+// (`longtrain train --plan`; train() checks it against free memory first).
+model::MemoryPlan plan_training_memory(const TrainConfig& config, int world_size);
 
 // Test hooks: called after each micro-step's backward, before the non-finite check and the update.
 struct TrainHooks {

@@ -48,9 +48,9 @@
 #include "attention/backends.h"
 #include "attention/cpu/work_items.h"
 
-// The vector helpers below (namespace lanes) pass vectors by value between always-inline functions of
-// this file; GCC's note that such a call's ABI would differ without AVX is irrelevant to them. GCC
-// reports it at the end of the file, so it is silenced for the whole file.
+// The vector helpers below (namespace lanes) return vectors by value between always-inline functions
+// of this file; GCC's warning that such a call's ABI would differ without AVX is irrelevant to them.
+// GCC reports it at the end of the file, so it is silenced for the whole file.
 #pragma GCC diagnostic ignored "-Wpsabi"
 
 namespace longtrain::attn::cpu {
@@ -252,7 +252,7 @@ LT_LANES_INLINE typename Vec<W>::F load(const float* p) {
   return v;
 }
 template <int W>
-LT_LANES_INLINE void store(float* p, typename Vec<W>::F v) {
+LT_LANES_INLINE void store(float* p, const typename Vec<W>::F& v) {
   std::memcpy(p, &v, sizeof v);
 }
 // The first `count` (< W) values at p, the other lanes `fill`.
@@ -263,7 +263,7 @@ LT_LANES_INLINE typename Vec<W>::F load_partial(const float* p, int64_t count, f
   return v;
 }
 template <int W>
-LT_LANES_INLINE void store_partial(float* p, typename Vec<W>::F v, int64_t count) {
+LT_LANES_INLINE void store_partial(float* p, const typename Vec<W>::F& v, int64_t count) {
   for (int64_t l = 0; l < count; ++l) p[l] = v[l];
 }
 
@@ -274,7 +274,7 @@ LT_LANES_INLINE void store_partial(float* p, typename Vec<W>::F v, int64_t count
 // exp, for the 16-byte and the AVX2+FMA lanes); exp(-inf) = 0, exp(+inf) = +inf, and NaN stays NaN
 // (the clamps compare false for it).
 template <int W>
-LT_LANES_INLINE typename Vec<W>::F exp_lanes(typename Vec<W>::F x) {
+LT_LANES_INLINE typename Vec<W>::F exp_lanes(const typename Vec<W>::F& x) {
   using F = typename Vec<W>::F;
   using I = typename Vec<W>::I;
   constexpr float kLog2e = 1.44269504088896341f;
@@ -294,7 +294,7 @@ LT_LANES_INLINE typename Vec<W>::F exp_lanes(typename Vec<W>::F x) {
 
 // lo/hi += the lanes of v converted to double.
 template <int W>
-LT_LANES_INLINE void accumulate(typename Vec<W>::D& lo, typename Vec<W>::D& hi, typename Vec<W>::F v) {
+LT_LANES_INLINE void accumulate(typename Vec<W>::D& lo, typename Vec<W>::D& hi, const typename Vec<W>::F& v) {
   using D = typename Vec<W>::D;
   if constexpr (W == 4) {
     lo += __builtin_convertvector(__builtin_shufflevector(v, v, 0, 1), D);
@@ -394,7 +394,9 @@ bool cpu_has_avx2_fma() {
 }
 #endif
 
-void softmax_forward_tile(double* s, const TileRows& t, double* m, double* l) { softmax_forward_tile_scalar(s, t, m, l); }
+void softmax_forward_tile(double* s, const TileRows& t, double* m, double* l) {
+  softmax_forward_tile_scalar(s, t, m, l);
+}
 void softmax_forward_tile(float* s, const TileRows& t, float* m, double* l) {
 #if defined(__x86_64__)
   if (cpu_has_avx2_fma()) return softmax_forward_tile_avx2(s, t, m, l);
@@ -429,6 +431,17 @@ struct Tiles {
 Tiles query_tiles(int64_t Tq) {
   const int64_t rows = std::max<int64_t>(1, std::min(Tq, kTileRows));
   return {rows, (Tq + rows - 1) / rows};
+}
+
+// Below this many multiply-adds per GEMM pass over the block (Hq · Tq · keys · D, about 40 µs on one
+// core) a call runs on the calling thread alone: waking a helper costs more than it saves. Decode
+// steps of generation and the tests' small blocks stay single-threaded; the demo's blocks do not.
+constexpr double kParallelMinMacs = 2e6;
+
+int block_workers(const Geometry& g, BlockMask mask, int64_t n_items) {
+  const double keys_per_row = mask == BlockMask::causal_diagonal ? 0.5 * static_cast<double>(g.Tk) : g.Tk;
+  const double macs = static_cast<double>(g.Hq) * static_cast<double>(g.Tq) * keys_per_row * static_cast<double>(g.D);
+  return macs < kParallelMinMacs ? 1 : work_threads(n_items);
 }
 
 // The score tile's row stride: Tk rounded up to 16 elements, so every row starts 64-byte aligned.
@@ -469,7 +482,7 @@ void forward_impl(const Tensor& o_t, const Tensor& lse_t, const Tensor& q_t, con
   const Tiles tiles = query_tiles(g.Tq);
   const int64_t ld_s = score_stride(g.Tk);
   const int64_t n_items = g.Hq * tiles.count;
-  const int workers = work_threads(n_items);
+  const int workers = block_workers(g, mask, n_items);
   struct Scratch {
     std::vector<T> s;       // [tiles.rows, ld_s]: scores, then P
     std::vector<T> m;       // [tiles.rows]: row maxima
@@ -529,7 +542,8 @@ void delta_impl(const Tensor& delta_t, const Tensor& o_t, const Tensor& d_o_t) {
 //   P  [rows, keys] = exp(scale · Q_h[tile] · K_g[keys]ᵀ - lse), 0 where masked   (GEMM + exp)
 //   dP [rows, keys] = dO_h[tile] · V_g[keys]ᵀ                                   (GEMM)
 //   dS = P ⊙ (dP - delta)
-//   dQ_h[tile] += scale · dS · K_g[keys];  dK_g[keys] += scale · dSᵀ · Q_h[tile];  dV_g[keys] += Pᵀ · dO_h[tile]
+//   dQ_h[tile] += scale · dS · K_g[keys];  dK_g[keys] += scale · dSᵀ · Q_h[tile];
+//   dV_g[keys] += Pᵀ · dO_h[tile]
 // The three updates are GEMMs with beta = 1 into the outputs (strided views into dQKV buffers are
 // fine). One item owns all of dK_g and dV_g and adds to them in a fixed order, and its dQ rows belong
 // to its own query heads, so the result does not depend on the thread count.
@@ -549,7 +563,7 @@ void backward_impl(const Tensor& dq_t, const Tensor& dk_t, const Tensor& dv_t, c
   const Tiles tiles = query_tiles(g.Tq);
   const int64_t ld_s = score_stride(g.Tk);
   const T t_scale = static_cast<T>(scale);
-  const int workers = work_threads(g.Hkv);
+  const int workers = block_workers(g, mask, g.Hkv);
   struct Scratch {
     std::vector<T> p, ds;         // [tiles.rows, ld_s] each: scores, then P; dP, then dS
     std::vector<T> lse, delta;    // [tiles.rows]: the tile's rows of lse and delta for one head

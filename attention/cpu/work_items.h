@@ -1,8 +1,10 @@
 // Threads for the CPU attention (attention/cpu/local_attention.cpp): its work items (a query head ×
 // a query tile in the forward, a KV head in the backward) run on a few threads, each item calling
-// single-threaded OpenBLAS GEMMs. Measured on the 2-core demo machine, this beats letting OpenBLAS
-// thread the attention's GEMMs (they are small: 64 query rows × keys × head_dim) by 1.5-2x at
-// T = 1024, and it also spreads the softmax's elementwise work.
+// single-threaded OpenBLAS GEMMs. On the 2-core demo machine this was ~1.5x faster at T = 1024 (and
+// ~1.1x at T = 256) than running the items on one thread and letting OpenBLAS thread each of their
+// small GEMMs (64 query rows × keys × head_dim), since it also spreads the softmax's elementwise work;
+// and OpenBLAS's threaded dgemm rounds differently from its single-threaded one, which would make
+// results depend on the thread count.
 //
 // Results never depend on the thread count: every item writes outputs no other item touches, and an
 // item's arithmetic does not depend on which thread runs it or when. The helper threads are a small

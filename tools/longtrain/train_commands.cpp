@@ -1,4 +1,5 @@
 // `longtrain train`, `longtrain eval`, `longtrain generate` and `longtrain schema`.
+#include <cstdlib>
 #include <filesystem>
 #include <string>
 #include <vector>
@@ -27,9 +28,22 @@ void add_train_commands(CLI::App& app) {
     cmd->add_option("config", *config_path, "YAML config (see `longtrain schema`)")->required();
     cmd->add_option("--set", *sets, "Override a key: --set optim.lr=1e-3 (repeatable)");
     cmd->add_option("--resume", *resume, "Resume: 'auto' (newest complete checkpoint, if any) or a checkpoint dir");
+    auto plan = std::make_shared<bool>(false);
+    cmd->add_flag("--plan", *plan, "Print the memory plan per rank (parameters, gradients, optimizer, activations, "
+                                   "workspace) and exit without allocating");
     cmd->callback([=] {
       trainer::TrainConfig c = trainer::load_config(*config_path, *sets);
       trainer::resolve_device(c, cuda_available());
+      if (*plan) {
+        const char* ws = std::getenv("WORLD_SIZE");
+        const int world = ws ? std::atoi(ws) : static_cast<int>(c.parallel.sp_size);
+        model::MemoryPlan p = trainer::plan_training_memory(c, world);
+        fmt::print("{}", p.table());
+        const model::DeviceMemory m = model::device_memory(p.precision.device);
+        fmt::print("free on this {}: {:.2f} GiB of {:.2f} GiB\n", p.precision.device == Device::cuda ? "GPU" : "host",
+                   m.free / 1073741824.0, m.total / 1073741824.0);
+        return;
+      }
       trainer::TrainSummary s = trainer::train(c, *resume);
       if (s.final_eval)
         fmt::print("final validation loss {:.4f} (perplexity {:.2f}) after step {}\n", s.final_eval->loss,
