@@ -512,6 +512,9 @@ TrainSummary train(TrainConfig c, const std::string& resume, const TrainHooks& h
   const Arena staging = shard_staging(precision.device, loader.local_len());
   while (rs.step < c.train.steps) {
     const auto t0 = clock::now();
+    // Attention forwards per layer and micro-batch this step: 1 under remat_aware and none, 2 under
+    // full (the recomputation re-runs attention and its communication).
+    const int64_t attention_forwards_before = model.attention().counters.forward_calls;
     const int64_t step = rs.step + 1;
     // The loss is the mean over every valid label of the step on every rank: count them first.
     double count = 0;
@@ -573,14 +576,18 @@ TrainSummary train(TrainConfig c, const std::string& resume, const TrainHooks& h
       const double tok_s = static_cast<double>(tokens_per_step) / dt;
       const double eta = elapsed / static_cast<double>(steps_timed) * static_cast<double>(c.train.steps - step);
       plot.add_train(step, loss);
+      const double attn_fwd = static_cast<double>(model.attention().counters.forward_calls -
+                                                  attention_forwards_before) /
+                              static_cast<double>(c.model.n_layers * micro);
       record({{"step", step}, {"loss", loss}, {"lr", info.lr}, {"grad_norm", norm}, {"tokens_per_s", tok_s},
+              {"attention_forwards_per_layer", attn_fwd},
               {"tflops", tok_s * flops_per_token / 1e12}, {"tokens_seen", rs.tokens_seen}, {"elapsed_s", elapsed}});
       if (step % c.logging.log_every == 0 || step == c.train.steps || step == summary.first_step) {
         clear_bar();
         log->info("step {:>5}/{} | loss {:.4f} | lr {:.2e} | grad norm {:.3f} | {:.0f} tok/s | {:.3f} TFLOP/s | "
-                  "mem {:.0f} MiB | ETA {}",
+                  "mem {:.0f} MiB | attn fwd/layer {:g} | ETA {}",
                   step, c.train.steps, loss, info.lr, norm, tok_s, tok_s * flops_per_token / 1e12,
-                  state_bytes / 1048576.0, human_duration(eta));
+                  state_bytes / 1048576.0, attn_fwd, human_duration(eta));
         if (ranks.main && c.logging.plot) plot.save(run_dir / "loss.svg", title);
       }
       if (tty) {

@@ -116,6 +116,21 @@ TEST_F(TrainTest, EvalOfACheckpointReproducesTheLoopsValidationLoss) {
   EXPECT_EQ(e.bucket_loss.size(), static_cast<size_t>(m.config.eval.position_buckets));
 }
 
+// The step log shows how often attention ran: once per layer under remat_aware, twice under full.
+TEST_F(TrainTest, StepLogCountsAttentionForwards) {
+  for (auto [policy, expected] : {std::pair{"remat_aware", 1.0}, std::pair{"full", 2.0}, std::pair{"none", 1.0}}) {
+    const std::string name = std::string("attn_count_") + policy;
+    train(config(name, {"train.steps=2", "eval.batches=0", "checkpoint.every=0", "optim.warmup_steps=1",
+                        std::string("model.checkpoint=") + policy}));
+    std::ifstream in(root_ / "runs" / name / "metrics.jsonl");
+    int lines = 0;
+    for (std::string line; std::getline(in, line); ++lines)
+      EXPECT_NE(line.find(fmt::format("\"attention_forwards_per_layer\":{:.1f},", expected)), std::string::npos)
+          << policy << ": " << line;
+    EXPECT_EQ(lines, 2);
+  }
+}
+
 // Through the real CLI: each class of config error exits non-zero with its message, and no run
 // directory appears.
 int run_cli(const std::string& args, std::string& output) {
