@@ -4,6 +4,10 @@
 
 #include <fmt/format.h>
 
+#ifdef LONGTRAIN_HAS_CUDA
+#include "attention/cuda/distributed_buffers.h"
+#endif
+
 namespace longtrain::attn::dist {
 
 DType accumulator_dtype(DType t) { return t == DType::bf16 ? DType::f32 : t; }
@@ -31,22 +35,30 @@ void store(void* p, DType t, double v) {
 }
 
 void check_elementwise(const char* op, const Tensor& t) {
-  LT_CHECK(t.device == Device::cpu,
-           "{}: {} is a CUDA tensor; the distributed attention's packing and accumulation run on CPU tensors "
-           "only so far (its CUDA copies are not written yet)",
-           op, t.describe());
   LT_CHECK(t.ndim >= 1 && t.ndim <= kMaxDims, "{}: {} must have 1 to {} dims", op, t.describe(), kMaxDims);
   LT_CHECK(t.shape[t.ndim - 1] <= 1 || t.stride[t.ndim - 1] == 1, "{}: {} must be unit-stride in its last dim", op,
            t.describe());
   LT_CHECK(t.numel() == 0 || t.data != nullptr, "{}: {} has no memory", op, t.describe());
 }
 
-// Calls f(dst_element, src_element) over every element of two same-shape views, row by row.
-template <class F>
-void for_each_pair(const char* op, const Tensor& dst, const Tensor& src, F&& f) {
+// Checks a pair of views for an elementwise op. True when they are CUDA tensors (the caller hands
+// them to attention/cuda/distributed_buffers.cu), false for CPU tensors.
+bool check_pair(const char* op, const Tensor& dst, const Tensor& src) {
   check_elementwise(op, dst);
   check_elementwise(op, src);
   check_same_shape(dst, src, op);
+  LT_CHECK(dst.device == src.device, "{}: {} and {} are on different devices", op, dst.describe(), src.describe());
+  if (dst.device == Device::cpu) return false;
+#ifdef LONGTRAIN_HAS_CUDA
+  return true;
+#else
+  LT_FAIL("{}: {} is a CUDA tensor but longtrain was built without CUDA", op, dst.describe());
+#endif
+}
+
+// Calls f(dst_element, src_element) over every element of two same-shape CPU views, row by row.
+template <class F>
+void for_each_pair(const Tensor& dst, const Tensor& src, F&& f) {
   const int nd = dst.ndim;
   const int64_t n_last = dst.shape[nd - 1];
   const size_t ds = dtype_size(dst.dtype), ss = dtype_size(src.dtype);
@@ -77,14 +89,25 @@ void add_row(void* dst, const void* src, int64_t n) {
 }  // namespace
 
 void fill_tensor(Tensor t, double value) {
-  check_elementwise("fill_tensor", t);
-  for_each_pair("fill_tensor", t, t, [&](char* dp, const char*, int64_t n, size_t ds, size_t) {
+  if (check_pair("fill_tensor", t, t)) {
+#ifdef LONGTRAIN_HAS_CUDA
+    cuda::fill_tensor(t, value);
+#endif
+    return;
+  }
+  for_each_pair(t, t, [&](char* dp, const char*, int64_t n, size_t ds, size_t) {
     for (int64_t i = 0; i < n; ++i) store(dp + i * ds, t.dtype, value);
   });
 }
 
 void copy_tensor(Tensor dst, Tensor src) {
-  for_each_pair("copy_tensor", dst, src, [&](char* dp, const char* sp, int64_t n, size_t ds, size_t ss) {
+  if (check_pair("copy_tensor", dst, src)) {
+#ifdef LONGTRAIN_HAS_CUDA
+    cuda::copy_tensor(dst, src);
+#endif
+    return;
+  }
+  for_each_pair(dst, src, [&](char* dp, const char* sp, int64_t n, size_t ds, size_t ss) {
     if (dst.dtype == src.dtype) {
       std::memcpy(dp, sp, static_cast<size_t>(n) * ds);
     } else {
@@ -94,7 +117,13 @@ void copy_tensor(Tensor dst, Tensor src) {
 }
 
 void add_tensor(Tensor dst, Tensor src) {
-  for_each_pair("add_tensor", dst, src, [&](char* dp, const char* sp, int64_t n, size_t ds, size_t ss) {
+  if (check_pair("add_tensor", dst, src)) {
+#ifdef LONGTRAIN_HAS_CUDA
+    cuda::add_tensor(dst, src);
+#endif
+    return;
+  }
+  for_each_pair(dst, src, [&](char* dp, const char* sp, int64_t n, size_t ds, size_t ss) {
     // Same-dtype sums in that dtype (one rounding per add, as a GPU accumulator would); mixed ones
     // through double.
     if (dst.dtype == DType::f64 && src.dtype == DType::f64) {

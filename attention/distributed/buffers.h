@@ -4,9 +4,15 @@
 //
 // Dtypes: tensors (Q, K, V, O, dO) travel in their own dtype; partial O, LSE, D and the dQ/dK/dV
 // accumulators in accumulator_dtype() — f32 when the tensors are bf16 (CUDA), the tensor dtype on
-// CPU (f32, or f64 for the exactness tests). The elementwise operations run on CPU tensors; CUDA
-// tensors are refused with an error until the CUDA copies are written (the NCCL communicator they
-// would travel through does not exist yet either).
+// CPU (f32, or f64 for the exactness tests). The elementwise operations run here for CPU tensors
+// and through attention/cuda/distributed_buffers.cu for CUDA tensors (queued on the compute stream,
+// f32 arithmetic with one rounding to the destination's dtype).
+//
+// Ordering on CUDA (NCCL): a batch's sends read their buffers on the communication stream after
+// everything queued on the compute stream before its start_p2p, and the compute stream waits for
+// the batch only at P2PWork::wait(), which does not block the host. So a buffer a batch sends or
+// receives is written again (packed, zeroed, accumulated into) only by work queued after that
+// batch's wait(): the schedules never write such a slot between the start_p2p and the wait().
 #pragma once
 
 #include <cstdint>

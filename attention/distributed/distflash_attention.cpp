@@ -16,6 +16,7 @@
 #include <fmt/format.h>
 
 #include <limits>
+#include <optional>
 
 #include "attention/distributed/schedules.h"
 
@@ -33,7 +34,8 @@ DistFlashAttention::DistFlashAttention(const SequenceAttentionSpec& spec)
 std::string DistFlashAttention::describe() const {
   return fmt::format("distflash: {} steps of point-to-point transfers over {} ({} ranks, contiguous layout, {})",
                      distflash_steps(sp_.size(), causal_), sp_.name(), sp_.size(),
-                     causal_ ? "causal, with helpers" : "full attention");
+                     causal_ ? (sp_.size() >= 3 ? "causal, with helpers" : "causal, no helpers below 3 ranks")
+                             : "full attention");
 }
 
 int distflash_steps(int P, bool causal) { return causal ? P / 2 + 1 : P; }
@@ -103,6 +105,8 @@ void DistFlashAttention::forward(Tensor o, Tensor lse, Tensor q, Tensor k, Tenso
 
     int64_t pairs = 0;
     const Task mine = t < S ? distflash_task(P, causal_, me, t) : Task{};
+    std::optional<ComputeScope> scope;
+    if (mine.kind != Task::idle) scope.emplace(observer_);
     if (mine.kind == Task::own || mine.kind == Task::owner) {
       const Message* in = mine.kind == Task::owner ? &fwd_kv_in_[t % 2] : nullptr;
       const Tensor kk = in ? (*in)[0] : k, vv = in ? (*in)[1] : v;
@@ -120,6 +124,7 @@ void DistFlashAttention::forward(Tensor o, Tensor lse, Tensor q, Tensor k, Tenso
         pairs += c.pairs();
       }
     }
+    scope.reset();
     forward_trace_.steps[static_cast<size_t>(t)].pairs += pairs;
     if (work) work->wait();
     if (result_from >= 0) lse_merge(s.o_acc, lse, fwd_res_in_[0][0], fwd_res_in_[0][1]);
@@ -198,6 +203,8 @@ void DistFlashAttention::backward(Tensor dq, Tensor dk, Tensor dv, Tensor q, Ten
 
     int64_t pairs = 0;
     const Task mine = t < S ? distflash_task(P, causal_, me, t) : Task{};
+    std::optional<ComputeScope> scope;
+    if (mine.kind != Task::idle) scope.emplace(observer_);
     if (mine.kind == Task::own) {
       for (const BlockCall& c : plan_block_calls(layout_, P, T, me, me, causal_)) {
         backward_call(c, s.dq, s.dk, s.dv, q, k, v, d_o, lse, s.delta, scale_);
@@ -220,6 +227,7 @@ void DistFlashAttention::backward(Tensor dq, Tensor dk, Tensor dv, Tensor q, Ten
         pairs += c.pairs();
       }
     }
+    scope.reset();
     backward_trace_.steps[static_cast<size_t>(t)].pairs += pairs;
     if (work) work->wait();
     if (received != nullptr) {

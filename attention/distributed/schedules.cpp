@@ -7,6 +7,8 @@
 
 #include <fmt/format.h>
 
+#include "runtime/device.h"
+
 namespace longtrain::attn {
 
 // ---- names, traces, base class ----------------------------------------------------------------------
@@ -86,7 +88,7 @@ ForwardScratch prepare_forward(MessageSlots& slots, Tensor o, Tensor lse) {
   const DType acc = lse.dtype;
   const int64_t T = o.size(0), H = o.size(1), D = o.size(2);
   const bool separate = o.dtype != acc;
-  MessageSpec spec = {{{T, H, D}, acc}, {{T, H}, acc}};
+  MessageSpec spec = {{{T, H, D}, o.dtype}, {{T, H}, acc}};
   if (separate) spec.push_back({{T, H, D}, acc});
   slots.ensure(spec, 1, o.device);
   ForwardScratch s{slots[0][0], slots[0][1], separate ? slots[0][2] : o};
@@ -169,13 +171,14 @@ MessageSpec kv_spec(const Tensor& k) {
 // queries meet the block it holds and the partial results merge into (o, lse).
 void rotating_kv_forward(RingRotation& rotation, MessageSlots& scratch, const RingTopology& topo, SeqLayout layout,
                          bool causal, double scale, Tensor o, Tensor lse, Tensor q, Tensor k, Tensor v,
-                         ScheduleTrace& trace) {
+                         ScheduleTrace& trace, ComputeObserver* observer) {
   const int64_t T = q.size(0);
   const int P = topo.size(), me = topo.sp_rank();
   const ForwardScratch s = prepare_forward(scratch, o, lse);
   RotationHooks hooks;
   hooks.compute = [&](int, int source, const Message* block, const Message*) {
     const Tensor kk = block ? (*block)[0] : k, vv = block ? (*block)[1] : v;
+    const ComputeScope scope(observer);
     int64_t pairs = 0;
     for (const BlockCall& c : plan_block_calls(layout, P, T, me, source, causal)) {
       forward_call(c, s.o_acc, lse, s.o_blk, s.lse_blk, q, kk, vv, scale);
@@ -207,7 +210,7 @@ void RingAttention::forward(Tensor o, Tensor lse, Tensor q, Tensor k, Tensor v) 
   ++counters.forward_calls;
   check_call("forward", q, k, v, o, lse);
   rotating_kv_forward(forward_rotation_, fwd_scratch_, RingTopology::single(sp_), layout_, causal_, scale_, o, lse, q,
-                      k, v, forward_trace_);
+                      k, v, forward_trace_, observer_);
   counters.bytes_sent += forward_trace_.bytes_sent();
 }
 
@@ -224,6 +227,7 @@ void RingAttention::backward(Tensor dq, Tensor dk, Tensor dv, Tensor q, Tensor k
   hooks.compute = [&](int, int source, const Message* block, const Message* grads) {
     const Tensor kk = block ? (*block)[0] : k, vv = block ? (*block)[1] : v;
     const Tensor gk = grads ? (*grads)[0] : s.dk, gv = grads ? (*grads)[1] : s.dv;
+    const ComputeScope scope(observer_);
     int64_t pairs = 0;
     for (const BlockCall& c : plan_block_calls(layout_, P, T, me, source, causal_)) {
       backward_call(c, s.dq, gk, gv, q, kk, vv, d_o, lse, s.delta, scale_);
@@ -265,9 +269,20 @@ RingTopology burst_topology(const SequenceAttentionSpec& spec) {
       refuse = 1;
     }
   }
-  // A host flag: the Gloo communicator takes it as is. (The NCCL one will need it on the device.)
-  Tensor flag(&refuse, DType::i32, {1}, Device::cpu);
-  sp.all_reduce(flag, parallel::ReduceOp::max);
+  // The flag lives where the communicator's tensors do: a host int for Gloo, a device one for NCCL
+  // (read back through the compute stream, which the all_reduce orders itself before).
+  Tensor host_flag(&refuse, DType::i32, {1}, Device::cpu);
+  if (sp.device() == Device::cpu) {
+    sp.all_reduce(host_flag, parallel::ReduceOp::max);
+  } else {
+    Arena flag_arena("burst topology flag", sp.device());
+    flag_arena.add("refuse", {1}, DType::i32);
+    flag_arena.allocate();
+    const Tensor flag = flag_arena.get("refuse");
+    copy(flag, host_flag);
+    sp.all_reduce(flag, parallel::ReduceOp::max);
+    copy(host_flag, flag);
+  }
   if (refuse == 0) return RingTopology::double_ring(sp, *spec.intra_node, *spec.inter_node);
   return RingTopology::single(sp);
 }
@@ -291,7 +306,7 @@ void BurstAttention::forward(Tensor o, Tensor lse, Tensor q, Tensor k, Tensor v)
   ++counters.forward_calls;
   check_call("forward", q, k, v, o, lse);
   rotating_kv_forward(forward_rotation_, fwd_scratch_, topology_, layout_, causal_, scale_, o, lse, q, k, v,
-                      forward_trace_);
+                      forward_trace_, observer_);
   counters.bytes_sent += forward_trace_.bytes_sent();
 }
 
@@ -312,6 +327,7 @@ void BurstAttention::backward(Tensor dq, Tensor dk, Tensor dv, Tensor q, Tensor 
     const Tensor qq = block ? (*block)[0] : q, gg = block ? (*block)[1] : d_o, ll = block ? (*block)[2] : lse,
                  dd = block ? (*block)[3] : s.delta;
     const Tensor gq = grads ? (*grads)[0] : s.dq;
+    const ComputeScope scope(observer_);
     int64_t pairs = 0;
     for (const BlockCall& c : plan_block_calls(layout_, P, T, source, me, causal_)) {
       backward_call(c, gq, s.dk, s.dv, qq, k, v, gg, ll, dd, scale_);

@@ -12,8 +12,9 @@
 
 namespace longtrain::attn::dist {
 
-// Scratch of a forward call: one block's partial (O, LSE), and the O accumulator (the caller's o
-// when it is in the accumulator dtype, as on CPU; a separate buffer for bf16 o on CUDA).
+// Scratch of a forward call: one block's partial (O in o's dtype, as the local attention writes
+// it; LSE), and the O accumulator (the caller's o when it is in the accumulator dtype, as on CPU; a
+// separate f32 buffer for bf16 o on CUDA).
 struct ForwardScratch {
   Tensor o_blk, lse_blk;  // [T, Hq, D], [T, Hq]
   Tensor o_acc;           // [T, Hq, D]
@@ -33,6 +34,22 @@ BackwardScratch prepare_backward(MessageSlots& slots, Tensor dq, Tensor dk, Tens
                                  Tensor d_o);
 // dq/dk/dv += the separate accumulators, when there are any.
 void finish_backward(const BackwardScratch& s, Tensor dq, Tensor dk, Tensor dv);
+
+// Brackets one step's block calls for a ComputeObserver (null: nothing).
+class ComputeScope {
+ public:
+  explicit ComputeScope(ComputeObserver* observer) : observer_(observer) {
+    if (observer_) observer_->begin_compute();
+  }
+  ~ComputeScope() {
+    if (observer_) observer_->end_compute();
+  }
+  ComputeScope(const ComputeScope&) = delete;
+  ComputeScope& operator=(const ComputeScope&) = delete;
+
+ private:
+  ComputeObserver* observer_;
+};
 
 // Shapes of a backward call beyond DistributedAttention::check_call's: dq/d_o/o like q, dk/dv like k.
 void check_backward_tensors(const char* schedule, Tensor dq, Tensor dk, Tensor dv, Tensor q, Tensor k, Tensor o,

@@ -14,8 +14,10 @@
 // while the device still runs, so missing stream ordering shows as wrong results); a second backward
 // adds to the first (+=); a repeated forward gives the same bits; the bytes sent match the schedule's
 // definition with bf16 tensors and f32 accumulators on the wire.
-#include <cuda_runtime_api.h>
-
+//
+//   distributed_attention_gpu_worker          the GPU run (NCCL, bf16 tensors)
+//   distributed_attention_gpu_worker --cpu    the same checks on CPU (Gloo, f32 tensors), to try the
+//                                             worker itself where there is no GPU
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -33,7 +35,6 @@
 #include "attention/sequence_attention.h"
 #include "parallel/distributed.h"
 #include "parallel/layout.h"
-#include "runtime/cuda_check.h"
 #include "runtime/device.h"
 #include "test_util.h"
 
@@ -45,28 +46,32 @@ using test::HostTensor;
 
 constexpr int64_t kS = 1024, kHq = 8, kHkv = 2, kD = 128, kW = kHq + 2 * kHkv;
 
+// Where the shards live and their dtype: CUDA and bf16, or (--cpu) CPU and f32. LSE is f32 on both.
+Device g_device = Device::cuda;
+DType g_dtype = DType::bf16;
+
 // Errors are max|got - ref| / max|ref| (test::relative_error). Bounds:
 // - bf16 tensors (O, dQ, dK, dV): 4 bf16 ulps, as for the single-GPU attention tests (gpu_test_util.h).
-// - the f32 LSE: 1e-4, the f32 bound of the same file (cuDNN forms scores in f32 from bf16 inputs).
+// - f32 tensors (the LSE; everything with --cpu): 1e-4, the f32 bound of the same file (cuDNN forms
+//   scores in f32 from bf16 inputs).
 // - P = 2 against P = 1: at most 1.5x P = 1's error (bf16 noise: the partial results of two blocks are
 //   each rounded to bf16 by cuDNN before the f32 sum), but never asked to resolve less than one
-//   rounding of the stored dtype (2^-9 for bf16, 2^-20 ~ 8 f32 ulps for the LSE).
-constexpr double kBf16Tolerance = 4.0 / 256.0, kF32Tolerance = 1e-4;
+//   rounding of the stored dtype (2^-9 for bf16, 2^-20 ~ 8 f32 ulps for f32).
 constexpr double kP2OverP1 = 1.5;
-double tolerance(bool f32) { return f32 ? kF32Tolerance : kBf16Tolerance; }
-double resolution(bool f32) { return f32 ? std::ldexp(1.0, -20) : std::ldexp(1.0, -9); }
+double tolerance(DType t) { return t == DType::bf16 ? 4.0 / 256.0 : 1e-4; }
+double resolution(DType t) { return t == DType::bf16 ? std::ldexp(1.0, -9) : std::ldexp(1.0, -20); }
 
 // ---- device buffers -----------------------------------------------------------------------------------
 
 struct DeviceBuffer {
   Tensor t;
   DeviceBuffer(DType dtype, std::initializer_list<int64_t> shape) {
-    Tensor probe(nullptr, dtype, shape, Device::cuda);
+    Tensor probe(nullptr, dtype, shape, g_device);
     t = probe;
-    t.data = device_alloc(Device::cuda, probe.nbytes());
+    t.data = device_alloc(g_device, probe.nbytes());
     zero(t);
   }
-  ~DeviceBuffer() { device_free(Device::cuda, t.data); }
+  ~DeviceBuffer() { device_free(g_device, t.data); }
   DeviceBuffer(const DeviceBuffer&) = delete;
   DeviceBuffer& operator=(const DeviceBuffer&) = delete;
 };
@@ -184,11 +189,11 @@ struct Shard {
   Shard(const Problem& p, std::vector<int64_t> rows_)
       : rows(std::move(rows_)),
         n(static_cast<int64_t>(rows.size())),
-        qkv(DType::bf16, {n, kW, kD}),
-        o(DType::bf16, {n, kHq, kD}),
+        qkv(g_dtype, {n, kW, kD}),
+        o(g_dtype, {n, kHq, kD}),
         lse(DType::f32, {n, kHq}),
-        d_o(DType::bf16, {n, kHq, kD}),
-        dqkv(DType::bf16, {n, kW, kD}) {
+        d_o(g_dtype, {n, kHq, kD}),
+        dqkv(g_dtype, {n, kW, kD}) {
     q = heads_of(qkv.t, 0, kHq);
     k = heads_of(qkv.t, kHq, kHkv);
     v = heads_of(qkv.t, kHq + kHkv, kHkv);
@@ -255,11 +260,12 @@ struct Config {
 };
 
 // Bytes this rank sends in one forward and one backward at P = 2 (the definitions of
-// tests/attention/distributed_attention_test.cpp's expected_bytes, P = 2), with bf16 tensors (2
-// bytes) and f32 partials and accumulators (4 bytes) on the wire.
+// tests/attention/distributed_attention_test.cpp's expected_bytes, P = 2), with tensors in their
+// dtype (bf16 on the GPU: 2 bytes) and partials and accumulators in f32 (4 bytes) on the wire.
 std::pair<int64_t, int64_t> expected_bytes(Schedule s, int rank, int64_t T) {
-  const int64_t kv = 2 * T * kHkv * kD * 2, dkv = 2 * T * kHkv * kD * 4;
-  const int64_t q_side = 2 * T * kHq * kD * 2 + 2 * T * kHq * 4, dq = T * kHq * kD * 4;
+  const int64_t b = static_cast<int64_t>(dtype_size(g_dtype)), a = 4;
+  const int64_t kv = 2 * T * kHkv * kD * b, dkv = 2 * T * kHkv * kD * a;
+  const int64_t q_side = 2 * T * kHq * kD * b + 2 * T * kHq * a, dq = T * kHq * kD * a;
   switch (s) {
     case Schedule::ring:
     case Schedule::zigzag: return {kv, kv + dkv};
@@ -289,7 +295,6 @@ void check_schedule(parallel::Distributed& d, const Config& cfg, const Problem& 
 
   const std::vector<int64_t> rows = layout_global_indices(cfg.layout, kS, P, r);
   Shard sa(a, rows), sb(b, rows);
-  LT_CUDA_CHECK(cudaStreamSynchronize(cuda_stream()));
   const auto t0 = std::chrono::steady_clock::now();
   const int64_t sent0 = sp.stats().bytes_sent;
   // Interleaved like two layers of a model, with no host synchronisation in between.
@@ -305,18 +310,18 @@ void check_schedule(parallel::Distributed& d, const Config& cfg, const Problem& 
 
   const Outputs ref = rows_of(ref_a, rows), one = rows_of(gpu1_a, rows), one_b = rows_of(gpu1_b, rows);
   for (int i = 0; i < 5; ++i) {
-    const bool f32 = i == 1;
+    const DType stored = i == 1 ? DType::f32 : g_dtype;
     const double e1 = test::relative_error(part(one, i), part(ref, i));
     const double e2 = test::relative_error(part(got_a, i), part(ref, i));
     const double vs1 = test::relative_error(part(got_a, i), part(one, i));
     const double vs1_b = test::relative_error(part(got_b, i), part(one_b, i));
     std::printf("ERR %s %s %.4e %.4e %.4e\n", name.c_str(), kTensorNames[i], e1, e2, vs1);
-    std::printf("CASE %s/%s/p1_vs_f64 %.6e %.6e\n", name.c_str(), kTensorNames[i], e1, tolerance(f32));
-    std::printf("CASE %s/%s/p2_vs_f64 %.6e %.6e\n", name.c_str(), kTensorNames[i], e2, tolerance(f32));
+    std::printf("CASE %s/%s/p1_vs_f64 %.6e %.6e\n", name.c_str(), kTensorNames[i], e1, tolerance(stored));
+    std::printf("CASE %s/%s/p2_vs_f64 %.6e %.6e\n", name.c_str(), kTensorNames[i], e2, tolerance(stored));
     std::printf("CASE %s/%s/p2_no_worse_than_p1 %.6e %.6e\n", name.c_str(), kTensorNames[i], e2,
-                std::max(kP2OverP1 * e1, resolution(f32)));
-    std::printf("CASE %s/%s/p2_vs_p1 %.6e %.6e\n", name.c_str(), kTensorNames[i], vs1, tolerance(f32));
-    std::printf("CASE %s/%s/interleaved_b_vs_p1 %.6e %.6e\n", name.c_str(), kTensorNames[i], vs1_b, tolerance(f32));
+                std::max(kP2OverP1 * e1, resolution(stored)));
+    std::printf("CASE %s/%s/p2_vs_p1 %.6e %.6e\n", name.c_str(), kTensorNames[i], vs1, tolerance(stored));
+    std::printf("CASE %s/%s/interleaved_b_vs_p1 %.6e %.6e\n", name.c_str(), kTensorNames[i], vs1_b, tolerance(stored));
   }
 
   const auto [fwd, bwd] = expected_bytes(cfg.schedule, r, kS / P);
@@ -329,7 +334,7 @@ void check_schedule(parallel::Distributed& d, const Config& cfg, const Problem& 
     std::vector<double> doubled = part(got_a, i);
     for (double& x : doubled) x *= 2.0;
     std::printf("CASE %s/%s/second_backward_adds %.6e %.6e\n", name.c_str(), kTensorNames[i],
-                test::relative_error(part(twice, i), doubled), kBf16Tolerance);
+                test::relative_error(part(twice, i), doubled), tolerance(g_dtype));
   }
 
   // The persistent buffers give the same bits when the forward runs again.
@@ -342,11 +347,18 @@ void check_schedule(parallel::Distributed& d, const Config& cfg, const Problem& 
 
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
   try {
+    if (argc > 1) {
+      LT_CHECK(argc == 2 && std::string(argv[1]) == "--cpu",
+               "usage: distributed_attention_gpu_worker [--cpu] (under longtrain-run --nproc-per-node 2)");
+      g_device = Device::cpu;
+      g_dtype = DType::f32;
+    }
     const parallel::WorldInfo w = parallel::world_from_env();
     parallel::DistributedOptions opt;
-    opt.backend = parallel::Backend::nccl;  // takes GPU LOCAL_RANK first
+    // NCCL takes GPU LOCAL_RANK first.
+    opt.backend = g_device == Device::cuda ? parallel::Backend::nccl : parallel::Backend::gloo;
     opt.sp_size = w.world_size;
     parallel::Distributed d(w, parallel::options_from_env(opt));
     LT_CHECK(d.sp().size() == 2, "distributed_attention_gpu_worker runs on 2 ranks, got {}", d.sp().size());

@@ -1,0 +1,518 @@
+// cp_bench: sequence-parallel causal attention forward+backward on the GPUs of one node, one rank per
+// GPU, through longtrain's distributed schedules (attention/distributed), at the shapes of
+// bench/anchors/cp_anchor.py (PyTorch's context_parallel): one sequence of S tokens, each rank holding
+// S/P, 32 query heads, 8 KV heads, head dim 128, bf16, causal. The anchor runs in the same command
+// (torchrun) and --merge writes its numbers and the ratios beside ours.
+//
+//   longtrain-run --nproc-per-node 2 -- cp_bench [--lengths 65536,131072,262144]
+//       [--schedules ring,zigzag,distflash,burst] [--warmup 2] [--reps 5] [--rep-seconds 10]
+//       [--budget-s 0] [--out cp.json] [--commit SHA]
+//   cp_bench --merge cp.json --anchor cp_anchor_w2.json [--out merged.json]
+//
+// Each rank's inputs are laid out as the model holds them: Q/K/V strided views of one fused
+// [T, Hq + 2·Hkv, D] buffer, dQ/dK/dV accumulated into a fused dQKV buffer zeroed before every
+// backward (as LlamaModel does; the zeroing is timed), bf16 O, f32 LSE. Layouts: ring and distflash
+// contiguous (ring shows the causal imbalance), zigzag and burst zigzag. burst gets the intra- and
+// inter-node rings, as the trainer passes them.
+//
+// Timing (as cp_anchor.py): `warmup` untimed forward+backward calls (the first builds cuDNN's plans),
+// a barrier, then `reps` back-to-back calls between CUDA events on the compute stream (reps is cut
+// to what fits in --rep-seconds, at least 2); per-GPU TFLOP/s = 3.5 · (4·Hq·S²·D/2) / P / time, the
+// time being the slowest rank's mean (the anchor's FLOP count). Busy time: CUDA events around each
+// schedule step's block calls (DistributedAttention::set_compute_observer: the attention kernels,
+// LSE merges and gradient accumulation); idle fraction = 1 - busy / wall, per rank: time spent
+// waiting for transfers or for the other rank, and in packing, zeroing and final copies.
+// --budget-s: a (length, schedule) whose predicted time (4x its time at half the length) would end
+// past the budget is skipped on every rank. The JSON is rewritten after every row, so a run stopped
+// from outside keeps what it measured.
+#include <cuda_runtime_api.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <ctime>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "attention/distributed/distributed_attention.h"
+#include "parallel/distributed.h"
+#include "parallel/nccl_communicator.h"
+#include "runtime/cuda_check.h"
+#include "runtime/device.h"
+
+using namespace longtrain;
+using nlohmann::json;
+
+namespace {
+
+constexpr int64_t kHq = 32, kHkv = 8, kD = 128, kW = kHq + 2 * kHkv;
+
+struct Options {
+  std::vector<int64_t> lengths{65536, 131072, 262144};
+  std::vector<attn::Schedule> schedules{attn::Schedule::ring, attn::Schedule::zigzag, attn::Schedule::distflash,
+                                        attn::Schedule::burst};
+  int warmup = 2, reps = 5;
+  double rep_seconds = 10, budget_s = 0;
+  std::string out, commit = "unknown", merge, anchor, command;
+};
+
+Options parse(int argc, char** argv) {
+  Options o;
+  for (int i = 0; i < argc; ++i) o.command += (i ? " " : "") + std::string(argv[i]);
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto next = [&]() -> std::string {
+      LT_CHECK(i + 1 < argc, "cp_bench: {} needs a value", a);
+      return argv[++i];
+    };
+    auto list = [&](const std::string& s) {
+      std::vector<std::string> items;
+      std::stringstream ss(s);
+      for (std::string item; std::getline(ss, item, ',');) items.push_back(item);
+      return items;
+    };
+    if (a == "--lengths") {
+      o.lengths.clear();
+      for (const std::string& x : list(next())) o.lengths.push_back(std::stoll(x));
+    } else if (a == "--schedules") {
+      o.schedules.clear();
+      for (const std::string& x : list(next())) o.schedules.push_back(attn::parse_schedule(x));
+    } else if (a == "--warmup") {
+      o.warmup = std::stoi(next());
+    } else if (a == "--reps") {
+      o.reps = std::stoi(next());
+    } else if (a == "--rep-seconds") {
+      o.rep_seconds = std::stod(next());
+    } else if (a == "--budget-s") {
+      o.budget_s = std::stod(next());
+    } else if (a == "--out") {
+      o.out = next();
+    } else if (a == "--commit") {
+      o.commit = next();
+    } else if (a == "--merge") {
+      o.merge = next();
+    } else if (a == "--anchor") {
+      o.anchor = next();
+    } else {
+      LT_FAIL("cp_bench: unknown argument '{}' (see the comment at the top of bench/cp_bench.cpp)", a);
+    }
+  }
+  LT_CHECK(o.warmup >= 1 && o.reps >= 1, "cp_bench: --warmup and --reps must be at least 1");
+  return o;
+}
+
+double round1(double x) { return std::round(x * 10.0) / 10.0; }
+double round3(double x) { return std::round(x * 1000.0) / 1000.0; }
+double round4(double x) { return std::round(x * 10000.0) / 10000.0; }
+
+SeqLayout layout_of(attn::Schedule s) {
+  return s == attn::Schedule::zigzag || s == attn::Schedule::burst ? SeqLayout::zigzag : SeqLayout::contiguous;
+}
+
+// ---- device memory ----------------------------------------------------------------------------------
+
+struct Buffer {
+  Tensor t;
+  Buffer(DType dtype, std::initializer_list<int64_t> shape) {
+    Tensor probe(nullptr, dtype, shape, Device::cuda);
+    t = probe;
+    t.data = device_alloc(Device::cuda, probe.nbytes());
+  }
+  ~Buffer() { device_free(Device::cuda, t.data); }
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+};
+
+// Fills a bf16 buffer with N(0, 1)-like values (as torch.randn in the anchor): a block of ~1M values
+// made on the host (sum of 4 uniforms), repeated over the buffer by doubling device copies.
+void fill_bf16(const Tensor& t, uint32_t seed) {
+  const int64_t n = t.numel();
+  const int64_t block = std::min<int64_t>(n, (int64_t{1} << 20) - 3);  // not a multiple of any row length
+  std::vector<bf16> host(static_cast<size_t>(block));
+  uint32_t s = seed * 2654435761u + 1u;
+  for (auto& x : host) {
+    float acc = 0.0f;
+    for (int k = 0; k < 4; ++k) {
+      s = s * 1664525u + 1013904223u;
+      acc += static_cast<float>(s >> 8) / static_cast<float>(1u << 24) - 0.5f;
+    }
+    x = bf16(acc * 1.7320508f);
+  }
+  char* base = static_cast<char*>(t.data);
+  // All on the compute stream; the host block lives until the synchronisation below.
+  LT_CUDA_CHECK(cudaMemcpyAsync(base, host.data(), static_cast<size_t>(block) * 2, cudaMemcpyHostToDevice,
+                                cuda_stream()));
+  for (int64_t done = block; done < n;) {
+    const int64_t m = std::min(done, n - done);
+    LT_CUDA_CHECK(cudaMemcpyAsync(base + done * 2, base, static_cast<size_t>(m) * 2, cudaMemcpyDeviceToDevice,
+                                  cuda_stream()));
+    done += m;
+  }
+  LT_CUDA_CHECK(cudaStreamSynchronize(cuda_stream()));
+}
+
+// ---- busy time ----------------------------------------------------------------------------------------
+
+// CUDA events on the compute stream around each step's block calls; pairs (begin, end).
+class EventObserver final : public attn::ComputeObserver {
+ public:
+  ~EventObserver() override {
+    for (cudaEvent_t e : events_) cudaEventDestroy(e);
+  }
+  void begin_compute() noexcept override { record(); }
+  void end_compute() noexcept override { record(); }
+
+  void reset() { used_ = 0; }
+  size_t used() const { return used_; }
+  void reserve(size_t n) {
+    while (events_.size() < n) {
+      cudaEvent_t e;
+      LT_CUDA_CHECK(cudaEventCreate(&e));
+      events_.push_back(e);
+    }
+  }
+  // Σ (end - begin) over the pairs recorded in [first, last) (event indices), ms; the events must be
+  // complete.
+  double busy_ms(size_t first, size_t last) const {
+    LT_CHECK(!failed_, "cp_bench: recording a busy-time event failed");
+    double ms = 0;
+    for (size_t i = first; i + 1 < last; i += 2) {
+      float v = 0;
+      LT_CUDA_CHECK(cudaEventElapsedTime(&v, events_[i], events_[i + 1]));
+      ms += v;
+    }
+    return ms;
+  }
+
+ private:
+  void record() noexcept {
+    if (used_ == events_.size()) {
+      cudaEvent_t e;
+      if (cudaEventCreate(&e) != cudaSuccess) {
+        failed_ = true;
+        return;
+      }
+      events_.push_back(e);
+    }
+    if (cudaEventRecord(events_[used_++], cuda_stream()) != cudaSuccess) failed_ = true;
+  }
+
+  std::vector<cudaEvent_t> events_;
+  size_t used_ = 0;
+  bool failed_ = false;
+};
+
+// ---- small collectives on host values -------------------------------------------------------------------
+
+std::vector<double> gather(parallel::Communicator& c, const std::vector<double>& mine) {
+  const int64_t n = static_cast<int64_t>(mine.size());
+  Buffer in(DType::f64, {n}), out(DType::f64, {n * c.size()});
+  copy(in.t, Tensor(const_cast<double*>(mine.data()), DType::f64, {n}));
+  c.all_gather(out.t, in.t);
+  std::vector<double> all(static_cast<size_t>(n * c.size()));
+  copy(Tensor(all.data(), DType::f64, {n * c.size()}), out.t);
+  return all;
+}
+
+double all_max(parallel::Communicator& c, double x) {
+  Buffer t(DType::f64, {1});
+  copy(t.t, Tensor(&x, DType::f64, {1}));
+  c.all_reduce(t.t, parallel::ReduceOp::max);
+  copy(Tensor(&x, DType::f64, {1}), t.t);
+  return x;
+}
+
+// ---- one (length, schedule) ---------------------------------------------------------------------------
+
+struct Measured {
+  double fwdbwd_ms, fwd_ms, bwd_ms, busy_fwd_ms, busy_bwd_ms, fwd_bytes, bwd_bytes;
+  int reps;
+};
+
+Measured measure(parallel::Distributed& d, attn::Schedule schedule, int64_t S, const Options& o) {
+  parallel::Communicator& sp = d.sp();
+  const int P = sp.size();
+  const int64_t T = S / P;
+  attn::SequenceAttentionSpec spec;
+  spec.schedule = schedule;
+  spec.causal = true;
+  spec.scale = 1.0 / std::sqrt(static_cast<double>(kD));
+  spec.layout = layout_of(schedule);
+  spec.sp = &sp;
+  spec.intra_node = &d.intra_node();
+  spec.inter_node = &d.inter_node();
+  std::unique_ptr<attn::SequenceAttention> attention = attn::make_sequence_attention(spec);
+  auto* da = dynamic_cast<attn::DistributedAttention*>(attention.get());
+  LT_CHECK(da != nullptr, "cp_bench: {} ranks give no distributed attention", P);
+  EventObserver observer;
+  da->set_compute_observer(&observer);
+
+  Buffer qkv(DType::bf16, {T, kW, kD}), o_buf(DType::bf16, {T, kHq, kD}), lse(DType::f32, {T, kHq}),
+      d_o(DType::bf16, {T, kHq, kD}), dqkv(DType::bf16, {T, kW, kD});
+  fill_bf16(qkv.t, 11 + 7 * static_cast<uint32_t>(sp.rank()));
+  fill_bf16(d_o.t, 13 + 7 * static_cast<uint32_t>(sp.rank()));
+  const Tensor q = qkv.t.narrow(1, 0, kHq), k = qkv.t.narrow(1, kHq, kHkv), v = qkv.t.narrow(1, kHq + kHkv, kHkv);
+  const Tensor dq = dqkv.t.narrow(1, 0, kHq), dk = dqkv.t.narrow(1, kHq, kHkv),
+               dv = dqkv.t.narrow(1, kHq + kHkv, kHkv);
+  auto forward = [&] { attention->forward(o_buf.t, lse.t, q, k, v); };
+  auto backward = [&] {
+    zero(dqkv.t);
+    attention->backward(dq, dk, dv, q, k, v, o_buf.t, lse.t, d_o.t);
+  };
+
+  double last_warm_s = 0;
+  for (int i = 0; i < o.warmup; ++i) {
+    observer.reset();
+    LT_CUDA_CHECK(cudaStreamSynchronize(cuda_stream()));
+    const auto t0 = std::chrono::steady_clock::now();
+    forward();
+    backward();
+    LT_CUDA_CHECK(cudaStreamSynchronize(cuda_stream()));
+    last_warm_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+  // Every rank times the same number of calls.
+  const double slowest_warm = all_max(sp, last_warm_s);
+  const int reps = std::max(2, std::min(o.reps, static_cast<int>(o.rep_seconds / std::max(slowest_warm, 1e-6))));
+  const size_t per_call = observer.used();
+  observer.reserve(per_call * static_cast<size_t>(reps) + 16);
+  observer.reset();
+
+  std::vector<cudaEvent_t> ev(static_cast<size_t>(2 * reps + 1));
+  for (cudaEvent_t& e : ev) LT_CUDA_CHECK(cudaEventCreate(&e));
+  std::vector<size_t> starts, mids;  // observer events at the start of each call and after its forward
+  sp.barrier();  // both devices idle, both hosts here
+  LT_CUDA_CHECK(cudaEventRecord(ev[0], cuda_stream()));
+  for (int r = 0; r < reps; ++r) {
+    starts.push_back(observer.used());
+    forward();
+    LT_CUDA_CHECK(cudaEventRecord(ev[static_cast<size_t>(2 * r + 1)], cuda_stream()));
+    mids.push_back(observer.used());
+    backward();
+    LT_CUDA_CHECK(cudaEventRecord(ev[static_cast<size_t>(2 * r + 2)], cuda_stream()));
+  }
+  LT_CUDA_CHECK(cudaEventSynchronize(ev.back()));
+  Measured m{};
+  m.reps = reps;
+  float total = 0;
+  LT_CUDA_CHECK(cudaEventElapsedTime(&total, ev.front(), ev.back()));
+  m.fwdbwd_ms = total / reps;
+  for (int r = 0; r < reps; ++r) {
+    const auto i = static_cast<size_t>(r);
+    float f = 0, b = 0;
+    LT_CUDA_CHECK(cudaEventElapsedTime(&f, ev[2 * i], ev[2 * i + 1]));
+    LT_CUDA_CHECK(cudaEventElapsedTime(&b, ev[2 * i + 1], ev[2 * i + 2]));
+    m.fwd_ms += f / reps;
+    m.bwd_ms += b / reps;
+    const size_t end = i + 1 < starts.size() ? starts[i + 1] : observer.used();
+    m.busy_fwd_ms += observer.busy_ms(starts[i], mids[i]) / reps;
+    m.busy_bwd_ms += observer.busy_ms(mids[i], end) / reps;
+  }
+  LT_CHECK(observer.used() == per_call * static_cast<size_t>(reps),
+           "cp_bench: {} busy-time events in {} calls, {} per warm-up call", observer.used(), reps, per_call);
+  for (cudaEvent_t e : ev) cudaEventDestroy(e);
+  m.fwd_bytes = static_cast<double>(da->last_forward().bytes_sent());
+  m.bwd_bytes = static_cast<double>(da->last_backward().bytes_sent());
+  return m;
+}
+
+// ---- output ----------------------------------------------------------------------------------------------
+
+json machine_info(int ranks) {
+  int device = 0, count = 0, driver = 0, runtime = 0;
+  LT_CUDA_CHECK(cudaGetDevice(&device));
+  LT_CUDA_CHECK(cudaGetDeviceCount(&count));
+  cudaDeviceProp prop{};
+  LT_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+  cudaDriverGetVersion(&driver);
+  cudaRuntimeGetVersion(&runtime);
+  char host[256] = {};
+  ::gethostname(host, sizeof(host) - 1);
+  return {{"gpu", prop.name},
+          {"gpus_visible", count},
+          {"ranks", ranks},
+          {"sms", prop.multiProcessorCount},
+          {"gpu_memory_gib", round1(prop.totalGlobalMem / double(1 << 30))},
+          {"driver", driver},
+          {"cuda_runtime", runtime},
+          {"nccl", parallel::nccl_version()},
+          {"host", host}};
+}
+
+void write_json(const std::string& path, const json& result) {
+  if (path.empty()) return;
+  std::ofstream out(path);
+  LT_CHECK(out.good(), "cp_bench: cannot write {}", path);
+  out << result.dump(1) << "\n";
+}
+
+// The anchor's numbers (cp_anchor.py's JSON: {"world": P, "<S>": {"cudnn": {...}, "flash": {...}}})
+// and the ratios beside each row.
+int merge(const Options& o) {
+  json result, anchor;
+  std::ifstream in(o.merge), ain(o.anchor);
+  LT_CHECK(in.good(), "cp_bench --merge: cannot read {}", o.merge);
+  LT_CHECK(ain.good(), "cp_bench --merge: cannot read the anchor {}", o.anchor);
+  in >> result;
+  ain >> anchor;
+  result["anchor"] = {{"script", "bench/anchors/cp_anchor.py"},
+                      {"file", o.anchor},
+                      {"what", "PyTorch context_parallel (ring attention over NCCL, head-tail load balancing), "
+                               "SDPA cuDNN and flash backends, same machine, same command"}};
+  if (anchor.contains("world")) result["anchor"]["world"] = anchor["world"];
+  std::printf("%-8s %-10s %10s %12s %12s %10s %10s\n", "S", "schedule", "ours", "torch cudnn", "ratio", "idle max",
+              "torch flash");
+  for (json& row : result["rows"]) {
+    const std::string key = std::to_string(row["S"].get<int64_t>());
+    if (!anchor.contains(key)) continue;
+    for (const char* backend : {"cudnn", "flash"}) {
+      if (!anchor[key].contains(backend)) continue;
+      const json& a = anchor[key][backend];
+      row[fmt::format("anchor_torch_cp_{}", backend)] = a;
+      if (a.is_object() && row.contains("tflops_per_gpu") && a.contains("fwdbwd_tflops_per_gpu"))
+        row[fmt::format("ratio_vs_torch_cp_{}", backend)] =
+            round3(row["tflops_per_gpu"].get<double>() / a["fwdbwd_tflops_per_gpu"].get<double>());
+    }
+    auto num = [&](const char* k) { return row.contains(k) ? row[k].dump() : std::string("-"); };
+    auto anum = [&](const char* b) {
+      return anchor[key].contains(b) && anchor[key][b].is_object() ? anchor[key][b]["fwdbwd_tflops_per_gpu"].dump()
+                                                                   : std::string("failed");
+    };
+    std::printf("%-8s %-10s %10s %12s %12s %10s %10s\n", key.c_str(), row["schedule"].get<std::string>().c_str(),
+                num("tflops_per_gpu").c_str(), anum("cudnn").c_str(), num("ratio_vs_torch_cp_cudnn").c_str(),
+                num("idle_fraction_max").c_str(), anum("flash").c_str());
+  }
+  write_json(o.out.empty() ? o.merge : o.out, result);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    const Options o = parse(argc, argv);
+    if (!o.merge.empty()) return merge(o);
+
+    const parallel::WorldInfo w = parallel::world_from_env();
+    parallel::DistributedOptions dopt;
+    dopt.backend = parallel::Backend::nccl;  // GPU LOCAL_RANK, one per rank
+    dopt.sp_size = w.world_size;
+    parallel::Distributed d(w, parallel::options_from_env(dopt));
+    parallel::Communicator& sp = d.sp();
+    const int P = sp.size();
+    LT_CHECK(P >= 2, "cp_bench needs at least 2 ranks (start it with longtrain-run --nproc-per-node 2)");
+    const bool main_rank = sp.rank() == 0;
+    const auto start = std::chrono::steady_clock::now();
+    auto elapsed_s = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(); };
+
+    char date[32];
+    const std::time_t now = std::time(nullptr);
+    std::strftime(date, sizeof(date), "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
+    json result = {
+        {"benchmark", fmt::format("sequence-parallel causal attention fwd+bwd, {} GPUs, one sequence of S tokens "
+                                  "(S/{} per GPU), {} query heads, {} KV heads, head dim {}, bf16",
+                                  P, P, kHq, kHkv, kD)},
+        {"date", date},
+        {"commit", o.commit},
+        {"command", o.command},
+        {"machine", machine_info(P)},
+        {"ours", "longtrain make_sequence_attention (attention/distributed): forward(o, lse, q, k, v); zero(dqkv); "
+                 "backward(dq, dk, dv, ...) with q/k/v and dq/dk/dv strided views of fused buffers, bf16 O, f32 "
+                 "LSE and f32 accumulators; NCCL send/recv ordered by events, overlapped with the block calls"},
+        {"layouts", "ring, distflash: contiguous; zigzag, burst: zigzag"},
+        {"flops", "per GPU: 3.5 * (4*Hq*S^2*D/2) / P (cp_anchor.py's count)"},
+        {"timing", fmt::format("CUDA events around reps back-to-back fwd+bwd calls after {} warm-ups and a barrier "
+                               "(reps <= {}, cut to ~{} s, at least 2); the slowest rank's mean",
+                               o.warmup, o.reps, o.rep_seconds)},
+        {"busy", "CUDA events around each schedule step's block calls (attention kernels, LSE merges, gradient "
+                 "accumulation); idle_fraction = 1 - busy / wall per rank"},
+        {"rows", json::array()}};
+    std::map<std::pair<int, int64_t>, double> seconds_per_call;  // (schedule, S) -> fwd+bwd seconds
+
+    for (int64_t S : o.lengths) {
+      LT_CHECK(S % (2 * P) == 0, "cp_bench: S = {} must be a multiple of 2 x {} ranks", S, P);
+      for (attn::Schedule s : o.schedules) {
+        json row = {{"S", S},
+                    {"schedule", std::string(attn::schedule_name(s))},
+                    {"layout", std::string(layout_name(layout_of(s)))},
+                    {"hq", kHq},
+                    {"hkv", kHkv},
+                    {"d", kD}};
+        // Skip what would not fit the budget (decided alike on every rank).
+        double predicted = 0;
+        const auto half = seconds_per_call.find({static_cast<int>(s), S / 2});
+        if (half != seconds_per_call.end()) {
+          const double call = 4.0 * half->second;  // attention is quadratic in S
+          const double reps = std::max(2.0, std::min<double>(o.reps, std::floor(o.rep_seconds / call)));
+          predicted = call * (o.warmup + reps) + 5.0;  // + buffers, plans
+        }
+        const bool skip = o.budget_s > 0 && all_max(sp, elapsed_s() + predicted > o.budget_s ? 1.0 : 0.0) > 0;
+        if (skip) {
+          row["status"] = fmt::format("skipped: predicted {:.0f} s would pass the {:.0f} s budget", predicted,
+                                      o.budget_s);
+          if (main_rank) std::printf("S=%lld %s: %s\n", (long long)S, row["schedule"].get<std::string>().c_str(),
+                                     row["status"].get<std::string>().c_str());
+        } else {
+          const Measured m = measure(d, s, S, o);
+          const std::vector<double> all = gather(sp, {m.fwdbwd_ms, m.fwd_ms, m.bwd_ms, m.busy_fwd_ms, m.busy_bwd_ms,
+                                                      m.fwd_bytes, m.bwd_bytes, static_cast<double>(m.reps)});
+          const size_t n = 8;
+          double wall = 0, fwd = 0, idle_max = 0;
+          json ranks = json::array();
+          for (int r = 0; r < P; ++r) {
+            const double* x = all.data() + static_cast<size_t>(r) * n;
+            wall = std::max(wall, x[0]);
+            fwd = std::max(fwd, x[1]);
+            const double busy = x[3] + x[4];
+            const double idle = 1.0 - busy / x[0];
+            idle_max = std::max(idle_max, idle);
+            ranks.push_back({{"rank", r},
+                             {"fwdbwd_ms", round3(x[0])},
+                             {"fwd_ms", round3(x[1])},
+                             {"bwd_ms", round3(x[2])},
+                             {"busy_fwd_ms", round3(x[3])},
+                             {"busy_bwd_ms", round3(x[4])},
+                             {"idle_fraction", round4(idle)},
+                             {"fwd_bytes_sent", static_cast<int64_t>(x[5])},
+                             {"bwd_bytes_sent", static_cast<int64_t>(x[6])}});
+          }
+          const double fwd_flops = 4.0 * kHq * double(S) * double(S) * kD / 2.0;
+          const double tflops = 3.5 * fwd_flops / P / wall / 1e9;
+          row["status"] = "ok";
+          row["reps"] = m.reps;
+          row["fwdbwd_ms"] = round3(wall);
+          row["fwd_ms"] = round3(fwd);
+          row["tflops_per_gpu"] = round1(tflops);
+          row["fwd_tflops_per_gpu"] = round1(fwd_flops / P / fwd / 1e9);
+          row["idle_fraction_max"] = round4(idle_max);
+          row["ranks"] = ranks;
+          seconds_per_call[{static_cast<int>(s), S}] = wall / 1e3;
+          if (main_rank) {
+            std::string idles;
+            for (const json& r : ranks) idles += fmt::format(" {:.1f}%", 100 * r["idle_fraction"].get<double>());
+            std::printf("S=%-7lld %-9s fwd+bwd %9.2f ms  %6.1f TFLOP/s per GPU  (fwd %8.2f ms, %6.1f)  idle per "
+                        "rank:%s  [%d reps, %.0f s]\n",
+                        (long long)S, row["schedule"].get<std::string>().c_str(), wall, tflops, fwd,
+                        fwd_flops / P / fwd / 1e9, idles.c_str(), m.reps, elapsed_s());
+          }
+        }
+        if (main_rank) std::fflush(stdout);
+        result["rows"].push_back(row);
+        if (main_rank) write_json(o.out, result);
+      }
+    }
+    sp.barrier();
+    if (main_rank && !o.out.empty()) std::printf("wrote %s\n", o.out.c_str());
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "cp_bench: %s\n", e.what());
+    return 1;
+  }
+}
