@@ -76,11 +76,23 @@ struct Ranks {
   bool main = true;  // global rank 0: writes the run directory, logs and checkpoints
 
   parallel::Communicator* world_comm() const { return dist ? &dist->world() : nullptr; }
-  // In place Σ over every rank of the world.
+  // In place Σ over every rank of the world of a tensor on the communicator's device.
   void sum(Tensor t) const {
     if (dist) dist->world().all_reduce(t);
   }
-  void sum(double* values, int64_t n) const { sum(Tensor(values, DType::f64, {n})); }
+  // Σ over every rank of a few host values (losses, counts); NCCL reduces device memory, so they
+  // travel through a small device buffer there.
+  void sum(double* values, int64_t n) const {
+    if (!dist) return;
+    Tensor host(values, DType::f64, {n});
+    if (dist->world().device() == Device::cpu) return sum(host);
+    Arena staging("host values", Device::cuda);
+    staging.add("values", {n}, DType::f64);
+    staging.allocate();
+    copy(staging.get("values"), host);
+    sum(staging.get("values"));
+    copy(host, staging.get("values"));
+  }
 };
 
 Ranks join_world(const TrainConfig& c) {
@@ -376,7 +388,19 @@ EvalResult evaluate(model::LlamaModel& model, data::Loader& loader, int64_t batc
       sums[3 + 2 * bucket] += 1;
     }
   }
-  if (world) world->all_reduce(Tensor(sums.data(), DType::f64, {static_cast<int64_t>(sums.size())}));
+  if (world) {
+    Tensor host(sums.data(), DType::f64, {static_cast<int64_t>(sums.size())});
+    if (world->device() == Device::cpu) {
+      world->all_reduce(host);
+    } else {  // NCCL reduces device memory
+      Arena staging("eval sums", world->device());
+      staging.add("sums", {host.numel()}, DType::f64);
+      staging.allocate();
+      copy(staging.get("sums"), host);
+      world->all_reduce(staging.get("sums"));
+      copy(host, staging.get("sums"));
+    }
+  }
   EvalResult r;
   r.tokens = static_cast<int64_t>(sums[1]);
   r.loss = r.tokens ? sums[0] / sums[1] : NAN;
@@ -491,7 +515,9 @@ TrainSummary train(TrainConfig c, const std::string& resume, const TrainHooks& h
 
   auto run_eval = [&](int64_t step) {
     data::Loader val(loader_options(c, "val", ranks));
-    EvalResult e = evaluate(model, val, c.eval.batches, c.eval.position_buckets, ranks.world_comm());
+    // eval.batches counts windows of the whole job: the data-parallel replicas split them.
+    const int64_t per_rank = std::max<int64_t>(1, c.eval.batches / ranks.dp_size);
+    EvalResult e = evaluate(model, val, per_rank, c.eval.position_buckets, ranks.world_comm());
     std::string buckets;
     for (double b : e.bucket_loss) buckets += fmt::format(" {:.3f}", b);
     log->info("eval step {}: val loss {:.4f}, perplexity {:.2f} over {} tokens; by position bucket:{}", step, e.loss,
