@@ -1,6 +1,6 @@
 // Sequence-parallel attention (attention/distributed/) with real processes: fork, Gloo on loopback.
 //
-//   - Every schedule and layout, P = 1..4, causal and full, MHA/GQA/MQA, f64 and f32: each rank's O,
+//   - Every schedule and layout, P = 1..4 and 8, causal and full, MHA/GQA/MQA, f64 and f32: each rank's O,
 //     LSE and accumulated dQ, dK, dV (views into fused QKV / dQKV buffers) equal single-rank attention
 //     over the whole sequence, computed in double with the block ops (f64 below 1e-10 relative, f32
 //     below 1e-5); the bytes each schedule sends equal the volumes derived from its definition and
@@ -476,7 +476,7 @@ TEST_P(DistributedAttentionRanks, EveryScheduleEqualsSingleRankAttention) {
   check_balance(rep, P);
 }
 
-INSTANTIATE_TEST_SUITE_P(Gloo, DistributedAttentionRanks, testing::Values(1, 2, 3, 4),
+INSTANTIATE_TEST_SUITE_P(Gloo, DistributedAttentionRanks, testing::Values(1, 2, 3, 4, 8),
                          [](const testing::TestParamInfo<int>& i) { return std::to_string(i.param) + "ranks"; });
 
 // ---- burst's double ring -------------------------------------------------------------------------------------
@@ -573,7 +573,7 @@ TEST_P(BurstDoubleRing, EqualsTheSingleRing) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Gloo, BurstDoubleRing,
-                         testing::Values(std::pair{2, 2}, std::pair{2, 1}, std::pair{3, 1}, std::pair{3, 2}),
+                         testing::Values(std::pair{2, 2}, std::pair{2, 1}, std::pair{3, 1}, std::pair{3, 2}, std::pair{2, 4}, std::pair{4, 2}),
                          [](const testing::TestParamInfo<std::pair<int, int>>& i) {
                            return std::to_string(i.param.first) + "nodesOf" + std::to_string(i.param.second);
                          });
