@@ -11,29 +11,19 @@
 //
 // Timing as the anchor does it: CUDA events around each call, the median of the timed runs.
 // FLOPs count the causal half: fwd = 4·Hq·S²·D / 2, fwd+bwd = 3.5 × fwd.
-#include <cuda_runtime_api.h>
-#include <unistd.h>
-
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <ctime>
-#include <fstream>
 #include <functional>
-#include <sstream>
 #include <string>
 #include <vector>
 
-#include <nlohmann/json.hpp>
-
 #include "attention/cuda/cudnn_sdpa.h"
 #include "attention/local_attention.h"
-#include "runtime/cuda_check.h"
-#include "runtime/device.h"
+#include "bench/bench_common.h"
 
 using namespace longtrain;
-using nlohmann::json;
+using namespace longtrain::bench;
 
 namespace {
 
@@ -46,7 +36,7 @@ struct Options {
 
 Options parse(int argc, char** argv) {
   Options o;
-  for (int i = 0; i < argc; ++i) o.command += (i ? " " : "") + std::string(argv[i]);
+  o.command = command_line(argc, argv);
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     auto next = [&]() -> std::string {
@@ -54,9 +44,7 @@ Options parse(int argc, char** argv) {
       return argv[++i];
     };
     if (a == "--lengths") {
-      o.lengths.clear();
-      std::stringstream ss(next());
-      for (std::string item; std::getline(ss, item, ',');) o.lengths.push_back(std::stoll(item));
+      o.lengths = int_list(next());
     } else if (a == "--anchor") {
       o.anchor = next();
     } else if (a == "--out") {
@@ -74,30 +62,9 @@ Options parse(int argc, char** argv) {
   return o;
 }
 
-struct Buffer {
-  Tensor t;
-  Buffer(DType dtype, std::initializer_list<int64_t> shape) {
-    Tensor probe(nullptr, dtype, shape, Device::cuda);
-    t = probe;
-    t.data = device_alloc(Device::cuda, probe.nbytes());
-  }
-  ~Buffer() { device_free(Device::cuda, t.data); }
-  Buffer(const Buffer&) = delete;
-  Buffer& operator=(const Buffer&) = delete;
-};
-
-// Fills a bf16 buffer with N(0, 1)-like values (sum of uniforms), generated on the host once.
+// Fills a bf16 buffer with N(0, 1)-like values, generated on the host once.
 void fill_bf16(const Tensor& t, uint32_t seed) {
-  std::vector<bf16> host(static_cast<size_t>(t.numel()));
-  uint32_t s = seed * 2654435761u + 1u;
-  for (auto& x : host) {
-    float acc = 0.0f;
-    for (int k = 0; k < 4; ++k) {
-      s = s * 1664525u + 1013904223u;
-      acc += static_cast<float>(s >> 8) / static_cast<float>(1u << 24) - 0.5f;
-    }
-    x = bf16(acc * 1.7320508f);  // variance 4/12 → 1
-  }
+  std::vector<bf16> host = normal_bf16(static_cast<size_t>(t.numel()), seed);
   Tensor src = t;
   src.data = host.data();
   src.device = Device::cpu;
@@ -108,27 +75,18 @@ void fill_bf16(const Tensor& t, uint32_t seed) {
 double time_ms(const std::function<void()>& fn, int warmup, int reps) {
   for (int i = 0; i < warmup; ++i) fn();
   LT_CUDA_CHECK(cudaStreamSynchronize(cuda_stream()));
-  cudaEvent_t start, stop;
-  LT_CUDA_CHECK(cudaEventCreate(&start));
-  LT_CUDA_CHECK(cudaEventCreate(&stop));
+  CudaEvents ev(2);  // start, stop
   std::vector<double> ms;
   for (int i = 0; i < reps; ++i) {
-    LT_CUDA_CHECK(cudaEventRecord(start, cuda_stream()));
+    ev.record(0);
     fn();
-    LT_CUDA_CHECK(cudaEventRecord(stop, cuda_stream()));
-    LT_CUDA_CHECK(cudaEventSynchronize(stop));
-    float v = 0.0f;
-    LT_CUDA_CHECK(cudaEventElapsedTime(&v, start, stop));
-    ms.push_back(v);
+    ev.record(1);
+    ev.synchronize(1);
+    ms.push_back(ev.ms(0, 1));
   }
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
   std::sort(ms.begin(), ms.end());
   return ms[ms.size() / 2];
 }
-
-double round3(double x) { return std::round(x * 1000.0) / 1000.0; }
-double round1(double x) { return std::round(x * 10.0) / 10.0; }
 
 attn::cudnn_sdpa::View view(const Tensor& t) {
   return {t.data, t.shape[0], t.shape[1], t.shape[2], t.stride[0], t.stride[1]};
@@ -139,34 +97,12 @@ attn::cudnn_sdpa::View view(const Tensor& t) {
 int main(int argc, char** argv) try {
   const Options opt = parse(argc, argv);
   LT_CHECK(cuda_available(), "attention_bench: no CUDA device is visible");
-  cudaDeviceProp prop{};
-  int dev = 0, driver = 0, runtime = 0;
-  LT_CUDA_CHECK(cudaGetDevice(&dev));
-  LT_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
-  cudaDriverGetVersion(&driver);
-  cudaRuntimeGetVersion(&runtime);
-  char host[256] = {0};
-  gethostname(host, sizeof(host) - 1);
-
-  json anchor;
-  if (!opt.anchor.empty()) {
-    std::ifstream in(opt.anchor);
-    LT_CHECK(in.good(), "attention_bench: cannot read the anchor results {}", opt.anchor);
-    in >> anchor;
-  }
+  json anchor = opt.anchor.empty() ? json() : read_json("attention_bench", "the anchor results", opt.anchor);
 
   json result;
-  const std::time_t now = std::time(nullptr);
-  char stamp[64];
-  std::strftime(stamp, sizeof(stamp), "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
   result["benchmark"] = "causal attention fwd and fwd+bwd, batch 1, 32 query heads, head dim 128, bf16";
-  result["date"] = stamp;
-  result["machine"] = {{"gpu", prop.name},
-                       {"sms", prop.multiProcessorCount},
-                       {"gpu_memory_gib", round1(prop.totalGlobalMem / double(1ull << 30))},
-                       {"cuda_driver_api", driver},
-                       {"cuda_runtime", runtime},
-                       {"host", host}};
+  result["date"] = utc_date();
+  result["machine"] = machine_json();
   result["commit"] = opt.commit;
   result["command"] = opt.command;
   result["timing"] = fmt::format("CUDA events, median of {} runs after {} warm-ups (as attn_anchor.py)", opt.reps,
@@ -185,16 +121,16 @@ int main(int argc, char** argv) try {
   const double scale = 1.0 / std::sqrt(static_cast<double>(D));
   for (int64_t hkv : {int64_t{32}, int64_t{8}}) {
     for (int64_t S : opt.lengths) {
-      Buffer q(DType::bf16, {S, Hq, D}), k(DType::bf16, {S, hkv, D}), v(DType::bf16, {S, hkv, D});
-      Buffer o(DType::bf16, {S, Hq, D}), d_o(DType::bf16, {S, Hq, D});
-      Buffer lse(DType::f32, {S, Hq}), delta(DType::f32, {S, Hq});
-      Buffer dq(DType::f32, {S, Hq, D}), dk(DType::f32, {S, hkv, D}), dv(DType::f32, {S, hkv, D});
-      Buffer dq16(DType::bf16, {S, Hq, D}), dk16(DType::bf16, {S, hkv, D}), dv16(DType::bf16, {S, hkv, D});
+      CudaBuffer q(DType::bf16, {S, Hq, D}), k(DType::bf16, {S, hkv, D}), v(DType::bf16, {S, hkv, D});
+      CudaBuffer o(DType::bf16, {S, Hq, D}), d_o(DType::bf16, {S, Hq, D});
+      CudaBuffer lse(DType::f32, {S, Hq}), delta(DType::f32, {S, Hq});
+      CudaBuffer dq(DType::f32, {S, Hq, D}), dk(DType::f32, {S, hkv, D}), dv(DType::f32, {S, hkv, D});
+      CudaBuffer dq16(DType::bf16, {S, Hq, D}), dk16(DType::bf16, {S, hkv, D}), dv16(DType::bf16, {S, hkv, D});
       fill_bf16(q.t, 1);
       fill_bf16(k.t, 2);
       fill_bf16(v.t, 3);
       fill_bf16(d_o.t, 4);
-      for (const Buffer* b : {&dq, &dk, &dv}) zero(b->t);
+      for (const CudaBuffer* b : {&dq, &dk, &dv}) zero(b->t);
 
       const attn::BlockMask mask = attn::BlockMask::causal_diagonal;
       auto fwd = [&] { attn::attention_block_forward(o.t, lse.t, q.t, k.t, v.t, mask, scale); };
@@ -267,13 +203,8 @@ int main(int argc, char** argv) try {
       if (anchor.contains(key)) ceilings[key] = anchor[key];
     result["anchor_ceilings"] = ceilings;
   }
-  const std::string text = result.dump(1);
-  if (!opt.out.empty()) {
-    std::ofstream out(opt.out);
-    LT_CHECK(out.good(), "attention_bench: cannot write {}", opt.out);
-    out << text << "\n";
-  }
-  std::printf("%s\n", text.c_str());
+  if (!opt.out.empty()) write_json("attention_bench", opt.out, result);
+  std::printf("%s\n", result.dump(1).c_str());
   return 0;
 } catch (const std::exception& e) {
   std::fprintf(stderr, "attention_bench: %s\n", e.what());

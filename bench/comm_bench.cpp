@@ -14,29 +14,21 @@
 // operation's time is the slowest rank's mean. algbw = bytes / time (GB/s = 1e9 B/s); busbw = algbw
 // x 2(n-1)/n for all_reduce, = algbw for send/recv (nccl-tests' conventions). The torch anchor uses
 // the same sizes, iteration counts and formulas.
-#include <cuda_runtime_api.h>
-#include <unistd.h>
-
 #include <algorithm>
-#include <cmath>
 #include <cstdio>
-#include <ctime>
 #include <fstream>
 #include <functional>
 #include <sstream>
 #include <string>
 #include <vector>
 
-#include <nlohmann/json.hpp>
-
+#include "bench/bench_common.h"
 #include "parallel/distributed.h"
 #include "parallel/nccl_communicator.h"
-#include "runtime/cuda_check.h"
-#include "runtime/device.h"
 
 using namespace longtrain;
+using namespace longtrain::bench;
 using namespace longtrain::parallel;
-using nlohmann::json;
 
 namespace {
 
@@ -49,7 +41,7 @@ struct Options {
 
 Options parse(int argc, char** argv) {
   Options o;
-  for (int i = 0; i < argc; ++i) o.command += (i ? " " : "") + std::string(argv[i]);
+  o.command = command_line(argc, argv);
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&]() -> std::string {
@@ -57,9 +49,7 @@ Options parse(int argc, char** argv) {
       return argv[++i];
     };
     if (a == "--sizes-mib") {
-      o.sizes_mib.clear();
-      std::stringstream ss(next());
-      for (std::string item; std::getline(ss, item, ',');) o.sizes_mib.push_back(std::stoll(item));
+      o.sizes_mib = int_list(next());
     } else if (a == "--anchor") {
       o.anchor = next();
     } else if (a == "--out") {
@@ -81,14 +71,6 @@ int iterations(int64_t bytes) {
   return static_cast<int>(std::clamp<int64_t>((int64_t{4} << 30) / bytes, 20, 200));
 }
 
-struct DeviceBuffer {
-  void* p = nullptr;
-  explicit DeviceBuffer(size_t bytes) : p(device_alloc(Device::cuda, bytes)) {}
-  ~DeviceBuffer() { device_free(Device::cuda, p); }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-};
-
 struct Row {
   std::string op;
   int64_t bytes = 0;
@@ -100,44 +82,19 @@ struct Row {
 double time_calls(NcclCommunicator& c, int warmup, int iters, const std::function<void()>& call) {
   for (int i = 0; i < warmup; ++i) call();
   c.barrier();
-  cudaEvent_t start, stop;
-  LT_CUDA_CHECK(cudaEventCreate(&start));
-  LT_CUDA_CHECK(cudaEventCreate(&stop));
-  LT_CUDA_CHECK(cudaEventRecord(start, cuda_stream()));
+  CudaEvents ev(2);  // start, stop
+  ev.record(0);
   for (int i = 0; i < iters; ++i) call();
-  LT_CUDA_CHECK(cudaEventRecord(stop, cuda_stream()));
-  LT_CUDA_CHECK(cudaEventSynchronize(stop));
-  float ms = 0;
-  LT_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  float us = ms * 1000.0f / static_cast<float>(iters);
-  DeviceBuffer slowest(sizeof(float));
-  const Tensor t(slowest.p, DType::f32, {1}, Device::cuda);
-  copy(t, Tensor(&us, DType::f32, {1}));
-  c.all_reduce(t, ReduceOp::max);
-  copy(Tensor(&us, DType::f32, {1}), t);
-  return us;
+  ev.record(1);
+  ev.synchronize(1);
+  const float us = ev.ms(0, 1) * 1000.0f / static_cast<float>(iters);
+  return all_max(c, us);
 }
 
 json machine_info(const Options& o, int world_size) {
-  int device = 0, count = 0, driver = 0, runtime = 0;
-  LT_CUDA_CHECK(cudaGetDevice(&device));
-  LT_CUDA_CHECK(cudaGetDeviceCount(&count));
-  cudaDeviceProp prop{};
-  LT_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
-  cudaDriverGetVersion(&driver);
-  cudaRuntimeGetVersion(&runtime);
-  char host[256] = {};
-  ::gethostname(host, sizeof(host) - 1);
-  json m = {{"gpu", prop.name},
-            {"gpus_visible", count},
-            {"ranks", world_size},
-            {"gpu_memory_gib", std::round(prop.totalGlobalMem / double(1 << 30) * 10) / 10},
-            {"driver", driver},
-            {"cuda_runtime", runtime},
-            {"nccl", nccl_version()},
-            {"host", host}};
+  json m = machine_json();
+  m["ranks"] = world_size;
+  m["nccl"] = nccl_version();
   if (!o.topology.empty()) {
     std::ifstream f(o.topology);
     std::stringstream ss;
@@ -161,18 +118,18 @@ int main(int argc, char** argv) {
     LT_CHECK(n >= 2, "comm_bench needs at least 2 ranks (start it with longtrain-run --nproc-per-node 2)");
 
     const int64_t max_bytes = *std::max_element(o.sizes_mib.begin(), o.sizes_mib.end()) << 20;
-    DeviceBuffer reduce_buf(max_bytes), send_buf(max_bytes), recv_buf(max_bytes);
-    LT_CUDA_CHECK(cudaMemset(reduce_buf.p, 0, max_bytes));
-    LT_CUDA_CHECK(cudaMemset(send_buf.p, 0, max_bytes));
+    CudaBuffer reduce_buf(DType::f32, {max_bytes / 4}), send_buf(DType::f32, {max_bytes / 4}),
+        recv_buf(DType::f32, {max_bytes / 4});
+    LT_CUDA_CHECK(cudaMemset(reduce_buf.t.data, 0, max_bytes));
+    LT_CUDA_CHECK(cudaMemset(send_buf.t.data, 0, max_bytes));
 
     std::vector<Row> rows;
     for (const std::string op : {"all_reduce", "sendrecv"}) {
       for (int64_t mib : o.sizes_mib) {
         const int64_t bytes = mib << 20, elems = bytes / 4;
         Row row{op, bytes, iterations(bytes)};
-        const Tensor reduce(reduce_buf.p, DType::f32, {elems}, Device::cuda);
-        const Tensor send(send_buf.p, DType::f32, {elems}, Device::cuda);
-        const Tensor recv(recv_buf.p, DType::f32, {elems}, Device::cuda);
+        const Tensor reduce = reduce_buf.t.narrow(0, elems), send = send_buf.t.narrow(0, elems),
+                     recv = recv_buf.t.narrow(0, elems);
         const P2POp batch[] = {P2POp::send(send, next), P2POp::recv(recv, prev)};
         std::function<void()> call = [&] { c.all_reduce(reduce); };
         if (op == "sendrecv") call = [&] { c.start_p2p(batch)->wait(); };
@@ -190,35 +147,26 @@ int main(int argc, char** argv) {
     c.synchronize();
     if (c.rank() != 0 || o.out.empty()) return 0;
 
-    json anchor;
-    if (!o.anchor.empty()) {
-      std::ifstream f(o.anchor);
-      LT_CHECK(f.good(), "comm_bench: cannot read the anchor '{}'", o.anchor);
-      anchor = json::parse(f);
-    }
+    json anchor = o.anchor.empty() ? json() : read_json("comm_bench", "the anchor", o.anchor);
     json out_rows = json::array();
     for (const Row& r : rows) {
       json row = {{"op", r.op},
                   {"bytes", r.bytes},
                   {"iters", r.iters},
-                  {"ours", {{"time_us", std::round(r.time_us * 10) / 10},
-                            {"algbw_GBps", std::round(r.algbw * 10) / 10},
-                            {"busbw_GBps", std::round(r.busbw * 10) / 10}}}};
+                  {"ours",
+                   {{"time_us", round1(r.time_us)}, {"algbw_GBps", round1(r.algbw)}, {"busbw_GBps", round1(r.busbw)}}}};
       for (const json& a : anchor.is_object() ? anchor.value("rows", json::array()) : json::array()) {
         if (a.at("op") != r.op || a.at("bytes").get<int64_t>() != r.bytes) continue;
-        row["torch"] = {{"time_us", std::round(a.at("time_us").get<double>() * 10) / 10},
-                        {"algbw_GBps", std::round(a.at("algbw_GBps").get<double>() * 10) / 10},
-                        {"busbw_GBps", std::round(a.at("busbw_GBps").get<double>() * 10) / 10}};
-        row["ratio_busbw_ours_over_torch"] = std::round(r.busbw / a.at("busbw_GBps").get<double>() * 1000) / 1000;
+        row["torch"] = {{"time_us", round1(a.at("time_us").get<double>())},
+                        {"algbw_GBps", round1(a.at("algbw_GBps").get<double>())},
+                        {"busbw_GBps", round1(a.at("busbw_GBps").get<double>())}};
+        row["ratio_busbw_ours_over_torch"] = round3(r.busbw / a.at("busbw_GBps").get<double>());
       }
       out_rows.push_back(row);
     }
-    char date[32];
-    const std::time_t now = std::time(nullptr);
-    std::strftime(date, sizeof(date), "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
     json result = {
         {"benchmark", "all_reduce and send/recv bus bandwidth, f32, one rank per GPU, one node"},
-        {"date", date},
+        {"date", utc_date()},
         {"commit", o.commit},
         {"command", o.command},
         {"machine", machine_info(o, n)},
@@ -234,7 +182,7 @@ int main(int argc, char** argv) {
         if (anchor.contains(key)) result["anchor"][key] = anchor[key];
       }
     }
-    std::ofstream(o.out) << result.dump(1) << "\n";
+    write_json("comm_bench", o.out, result);
     std::printf("wrote %s\n", o.out.c_str());
     return 0;
   } catch (const std::exception& e) {

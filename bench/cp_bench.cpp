@@ -25,31 +25,22 @@
 // --budget-s: a (length, schedule) whose predicted time (4x its time at half the length) would end
 // past the budget is skipped on every rank. The JSON is rewritten after every row, so a run stopped
 // from outside keeps what it measured.
-#include <cuda_runtime_api.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <ctime>
-#include <fstream>
 #include <map>
 #include <memory>
-#include <sstream>
 #include <string>
 #include <vector>
 
-#include <nlohmann/json.hpp>
-
 #include "attention/distributed/distributed_attention.h"
+#include "bench/bench_common.h"
 #include "parallel/distributed.h"
 #include "parallel/nccl_communicator.h"
-#include "runtime/cuda_check.h"
-#include "runtime/device.h"
 
 using namespace longtrain;
-using nlohmann::json;
+using namespace longtrain::bench;
 
 namespace {
 
@@ -66,25 +57,18 @@ struct Options {
 
 Options parse(int argc, char** argv) {
   Options o;
-  for (int i = 0; i < argc; ++i) o.command += (i ? " " : "") + std::string(argv[i]);
+  o.command = command_line(argc, argv);
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&]() -> std::string {
       LT_CHECK(i + 1 < argc, "cp_bench: {} needs a value", a);
       return argv[++i];
     };
-    auto list = [&](const std::string& s) {
-      std::vector<std::string> items;
-      std::stringstream ss(s);
-      for (std::string item; std::getline(ss, item, ',');) items.push_back(item);
-      return items;
-    };
     if (a == "--lengths") {
-      o.lengths.clear();
-      for (const std::string& x : list(next())) o.lengths.push_back(std::stoll(x));
+      o.lengths = int_list(next());
     } else if (a == "--schedules") {
       o.schedules.clear();
-      for (const std::string& x : list(next())) o.schedules.push_back(attn::parse_schedule(x));
+      for (const std::string& x : split_list(next())) o.schedules.push_back(attn::parse_schedule(x));
     } else if (a == "--warmup") {
       o.warmup = std::stoi(next());
     } else if (a == "--reps") {
@@ -109,43 +93,18 @@ Options parse(int argc, char** argv) {
   return o;
 }
 
-double round1(double x) { return std::round(x * 10.0) / 10.0; }
-double round3(double x) { return std::round(x * 1000.0) / 1000.0; }
-double round4(double x) { return std::round(x * 10000.0) / 10000.0; }
-
 SeqLayout layout_of(attn::Schedule s) {
   return s == attn::Schedule::zigzag || s == attn::Schedule::burst ? SeqLayout::zigzag : SeqLayout::contiguous;
 }
 
 // ---- device memory ----------------------------------------------------------------------------------
 
-struct Buffer {
-  Tensor t;
-  Buffer(DType dtype, std::initializer_list<int64_t> shape) {
-    Tensor probe(nullptr, dtype, shape, Device::cuda);
-    t = probe;
-    t.data = device_alloc(Device::cuda, probe.nbytes());
-  }
-  ~Buffer() { device_free(Device::cuda, t.data); }
-  Buffer(const Buffer&) = delete;
-  Buffer& operator=(const Buffer&) = delete;
-};
-
 // Fills a bf16 buffer with N(0, 1)-like values (as torch.randn in the anchor): a block of ~1M values
-// made on the host (sum of 4 uniforms), repeated over the buffer by doubling device copies.
+// made on the host, repeated over the buffer by doubling device copies.
 void fill_bf16(const Tensor& t, uint32_t seed) {
   const int64_t n = t.numel();
   const int64_t block = std::min<int64_t>(n, (int64_t{1} << 20) - 3);  // not a multiple of any row length
-  std::vector<bf16> host(static_cast<size_t>(block));
-  uint32_t s = seed * 2654435761u + 1u;
-  for (auto& x : host) {
-    float acc = 0.0f;
-    for (int k = 0; k < 4; ++k) {
-      s = s * 1664525u + 1013904223u;
-      acc += static_cast<float>(s >> 8) / static_cast<float>(1u << 24) - 0.5f;
-    }
-    x = bf16(acc * 1.7320508f);
-  }
+  const std::vector<bf16> host = normal_bf16(static_cast<size_t>(block), seed);
   char* base = static_cast<char*>(t.data);
   // All on the compute stream; the host block lives until the synchronisation below.
   LT_CUDA_CHECK(cudaMemcpyAsync(base, host.data(), static_cast<size_t>(block) * 2, cudaMemcpyHostToDevice,
@@ -214,20 +173,11 @@ class EventObserver final : public attn::ComputeObserver {
 
 std::vector<double> gather(parallel::Communicator& c, const std::vector<double>& mine) {
   const int64_t n = static_cast<int64_t>(mine.size());
-  Buffer in(DType::f64, {n}), out(DType::f64, {n * c.size()});
-  copy(in.t, Tensor(const_cast<double*>(mine.data()), DType::f64, {n}));
+  CudaBuffer in(mine), out(DType::f64, {n * c.size()});
   c.all_gather(out.t, in.t);
   std::vector<double> all(static_cast<size_t>(n * c.size()));
   copy(Tensor(all.data(), DType::f64, {n * c.size()}), out.t);
   return all;
-}
-
-double all_max(parallel::Communicator& c, double x) {
-  Buffer t(DType::f64, {1});
-  copy(t.t, Tensor(&x, DType::f64, {1}));
-  c.all_reduce(t.t, parallel::ReduceOp::max);
-  copy(Tensor(&x, DType::f64, {1}), t.t);
-  return x;
 }
 
 // ---- one (length, schedule) ---------------------------------------------------------------------------
@@ -255,7 +205,7 @@ Measured measure(parallel::Distributed& d, attn::Schedule schedule, int64_t S, c
   EventObserver observer;
   da->set_compute_observer(&observer);
 
-  Buffer qkv(DType::bf16, {T, kW, kD}), o_buf(DType::bf16, {T, kHq, kD}), lse(DType::f32, {T, kHq}),
+  CudaBuffer qkv(DType::bf16, {T, kW, kD}), o_buf(DType::bf16, {T, kHq, kD}), lse(DType::f32, {T, kHq}),
       d_o(DType::bf16, {T, kHq, kD}), dqkv(DType::bf16, {T, kW, kD});
   fill_bf16(qkv.t, 11 + 7 * static_cast<uint32_t>(sp.rank()));
   fill_bf16(d_o.t, 13 + 7 * static_cast<uint32_t>(sp.rank()));
@@ -276,7 +226,7 @@ Measured measure(parallel::Distributed& d, attn::Schedule schedule, int64_t S, c
     forward();
     backward();
     LT_CUDA_CHECK(cudaStreamSynchronize(cuda_stream()));
-    last_warm_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    last_warm_s = seconds_since(t0);
   }
   // Every rank times the same number of calls.
   const double slowest_warm = all_max(sp, last_warm_s);
@@ -285,39 +235,33 @@ Measured measure(parallel::Distributed& d, attn::Schedule schedule, int64_t S, c
   observer.reserve(per_call * static_cast<size_t>(reps) + 16);
   observer.reset();
 
-  std::vector<cudaEvent_t> ev(static_cast<size_t>(2 * reps + 1));
-  for (cudaEvent_t& e : ev) LT_CUDA_CHECK(cudaEventCreate(&e));
+  // Event 2r: call r starts; 2r + 1: its forward ended; 2r + 2: its backward ended.
+  CudaEvents ev(static_cast<size_t>(2 * reps + 1));
   std::vector<size_t> starts, mids;  // observer events at the start of each call and after its forward
   sp.barrier();  // both devices idle, both hosts here
-  LT_CUDA_CHECK(cudaEventRecord(ev[0], cuda_stream()));
+  ev.record(0);
   for (int r = 0; r < reps; ++r) {
     starts.push_back(observer.used());
     forward();
-    LT_CUDA_CHECK(cudaEventRecord(ev[static_cast<size_t>(2 * r + 1)], cuda_stream()));
+    ev.record(static_cast<size_t>(2 * r + 1));
     mids.push_back(observer.used());
     backward();
-    LT_CUDA_CHECK(cudaEventRecord(ev[static_cast<size_t>(2 * r + 2)], cuda_stream()));
+    ev.record(static_cast<size_t>(2 * r + 2));
   }
-  LT_CUDA_CHECK(cudaEventSynchronize(ev.back()));
+  ev.synchronize(ev.size() - 1);
   Measured m{};
   m.reps = reps;
-  float total = 0;
-  LT_CUDA_CHECK(cudaEventElapsedTime(&total, ev.front(), ev.back()));
-  m.fwdbwd_ms = total / reps;
+  m.fwdbwd_ms = ev.ms(0, ev.size() - 1) / reps;
   for (int r = 0; r < reps; ++r) {
     const auto i = static_cast<size_t>(r);
-    float f = 0, b = 0;
-    LT_CUDA_CHECK(cudaEventElapsedTime(&f, ev[2 * i], ev[2 * i + 1]));
-    LT_CUDA_CHECK(cudaEventElapsedTime(&b, ev[2 * i + 1], ev[2 * i + 2]));
-    m.fwd_ms += f / reps;
-    m.bwd_ms += b / reps;
+    m.fwd_ms += ev.ms(2 * i, 2 * i + 1) / reps;
+    m.bwd_ms += ev.ms(2 * i + 1, 2 * i + 2) / reps;
     const size_t end = i + 1 < starts.size() ? starts[i + 1] : observer.used();
     m.busy_fwd_ms += observer.busy_ms(starts[i], mids[i]) / reps;
     m.busy_bwd_ms += observer.busy_ms(mids[i], end) / reps;
   }
   LT_CHECK(observer.used() == per_call * static_cast<size_t>(reps),
            "cp_bench: {} busy-time events in {} calls, {} per warm-up call", observer.used(), reps, per_call);
-  for (cudaEvent_t e : ev) cudaEventDestroy(e);
   m.fwd_bytes = static_cast<double>(da->last_forward().bytes_sent());
   m.bwd_bytes = static_cast<double>(da->last_backward().bytes_sent());
   return m;
@@ -326,42 +270,21 @@ Measured measure(parallel::Distributed& d, attn::Schedule schedule, int64_t S, c
 // ---- output ----------------------------------------------------------------------------------------------
 
 json machine_info(int ranks) {
-  int device = 0, count = 0, driver = 0, runtime = 0;
-  LT_CUDA_CHECK(cudaGetDevice(&device));
-  LT_CUDA_CHECK(cudaGetDeviceCount(&count));
-  cudaDeviceProp prop{};
-  LT_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
-  cudaDriverGetVersion(&driver);
-  cudaRuntimeGetVersion(&runtime);
-  char host[256] = {};
-  ::gethostname(host, sizeof(host) - 1);
-  return {{"gpu", prop.name},
-          {"gpus_visible", count},
-          {"ranks", ranks},
-          {"sms", prop.multiProcessorCount},
-          {"gpu_memory_gib", round1(prop.totalGlobalMem / double(1 << 30))},
-          {"driver", driver},
-          {"cuda_runtime", runtime},
-          {"nccl", parallel::nccl_version()},
-          {"host", host}};
+  json m = machine_json();
+  m["ranks"] = ranks;
+  m["nccl"] = parallel::nccl_version();
+  return m;
 }
 
-void write_json(const std::string& path, const json& result) {
-  if (path.empty()) return;
-  std::ofstream out(path);
-  LT_CHECK(out.good(), "cp_bench: cannot write {}", path);
-  out << result.dump(1) << "\n";
+void write_result(const std::string& path, const json& result) {
+  if (!path.empty()) write_json("cp_bench", path, result);
 }
 
 // The anchor's numbers (cp_anchor.py's JSON: {"world": P, "<S>": {"cudnn": {...}, "flash": {...}}})
 // and the ratios beside each row.
 int merge(const Options& o) {
-  json result, anchor;
-  std::ifstream in(o.merge), ain(o.anchor);
-  LT_CHECK(in.good(), "cp_bench --merge: cannot read {}", o.merge);
-  LT_CHECK(ain.good(), "cp_bench --merge: cannot read the anchor {}", o.anchor);
-  in >> result;
-  ain >> anchor;
+  json result = read_json("cp_bench --merge", "the result", o.merge);
+  json anchor = read_json("cp_bench --merge", "the anchor", o.anchor);
   result["anchor"] = {{"script", "bench/anchors/cp_anchor.py"},
                       {"file", o.anchor},
                       {"what", "PyTorch context_parallel (ring attention over NCCL, head-tail load balancing), "
@@ -389,7 +312,7 @@ int merge(const Options& o) {
                 num("tflops_per_gpu").c_str(), anum("cudnn").c_str(), num("ratio_vs_torch_cp_cudnn").c_str(),
                 num("idle_fraction_max").c_str(), anum("flash").c_str());
   }
-  write_json(o.out.empty() ? o.merge : o.out, result);
+  write_result(o.out.empty() ? o.merge : o.out, result);
   return 0;
 }
 
@@ -410,16 +333,13 @@ int main(int argc, char** argv) {
     LT_CHECK(P >= 2, "cp_bench needs at least 2 ranks (start it with longtrain-run --nproc-per-node 2)");
     const bool main_rank = sp.rank() == 0;
     const auto start = std::chrono::steady_clock::now();
-    auto elapsed_s = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(); };
+    auto elapsed_s = [&] { return seconds_since(start); };
 
-    char date[32];
-    const std::time_t now = std::time(nullptr);
-    std::strftime(date, sizeof(date), "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
     json result = {
         {"benchmark", fmt::format("sequence-parallel causal attention fwd+bwd, {} GPUs, one sequence of S tokens "
                                   "(S/{} per GPU), {} query heads, {} KV heads, head dim {}, bf16",
                                   P, P, kHq, kHkv, kD)},
-        {"date", date},
+        {"date", utc_date()},
         {"commit", o.commit},
         {"command", o.command},
         {"machine", machine_info(P)},
@@ -505,7 +425,7 @@ int main(int argc, char** argv) {
         }
         if (main_rank) std::fflush(stdout);
         result["rows"].push_back(row);
-        if (main_rank) write_json(o.out, result);
+        if (main_rank) write_result(o.out, result);
       }
     }
     sp.barrier();

@@ -25,33 +25,25 @@
 // process after the timed steps (cudaMemGetInfo against the free memory at start; arenas and scratch
 // never shrink during a step, so this is the step's peak), CUDA context excluded. The anchor reports
 // torch.cuda.max_memory_allocated (its caching allocator's live tensors).
-#include <cuda_runtime_api.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <ctime>
 #include <fstream>
 #include <memory>
-#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
 
-#include <nlohmann/json.hpp>
-
 #include "attention/sequence_attention.h"
+#include "bench/bench_common.h"
 #include "model/llama.h"
 #include "model/memory_plan.h"
 #include "model/parameters.h"
-#include "runtime/cuda_check.h"
-#include "runtime/device.h"
 #include "trainer/optimizer.h"
 
 using namespace longtrain;
-using nlohmann::json;
+using namespace longtrain::bench;
 
 namespace {
 
@@ -63,16 +55,9 @@ struct Options {
   bool plan_only = false;
 };
 
-std::vector<std::string> split(const std::string& s) {
-  std::vector<std::string> items;
-  std::stringstream ss(s);
-  for (std::string item; std::getline(ss, item, ',');) items.push_back(item);
-  return items;
-}
-
 Options parse(int argc, char** argv) {
   Options o;
-  for (int i = 0; i < argc; ++i) o.command += (i ? " " : "") + std::string(argv[i]);
+  o.command = command_line(argc, argv);
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&]() -> std::string {
@@ -80,12 +65,11 @@ Options parse(int argc, char** argv) {
       return argv[++i];
     };
     if (a == "--lengths") {
-      o.lengths.clear();
-      for (const std::string& s : split(next())) o.lengths.push_back(std::stoll(s));
+      o.lengths = int_list(next());
       std::sort(o.lengths.begin(), o.lengths.end());  // ascending: scratch only grows, peaks stay honest
     } else if (a == "--policies") {
       o.policies.clear();
-      for (const std::string& s : split(next())) o.policies.push_back(model::parse_checkpoint_policy(s));
+      for (const std::string& s : split_list(next())) o.policies.push_back(model::parse_checkpoint_policy(s));
     } else if (a == "--anchor") {
       o.anchor = next();
     } else if (a == "--out") {
@@ -209,25 +193,11 @@ std::vector<bf16> parameter_image(const model::LlamaConfig& c) {
   return image;
 }
 
-struct DeviceInts {
-  Tensor t;
-  explicit DeviceInts(const std::vector<int32_t>& v) {
-    t = Tensor(nullptr, DType::i32, {static_cast<int64_t>(v.size())}, Device::cuda);
-    t.data = device_alloc(Device::cuda, t.nbytes());
-    copy(t, Tensor(const_cast<int32_t*>(v.data()), DType::i32, {static_cast<int64_t>(v.size())}));
-  }
-  ~DeviceInts() { device_free(Device::cuda, t.data); }
-  DeviceInts(const DeviceInts&) = delete;
-  DeviceInts& operator=(const DeviceInts&) = delete;
-};
-
 size_t free_bytes() {
   LT_CUDA_CHECK(cudaDeviceSynchronize());
   return model::device_memory(Device::cuda).free;
 }
 
-double round3(double x) { return std::round(x * 1000.0) / 1000.0; }
-double round1(double x) { return std::round(x * 10.0) / 10.0; }
 constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 
 }  // namespace
@@ -238,11 +208,8 @@ int main(int argc, char** argv) try {
   const model::Precision prec = model::Precision::cuda_mixed();
 
   if (!opt.merge.empty()) {  // the anchor's numbers beside a result written earlier: runs without a GPU
-    json result, anchor;
-    std::ifstream in(opt.merge), ain(opt.anchor);
-    LT_CHECK(in.good() && ain.good(), "llama_bench --merge: cannot read {} or the anchor {}", opt.merge, opt.anchor);
-    in >> result;
-    ain >> anchor;
+    json result = read_json("llama_bench --merge", "the result", opt.merge);
+    json anchor = read_json("llama_bench --merge", "the anchor", opt.anchor);
     result["anchor"] = {{"script", "bench/anchors/llama_anchor.py"}, {"file", opt.anchor}};
     if (anchor.contains("params")) result["anchor_params"] = anchor["params"];
     for (json& row : result["rows"]) {
@@ -256,8 +223,7 @@ int main(int argc, char** argv) try {
                   anchor[key].is_object() ? anchor[key].value("tok_per_s", json()).dump().c_str() : "failed",
                   row.value("ratio_tok_per_s", json()).dump().c_str());
     }
-    std::ofstream out(opt.out.empty() ? opt.merge : opt.out);
-    out << result.dump(1) << "\n";
+    write_json("llama_bench --merge", opt.out.empty() ? opt.merge : opt.out, result);
     return 0;
   }
 
@@ -270,14 +236,7 @@ int main(int argc, char** argv) try {
   LT_CHECK(cuda_available(), "llama_bench: no CUDA device is visible");
   LT_CUDA_CHECK(cudaFree(nullptr));  // create the context before measuring free memory
   const size_t baseline_free = free_bytes();
-  cudaDeviceProp prop{};
-  int dev = 0, driver = 0, runtime = 0;
-  LT_CUDA_CHECK(cudaGetDevice(&dev));
-  LT_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
-  cudaDriverGetVersion(&driver);
-  cudaRuntimeGetVersion(&runtime);
-  char host[256] = {0};
-  gethostname(host, sizeof(host) - 1);
+  const json machine = machine_json();
 
   json anchor;
   if (!opt.anchor.empty()) {
@@ -297,19 +256,11 @@ int main(int argc, char** argv) try {
   };
 
   json result;
-  const std::time_t now = std::time(nullptr);
-  char stamp[64];
-  std::strftime(stamp, sizeof(stamp), "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
   result["benchmark"] =
       "Llama training step on one GPU, TinyLlama-1.1B shape (vocab 32000, dim 2048, 22 layers, 32 heads, 4 KV "
       "heads, head dim 64, ffn 5632), batch 1, bf16 mixed precision, AdamW";
-  result["date"] = stamp;
-  result["machine"] = {{"gpu", prop.name},
-                       {"sms", prop.multiProcessorCount},
-                       {"gpu_memory_gib", round1(prop.totalGlobalMem / kGiB)},
-                       {"cuda_driver_api", driver},
-                       {"cuda_runtime", runtime},
-                       {"host", host}};
+  result["date"] = utc_date();
+  result["machine"] = machine;
   result["commit"] = opt.commit;
   result["command"] = opt.command;
   result["parameters"] = cfg.num_parameters();
@@ -328,8 +279,8 @@ int main(int argc, char** argv) try {
       "forward_backward + AdamW step";
   if (!anchor.is_null()) result["anchor"] = {{"script", "bench/anchors/llama_anchor.py"}, {"file", opt.anchor}};
 
-  std::printf("llama_bench: %s, %d SMs, %.1f GiB; %.0f parameters\n", prop.name, prop.multiProcessorCount,
-              prop.totalGlobalMem / kGiB, n_all);
+  std::printf("llama_bench: %s, %d SMs, %.1f GiB; %.0f parameters\n", machine["gpu"].get<std::string>().c_str(),
+              machine["sms"].get<int>(), machine["gpu_memory_gib"].get<double>(), n_all);
   const std::vector<bf16> image = parameter_image(cfg);
   json rows = json::array();
   std::vector<std::string> summary;
@@ -337,9 +288,7 @@ int main(int argc, char** argv) try {
   auto write_result = [&](const json& r) {
     if (opt.out.empty()) return;
     result["rows"] = r;
-    std::ofstream out(opt.out);
-    LT_CHECK(out.good(), "llama_bench: cannot write {}", opt.out);
-    out << result.dump(1) << "\n";
+    write_json("llama_bench", opt.out, result);
   };
 
   for (int64_t S : opt.lengths) {
@@ -382,44 +331,42 @@ int main(int argc, char** argv) try {
         ocfg.grad_clip = 1.0;
         ocfg.no_decay = {};
         trainer::AdamW adamw(m.params(), ocfg);
-        DeviceInts d_ids(ids), d_labels(labels), d_pos(positions);
+        CudaBuffer d_ids(ids), d_labels(labels), d_pos(positions);
         const model::TokenShard shard{d_ids.t, d_labels.t, d_pos.t};
 
         // Three events per timed step (start, after forward+backward, after the optimizer), read after
         // the wall-clock measurement so that reading them adds no synchronisation inside it.
-        std::vector<cudaEvent_t> events(static_cast<size_t>(3 * opt.steps));
-        for (cudaEvent_t& e : events) LT_CUDA_CHECK(cudaEventCreate(&e));
+        CudaEvents events(static_cast<size_t>(3 * opt.steps));
         double loss = 0.0, grad_norm = 0.0;
-        auto step = [&](cudaEvent_t* ev) {
-          if (ev) LT_CUDA_CHECK(cudaEventRecord(ev[0], cuda_stream()));
+        // Timed step i records events 3i (start), 3i + 1 (after forward+backward) and 3i + 2 (after the
+        // optimizer); i < 0 is an untimed step.
+        auto step = [&](int i) {
+          const size_t e = static_cast<size_t>(3 * std::max(i, 0));
+          if (i >= 0) events.record(e);
           m.zero_grads();
           const model::LossSum l = m.forward_backward(shard, 1.0 / static_cast<double>(valid));
-          if (ev) LT_CUDA_CHECK(cudaEventRecord(ev[1], cuda_stream()));
+          if (i >= 0) events.record(e + 1);
           const trainer::AdamW::StepInfo info = adamw.step(m.params(), m.grads());
-          if (ev) LT_CUDA_CHECK(cudaEventRecord(ev[2], cuda_stream()));
+          if (i >= 0) events.record(e + 2);
           loss = l.sum / static_cast<double>(l.count);
           grad_norm = info.grad_norm;
         };
         const auto t_warm = std::chrono::steady_clock::now();
-        for (int i = 0; i < opt.warmup; ++i) step(nullptr);
+        for (int i = 0; i < opt.warmup; ++i) step(-1);
         LT_CUDA_CHECK(cudaDeviceSynchronize());
-        const double warm_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_warm).count();
+        const double warm_s = seconds_since(t_warm);
         timed->reset();
         const auto t0 = std::chrono::steady_clock::now();
-        for (int i = 0; i < opt.steps; ++i) step(&events[static_cast<size_t>(3 * i)]);
+        for (int i = 0; i < opt.steps; ++i) step(i);
         LT_CUDA_CHECK(cudaDeviceSynchronize());
-        const double step_s =
-            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / opt.steps;
+        const double step_s = seconds_since(t0) / opt.steps;
         double fb_ms = 0.0, opt_ms = 0.0;
         for (int i = 0; i < opt.steps; ++i) {
-          float a = 0.0f, b = 0.0f;
-          LT_CUDA_CHECK(cudaEventElapsedTime(&a, events[3 * i], events[3 * i + 1]));
-          LT_CUDA_CHECK(cudaEventElapsedTime(&b, events[3 * i + 1], events[3 * i + 2]));
-          fb_ms += a / opt.steps;
-          opt_ms += b / opt.steps;
+          const size_t e = static_cast<size_t>(3 * i);
+          fb_ms += events.ms(e, e + 1) / opt.steps;
+          opt_ms += events.ms(e + 1, e + 2) / opt.steps;
         }
         const double attn_ms = timed->elapsed_ms() / opt.steps;
-        for (cudaEvent_t e : events) cudaEventDestroy(e);
         const size_t free_after = free_bytes();
 
         const double tok_s = static_cast<double>(S) / step_s;

@@ -104,6 +104,10 @@ class Communicator {
   Millis timeout() const { return timeout_; }
   void set_timeout(Millis t) { timeout_ = t; }
 
+  // "rank 3" or "ranks 3, 5" from group ranks, shown as global ranks.
+  std::string describe_ranks(const std::vector<int>& group_ranks) const;
+  std::string describe_group() const;  // "'sp1' (global ranks 2, 3)"
+
  protected:
   Communicator(std::string name, std::vector<int> ranks, int rank, Millis timeout);
 
@@ -111,10 +115,6 @@ class Communicator {
   void count_received(int64_t bytes) { bytes_received_ += bytes; }
   void count_collective() { ++collectives_; }
   void count_p2p(int64_t n) { p2p_messages_ += n; }
-
-  // "rank 3" or "ranks 3, 5" from group ranks, shown as global ranks.
-  std::string describe_ranks(const std::vector<int>& group_ranks) const;
-  std::string describe_group() const;  // "'sp1' (global ranks 2, 3)"
 
   std::string name_;
   std::vector<int> ranks_;

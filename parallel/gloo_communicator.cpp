@@ -8,18 +8,17 @@
 #include <map>
 #include <mutex>
 #include <optional>
-#include <sstream>
 #include <thread>
 #include <type_traits>
 
 #include <fmt/format.h>
-#include <fmt/ranges.h>
 #include <gloo/barrier.h>
 #include <gloo/rendezvous/context.h>
 #include <gloo/rendezvous/store.h>
 #include <gloo/transport/tcp/device.h>
 #include <gloo/transport/unbound_buffer.h>
 
+#include "parallel/comm_progress.h"
 #include "parallel/store.h"
 #include "runtime/error.h"
 
@@ -45,14 +44,6 @@ uint64_t collective_slot(uint64_t seq, uint64_t step) {
 Millis time_left(Clock::time_point deadline) {
   auto left = std::chrono::duration_cast<Millis>(deadline - Clock::now());
   return std::max(left, Millis(1));
-}
-
-// Chunk c of n elements split over p ranks is [begin[c], begin[c + 1]); the first n % p chunks hold
-// one element more.
-std::vector<int64_t> balanced_split(int64_t n, int p) {
-  std::vector<int64_t> begin(p + 1);
-  for (int c = 0; c <= p; ++c) begin[c] = c * (n / p) + std::min<int64_t>(c, n % p);
-  return begin;
 }
 
 // acc[i] := op(acc[i], in[i]) for i < n.
@@ -160,40 +151,6 @@ class StoreForGloo final : public gloo::rendezvous::Store {
   Millis timeout_;
 };
 
-// Communicators of the same name get a generation number, so re-creating a group gets fresh keys.
-int next_generation(const std::string& name) {
-  static std::mutex mu;
-  static std::map<std::string, int> generations;
-  std::lock_guard lock(mu);
-  return generations[name]++;
-}
-
-// A peer's progress on one communicator, as published: "entered completed op sends recvs".
-struct Progress {
-  uint64_t entered = 0;
-  uint64_t completed = 0;
-  std::string op;
-  std::vector<uint64_t> sends, recvs;  // messages posted to / from each group rank
-};
-
-std::vector<uint64_t> parse_counts(const std::string& s) {
-  std::vector<uint64_t> v;
-  std::stringstream ss(s);
-  std::string item;
-  while (std::getline(ss, item, ',')) v.push_back(std::stoull(item));
-  return v;
-}
-
-Progress parse_progress(const std::string& text) {
-  Progress p;
-  std::stringstream ss(text);
-  std::string sends, recvs;
-  ss >> p.entered >> p.completed >> p.op >> sends >> recvs;
-  p.sends = parse_counts(sends);
-  p.recvs = parse_counts(recvs);
-  return p;
-}
-
 }  // namespace
 
 // ------------------------------------------------------------------------------------------------
@@ -201,32 +158,18 @@ Progress parse_progress(const std::string& text) {
 struct GlooCommunicator::Impl {
   GlooCommunicator& self;
   TcpStore& store;
-  std::string prefix;  // "lt/comm/<name>/<generation>/"
+  const std::string prefix;  // "lt/comm/<name>/<generation>/"
   std::shared_ptr<gloo::rendezvous::Context> ctx;
   const int rank;
   const int size;
 
-  // Progress, read by the store's monitor thread to publish it.
-  uint64_t seq = 0;  // number of the current (last entered) collective, 1-based
-  std::atomic<uint64_t> entered{0}, completed{0};
-  std::atomic<const char*> last_op{"none"};
-  std::unique_ptr<std::atomic<uint64_t>[]> sends, recvs;  // per group rank
+  uint64_t seq = 0;       // number of the current (last entered) collective, 1-based
+  CommProgress progress;  // published through the store once the group is connected
 
   std::optional<std::string> broken;
 
-  Impl(GlooCommunicator& s, TcpStore& st, int r, int n)
-      : self(s), store(st), rank(r), size(n), sends(new std::atomic<uint64_t>[n]), recvs(new std::atomic<uint64_t>[n]) {
-    for (int i = 0; i < n; ++i) sends[i] = recvs[i] = 0;
-  }
-
-  std::string progress() const {
-    std::vector<uint64_t> s(size), r(size);
-    for (int i = 0; i < size; ++i) s[i] = sends[i], r[i] = recvs[i];
-    return fmt::format("{} {} {} {} {}", entered.load(), completed.load(), last_op.load(), fmt::join(s, ","),
-                       fmt::join(r, ","));
-  }
-
-  std::string progress_key(int group_rank) const { return fmt::format("{}progress/{}", prefix, group_rank); }
+  Impl(GlooCommunicator& s, TcpStore& st, std::string p)
+      : self(s), store(st), prefix(std::move(p)), rank(s.rank()), size(s.size()), progress(s, st, prefix) {}
 
   void check_usable() const {
     LT_CHECK(!broken, "communicator {} is unusable after an earlier failure on this rank: {}", self.describe_group(),
@@ -239,19 +182,20 @@ struct GlooCommunicator::Impl {
   void collective(const char* op, const std::string& args, Body&& body) {
     check_usable();
     const uint64_t s = ++seq;
-    last_op = op;
-    entered = s;
+    progress.enter(op, s);
     self.count_collective();
     const auto start = Clock::now();
     try {
       body(s, start + self.timeout());
     } catch (const std::exception& e) {
       store.mark_failing();
-      const std::string diagnosis = diagnose_collective(s);
+      wait_for_peer_progress();
+      const std::string diagnosis = progress.diagnose_collective(
+          s, "every rank of the group reached this collective, so the connection between them failed");
       fail(fmt::format("{} #{} ({}) on communicator {}", op, s, args, self.describe_group()), start, e.what(),
            diagnosis);
     }
-    completed = s;
+    progress.mark_completed(s);
   }
 
   [[noreturn]] void fail(const std::string& what, Clock::time_point start, const std::string& transport_error,
@@ -265,87 +209,22 @@ struct GlooCommunicator::Impl {
     LT_FAIL("{}", message);
   }
 
-  // A peer's last published progress (none if it never published), and in *dead why its process
-  // ended, when the store saw it end without finishing.
-  std::optional<Progress> read_progress(int group_rank, std::string* dead) {
-    const int g = self.ranks_[group_rank];
-    if (auto d = store.try_get(fmt::format("lt/dead/{}", g))) *dead = *d;
-    auto p = store.try_get(progress_key(group_rank));
-    if (!p) return std::nullopt;
-    return parse_progress(*p);
-  }
-
-  std::string diagnose_collective(uint64_t s) {
-    std::this_thread::sleep_for(2 * kMonitorInterval + Millis(50));
-    std::vector<int> missing;
-    std::vector<std::string> notes;
-    try {
-      for (int m = 0; m < size; ++m) {
-        if (m == rank) continue;
-        const int g = self.ranks_[m];
-        std::string dead;
-        std::optional<Progress> p = read_progress(m, &dead);
-        if (p && p->entered >= s) continue;  // it arrived (whatever happened to it afterwards)
-        missing.push_back(m);
-        if (!p) {
-          notes.push_back(dead.empty() ? fmt::format("rank {} never reported progress on this communicator", g)
-                                       : dead);
-          continue;
-        }
-        std::string note = p->entered == 0
-                               ? fmt::format("rank {} has entered no collective on this communicator", g)
-                               : fmt::format("rank {} is still at collective #{} ({}{})", g, p->entered, p->op,
-                                             p->completed == p->entered ? ", completed" : "");
-        notes.push_back(dead.empty() ? note : note + ", and its process has ended since");
-      }
-    } catch (const std::exception& e) {
-      return fmt::format("the other ranks' progress could not be read from the store ({}){}", e.what(),
-                         known_failure());
-    }
-    if (missing.empty()) {
-      return "every rank of the group reached this collective, so the connection between them failed" +
-             known_failure();
-    }
-    return fmt::format("{} did not arrive: {}", self.describe_ranks(missing), fmt::join(notes, "; "));
-  }
-
-  // What the store told this rank about another rank's failure, if anything.
-  std::string known_failure() const {
-    auto f = store.peer_failure();
-    return f ? "; the store reported: " + *f : "";
-  }
-
   std::string diagnose_p2p(P2POp::Kind kind, int peer, uint64_t k) {
-    std::this_thread::sleep_for(2 * kMonitorInterval + Millis(50));
+    wait_for_peer_progress();
     const int g = self.ranks_[peer];
     const int me = self.ranks_[rank];
     try {
-      std::string dead;
-      std::optional<Progress> p = read_progress(peer, &dead);
-      if (!p) {
-        return fmt::format("rank {} did not arrive: {}", g,
-                           dead.empty() ? "it never reported progress on this communicator" : dead);
-      }
-      if (!dead.empty()) dead = fmt::format(" (rank {}'s process has ended since)", g);
-      if (kind == P2POp::Kind::recv) {
-        const uint64_t posted = p->sends.at(rank);
-        if (posted < k) {
-          return fmt::format("rank {} did not arrive: it has posted {} send(s) to rank {}, not send #{}{}", g, posted,
-                             me, k, dead);
-        }
-        return fmt::format("rank {} posted send #{} to rank {}, so the connection between them failed{}", g, k, me,
-                           known_failure());
-      }
-      const uint64_t posted = p->recvs.at(rank);
-      if (posted < k) {
-        return fmt::format("rank {} did not arrive: it has posted {} receive(s) from rank {}, not receive #{}{}", g,
-                           posted, me, k, dead);
-      }
-      return fmt::format("rank {} posted receive #{} from rank {}, so the connection between them failed{}", g, k, me,
-                         known_failure());
+      if (std::optional<std::string> missing = progress.missing_transfer(kind, peer, k)) return *missing;
     } catch (const std::exception& e) {
-      return fmt::format("rank {}'s progress could not be read from the store ({}){}", g, e.what(), known_failure());
+      return fmt::format("rank {}'s progress could not be read from the store ({}){}", g, e.what(),
+                         progress.known_failure());
     }
+    if (kind == P2POp::Kind::recv) {
+      return fmt::format("rank {} posted send #{} to rank {}, so the connection between them failed{}", g, k, me,
+                         progress.known_failure());
+    }
+    return fmt::format("rank {} posted receive #{} from rank {}, so the connection between them failed{}", g, k, me,
+                       progress.known_failure());
   }
 
   [[noreturn]] void fail_p2p(P2POp::Kind kind, int peer, uint64_t k, Clock::time_point start,
@@ -423,17 +302,8 @@ struct GlooCommunicator::Impl {
 GlooCommunicator::GlooCommunicator(TcpStore& store, const std::string& name, std::vector<int> global_ranks,
                                    int my_global_rank, CommOptions options)
     : Communicator(name, global_ranks, -1, options.timeout) {
-  LT_CHECK(!global_ranks.empty(), "communicator '{}' has no ranks", name);
-  for (size_t i = 0; i < global_ranks.size(); ++i) {
-    for (size_t j = 0; j < i; ++j) {
-      LT_CHECK(global_ranks[i] != global_ranks[j], "communicator '{}' lists global rank {} twice", name,
-               global_ranks[i]);
-    }
-    if (global_ranks[i] == my_global_rank) rank_ = static_cast<int>(i);
-  }
-  LT_CHECK(rank_ >= 0, "global rank {} is not a member of communicator {}", my_global_rank, describe_group());
-  impl_ = std::make_unique<Impl>(*this, store, rank_, size());
-  impl_->prefix = fmt::format("lt/comm/{}/{}/", name, next_generation(name));
+  rank_ = group_rank_of(*this, my_global_rank);
+  impl_ = std::make_unique<Impl>(*this, store, communicator_prefix("lt/comm/", name));
   if (size() == 1) return;
 
   // A peer that died makes writes to its socket fail; that must be an error, not a SIGPIPE death.
@@ -442,19 +312,7 @@ GlooCommunicator::GlooCommunicator(TcpStore& store, const std::string& name, std
 
   // Join: every member announces itself, so a missing one is named before Gloo's own exchange.
   const auto start = Clock::now();
-  std::vector<std::string> keys;
-  for (int m = 0; m < size(); ++m) keys.push_back(fmt::format("{}joined/{}", impl_->prefix, m));
-  store.set(keys[rank_], fmt::format("pid {}", ::getpid()));
-  std::vector<std::string> missing = store.wait_for(keys, timeout_);
-  if (!missing.empty()) {
-    std::vector<int> absent;
-    for (int m = 0; m < size(); ++m) {
-      if (std::find(missing.begin(), missing.end(), keys[m]) != missing.end()) absent.push_back(m);
-    }
-    LT_FAIL("creating communicator {} on rank {}: {} did not join within {} ms (they never called for this group; "
-            "check that every rank builds the same groups, or raise the timeout)",
-            describe_group(), my_global_rank, describe_ranks(absent), timeout_.count());
-  }
+  join_group(*this, store, impl_->prefix, fmt::format("pid {}", ::getpid()), my_global_rank);
 
   const char* ifname = std::getenv("LONGTRAIN_GLOO_IFNAME");
   const char* host = std::getenv("LONGTRAIN_GLOO_HOST");
@@ -470,13 +328,10 @@ GlooCommunicator::GlooCommunicator(TcpStore& store, const std::string& name, std
             my_global_rank, e.what());
   }
   impl_->ctx->setTimeout(timeout_);
-  Impl* impl = impl_.get();
-  store.publish(impl_->progress_key(rank_), [impl] { return impl->progress(); });
+  impl_->progress.publish();
 }
 
-GlooCommunicator::~GlooCommunicator() {
-  if (impl_ && impl_->ctx) impl_->store.unpublish(impl_->progress_key(rank_));
-}
+GlooCommunicator::~GlooCommunicator() = default;  // ~CommProgress stops publishing
 
 void GlooCommunicator::all_reduce(Tensor t, ReduceOp op) {
   check_comm_tensor("all_reduce", t, Device::cpu);
@@ -639,12 +494,7 @@ class GlooP2PWork final : public P2PWork {
 }  // namespace
 
 std::unique_ptr<P2PWork> GlooCommunicator::start_p2p(std::span<const P2POp> ops) {
-  for (const P2POp& op : ops) {
-    check_comm_tensor(op.kind == P2POp::Kind::send ? "send" : "recv", op.tensor, Device::cpu);
-    LT_CHECK(op.peer >= 0 && op.peer < size() && op.peer != rank_,
-             "send/recv on {}: peer {} must be another rank of the group, in [0, {}) and not {} (this rank)",
-             describe_group(), op.peer, size(), rank_);
-  }
+  check_p2p_ops(*this, ops, Device::cpu);
   impl_->check_usable();
   auto work = std::make_unique<GlooP2PWork>(impl_.get());
   const auto start = Clock::now();
@@ -652,7 +502,7 @@ std::unique_ptr<P2PWork> GlooCommunicator::start_p2p(std::span<const P2POp> ops)
     const size_t bytes = op.tensor.nbytes();
     if (bytes == 0) continue;  // the matching side skips it too: sizes match
     const bool send = op.kind == P2POp::Kind::send;
-    const uint64_t k = send ? ++impl_->sends[op.peer] : ++impl_->recvs[op.peer];
+    const uint64_t k = send ? impl_->progress.count_send(op.peer) : impl_->progress.count_recv(op.peer);
     try {
       // Posting fails at once when the connection to the peer is already broken.
       GlooP2PWork::Item item{op.kind, op.peer, k, impl_->buffer(op.tensor.data, bytes)};

@@ -11,15 +11,14 @@
 #include <cstring>
 #include <deque>
 #include <exception>
-#include <map>
 #include <mutex>
 #include <optional>
-#include <sstream>
 #include <thread>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "parallel/comm_progress.h"
 #include "parallel/store.h"
 #include "runtime/cuda_check.h"
 #include "runtime/error.h"
@@ -32,14 +31,6 @@ using Clock = std::chrono::steady_clock;
 
 // How often the watchdog looks at the queued operations and NCCL's asynchronous error.
 constexpr Millis kWatchdogInterval{5};
-
-// Chunk c of n elements split over p ranks is [begin[c], begin[c + 1]) (the Gloo backend's split,
-// used here only for the traffic counters).
-std::vector<int64_t> balanced_split(int64_t n, int p) {
-  std::vector<int64_t> begin(p + 1);
-  for (int c = 0; c <= p; ++c) begin[c] = c * (n / p) + std::min<int64_t>(c, n % p);
-  return begin;
-}
 
 ncclDataType_t nccl_dtype(DType dtype) {
   switch (dtype) {
@@ -57,42 +48,6 @@ std::string nccl_error_text(ncclResult_t r, ncclComm_t comm) {
   const char* last = comm != nullptr ? ncclGetLastError(comm) : nullptr;
   return fmt::format("{} (ncclResult {}){}", ncclGetErrorString(r), static_cast<int>(r),
                      last != nullptr && *last != '\0' ? fmt::format(": {}", last) : "");
-}
-
-// Communicators of the same name get a generation number, so re-creating a group gets fresh keys.
-int next_generation(const std::string& name) {
-  static std::mutex mu;
-  static std::map<std::string, int> generations;
-  std::lock_guard lock(mu);
-  return generations[name]++;
-}
-
-// A peer's progress on one communicator, as published: "entered completed op sends recvs" (the
-// Gloo backend's format). entered counts collectives queued by the host, completed those the
-// watchdog saw finish on the device.
-struct Progress {
-  uint64_t entered = 0;
-  uint64_t completed = 0;
-  std::string op;
-  std::vector<uint64_t> sends, recvs;  // transfers posted to / from each group rank
-};
-
-std::vector<uint64_t> parse_counts(const std::string& s) {
-  std::vector<uint64_t> v;
-  std::stringstream ss(s);
-  std::string item;
-  while (std::getline(ss, item, ',')) v.push_back(std::stoull(item));
-  return v;
-}
-
-Progress parse_progress(const std::string& text) {
-  Progress p;
-  std::stringstream ss(text);
-  std::string sends, recvs;
-  ss >> p.entered >> p.completed >> p.op >> sends >> recvs;
-  p.sends = parse_counts(sends);
-  p.recvs = parse_counts(recvs);
-  return p;
 }
 
 // Set once any NCCL communicator of this process failed: the others then abort at destruction
@@ -147,7 +102,7 @@ struct Failure {
 struct NcclCommunicator::Impl {
   NcclCommunicator& self;
   TcpStore& store;
-  std::string prefix;  // "lt/nccl/<name>/<generation>/"
+  const std::string prefix;  // "lt/nccl/<name>/<generation>/"
   const int rank;
   const int size;
   int device = 0;
@@ -161,13 +116,11 @@ struct NcclCommunicator::Impl {
   std::mutex queue_mu;
   std::deque<Queued> queue;  // operations not yet seen complete, in stream order
 
-  // Progress, read by the store's monitor thread to publish it.
   uint64_t seq = 0;      // number of the last collective entered, 1-based
   uint64_t batches = 0;  // send/recv batches started
-  std::atomic<uint64_t> entered{0}, completed{0};
-  std::atomic<const char*> last_op{"none"};
-  std::unique_ptr<std::atomic<uint64_t>[]> sends, recvs;  // per group rank
-  bool published = false;
+  // Published through the store (the Gloo backend's format): entered counts collectives queued by
+  // the host, completed those the watchdog saw finish on the device.
+  CommProgress progress;
 
   std::shared_ptr<Failure> failure = std::make_shared<Failure>();
 
@@ -176,39 +129,23 @@ struct NcclCommunicator::Impl {
   std::condition_variable stop_cv;
   bool stopping = false;
 
-  Impl(NcclCommunicator& s, TcpStore& st, int r, int n)
-      : self(s), store(st), rank(r), size(n), sends(new std::atomic<uint64_t>[n]), recvs(new std::atomic<uint64_t>[n]) {
-    for (int i = 0; i < n; ++i) sends[i] = recvs[i] = 0;
-  }
+  Impl(NcclCommunicator& s, TcpStore& st, std::string p)
+      : self(s), store(st), prefix(std::move(p)), rank(s.rank()), size(s.size()), progress(s, st, prefix) {}
 
   ~Impl() {
     stop_watchdog();
-    if (published) store.unpublish(progress_key(rank));
+    progress.unpublish();
     if (comm != nullptr) ncclCommAbort(comm);  // orderly shutdown already happened when it could
     if (barrier_word != nullptr) cudaFree(barrier_word);
     if (stream != nullptr) cudaStreamDestroy(stream);
   }
 
-  std::string progress() const {
-    std::vector<uint64_t> s(size), r(size);
-    for (int i = 0; i < size; ++i) s[i] = sends[i], r[i] = recvs[i];
-    return fmt::format("{} {} {} {} {}", entered.load(), completed.load(), last_op.load(), fmt::join(s, ","),
-                       fmt::join(r, ","));
-  }
-
-  std::string progress_key(int group_rank) const { return fmt::format("{}progress/{}", prefix, group_rank); }
-
-  void mark_completed(uint64_t s) {
-    uint64_t c = completed.load();
-    while (c < s && !completed.compare_exchange_weak(c, s)) {
-    }
-  }
+  void mark_completed(uint64_t s) { progress.mark_completed(s); }
 
   // Numbers a collective and publishes that this rank entered it.
   Queued begin_collective(const char* op, const std::string& args) {
     const uint64_t s = ++seq;
-    last_op = op;
-    entered = s;
+    progress.enter(op, s);
     self.count_collective();
     Queued q;
     q.what = fmt::format("{} #{} ({})", op, s, args);
@@ -245,91 +182,20 @@ struct NcclCommunicator::Impl {
     LT_FAIL("{}", message);
   }
 
-  // A peer's last published progress (none if it never published), and in *dead why its process
-  // ended, when the store saw it end without finishing.
-  std::optional<Progress> read_progress(int group_rank, std::string* dead) {
-    const int g = self.ranks_[group_rank];
-    if (auto d = store.try_get(fmt::format("lt/dead/{}", g))) *dead = *d;
-    auto p = store.try_get(progress_key(group_rank));
-    if (!p) return std::nullopt;
-    return parse_progress(*p);
-  }
-
-  std::string known_failure() const {
-    auto f = store.peer_failure();
-    return f ? "; the store reported: " + *f : "";
-  }
-
-  std::string diagnose_collective(uint64_t s) {
-    std::vector<int> missing;
-    std::vector<std::string> notes;
-    try {
-      for (int m = 0; m < size; ++m) {
-        if (m == rank) continue;
-        const int g = self.ranks_[m];
-        std::string dead;
-        std::optional<Progress> p = read_progress(m, &dead);
-        if (p && p->entered >= s) continue;  // it arrived (whatever happened to it afterwards)
-        missing.push_back(m);
-        if (!p) {
-          notes.push_back(dead.empty() ? fmt::format("rank {} never reported progress on this communicator", g)
-                                       : dead);
-          continue;
-        }
-        std::string note = p->entered == 0
-                               ? fmt::format("rank {} has entered no collective on this communicator", g)
-                               : fmt::format("rank {} is still at collective #{} ({}{})", g, p->entered, p->op,
-                                             p->completed >= p->entered ? ", completed" : "");
-        notes.push_back(dead.empty() ? note : note + ", and its process has ended since");
-      }
-    } catch (const std::exception& e) {
-      return fmt::format("the other ranks' progress could not be read from the store ({}){}", e.what(),
-                         known_failure());
-    }
-    if (missing.empty()) {
-      return "every rank of the group queued this collective, so it is stuck on a device (a rank's GPU work "
-             "queued before it has not finished) or the connection between the GPUs failed" +
-             known_failure();
-    }
-    return fmt::format("{} did not arrive: {}", self.describe_ranks(missing), fmt::join(notes, "; "));
-  }
-
   std::string diagnose_p2p(const std::vector<Transfer>& transfers) {
-    const int me = self.ranks_[rank];
     std::vector<std::string> notes;
     try {
       for (const Transfer& t : transfers) {
-        const int g = self.ranks_[t.peer];
-        std::string dead;
-        std::optional<Progress> p = read_progress(t.peer, &dead);
-        if (!p) {
-          notes.push_back(fmt::format("rank {} did not arrive: {}", g,
-                                      dead.empty() ? "it never reported progress on this communicator" : dead));
-          continue;
-        }
-        const std::string ended = dead.empty() ? "" : fmt::format(" (rank {}'s process has ended since)", g);
-        if (t.kind == P2POp::Kind::recv) {
-          const uint64_t posted = p->sends.at(rank);
-          if (posted < t.k) {
-            notes.push_back(fmt::format("rank {} did not arrive: it has posted {} send(s) to rank {}, not send #{}{}",
-                                        g, posted, me, t.k, ended));
-          }
-        } else {
-          const uint64_t posted = p->recvs.at(rank);
-          if (posted < t.k) {
-            notes.push_back(fmt::format(
-                "rank {} did not arrive: it has posted {} receive(s) from rank {}, not receive #{}{}", g, posted, me,
-                t.k, ended));
-          }
-        }
+        if (std::optional<std::string> note = progress.missing_transfer(t.kind, t.peer, t.k)) notes.push_back(*note);
       }
     } catch (const std::exception& e) {
-      return fmt::format("the peers' progress could not be read from the store ({}){}", e.what(), known_failure());
+      return fmt::format("the peers' progress could not be read from the store ({}){}", e.what(),
+                         progress.known_failure());
     }
     if (notes.empty()) {
       return "every peer posted its side of these transfers, so they are stuck on a device or the connection "
              "between the GPUs failed" +
-             known_failure();
+             progress.known_failure();
     }
     return fmt::format("{}", fmt::join(notes, "; "));
   }
@@ -338,11 +204,13 @@ struct NcclCommunicator::Impl {
   // peer's report does not cut the message short.
   std::string describe_failure(const Queued& q, Clock::time_point start, const std::string& cause) {
     store.mark_failing();
-    // Let the peers' monitors publish their latest progress first.
-    std::this_thread::sleep_for(2 * kMonitorInterval + Millis(50));
-    const std::string diagnosis = q.seq > 0                 ? diagnose_collective(q.seq)
-                                  : !q.transfers.empty() ? diagnose_p2p(q.transfers)
-                                                         : "no operation of this rank was in flight" + known_failure();
+    wait_for_peer_progress();
+    const std::string diagnosis =
+        q.seq > 0 ? progress.diagnose_collective(
+                        q.seq, "every rank of the group queued this collective, so it is stuck on a device (a rank's "
+                               "GPU work queued before it has not finished) or the connection between the GPUs failed")
+        : !q.transfers.empty() ? diagnose_p2p(q.transfers)
+                               : "no operation of this rank was in flight" + progress.known_failure();
     const auto ms = std::chrono::duration_cast<Millis>(Clock::now() - start).count();
     return fmt::format("{} on communicator {} failed on rank {} after {} ms (timeout {} ms): {}. {}", q.what,
                        self.describe_group(), self.ranks_[rank], ms, q.timeout.count(), diagnosis, cause);
@@ -588,35 +456,14 @@ struct NcclCommunicator::Impl {
 NcclCommunicator::NcclCommunicator(TcpStore& store, const std::string& name, std::vector<int> global_ranks,
                                    int my_global_rank, CommOptions options)
     : Communicator(name, global_ranks, -1, options.timeout) {
-  LT_CHECK(!global_ranks.empty(), "communicator '{}' has no ranks", name);
-  for (size_t i = 0; i < global_ranks.size(); ++i) {
-    for (size_t j = 0; j < i; ++j) {
-      LT_CHECK(global_ranks[i] != global_ranks[j], "communicator '{}' lists global rank {} twice", name,
-               global_ranks[i]);
-    }
-    if (global_ranks[i] == my_global_rank) rank_ = static_cast<int>(i);
-  }
-  LT_CHECK(rank_ >= 0, "global rank {} is not a member of communicator {}", my_global_rank, describe_group());
-  impl_ = std::make_unique<Impl>(*this, store, rank_, size());
-  impl_->prefix = fmt::format("lt/nccl/{}/{}/", name, next_generation(name));
+  rank_ = group_rank_of(*this, my_global_rank);
+  impl_ = std::make_unique<Impl>(*this, store, communicator_prefix("lt/nccl/", name));
   LT_CUDA_CHECK(cudaGetDevice(&impl_->device));
   if (size() == 1) return;  // no NCCL communicator: every operation is local
 
   // Join: every member announces itself, so a missing one is named before NCCL's own exchange.
   const auto start = Clock::now();
-  std::vector<std::string> keys;
-  for (int m = 0; m < size(); ++m) keys.push_back(fmt::format("{}joined/{}", impl_->prefix, m));
-  store.set(keys[rank_], fmt::format("pid {} gpu {}", ::getpid(), impl_->device));
-  std::vector<std::string> missing = store.wait_for(keys, timeout_);
-  if (!missing.empty()) {
-    std::vector<int> absent;
-    for (int m = 0; m < size(); ++m) {
-      if (std::find(missing.begin(), missing.end(), keys[m]) != missing.end()) absent.push_back(m);
-    }
-    LT_FAIL("creating communicator {} on rank {}: {} did not join within {} ms (they never called for this group; "
-            "check that every rank builds the same groups, or raise the timeout)",
-            describe_group(), my_global_rank, describe_ranks(absent), timeout_.count());
-  }
+  join_group(*this, store, impl_->prefix, fmt::format("pid {} gpu {}", ::getpid(), impl_->device), my_global_rank);
 
   // The unique id: created by group rank 0, one per communicator, handed over through the store.
   ncclUniqueId id;
@@ -658,9 +505,7 @@ NcclCommunicator::NcclCommunicator(TcpStore& store, const std::string& name, std
   LT_CHECK(r == ncclSuccess, "creating communicator {} on rank {} (GPU {}): ncclCommInitRankConfig failed: {}",
            describe_group(), my_global_rank, impl_->device, nccl_error_text(r, impl_->comm));
 
-  Impl* impl = impl_.get();
-  store.publish(impl_->progress_key(rank_), [impl] { return impl->progress(); });
-  impl_->published = true;
+  impl_->progress.publish();
   impl_->start_watchdog();
 }
 
@@ -686,7 +531,7 @@ void NcclCommunicator::all_reduce(Tensor t, ReduceOp op) {
     return ncclAllReduce(t.data, t.data, static_cast<size_t>(n), nccl_dtype(t.dtype), nccl_op(op), impl_->comm,
                          impl_->stream);
   });
-  const auto begin = balanced_split(n, size());
+  const auto begin = balanced_split(n, size());  // the Gloo ring's chunks: the same volumes
   const int64_t b = static_cast<int64_t>(dtype_size(t.dtype));
   auto chunk = [&](int c) { return begin[c + 1] - begin[c]; };
   count_sent(b * ((n - chunk(rank_)) + (n - chunk((rank_ + 1) % size()))));
@@ -841,12 +686,7 @@ const char* direction(P2POp::Kind kind) { return kind == P2POp::Kind::send ? "se
 }  // namespace
 
 std::unique_ptr<P2PWork> NcclCommunicator::start_p2p(std::span<const P2POp> ops) {
-  for (const P2POp& op : ops) {
-    check_comm_tensor(direction(op.kind), op.tensor, Device::cuda);
-    LT_CHECK(op.peer >= 0 && op.peer < size() && op.peer != rank_,
-             "send/recv on {}: peer {} must be another rank of the group, in [0, {}) and not {} (this rank)",
-             describe_group(), op.peer, size(), rank_);
-  }
+  check_p2p_ops(*this, ops, Device::cuda);
   Queued q;
   q.timeout = timeout();
   std::vector<std::string> parts;
@@ -854,7 +694,7 @@ std::unique_ptr<P2PWork> NcclCommunicator::start_p2p(std::span<const P2POp> ops)
   for (const P2POp& op : ops) {
     if (op.tensor.nbytes() == 0) continue;  // the matching side skips it too: sizes match
     const bool send = op.kind == P2POp::Kind::send;
-    const uint64_t k = send ? ++impl_->sends[op.peer] : ++impl_->recvs[op.peer];
+    const uint64_t k = send ? impl_->progress.count_send(op.peer) : impl_->progress.count_recv(op.peer);
     q.transfers.push_back({op.kind, op.peer, k});
     parts.push_back(fmt::format("{} #{} {} rank {}: {}", direction(op.kind), k, send ? "to" : "from", ranks_[op.peer],
                                 op.tensor.describe()));

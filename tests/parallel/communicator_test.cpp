@@ -10,10 +10,9 @@
 #include <cmath>
 #include <cstring>
 #include <iostream>
-#include <limits>
-#include <random>
 #include <sstream>
 
+#include "collective_reference.h"
 #include "multiproc_util.h"
 #include "parallel/distributed.h"
 #include "parallel/net.h"
@@ -22,7 +21,7 @@ namespace longtrain::parallel {
 namespace {
 
 using namespace std::chrono_literals;
-using test::Clock;
+using namespace test;  // collective_reference.h: rank_input, the references, rel_error, tolerance
 
 WorldInfo local_world(int rank, int n, int port, int per_node = 0) {
   WorldInfo w;
@@ -44,86 +43,18 @@ DistributedOptions options(Millis timeout, int sp = 1) {
   return o;
 }
 
-double as_double(float v) { return v; }
-double as_double(double v) { return v; }
-double as_double(int32_t v) { return v; }
-double as_double(bf16 v) { return static_cast<float>(v); }
-
-// Rank `rank`'s input for one case: uniform in [-1, 1) (integers in [-1000, 1000]).
-template <class T>
-std::vector<T> rank_input(int64_t n, int rank, uint64_t case_seed) {
-  std::mt19937_64 rng(case_seed * 1000003 + static_cast<uint64_t>(rank) * 7919 + 17);
-  std::uniform_real_distribution<double> u(-1.0, 1.0);
-  std::vector<T> v(static_cast<size_t>(n));
-  for (auto& x : v) {
-    if constexpr (std::is_same_v<T, int32_t>) {
-      x = static_cast<int32_t>(std::lround(u(rng) * 1000));
-    } else if constexpr (std::is_same_v<T, bf16>) {
-      x = bf16(static_cast<float>(u(rng)));
-    } else {
-      x = static_cast<T>(u(rng));
-    }
-  }
-  return v;
-}
-
 template <class T>
 Tensor view(std::vector<T>& v) {
   return Tensor(v.data(), dtype_of<T>(), {static_cast<int64_t>(v.size())});
-}
-
-// max |got - ref| / max |ref|.
-template <class T>
-double rel_error(const T* got, const std::vector<double>& ref) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < ref.size(); ++i) {
-    const double g = as_double(got[i]);
-    if (std::isnan(ref[i]) != std::isnan(g)) return std::numeric_limits<double>::infinity();
-    if (std::isnan(ref[i])) continue;
-    num = std::max(num, std::abs(g - ref[i]));
-    den = std::max(den, std::abs(ref[i]));
-  }
-  return den > 0 ? num / den : num;
-}
-
-// One tolerance per dtype for sums of a few values in [-1, 1); max is exact in every dtype.
-template <class T>
-double tolerance(ReduceOp op) {
-  if (op == ReduceOp::max || std::is_same_v<T, int32_t>) return 0.0;
-  if (std::is_same_v<T, double>) return 1e-15;
-  if (std::is_same_v<T, float>) return 1e-6;
-  return 1.0 / 256;  // bf16: summed in f32, rounded once to 8 significant bits
-}
-
-double reduce(ReduceOp op, double a, double b) {
-  if (op == ReduceOp::sum) return a + b;
-  if (std::isnan(a) || std::isnan(b)) return std::nan("");
-  return std::max(a, b);
-}
-
-std::vector<int64_t> balanced_chunks(int64_t n, int p) {
-  std::vector<int64_t> sizes(p);
-  for (int c = 0; c < p; ++c) sizes[c] = n / p + (c < n % p ? 1 : 0);
-  return sizes;
-}
-
-uint64_t next_seed() {
-  static uint64_t s = 0;
-  return ++s;
 }
 
 template <class T>
 void check_all_reduce(Communicator& c, int64_t n, ReduceOp op, std::ostream& rep) {
   const uint64_t seed = next_seed();
   std::vector<T> mine = rank_input<T>(n, c.rank(), seed);
-  std::vector<double> ref(static_cast<size_t>(n), op == ReduceOp::sum ? 0.0 : -INFINITY);
-  for (int q = 0; q < c.size(); ++q) {
-    std::vector<T> in = rank_input<T>(n, q, seed);
-    for (int64_t i = 0; i < n; ++i) ref[i] = reduce(op, ref[i], as_double(in[i]));
-  }
   c.all_reduce(view(mine), op);
-  rep << "CASE all_reduce/" << dtype_name(dtype_of<T>()) << "/" << reduce_op_name(op) << "/n=" << n << " "
-      << rel_error(mine.data(), ref) << " " << tolerance<T>(op) << "\n";
+  rep << "CASE all_reduce/" << dtype_str<T>() << "/" << reduce_op_name(op) << "/n=" << n << " "
+      << rel_error(mine, all_reduce_reference<T>(n, c.size(), op, seed)) << " " << tolerance<T>(op) << "\n";
 }
 
 template <class T>
@@ -132,18 +63,14 @@ void check_reduce_scatter(Communicator& c, int64_t n, ReduceOp op, bool in_place
   const int p = c.size(), r = c.rank();
   std::vector<T> in = rank_input<T>(n * p, r, seed);
   const std::vector<T> in_before = in;
-  std::vector<double> ref(static_cast<size_t>(n), op == ReduceOp::sum ? 0.0 : -INFINITY);
-  for (int q = 0; q < p; ++q) {
-    std::vector<T> other = rank_input<T>(n * p, q, seed);
-    for (int64_t i = 0; i < n; ++i) ref[i] = reduce(op, ref[i], as_double(other[r * n + i]));
-  }
   std::vector<T> out(static_cast<size_t>(n));
   Tensor out_view = in_place ? view(in).narrow(r * n, n) : view(out);
   c.reduce_scatter(out_view, view(in), op);
-  const std::string name = std::string("reduce_scatter/") + std::string(dtype_name(dtype_of<T>())) + "/" +
-                           std::string(reduce_op_name(op)) + "/n=" + std::to_string(n) + (in_place ? "/in_place" : "");
-  rep << "CASE " << name << " " << rel_error(static_cast<const T*>(out_view.data), ref) << " " << tolerance<T>(op)
-      << "\n";
+  const std::string name = "reduce_scatter/" + dtype_str<T>() + "/" + std::string(reduce_op_name(op)) +
+                           "/n=" + std::to_string(n) + (in_place ? "/in_place" : "");
+  rep << "CASE " << name << " "
+      << rel_error(static_cast<const T*>(out_view.data), reduce_scatter_reference<T>(n, p, r, op, seed)) << " "
+      << tolerance<T>(op) << "\n";
   if (!in_place) {
     rep << "CASE " << name << "/input_unchanged " << (std::memcmp(in.data(), in_before.data(), in.size() * sizeof(T)) != 0)
         << " 0\n";
@@ -162,12 +89,8 @@ void check_all_gather(Communicator& c, int64_t n, bool in_place, std::ostream& r
     in_view = view(out).narrow(r * n, n);
   }
   c.all_gather(view(out), in_view);
-  std::vector<double> ref;
-  for (int q = 0; q < p; ++q) {
-    for (T v : rank_input<T>(n, q, seed)) ref.push_back(as_double(v));
-  }
-  rep << "CASE all_gather/" << dtype_name(dtype_of<T>()) << "/n=" << n << (in_place ? "/in_place" : "") << " "
-      << rel_error(out.data(), ref) << " 0\n";
+  rep << "CASE all_gather/" << dtype_str<T>() << "/n=" << n << (in_place ? "/in_place" : "") << " "
+      << rel_error(out, all_gather_reference<T>(n, p, seed)) << " 0\n";
 }
 
 template <class T>
@@ -176,10 +99,8 @@ void check_broadcast(Communicator& c, int64_t n, std::ostream& rep) {
     const uint64_t seed = next_seed();
     std::vector<T> t = rank_input<T>(n, c.rank(), seed);
     c.broadcast(view(t), root);
-    std::vector<double> ref;
-    for (T v : rank_input<T>(n, root, seed)) ref.push_back(as_double(v));
-    rep << "CASE broadcast/" << dtype_name(dtype_of<T>()) << "/root=" << root << " " << rel_error(t.data(), ref)
-        << " 0\n";
+    rep << "CASE broadcast/" << dtype_str<T>() << "/root=" << root << " "
+        << rel_error(t, rank_reference<T>(n, root, seed)) << " 0\n";
   }
 }
 
@@ -201,13 +122,9 @@ void check_ring_rotation(Communicator& c, std::ostream& rep) {
     for (int64_t i = 0; i < n; ++i) acc[i] += incoming[i];
     std::swap(cur, incoming);
   }
-  std::vector<double> ref(n, 0.0);
-  for (int q = 0; q < p; ++q) {
-    std::vector<float> in = rank_input<float>(n, q, seed);
-    for (int64_t i = 0; i < n; ++i) ref[i] += in[i];
-  }
-  std::vector<float> accf(acc.begin(), acc.end());
-  rep << "CASE p2p/ring_rotation " << rel_error(accf.data(), ref) << " 1e-6\n";
+  rep << "CASE p2p/ring_rotation "
+      << rel_error(std::vector<float>(acc.begin(), acc.end()), all_reduce_reference<float>(n, p, ReduceOp::sum, seed))
+      << " 1e-6\n";
   rep << "CASE bytes/p2p_ring " << std::abs(c.stats().bytes_sent - sent_before - (p - 1) * n * 4) << " 0\n";
 }
 
@@ -220,11 +137,8 @@ void check_bidirectional_batch(Communicator& c, std::ostream& rep) {
   const P2POp ops[] = {P2POp::recv(view(ints_in), prev), P2POp::send(view(ints), next),
                        P2POp::send(view(halves), prev), P2POp::recv(view(halves_in), next)};
   c.p2p(ops);
-  std::vector<double> ref_ints, ref_halves;
-  for (int32_t v : rank_input<int32_t>(37, prev, seed)) ref_ints.push_back(v);
-  for (bf16 v : rank_input<bf16>(53, next, seed + 1)) ref_halves.push_back(as_double(v));
-  rep << "CASE p2p/bidirectional_i32 " << rel_error(ints_in.data(), ref_ints) << " 0\n";
-  rep << "CASE p2p/bidirectional_bf16 " << rel_error(halves_in.data(), ref_halves) << " 0\n";
+  rep << "CASE p2p/bidirectional_i32 " << rel_error(ints_in, rank_reference<int32_t>(37, prev, seed)) << " 0\n";
+  rep << "CASE p2p/bidirectional_bf16 " << rel_error(halves_in, rank_reference<bf16>(53, next, seed + 1)) << " 0\n";
 }
 
 // The counters against the volumes documented in gloo_communicator.h.
@@ -268,20 +182,7 @@ void check_max_propagates_nan(Communicator& c, std::ostream& rep) {
   if (c.rank() == c.size() - 1) v[1] = std::nanf("");
   c.all_reduce(view(v), ReduceOp::max);
   std::vector<double> ref = {static_cast<double>(c.size() - 1), std::nan(""), 2.0};
-  rep << "CASE all_reduce/max_nan " << rel_error(v.data(), ref) << " 0\n";
-}
-
-// After a barrier, every rank's key set before it is visible.
-void check_barrier(Distributed& d, std::ostream& rep) {
-  Communicator& c = d.world();
-  int missing = 0;
-  for (int round = 0; round < 3; ++round) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(40 * ((c.rank() + round) % c.size())));
-    d.store().set(fmt::format("test/barrier/{}/{}", round, c.rank()), "1");
-    c.barrier();
-    for (int q = 0; q < c.size(); ++q) missing += !d.store().check({fmt::format("test/barrier/{}/{}", round, q)});
-  }
-  rep << "CASE barrier/keys_visible " << missing << " 0\n";
+  rep << "CASE all_reduce/max_nan " << rel_error(v, ref) << " 0\n";
 }
 
 std::string collectives_on_every_dtype(int rank, int p, int port) {

@@ -20,8 +20,6 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
-#include <limits>
-#include <random>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -29,6 +27,7 @@
 
 #include <fmt/format.h>
 
+#include "collective_reference.h"
 #include "parallel/distributed.h"
 #include "parallel/nccl_communicator.h"
 #include "runtime/cuda_check.h"
@@ -38,6 +37,7 @@ namespace {
 
 using namespace longtrain;
 using namespace longtrain::parallel;
+using namespace longtrain::test;  // collective_reference.h: rank_input, the references, rel_error, tolerance
 using namespace std::chrono_literals;
 
 // ---- device memory and stream-ordered transfers ------------------------------------------------
@@ -87,110 +87,33 @@ std::vector<T> read_back(const Tensor& t) {
   return host;
 }
 
-// ---- inputs and references (as in communicator_test.cpp) ---------------------------------------
-
-double as_double(float v) { return v; }
-double as_double(double v) { return v; }
-double as_double(int32_t v) { return v; }
-double as_double(bf16 v) { return static_cast<float>(v); }
-
-// Rank `rank`'s input for one case: uniform in [-1, 1) (integers in [-1000, 1000]). Every rank can
-// compute every rank's input, so each checks its own result against the whole computation.
-template <class T>
-std::vector<T> rank_input(int64_t n, int rank, uint64_t case_seed) {
-  std::mt19937_64 rng(case_seed * 1000003 + static_cast<uint64_t>(rank) * 7919 + 17);
-  std::uniform_real_distribution<double> u(-1.0, 1.0);
-  std::vector<T> v(static_cast<size_t>(n));
-  for (auto& x : v) {
-    if constexpr (std::is_same_v<T, int32_t>) {
-      x = static_cast<int32_t>(std::lround(u(rng) * 1000));
-    } else if constexpr (std::is_same_v<T, bf16>) {
-      x = bf16(static_cast<float>(u(rng)));
-    } else {
-      x = static_cast<T>(u(rng));
-    }
-  }
-  return v;
-}
-
-// max |got - ref| / max |ref|.
-template <class T>
-double rel_error(const std::vector<T>& got, const std::vector<double>& ref) {
-  if (got.size() != ref.size()) return std::numeric_limits<double>::infinity();
-  double num = 0, den = 0;
-  for (size_t i = 0; i < ref.size(); ++i) {
-    const double g = as_double(got[i]);
-    if (std::isnan(ref[i]) != std::isnan(g)) return std::numeric_limits<double>::infinity();
-    if (std::isnan(ref[i])) continue;
-    num = std::max(num, std::abs(g - ref[i]));
-    den = std::max(den, std::abs(ref[i]));
-  }
-  return den > 0 ? num / den : num;
-}
-
-// One tolerance per dtype for sums of two values in [-1, 1) (one rounding); max is exact.
-template <class T>
-double tolerance(ReduceOp op) {
-  if (op == ReduceOp::max || std::is_same_v<T, int32_t>) return 0.0;
-  if (std::is_same_v<T, double>) return 1e-15;
-  if (std::is_same_v<T, float>) return 1e-6;
-  return 1.0 / 256;  // bf16: the sum rounded to 8 significant bits
-}
-
-double reduce(ReduceOp op, double a, double b) { return op == ReduceOp::sum ? a + b : std::max(a, b); }
-
-std::vector<int64_t> balanced_chunks(int64_t n, int p) {
-  std::vector<int64_t> sizes(p);
-  for (int c = 0; c < p; ++c) sizes[c] = n / p + (c < n % p ? 1 : 0);
-  return sizes;
-}
-
-uint64_t next_seed() {
-  static uint64_t s = 0;
-  return ++s;
-}
-
-template <class T>
-std::string name_of() {
-  return std::string(dtype_name(dtype_of<T>()));
-}
-
 // ---- the checks --------------------------------------------------------------------------------
 
 template <class T>
 void check_all_reduce(Communicator& c, int64_t n, ReduceOp op, std::ostream& rep) {
   const uint64_t seed = next_seed();
-  std::vector<double> ref(static_cast<size_t>(n), op == ReduceOp::sum ? 0.0 : -INFINITY);
-  for (int q = 0; q < c.size(); ++q) {
-    std::vector<T> in = rank_input<T>(n, q, seed);
-    for (int64_t i = 0; i < n; ++i) ref[i] = reduce(op, ref[i], as_double(in[i]));
-  }
   DeviceBuffer buf(static_cast<size_t>(n) * sizeof(T));
   const Tensor t = buf.view<T>(n);
   write_late(t, rank_input<T>(n, c.rank(), seed));
   c.all_reduce(t, op);
-  rep << "CASE all_reduce/" << name_of<T>() << "/" << reduce_op_name(op) << "/n=" << n << " "
-      << rel_error(read_back<T>(t), ref) << " " << tolerance<T>(op) << "\n";
+  rep << "CASE all_reduce/" << dtype_str<T>() << "/" << reduce_op_name(op) << "/n=" << n << " "
+      << rel_error(read_back<T>(t), all_reduce_reference<T>(n, c.size(), op, seed)) << " " << tolerance<T>(op) << "\n";
 }
 
 template <class T>
 void check_reduce_scatter(Communicator& c, int64_t n, ReduceOp op, bool in_place, std::ostream& rep) {
   const uint64_t seed = next_seed();
   const int p = c.size(), r = c.rank();
-  std::vector<double> ref(static_cast<size_t>(n), op == ReduceOp::sum ? 0.0 : -INFINITY);
-  for (int q = 0; q < p; ++q) {
-    std::vector<T> other = rank_input<T>(n * p, q, seed);
-    for (int64_t i = 0; i < n; ++i) ref[i] = reduce(op, ref[i], as_double(other[r * n + i]));
-  }
   const std::vector<T> in = rank_input<T>(n * p, r, seed);
   DeviceBuffer bin(static_cast<size_t>(n * p) * sizeof(T)), bout(static_cast<size_t>(n) * sizeof(T));
   const Tensor tin = bin.view<T>(n * p);
   const Tensor tout = in_place ? tin.narrow(r * n, n) : bout.view<T>(n);
   write_late(tin, in);
   c.reduce_scatter(tout, tin, op);
-  const std::string name = "reduce_scatter/" + name_of<T>() + "/" + std::string(reduce_op_name(op)) +
+  const std::string name = "reduce_scatter/" + dtype_str<T>() + "/" + std::string(reduce_op_name(op)) +
                            "/n=" + std::to_string(n) + (in_place ? "/in_place" : "");
-  rep << "CASE " << name << " " << rel_error(read_back<T>(tout), ref) << " " << tolerance<T>(op) << "\n";
+  rep << "CASE " << name << " " << rel_error(read_back<T>(tout), reduce_scatter_reference<T>(n, p, r, op, seed)) << " "
+      << tolerance<T>(op) << "\n";
   if (!in_place) {
     const std::vector<T> after = read_back<T>(tin);
     rep << "CASE " << name << "/input_unchanged " << (std::memcmp(after.data(), in.data(), in.size() * sizeof(T)) != 0)
@@ -207,12 +130,8 @@ void check_all_gather(Communicator& c, int64_t n, bool in_place, std::ostream& r
   const Tensor tin = in_place ? tout.narrow(r * n, n) : bin.view<T>(n);
   write_late(tin, rank_input<T>(n, r, seed));
   c.all_gather(tout, tin);
-  std::vector<double> ref;
-  for (int q = 0; q < p; ++q) {
-    for (T v : rank_input<T>(n, q, seed)) ref.push_back(as_double(v));
-  }
-  rep << "CASE all_gather/" << name_of<T>() << "/n=" << n << (in_place ? "/in_place" : "") << " "
-      << rel_error(read_back<T>(tout), ref) << " 0\n";
+  rep << "CASE all_gather/" << dtype_str<T>() << "/n=" << n << (in_place ? "/in_place" : "") << " "
+      << rel_error(read_back<T>(tout), all_gather_reference<T>(n, p, seed)) << " 0\n";
 }
 
 template <class T>
@@ -223,10 +142,8 @@ void check_broadcast(Communicator& c, int64_t n, std::ostream& rep) {
     const Tensor t = buf.view<T>(n);
     write_late(t, rank_input<T>(n, c.rank(), seed));
     c.broadcast(t, root);
-    std::vector<double> ref;
-    for (T v : rank_input<T>(n, root, seed)) ref.push_back(as_double(v));
-    rep << "CASE broadcast/" << name_of<T>() << "/n=" << n << "/root=" << root << " "
-        << rel_error(read_back<T>(t), ref) << " 0\n";
+    rep << "CASE broadcast/" << dtype_str<T>() << "/n=" << n << "/root=" << root << " "
+        << rel_error(read_back<T>(t), rank_reference<T>(n, root, seed)) << " 0\n";
   }
 }
 
@@ -250,12 +167,9 @@ void check_ring_rotation(Communicator& c, std::ostream& rep) {
     for (int64_t i = 0; const float v : read_back<float>(incoming)) acc[i++] += v;
     std::swap(cur, incoming);
   }
-  std::vector<double> ref(n, 0.0);
-  for (int q = 0; q < p; ++q) {
-    std::vector<float> in = rank_input<float>(n, q, seed);
-    for (int64_t i = 0; i < n; ++i) ref[i] += in[i];
-  }
-  rep << "CASE p2p/ring_rotation " << rel_error(std::vector<float>(acc.begin(), acc.end()), ref) << " 1e-6\n";
+  rep << "CASE p2p/ring_rotation "
+      << rel_error(std::vector<float>(acc.begin(), acc.end()), all_reduce_reference<float>(n, p, ReduceOp::sum, seed))
+      << " 1e-6\n";
   const CommStats after = c.stats();
   rep << "CASE bytes/p2p_ring_sent " << std::abs(after.bytes_sent - before.bytes_sent - (p - 1) * n * 4) << " 0\n";
   rep << "CASE bytes/p2p_ring_received " << std::abs(after.bytes_received - before.bytes_received - (p - 1) * n * 4)
@@ -274,11 +188,10 @@ void check_bidirectional_batch(Communicator& c, std::ostream& rep) {
   const P2POp ops[] = {P2POp::recv(i_in.view<int32_t>(37), prev), P2POp::send(i_out.view<int32_t>(37), next),
                        P2POp::send(h_out.view<bf16>(53), prev), P2POp::recv(h_in.view<bf16>(53), next)};
   c.p2p(ops);
-  std::vector<double> ref_ints, ref_halves;
-  for (int32_t v : rank_input<int32_t>(37, prev, seed)) ref_ints.push_back(v);
-  for (bf16 v : rank_input<bf16>(53, next, seed + 1)) ref_halves.push_back(as_double(v));
-  rep << "CASE p2p/bidirectional_i32 " << rel_error(read_back<int32_t>(i_in.view<int32_t>(37)), ref_ints) << " 0\n";
-  rep << "CASE p2p/bidirectional_bf16 " << rel_error(read_back<bf16>(h_in.view<bf16>(53)), ref_halves) << " 0\n";
+  rep << "CASE p2p/bidirectional_i32 "
+      << rel_error(read_back<int32_t>(i_in.view<int32_t>(37)), rank_reference<int32_t>(37, prev, seed)) << " 0\n";
+  rep << "CASE p2p/bidirectional_bf16 "
+      << rel_error(read_back<bf16>(h_in.view<bf16>(53)), rank_reference<bf16>(53, next, seed + 1)) << " 0\n";
 }
 
 // The counters against the volumes documented in nccl_communicator.h (the Gloo backend's, with
@@ -336,21 +249,6 @@ void note_max_with_nan(Communicator& c) {
               static_cast<double>(read_back<float>(buf.view<float>(3))[0]),
               static_cast<double>(read_back<float>(buf.view<float>(3))[1]),
               static_cast<double>(read_back<float>(buf.view<float>(3))[2]));
-}
-
-// The barrier blocks the host until every rank reached it: every key set before it is visible.
-void check_barrier(Distributed& d, std::ostream& rep) {
-  Communicator& c = d.world();
-  int missing = 0;
-  for (int round = 0; round < 3; ++round) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(40 * ((c.rank() + round) % c.size())));
-    d.store().set(fmt::format("test/nccl_barrier/{}/{}", round, c.rank()), "1");
-    c.barrier();
-    for (int q = 0; q < c.size(); ++q) {
-      missing += !d.store().check({fmt::format("test/nccl_barrier/{}/{}", round, q)});
-    }
-  }
-  rep << "CASE barrier/keys_visible " << missing << " 0\n";
 }
 
 // Every group of Distributed reduces exactly its members (groups of one are the identity).

@@ -1,0 +1,175 @@
+// What the GPU benchmarks (attention_bench, llama_bench, comm_bench, cp_bench) share: the command
+// line and its comma lists, the date and the machine recorded in a result, reading an anchor's JSON
+// and writing ours, device buffers, the synthetic bf16 inputs, CUDA-event timing, and the slowest
+// rank's value. Header-only: each benchmark is one program.
+#pragma once
+
+#include <cuda_runtime_api.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <ctime>
+#include <fstream>
+#include <initializer_list>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "parallel/communicator.h"
+#include "runtime/cuda_check.h"
+#include "runtime/device.h"
+#include "runtime/error.h"
+
+namespace longtrain::bench {
+
+using nlohmann::json;
+
+// ---- command line and result file ----------------------------------------------------------------
+
+// argv joined by spaces: the command a result records.
+inline std::string command_line(int argc, char** argv) {
+  std::string command;
+  for (int i = 0; i < argc; ++i) command += (i ? " " : "") + std::string(argv[i]);
+  return command;
+}
+
+// "a,b,c" -> {"a", "b", "c"}.
+inline std::vector<std::string> split_list(const std::string& s) {
+  std::vector<std::string> items;
+  std::stringstream ss(s);
+  for (std::string item; std::getline(ss, item, ',');) items.push_back(item);
+  return items;
+}
+
+// "4096,16384" -> {4096, 16384}.
+inline std::vector<int64_t> int_list(const std::string& s) {
+  std::vector<int64_t> v;
+  for (const std::string& item : split_list(s)) v.push_back(std::stoll(item));
+  return v;
+}
+
+inline double round1(double x) { return std::round(x * 10.0) / 10.0; }
+inline double round3(double x) { return std::round(x * 1000.0) / 1000.0; }
+inline double round4(double x) { return std::round(x * 10000.0) / 10000.0; }
+
+// Now, UTC, as "2026-11-30T02:15:37Z".
+inline std::string utc_date() {
+  const std::time_t now = std::time(nullptr);
+  char date[32];
+  std::strftime(date, sizeof(date), "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
+  return date;
+}
+
+// The calling thread's current GPU and this host, as a result's "machine" records them.
+inline json machine_json() {
+  int device = 0, count = 0, driver = 0, runtime = 0;
+  LT_CUDA_CHECK(cudaGetDevice(&device));
+  LT_CUDA_CHECK(cudaGetDeviceCount(&count));
+  cudaDeviceProp prop{};
+  LT_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+  cudaDriverGetVersion(&driver);
+  cudaRuntimeGetVersion(&runtime);
+  char host[256] = {};
+  ::gethostname(host, sizeof(host) - 1);
+  return {{"gpu", prop.name},
+          {"gpus_visible", count},
+          {"sms", prop.multiProcessorCount},
+          {"gpu_memory_gib", round1(static_cast<double>(prop.totalGlobalMem) / double(1ull << 30))},
+          {"cuda_driver_api", driver},
+          {"cuda_runtime", runtime},
+          {"host", host}};
+}
+
+// The JSON file `path`; throws "<tool>: cannot read <what> <path>" when it cannot be opened.
+inline json read_json(const std::string& tool, const std::string& what, const std::string& path) {
+  std::ifstream in(path);
+  LT_CHECK(in.good(), "{}: cannot read {} {}", tool, what, path);
+  return json::parse(in);
+}
+
+// Writes `result` to `path` (one-space indents), replacing the file.
+inline void write_json(const std::string& tool, const std::string& path, const json& result) {
+  std::ofstream out(path);
+  LT_CHECK(out.good(), "{}: cannot write {}", tool, path);
+  out << result.dump(1) << "\n";
+}
+
+// ---- device memory and inputs --------------------------------------------------------------------
+
+// A contiguous device tensor owning its memory.
+struct CudaBuffer {
+  Tensor t;
+  CudaBuffer(DType dtype, std::initializer_list<int64_t> shape) : t(nullptr, dtype, shape, Device::cuda) {
+    t.data = device_alloc(Device::cuda, t.nbytes());
+  }
+  // A copy of `host` on the device.
+  template <class T>
+  explicit CudaBuffer(const std::vector<T>& host) : CudaBuffer(dtype_of<T>(), {static_cast<int64_t>(host.size())}) {
+    copy(t, Tensor(const_cast<T*>(host.data()), dtype_of<T>(), {static_cast<int64_t>(host.size())}));
+  }
+  ~CudaBuffer() { device_free(Device::cuda, t.data); }
+  CudaBuffer(const CudaBuffer&) = delete;
+  CudaBuffer& operator=(const CudaBuffer&) = delete;
+};
+
+// n bf16 values ~ N(0, 1) (a sum of four uniforms, scaled to variance 1), from `seed`: the inputs,
+// as torch.randn makes the anchors'.
+inline std::vector<bf16> normal_bf16(size_t n, uint32_t seed) {
+  std::vector<bf16> v(n);
+  uint32_t s = seed * 2654435761u + 1u;
+  for (auto& x : v) {
+    float acc = 0.0f;
+    for (int k = 0; k < 4; ++k) {
+      s = s * 1664525u + 1013904223u;
+      acc += static_cast<float>(s >> 8) / static_cast<float>(1u << 24) - 0.5f;
+    }
+    x = bf16(acc * 1.7320508f);  // variance 4/12 → 1
+  }
+  return v;
+}
+
+// ---- timing ------------------------------------------------------------------------------------------
+
+// `n` CUDA events (with timing), recorded on the compute stream; destroyed with the object.
+class CudaEvents {
+ public:
+  explicit CudaEvents(size_t n) : events_(n) {
+    for (cudaEvent_t& e : events_) LT_CUDA_CHECK(cudaEventCreate(&e));
+  }
+  ~CudaEvents() {
+    for (cudaEvent_t e : events_) cudaEventDestroy(e);
+  }
+  CudaEvents(const CudaEvents&) = delete;
+  CudaEvents& operator=(const CudaEvents&) = delete;
+
+  size_t size() const { return events_.size(); }
+  void record(size_t i) const { LT_CUDA_CHECK(cudaEventRecord(events_[i], cuda_stream())); }
+  void synchronize(size_t i) const { LT_CUDA_CHECK(cudaEventSynchronize(events_[i])); }
+  // Milliseconds from event `from` to event `to`; both must have completed.
+  float ms(size_t from, size_t to) const {
+    float v = 0.0f;
+    LT_CUDA_CHECK(cudaEventElapsedTime(&v, events_[from], events_[to]));
+    return v;
+  }
+
+ private:
+  std::vector<cudaEvent_t> events_;
+};
+
+inline double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+// The maximum of x over the ranks of c (a CUDA communicator): the slowest rank's time, or a
+// decision every rank takes alike.
+inline double all_max(parallel::Communicator& c, double x) {
+  CudaBuffer t(std::vector<double>{x});
+  c.all_reduce(t.t, parallel::ReduceOp::max);
+  copy(Tensor(&x, DType::f64, {1}), t.t);
+  return x;
+}
+
+}  // namespace longtrain::bench
