@@ -23,13 +23,6 @@ Tensor KvCache::values(int64_t l) const { return arena_.get(fmt::format("v.{}", 
 
 namespace {
 
-Tensor heads(const Tensor& qkv, int64_t col, int64_t n_heads, int64_t D) {
-  Tensor v = qkv.narrow(1, col, n_heads * D);
-  v.ndim = 3;
-  v.shape = {qkv.shape[0], n_heads, D, 0};
-  v.stride = {qkv.stride[0], D, 1, 0};
-  return v;
-}
 
 // Copies the rows of a strided [n, H, D] view (each row contiguous) to rows of a contiguous cache.
 void copy_rows(const Tensor& dst_rows, const Tensor& src) {
@@ -66,7 +59,7 @@ std::vector<float> decode_tokens(const LlamaModel& model, KvCache& cache, const 
   const Precision& pr = model.precision();
   const ModelParams& p = model.param_views();
   const int64_t n = static_cast<int64_t>(tokens.size()), past = cache.length();
-  const int64_t C = c.dim, D = c.head_dim, Hq = c.n_heads, Hkv = c.n_kv_heads, F = c.ffn_dim;
+  const int64_t C = c.dim, D = c.head_dim, Hq = c.n_heads, F = c.ffn_dim;
   LT_CHECK(n > 0, "decode_tokens: no tokens");
   LT_CHECK(past + n <= cache.capacity(), "generation needs {} positions but the KV cache holds {}", past + n,
            cache.capacity());
@@ -100,7 +93,7 @@ std::vector<float> decode_tokens(const LlamaModel& model, KvCache& cache, const 
     const LayerParams& lp = p.layers[l];
     ops::rmsnorm_forward(nrm, rstd, x, lp.input_norm, c.norm_eps);
     ops::linear_forward(qkv, nrm, lp.qkv);
-    Tensor q = heads(qkv, 0, Hq, D), k = heads(qkv, Hq * D, Hkv, D), v = heads(qkv, (Hq + Hkv) * D, Hkv, D);
+    const auto [q, k, v] = split_qkv(qkv, c);
     ops::rope_forward(q, ws.get("positions"), {c.rope_theta});
     ops::rope_forward(k, ws.get("positions"), {c.rope_theta});
     Tensor kc = cache.keys(l), vc = cache.values(l);

@@ -38,14 +38,6 @@ struct LlamaModel::LayerActs {
 
 namespace {
 
-// Heads [col, col + heads·D) of the fused QKV buffer [T, qkv_dim] as a strided [T, heads, D] view.
-Tensor heads_view(const Tensor& qkv, int64_t col, int64_t heads, int64_t D) {
-  Tensor v = qkv.narrow(1, col, heads * D);
-  v.ndim = 3;
-  v.shape = {qkv.shape[0], heads, D, 0};
-  v.stride = {qkv.stride[0], D, 1, 0};
-  return v;
-}
 
 // Σ of a [T] tensor on any device, in double on the host.
 double sum_to_host(const Tensor& t) {
@@ -71,6 +63,18 @@ int64_t count_valid_labels(const Tensor& labels, int32_t ignore_index) {
 }
 
 }  // namespace
+
+QkvViews split_qkv(const Tensor& qkv, const LlamaConfig& c) {
+  const int64_t D = c.head_dim;
+  auto heads = [&](int64_t first_head, int64_t n) {
+    Tensor v = qkv.narrow(1, first_head * D, n * D);
+    v.ndim = 3;
+    v.shape = {qkv.shape[0], n, D, 0};
+    v.stride = {qkv.stride[0], D, 1, 0};
+    return v;
+  };
+  return {heads(0, c.n_heads), heads(c.n_heads, c.n_kv_heads), heads(c.n_heads + c.n_kv_heads, c.n_kv_heads)};
+}
 
 LlamaModel::LlamaModel(const LlamaConfig& config, Precision precision, CheckpointPolicy policy, int64_t max_tokens,
                        std::unique_ptr<attn::SequenceAttention> attention, int64_t flat_shards)
@@ -125,17 +129,16 @@ void LlamaModel::check_shard(const TokenShard& s) const {
 void LlamaModel::layer_forward(int64_t l, const LayerActs& a, Tensor x_in, Tensor x_out, Tensor positions,
                                bool run_attention) {
   const LayerParams& p = p_.layers[l];
-  const int64_t T = x_in.size(0), D = config_.head_dim, Hq = config_.n_heads, Hkv = config_.n_kv_heads;
+  const int64_t T = x_in.size(0), D = config_.head_dim, Hq = config_.n_heads;
   const ops::RopeParams rope{config_.rope_theta};
   Tensor proj = acts_.get("proj").narrow(0, T);
 
   ops::rmsnorm_forward(a.n1, a.rstd1, x_in, p.input_norm, config_.norm_eps);
   ops::linear_forward(a.qkv, a.n1, p.qkv);
-  Tensor q = heads_view(a.qkv, 0, Hq, D), k = heads_view(a.qkv, Hq * D, Hkv, D),
-         v = heads_view(a.qkv, (Hq + Hkv) * D, Hkv, D);
-  ops::rope_forward(q, positions, rope);
-  ops::rope_forward(k, positions, rope);
-  if (run_attention) attention_->forward(a.o, a.lse, q, k, v);
+  const QkvViews qkv = split_qkv(a.qkv, config_);
+  ops::rope_forward(qkv.q, positions, rope);
+  ops::rope_forward(qkv.k, positions, rope);
+  if (run_attention) attention_->forward(a.o, a.lse, qkv.q, qkv.k, qkv.v);
 
   ops::linear_forward(proj, a.o.reshape({T, Hq * D}), p.o_proj);
   copy(a.h, x_in);
@@ -155,7 +158,7 @@ void LlamaModel::layer_forward(int64_t l, const LayerActs& a, Tensor x_in, Tenso
 void LlamaModel::layer_backward(int64_t l, const LayerActs& a, Tensor x_in, Tensor d_residual, Tensor positions) {
   const LayerParams& p = p_.layers[l];
   const LayerParams& g = g_.layers[l];
-  const int64_t T = x_in.size(0), D = config_.head_dim, Hq = config_.n_heads, Hkv = config_.n_kv_heads;
+  const int64_t T = x_in.size(0), D = config_.head_dim, Hq = config_.n_heads;
   const ops::RopeParams rope{config_.rope_theta};
   Tensor d_norm = acts_.get("d_norm").narrow(0, T), d_s = acts_.get("d_s").narrow(0, T),
          d_gate_up = acts_.get("d_gate_up").narrow(0, T), d_o = acts_.get("d_o").narrow(0, T),
@@ -170,13 +173,10 @@ void LlamaModel::layer_backward(int64_t l, const LayerActs& a, Tensor x_in, Tens
   // Attention: h = x + Wo·Attn(q, k, v).
   ops::linear_backward(d_o, g.o_proj, d_residual, a.o.reshape({T, Hq * D}), p.o_proj);
   zero(d_qkv);
-  Tensor dq = heads_view(d_qkv, 0, Hq, D), dk = heads_view(d_qkv, Hq * D, Hkv, D),
-         dv = heads_view(d_qkv, (Hq + Hkv) * D, Hkv, D);
-  attention_->backward(dq, dk, dv, heads_view(a.qkv, 0, Hq, D), heads_view(a.qkv, Hq * D, Hkv, D),
-                       heads_view(a.qkv, (Hq + Hkv) * D, Hkv, D), a.o,
-                       a.lse, d_o.reshape({T, Hq, D}));
-  ops::rope_backward(dq, positions, rope);
-  ops::rope_backward(dk, positions, rope);
+  const QkvViews grad = split_qkv(d_qkv, config_), qkv = split_qkv(a.qkv, config_);
+  attention_->backward(grad.q, grad.k, grad.v, qkv.q, qkv.k, qkv.v, a.o, a.lse, d_o.reshape({T, Hq, D}));
+  ops::rope_backward(grad.q, positions, rope);
+  ops::rope_backward(grad.k, positions, rope);
   ops::linear_backward(d_norm, g.qkv, d_qkv, a.n1, p.qkv);
   ops::rmsnorm_backward(d_residual, g.input_norm, d_norm, x_in, p.input_norm, a.rstd1);  // now dL/dx
 }

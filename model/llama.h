@@ -60,6 +60,13 @@ struct LossSum {
   int64_t count = 0;    // number of valid labels of this shard
 };
 
+// The q, k and v parts of a fused QKV buffer [T, (Hq + 2·Hkv)·D] (or of its gradient) as strided
+// [T, H, D] views, read and written in place by RoPE and attention.
+struct QkvViews {
+  Tensor q, k, v;
+};
+QkvViews split_qkv(const Tensor& qkv, const LlamaConfig& config);
+
 class LlamaModel {
  public:
   // Allocates parameters, gradients and activations for shards of up to `max_tokens` tokens.
