@@ -68,6 +68,19 @@ AdamWConfig adamw_config(const TrainConfig& c) {
   return a;
 }
 
+// In place Σ over the ranks of `comm` of a few host values (losses, counts). NCCL reduces device
+// memory, so there they travel through a small device buffer.
+void sum_host_values(parallel::Communicator& comm, double* values, int64_t n) {
+  Tensor host(values, DType::f64, {n});
+  if (comm.device() == Device::cpu) return comm.all_reduce(host);
+  Arena staging("host values", comm.device());
+  staging.add("values", {n}, DType::f64);
+  staging.allocate();
+  copy(staging.get("values"), host);
+  comm.all_reduce(staging.get("values"));
+  copy(host, staging.get("values"));
+}
+
 // This process's place in the job: the world from the environment (longtrain-run or Slurm), its
 // data- and sequence-parallel ranks, and the communicators. A plain `longtrain train` is rank 0 of 1.
 struct Ranks {
@@ -83,15 +96,7 @@ struct Ranks {
   // Σ over every rank of a few host values (losses, counts); NCCL reduces device memory, so they
   // travel through a small device buffer there.
   void sum(double* values, int64_t n) const {
-    if (!dist) return;
-    Tensor host(values, DType::f64, {n});
-    if (dist->world().device() == Device::cpu) return sum(host);
-    Arena staging("host values", Device::cuda);
-    staging.add("values", {n}, DType::f64);
-    staging.allocate();
-    copy(staging.get("values"), host);
-    sum(staging.get("values"));
-    copy(host, staging.get("values"));
+    if (dist) sum_host_values(dist->world(), values, n);
   }
 };
 
@@ -388,19 +393,7 @@ EvalResult evaluate(model::LlamaModel& model, data::Loader& loader, int64_t batc
       sums[3 + 2 * bucket] += 1;
     }
   }
-  if (world) {
-    Tensor host(sums.data(), DType::f64, {static_cast<int64_t>(sums.size())});
-    if (world->device() == Device::cpu) {
-      world->all_reduce(host);
-    } else {  // NCCL reduces device memory
-      Arena staging("eval sums", world->device());
-      staging.add("sums", {host.numel()}, DType::f64);
-      staging.allocate();
-      copy(staging.get("sums"), host);
-      world->all_reduce(staging.get("sums"));
-      copy(host, staging.get("sums"));
-    }
-  }
+  if (world) sum_host_values(*world, sums.data(), static_cast<int64_t>(sums.size()));
   EvalResult r;
   r.tokens = static_cast<int64_t>(sums[1]);
   r.loss = r.tokens ? sums[0] / sums[1] : NAN;
