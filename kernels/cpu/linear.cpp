@@ -5,35 +5,18 @@
 #include <climits>
 #include <type_traits>
 
-#include <cblas.h>
+#include "kernels/cpu/blas_gemm.h"
 
 #include "kernels/backends.h"
 
 namespace longtrain::ops::cpu {
 namespace {
 
-// C [M, N] = A' · B' + beta · C, row-major; A' = A or Aᵀ, B' = B or Bᵀ as the flags say.
+// C [M, N] = A' · B' + beta · C (kernels/cpu/blas_gemm.h).
 template <class T>
 void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const T* A, int64_t lda, const T* B,
           int64_t ldb, T beta, T* C, int64_t ldc) {
-  if (M == 0 || N == 0) return;
-  if (K == 0) {  // an empty sum: C = beta · C, written out rather than trusting every BLAS with K = 0
-    for (int64_t i = 0; i < M; ++i)
-      for (int64_t j = 0; j < N; ++j) C[i * ldc + j] = beta == T(0) ? T(0) : beta * C[i * ldc + j];
-    return;
-  }
-  LT_CHECK(std::max({M, N, K, lda, ldb, ldc}) <= INT_MAX,
-           "linear: GEMM of {}x{}x{} (leading dims {}, {}, {}) exceeds the 32-bit sizes of the BLAS interface", M,
-           N, K, lda, ldb, ldc);
-  const CBLAS_TRANSPOSE ta = trans_a ? CblasTrans : CblasNoTrans;
-  const CBLAS_TRANSPOSE tb = trans_b ? CblasTrans : CblasNoTrans;
-  if constexpr (std::is_same_v<T, float>) {
-    cblas_sgemm(CblasRowMajor, ta, tb, static_cast<int>(M), static_cast<int>(N), static_cast<int>(K), 1.0f, A,
-                static_cast<int>(lda), B, static_cast<int>(ldb), beta, C, static_cast<int>(ldc));
-  } else {
-    cblas_dgemm(CblasRowMajor, ta, tb, static_cast<int>(M), static_cast<int>(N), static_cast<int>(K), 1.0, A,
-                static_cast<int>(lda), B, static_cast<int>(ldb), beta, C, static_cast<int>(ldc));
-  }
+  longtrain::cpu::blas_gemm("linear", trans_a, trans_b, M, N, K, T(1), A, lda, B, ldb, beta, C, ldc);
 }
 
 // The leading dimension BLAS reads a row-major [rows, cols] view with: its row stride. A single row
