@@ -1,6 +1,7 @@
 // Local block attention: the one computation every distributed schedule is made of. A (Q block,
 // K/V block) pair gives a partial output O, normalised within the block, and its log-sum-exp LSE;
-// partial results combine with lse_merge; backward takes the *final* LSE and D = rowsum(dO ⊙ O).
+// partial results combine with lse_merge; backward takes the *final* LSE and either the final O of
+// the query rows or only D = rowsum(dO ⊙ O) (callers that received the query rows from another rank).
 // CPU: attention/cpu/local_attention.cpp (reference, float/double). CUDA: cuDNN fused SDPA.
 //
 // Shapes (token-major, strided views allowed; last dim unit-stride):
@@ -8,8 +9,8 @@
 // GQA/MQA: Hq % Hkv == 0 and query head h reads KV head h / (Hq / Hkv); K/V are never expanded.
 // LSE is the natural log of the row's softmax denominator including the scale: for scores
 // s_j = scale · q·k_j, lse = log Σ_j exp(s_j), and O = Σ_j exp(s_j - lse) v_j.
-// On CUDA q/k/v/o are bf16 while lse, delta and the dq/dk/dv accumulators are f32; on CPU all the
-// float tensors of a call share one dtype.
+// On CUDA q/k/v/d_o are bf16, o bf16 (or f32), lse and delta f32, dq/dk/dv f32 accumulators or bf16
+// views; on CPU all the float tensors of a call share one dtype.
 #pragma once
 
 #include "runtime/tensor.h"
@@ -25,14 +26,27 @@ enum class BlockMask {
 void attention_block_forward(Tensor o, Tensor lse, Tensor q, Tensor k, Tensor v, BlockMask mask,
                              double scale);
 
-// delta[t, h] = Σ_d d_o[t, h, d] · o[t, h, d], computed once from the final O before backward.
+// delta[t, h] = Σ_d d_o[t, h, d] · o[t, h, d]: what the backward needs of the final O, for callers
+// that send query rows to another rank (the Q side carries delta, not O).
 void attention_delta(Tensor delta, Tensor o, Tensor d_o);
 
-// With P = exp(scale·q·kᵀ - lse) (final lse), dP = d_o·vᵀ, dS = P ⊙ (dP - delta):
-// dq += scale · dS·k,  dk += scale · dSᵀ·q,  dv += Pᵀ·d_o   (all accumulated).
+// How a backward call writes dq, dk, dv.
+enum class GradMode {
+  accumulate,  // dq/dk/dv += this block's gradients (a schedule summing blocks into accumulators)
+  overwrite,   // dq/dk/dv := this block's gradients, every element written, so the caller need not
+               // zero them (one block is the whole attention: one rank). On CUDA, bf16 dq/dk/dv are
+               // written by cuDNN in place through their strides (views into the fused dQKV buffer):
+               // no scratch and no accumulation pass.
+};
+
+// With P = exp(scale·q·kᵀ - lse) (final lse), dP = d_o·vᵀ, delta = rowsum(d_o ⊙ O_final),
+// dS = P ⊙ (dP - delta):  dq (+)= scale · dS·k,  dk (+)= scale · dSᵀ·q,  dv (+)= Pᵀ·d_o  (by `mode`).
+// Pass exactly one of `o` (the final O of the query rows; the backend forms delta itself: on CUDA
+// cuDNN reads O directly) and `delta` (from attention_delta, when only it travelled with the rows);
+// the other is an empty Tensor{}. Both give the same gradients (bit-identical on CPU).
 // A row whose final LSE is -inf (it saw no key at all) contributes no gradient.
 void attention_block_backward(Tensor dq, Tensor dk, Tensor dv, Tensor q, Tensor k, Tensor v, Tensor d_o,
-                              Tensor lse, Tensor delta, BlockMask mask, double scale);
+                              Tensor lse, Tensor o, Tensor delta, BlockMask mask, double scale, GradMode mode);
 
 // In place: (o_acc, lse_acc) <- merge((o_acc, lse_acc), (o_blk, lse_blk)):
 //   m = max(L1, L2); L = m + log(e^(L1-m) + e^(L2-m)); O = e^(L1-L)·O1 + e^(L2-L)·O2.

@@ -25,15 +25,18 @@ class SequenceAttention {
 
   // q [T, Hq, D], k/v [T, Hkv, D]: this rank's tokens. Writes o [T, Hq, D] and lse [T, Hq].
   virtual void forward(Tensor o, Tensor lse, Tensor q, Tensor k, Tensor v) = 0;
-  // From the forward's o and lse and the output gradient d_o: dq, dk, dv are accumulated (+=), so
-  // the caller zeroes them (they are views into one fused dQKV buffer).
+  // From the forward's o and lse and the output gradient d_o: writes dq, dk, dv (overwrites every
+  // element; the caller need not zero them). They are views into one fused dQKV buffer, which one
+  // rank's attention (LocalSequenceAttention) fills in place on CUDA, with no scratch copy.
   virtual void backward(Tensor dq, Tensor dk, Tensor dv, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse,
                         Tensor d_o) = 0;
 
   AttentionCounters counters;
 };
 
-// One rank holds the whole sequence: a single block, causal or full.
+// One rank holds the whole sequence: a single block, causal or full. Its backward hands the block
+// backward the final O (cuDNN forms delta from it) and GradMode::overwrite, so on CUDA it is one
+// cuDNN call writing straight into the dQKV views.
 class LocalSequenceAttention final : public SequenceAttention {
  public:
   LocalSequenceAttention(bool causal, double scale) : causal_(causal), scale_(scale) {}
@@ -44,7 +47,6 @@ class LocalSequenceAttention final : public SequenceAttention {
  private:
   bool causal_;
   double scale_;
-  Arena delta_{"attention delta", Device::cpu};  // rowsum(dO ⊙ O), kept across calls; regrown when too small
 };
 
 }  // namespace longtrain::attn

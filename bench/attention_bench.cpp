@@ -1,10 +1,12 @@
-// attention_bench: single-GPU causal attention forward and forward+backward through longtrain's
-// block attention (attn::attention_block_forward / attention_delta / attention_block_backward, the
-// calls a trainer makes, with f32 dQ/dK/dV accumulators), at the shapes of
-// bench/anchors/attn_anchor.py (batch 1, 32 query heads, 32 or 8 KV heads, head dim 128, bf16).
-// Also times the bare cuDNN graphs (cudnn_sdpa::forward/backward) to show what the contract's extra
-// kernels cost. Given the anchor's JSON from the same machine and run, it writes both side by side
-// with ratios.
+// attention_bench: single-GPU causal attention forward and forward+backward through the path the
+// model takes (LocalSequenceAttention: Q/K/V read in place from one fused QKV buffer, O in bf16, and
+// a backward that hands cuDNN the final O and writes dQ/dK/dV in place into the fused dQKV buffer),
+// at the shapes of bench/anchors/attn_anchor.py (batch 1, 32 query heads, 32 or 8 KV heads, head
+// dim 128, bf16). Two more rows show what the contract's other paths cost: the block backward from
+// delta accumulating into f32 dQ/dK/dV (what a distributed schedule's visiting query rows pay:
+// attention_delta, the O stand-in, scratch and three accumulation passes), and the bare cuDNN graphs
+// (cudnn_sdpa::forward/backward). Given the anchor's JSON from the same machine and run, it writes
+// them side by side with ratios.
 //
 //   attention_bench [--lengths 4096,16384,65536] [--anchor attn_anchor.json] [--out result.json]
 //                   [--commit SHA] [--warmup 3] [--reps 10]
@@ -20,6 +22,7 @@
 
 #include "attention/cuda/cudnn_sdpa.h"
 #include "attention/local_attention.h"
+#include "attention/sequence_attention.h"
 #include "bench/bench_common.h"
 
 using namespace longtrain;
@@ -109,11 +112,16 @@ int main(int argc, char** argv) try {
                                  opt.warmup);
   result["flops"] = "fwd = 4*Hq*S^2*D/2 (causal half), fwd+bwd = 3.5*fwd";
   result["ours"] =
-      "longtrain: attention_block_forward (bf16 O, f32 LSE); fwd+bwd adds attention_delta and "
-      "attention_block_backward accumulating into f32 dQ/dK/dV";
+      "longtrain as the model calls it: LocalSequenceAttention forward (Q/K/V views of a fused bf16 QKV buffer, "
+      "bf16 O, f32 LSE) and backward (the final O to cuDNN, dQ/dK/dV overwritten in place in a fused bf16 dQKV "
+      "buffer)";
+  result["ours_block_delta_f32"] =
+      "the same forward; backward as a distributed schedule's visiting query rows run it: attention_delta, then "
+      "attention_block_backward from delta (O stand-in where cuDNN takes no delta input) accumulating into f32 "
+      "dQ/dK/dV";
   result["ours_cudnn_only"] =
-      "the bare cuDNN forward and backward graphs (bf16 dQ/dK/dV, no accumulation; the backward takes delta as "
-      "an input where cuDNN accepts that graph, else forms it from the real O)";
+      "the bare cuDNN forward and backward graphs on the same fused buffers (backward from O, bf16 dQ/dK/dV "
+      "written in place)";
   if (!anchor.is_null()) result["anchor"] = {{"script", "bench/anchors/attn_anchor.py"}, {"file", opt.anchor}};
   json rows = json::array();
 
@@ -121,40 +129,44 @@ int main(int argc, char** argv) try {
   const double scale = 1.0 / std::sqrt(static_cast<double>(D));
   for (int64_t hkv : {int64_t{32}, int64_t{8}}) {
     for (int64_t S : opt.lengths) {
-      CudaBuffer q(DType::bf16, {S, Hq, D}), k(DType::bf16, {S, hkv, D}), v(DType::bf16, {S, hkv, D});
+      // The model's buffers: fused QKV [S, (Hq + 2·Hkv), D] and dQKV of the same layout.
+      const int64_t W = Hq + 2 * hkv;
+      CudaBuffer qkv(DType::bf16, {S, W, D}), dqkv(DType::bf16, {S, W, D});
       CudaBuffer o(DType::bf16, {S, Hq, D}), d_o(DType::bf16, {S, Hq, D});
       CudaBuffer lse(DType::f32, {S, Hq}), delta(DType::f32, {S, Hq});
       CudaBuffer dq(DType::f32, {S, Hq, D}), dk(DType::f32, {S, hkv, D}), dv(DType::f32, {S, hkv, D});
-      CudaBuffer dq16(DType::bf16, {S, Hq, D}), dk16(DType::bf16, {S, hkv, D}), dv16(DType::bf16, {S, hkv, D});
-      fill_bf16(q.t, 1);
-      fill_bf16(k.t, 2);
-      fill_bf16(v.t, 3);
+      fill_bf16(qkv.t, 1);
       fill_bf16(d_o.t, 4);
       for (const CudaBuffer* b : {&dq, &dk, &dv}) zero(b->t);
+      const Tensor q = qkv.t.narrow(1, 0, Hq), k = qkv.t.narrow(1, Hq, hkv), v = qkv.t.narrow(1, Hq + hkv, hkv);
+      const Tensor gq = dqkv.t.narrow(1, 0, Hq), gk = dqkv.t.narrow(1, Hq, hkv), gv = dqkv.t.narrow(1, Hq + hkv, hkv);
 
-      const attn::BlockMask mask = attn::BlockMask::causal_diagonal;
-      auto fwd = [&] { attn::attention_block_forward(o.t, lse.t, q.t, k.t, v.t, mask, scale); };
+      attn::LocalSequenceAttention model_attention(/*causal=*/true, scale);
+      auto fwd = [&] { model_attention.forward(o.t, lse.t, q, k, v); };
       auto fwd_bwd = [&] {
-        attn::attention_block_forward(o.t, lse.t, q.t, k.t, v.t, mask, scale);
+        model_attention.forward(o.t, lse.t, q, k, v);
+        model_attention.backward(gq, gk, gv, q, k, v, o.t, lse.t, d_o.t);
+      };
+      const attn::BlockMask mask = attn::BlockMask::causal_diagonal;
+      auto block_delta_fwd_bwd = [&] {
+        attn::attention_block_forward(o.t, lse.t, q, k, v, mask, scale);
         attn::attention_delta(delta.t, o.t, d_o.t);
-        attn::attention_block_backward(dq.t, dk.t, dv.t, q.t, k.t, v.t, d_o.t, lse.t, delta.t, mask, scale);
+        attn::attention_block_backward(dq.t, dk.t, dv.t, q, k, v, d_o.t, lse.t, Tensor{}, delta.t, mask, scale,
+                                       attn::GradMode::accumulate);
       };
       const attn::cudnn_sdpa::StatsView stats{static_cast<float*>(lse.t.data), S, Hq, Hq, 1};
       auto cudnn_fwd = [&] {
-        attn::cudnn_sdpa::forward(view(o.t), stats, view(q.t), view(k.t), view(v.t), true, static_cast<float>(scale));
+        attn::cudnn_sdpa::forward(view(o.t), stats, view(q), view(k), view(v), true, static_cast<float>(scale));
       };
-      const attn::cudnn_sdpa::StatsView delta_view{static_cast<float*>(delta.t.data), S, Hq, Hq, 1};
       auto cudnn_fwd_bwd = [&] {
         cudnn_fwd();
-        attn::cudnn_sdpa::backward(view(dq16.t), view(dk16.t), view(dv16.t), view(q.t), view(k.t), view(v.t),
-                                   view(d_o.t), stats, delta_view, [&] { return view(o.t); }, true,
-                                   static_cast<float>(scale));
+        attn::cudnn_sdpa::backward(view(gq), view(gk), view(gv), view(q), view(k), view(v), view(o.t), view(d_o.t),
+                                   stats, true, static_cast<float>(scale));
       };
-      cudnn_fwd();
-      attn::attention_delta(delta.t, o.t, d_o.t);  // real values for the delta-input graph
       const double fwd_flops = 4.0 * Hq * double(S) * double(S) * D / 2.0;
       const double ms_f = time_ms(fwd, opt.warmup, opt.reps);
       const double ms_fb = time_ms(fwd_bwd, opt.warmup, opt.reps);
+      const double ms_db = time_ms(block_delta_fwd_bwd, opt.warmup, opt.reps);
       const double ms_cf = time_ms(cudnn_fwd, opt.warmup, opt.reps);
       const double ms_cfb = time_ms(cudnn_fwd_bwd, opt.warmup, opt.reps);
 
@@ -166,14 +178,17 @@ int main(int argc, char** argv) try {
                             {"fwd_tflops", round1(fwd_flops / ms_f / 1e9)},
                             {"fwdbwd_ms", round3(ms_fb)},
                             {"fwdbwd_tflops", round1(3.5 * fwd_flops / ms_fb / 1e9)}}},
+                  {"ours_block_delta_f32", {{"fwdbwd_ms", round3(ms_db)},
+                                            {"fwdbwd_tflops", round1(3.5 * fwd_flops / ms_db / 1e9)}}},
                   {"ours_cudnn_only", {{"fwd_ms", round3(ms_cf)},
                                        {"fwd_tflops", round1(fwd_flops / ms_cf / 1e9)},
                                        {"fwdbwd_ms", round3(ms_cfb)},
                                        {"fwdbwd_tflops", round1(3.5 * fwd_flops / ms_cfb / 1e9)}}}};
       std::string line = fmt::format("hkv={:2} S={:6}: ours fwd {:8.3f} ms ({:5.1f} TFLOP/s), fwd+bwd {:8.3f} ms "
-                                     "({:5.1f}); cuDNN-only fwd+bwd {:8.3f} ms ({:5.1f})",
-                                     hkv, S, ms_f, fwd_flops / ms_f / 1e9, ms_fb, 3.5 * fwd_flops / ms_fb / 1e9, ms_cfb,
-                                     3.5 * fwd_flops / ms_cfb / 1e9);
+                                     "({:5.1f}); from delta into f32 {:8.3f} ms ({:5.1f}); cuDNN-only fwd+bwd {:8.3f} ms "
+                                     "({:5.1f})",
+                                     hkv, S, ms_f, fwd_flops / ms_f / 1e9, ms_fb, 3.5 * fwd_flops / ms_fb / 1e9, ms_db,
+                                     3.5 * fwd_flops / ms_db / 1e9, ms_cfb, 3.5 * fwd_flops / ms_cfb / 1e9);
       for (const char* backend : {"cudnn", "flash"}) {
         const std::string key = fmt::format("{}_hkv{}_S{}", backend, hkv, S);
         if (anchor.contains(key) && anchor[key].is_object()) {
@@ -184,6 +199,7 @@ int main(int argc, char** argv) try {
           const double ratio_f = a["fwd_ms"].get<double>() / ms_f;
           entry["ratio_fwdbwd"] = round3(ratio_fb);  // ours / anchor throughput (anchor time / our time)
           entry["ratio_fwd"] = round3(ratio_f);
+          entry["ratio_fwdbwd_block_delta_f32"] = round3(a["fwdbwd_ms"].get<double>() / ms_db);
           entry["ratio_fwdbwd_cudnn_only"] = round3(a["fwdbwd_ms"].get<double>() / ms_cfb);
           row[fmt::format("anchor_torch_{}", backend)] = entry;
           line += fmt::format("; vs torch {} fwd+bwd {:.3f}x", backend, ratio_fb);

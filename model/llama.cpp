@@ -172,7 +172,7 @@ void LlamaModel::layer_backward(int64_t l, const LayerActs& a, Tensor x_in, Tens
 
   // Attention: h = x + Wo·Attn(q, k, v).
   ops::linear_backward(d_o, g.o_proj, d_residual, a.o.reshape({T, Hq * D}), p.o_proj);
-  zero(d_qkv);
+  // SequenceAttention::backward overwrites dQ/dK/dV (one rank: cuDNN writes straight into d_qkv).
   const QkvViews grad = split_qkv(d_qkv, config_), qkv = split_qkv(a.qkv, config_);
   attention_->backward(grad.q, grad.k, grad.v, qkv.q, qkv.k, qkv.v, a.o, a.lse, d_o.reshape({T, Hq, D}));
   ops::rope_backward(grad.q, positions, rope);

@@ -8,9 +8,11 @@
 // O(tile · Tk) per thread, never Tq × Tk.
 //   forward  (head h, KV head g = h / (Hq/Hkv), query rows i of the tile, visible keys j):
 //     S = scale · Q_h·K_gᵀ;  m = max_j S;  P = exp(S − m);  l = Σ_j P;  O_h = (P·V_g) / l;  LSE = m + log l
-//   backward, from the final LSE and delta:
+//   backward, from the final LSE and delta (given, or formed per row from the final O exactly as
+//   attention_delta forms it, so both calls give the same bits):
 //     P = exp(scale · Q_h·K_gᵀ − LSE);  dP = dO_h·V_gᵀ;  dS = P ⊙ (dP − delta)
-//     dQ_h += scale · dS·K_g;  dK_g += scale · dSᵀ·Q_h;  dV_g += Pᵀ·dO_h   (GEMMs with beta = 1)
+//     dQ_h += scale · dS·K_g;  dK_g += scale · dSᵀ·Q_h;  dV_g += Pᵀ·dO_h   (GEMMs with beta = 1;
+//     GradMode::overwrite zeroes dq/dk/dv first)
 // A causal diagonal block computes, for the query tile [i0, i1), only the keys [0, i1) and masks the
 // upper triangle of the tile's last square to P = 0.
 //
@@ -124,15 +126,17 @@ void check_like(const char* op, const char* name, const Tensor& t, const char* l
 // Strided element access; the last dimension is unit-stride (checked above).
 template <class T>
 struct Rows3 {  // [T, H, D]
-  T* p;
-  int64_t s0, s1;
+  T* p = nullptr;
+  int64_t s0 = 0, s1 = 0;
+  Rows3() = default;
   explicit Rows3(const Tensor& t) : p(t.ptr<std::remove_const_t<T>>()), s0(t.stride[0]), s1(t.stride[1]) {}
   T* row(int64_t t, int64_t h) const { return p + t * s0 + h * s1; }  // the D values of (token t, head h)
 };
 template <class T>
 struct Rows2 {  // [T, H]
-  T* p;
-  int64_t s0;
+  T* p = nullptr;
+  int64_t s0 = 0;
+  Rows2() = default;
   explicit Rows2(const Tensor& t) : p(t.ptr<std::remove_const_t<T>>()), s0(t.stride[0]) {}
   T& at(int64_t t, int64_t h) const { return p[t * s0 + h]; }
 };
@@ -503,25 +507,35 @@ void forward_impl(const Tensor& o_t, const Tensor& lse_t, const Tensor& q_t, con
 }
 
 // ---- delta ---------------------------------------------------------------------------------
+// One row's Σ_d d_o·o in double, rounded to T once: attention_delta and a backward given O both use
+// it, which is what makes their gradients bit-identical.
+template <class T>
+T row_delta(const T* o_row, const T* d_o_row, int64_t D) {
+  double s = 0.0;
+  for (int64_t d = 0; d < D; ++d) s += static_cast<double>(d_o_row[d]) * static_cast<double>(o_row[d]);
+  return static_cast<T>(s);
+}
+
 template <class T>
 void delta_impl(const Tensor& delta_t, const Tensor& o_t, const Tensor& d_o_t) {
   Rows3<const T> o(o_t), d_o(d_o_t);
   Rows2<T> delta(delta_t);
   const int64_t D = o_t.size(2);
-  for (int64_t t = 0; t < o_t.size(0); ++t) {
-    for (int64_t h = 0; h < o_t.size(1); ++h) {
-      const T* o_row = o.row(t, h);
-      const T* d_o_row = d_o.row(t, h);
-      double s = 0.0;
-      for (int64_t d = 0; d < D; ++d) s += static_cast<double>(d_o_row[d]) * static_cast<double>(o_row[d]);
-      delta.at(t, h) = static_cast<T>(s);
-    }
-  }
+  for (int64_t t = 0; t < o_t.size(0); ++t)
+    for (int64_t h = 0; h < o_t.size(1); ++h) delta.at(t, h) = row_delta(o.row(t, h), d_o.row(t, h), D);
+}
+
+// t := 0 over a [T, H, D] view (GradMode::overwrite).
+template <class T>
+void zero_rows(const Tensor& t_t) {
+  Rows3<T> t(t_t);
+  for (int64_t i = 0; i < t_t.size(0); ++i)
+    for (int64_t h = 0; h < t_t.size(1); ++h) std::fill(t.row(i, h), t.row(i, h) + t_t.size(2), T(0));
 }
 
 // ---- backward ------------------------------------------------------------------------------
 // Work item = KV head g. For each query tile (in order) and each query head h of the group (in order),
-// with the final lse and delta of the tile's rows:
+// with the final lse and delta of the tile's rows (delta read, or formed from the rows of the final O):
 //   P  [rows, keys] = exp(scale · Q_h[tile] · K_g[keys]ᵀ - lse), 0 where masked   (GEMM + exp)
 //   dP [rows, keys] = dO_h[tile] · V_g[keys]ᵀ                                   (GEMM)
 //   dS = P ⊙ (dP - delta)
@@ -533,11 +547,25 @@ void delta_impl(const Tensor& delta_t, const Tensor& o_t, const Tensor& d_o_t) {
 // A row whose final lse is -inf saw no key anywhere: its P and dS are 0 and nothing flows from it.
 template <class T>
 void backward_impl(const Tensor& dq_t, const Tensor& dk_t, const Tensor& dv_t, const Tensor& q_t, const Tensor& k_t,
-                   const Tensor& v_t, const Tensor& d_o_t, const Tensor& lse_t, const Tensor& delta_t,
-                   const Geometry& g, BlockMask mask, double scale) {
+                   const Tensor& v_t, const Tensor& d_o_t, const Tensor& lse_t, const Tensor& o_t,
+                   const Tensor& delta_t, const Geometry& g, BlockMask mask, double scale, GradMode mode) {
+  if (mode == GradMode::overwrite) {
+    zero_rows<T>(dq_t);
+    zero_rows<T>(dk_t);
+    zero_rows<T>(dv_t);
+  }
   if (g.Tq == 0 || g.Tk == 0) return;
+  const bool from_o = o_t.ndim != 0;
   Rows3<const T> q(q_t), k(k_t), v(v_t), d_o(d_o_t);
-  Rows2<const T> lse(lse_t), delta(delta_t);
+  Rows2<const T> lse(lse_t);
+  // Exactly one of them is read: the rows of O that delta is formed from, or delta itself.
+  Rows3<const T> o;
+  Rows2<const T> delta;
+  if (from_o) {
+    o = Rows3<const T>(o_t);
+  } else {
+    delta = Rows2<const T>(delta_t);
+  }
   Rows3<T> dq(dq_t), dk(dk_t), dv(dv_t);
   const int64_t D = g.D;
   const int64_t ld_q = leading_dim(q_t), ld_k = leading_dim(k_t), ld_v = leading_dim(v_t);
@@ -569,7 +597,7 @@ void backward_impl(const Tensor& dq_t, const Tensor& dk_t, const Tensor& dv_t, c
       for (int64_t h = kv * g.group; h < (kv + 1) * g.group; ++h) {
         for (int64_t r = 0; r < t.rows; ++r) {
           w.lse[r] = lse.at(i0 + r, h);
-          w.delta[r] = delta.at(i0 + r, h);
+          w.delta[r] = from_o ? row_delta(o.row(i0 + r, h), d_o.row(i0 + r, h), D) : delta.at(i0 + r, h);
         }
         // S [rows, n_keys] = scale · Q_h · K_gᵀ (into p);  dP [rows, n_keys] = dO_h · V_gᵀ (into ds)
         gemm<T>(false, true, t.rows, t.n_keys, D, t_scale, q.row(i0, h), ld_q, k.row(0, kv), ld_k, T(0), p, ld_s);
@@ -655,7 +683,7 @@ void attention_delta(Tensor delta, Tensor o, Tensor d_o) {
 }
 
 void attention_block_backward(Tensor dq, Tensor dk, Tensor dv, Tensor q, Tensor k, Tensor v, Tensor d_o,
-                              Tensor lse, Tensor delta, BlockMask mask, double scale) {
+                              Tensor lse, Tensor o, Tensor delta, BlockMask mask, double scale, GradMode mode) {
   const char* op = "attention_block_backward";
   const Geometry g = check_qkv(op, q, k, v, mask);
   check_like(op, "d_o", d_o, "q", q);
@@ -663,12 +691,20 @@ void attention_block_backward(Tensor dq, Tensor dk, Tensor dv, Tensor q, Tensor 
   check_like(op, "dk", dk, "k", k);
   check_like(op, "dv", dv, "v", v);
   check_row_stat(op, "lse", lse, "q", q);
-  check_row_stat(op, "delta", delta, "q", q);
+  LT_CHECK((o.ndim != 0) != (delta.ndim != 0),
+           "{}: pass exactly one of o (the final O of the query rows) and delta = rowsum(dO ⊙ O), got o {} and "
+           "delta {}; the other must be an empty Tensor{{}}",
+           op, o.ndim != 0 ? o.describe() : "(none)", delta.ndim != 0 ? delta.describe() : "(none)");
+  if (o.ndim != 0) {
+    check_like(op, "o", o, "q", q);
+  } else {
+    check_row_stat(op, "delta", delta, "q", q);
+  }
   LT_CHECK(std::isfinite(scale), "{}: scale is {}; it must be finite (usually 1/sqrt(head_dim))", op, scale);
   if (q.dtype == DType::f64) {
-    backward_impl<double>(dq, dk, dv, q, k, v, d_o, lse, delta, g, mask, scale);
+    backward_impl<double>(dq, dk, dv, q, k, v, d_o, lse, o, delta, g, mask, scale, mode);
   } else {
-    backward_impl<float>(dq, dk, dv, q, k, v, d_o, lse, delta, g, mask, scale);
+    backward_impl<float>(dq, dk, dv, q, k, v, d_o, lse, o, delta, g, mask, scale, mode);
   }
 }
 

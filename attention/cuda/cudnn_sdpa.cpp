@@ -438,7 +438,7 @@ std::unique_ptr<Plan> build_backward(const View& dq, const View& dk, const View&
   g.reshape(Kt, Kview);
   g.matmul(dS, Kview, dQ_accum);
   g.unary(CUDNN_POINTWISE_IDENTITY, dQ_accum, dQ);
-  return g.build(o != nullptr ? "SDPA backward (delta from an O stand-in)" : "SDPA backward (delta as input)");
+  return g.build(o != nullptr ? "SDPA backward (delta from O)" : "SDPA backward (delta as input)");
 }
 
 // Plans per shape and layout. The scale is a by-value scalar, so it needs no new plan.
@@ -498,8 +498,40 @@ void forward(View o, StatsView lse, View q, View k, View v, bool causal, float s
   execute(*plan, uids, ptrs);
 }
 
-void backward(View dq, View dk, View dv, View q, View k, View v, View d_o, StatsView lse, StatsView delta,
-              const std::function<View()>& make_o, bool causal, float scale) {
+void backward(View dq, View dk, View dv, View q, View k, View v, View o, View d_o, StatsView lse, bool causal,
+              float scale) {
+  for (auto [p, name] : {std::pair<const void*, const char*>{q.data, "q"}, {k.data, "k"}, {v.data, "v"},
+                         {o.data, "o"}, {d_o.data, "d_o"}, {lse.data, "lse"}, {dq.data, "dq"}, {dk.data, "dk"},
+                         {dv.data, "dv"}})
+    check_aligned(p, name);
+  std::vector<int64_t> key{1, causal ? 1 : 0};
+  for (const View* t : {&dq, &dk, &dv, &q, &k, &v, &d_o}) append(key, *t);
+  append(key, lse);
+  append(key, o);
+  const Plan* plan;
+  {
+    std::lock_guard<std::mutex> lock(g_plans_mutex);
+    auto& slot = g_plans[key];
+    if (!slot) slot = build_backward(dq, dk, dv, q, k, v, &o, d_o, lse, nullptr, causal);
+    plan = slot.get();
+  }
+  // cuDNN's fp32 dQ accumulator [Hq, Sq, D]; the engine initialises it (measured: never zeroing it
+  // still gives correct repeated results). rowsum(dO ⊙ O) [Hq, Sq], written by the graph.
+  void* dq_accum = scratch(Scratch::attn_dq_accum, static_cast<size_t>(q.heads * q.tokens * q.dim) * sizeof(float));
+  void* softmax_sum = scratch(Scratch::attn_softmax_sum, static_cast<size_t>(q.heads * q.tokens) * sizeof(float));
+  float neg_inf = -std::numeric_limits<float>::infinity(), one = 1.0f;
+  std::vector<int64_t> uids{kQ, kK, kV, kO, kDO, kStats, kDQ, kDK, kDV, kSoftmaxSum, kDQAccum, kScale, kOne};
+  std::vector<void*> ptrs{q.data,  k.data,  v.data,      o.data,   d_o.data, lse.data, dq.data,
+                          dk.data, dv.data, softmax_sum, dq_accum, &scale,   &one};
+  if (causal) {
+    uids.push_back(kNegInf);
+    ptrs.push_back(&neg_inf);
+  }
+  execute(*plan, uids, ptrs);
+}
+
+void backward_from_delta(View dq, View dk, View dv, View q, View k, View v, View d_o, StatsView lse, StatsView delta,
+                         const std::function<View()>& make_o, bool causal, float scale) {
   for (auto [p, name] : {std::pair<const void*, const char*>{q.data, "q"}, {k.data, "k"}, {v.data, "v"},
                          {d_o.data, "d_o"}, {lse.data, "lse"}, {delta.data, "delta"}, {dq.data, "dq"},
                          {dk.data, "dk"}, {dv.data, "dv"}})
@@ -531,39 +563,15 @@ void backward(View dq, View dk, View dv, View q, View k, View v, View d_o, Stats
       if (g_unsupported.count(key) == 0) plan = g_plans[key].get();
     }
   }
-  // cuDNN's fp32 dQ accumulator [Hq, Sq, D]; the engine initialises it (measured: never zeroing it
-  // still gives correct repeated results).
-  void* dq_accum =
-      scratch(Scratch::attn_dq_accum, static_cast<size_t>(q.heads * q.tokens * q.dim) * sizeof(float));
-  float neg_inf = -std::numeric_limits<float>::infinity(), one = 1.0f;
-  if (plan != nullptr) {
-    std::vector<int64_t> uids{kQ, kK, kV, kDO, kStats, kDQ, kDK, kDV, kSoftmaxSum, kDQAccum, kScale};
-    std::vector<void*> ptrs{q.data, k.data, v.data, d_o.data, lse.data, dq.data, dk.data, dv.data, delta.data,
-                            dq_accum, &scale};
-    if (causal) {
-      uids.push_back(kNegInf);
-      ptrs.push_back(&neg_inf);
-    }
-    execute(*plan, uids, ptrs);
+  if (plan == nullptr) {
+    backward(dq, dk, dv, q, k, v, make_o(), d_o, lse, causal, scale);
     return;
   }
-
-  const View o = make_o();
-  check_aligned(o.data, "o");
-  key[0] = 1;
-  key.resize(key.size() - 4);  // the O variant does not depend on delta's layout...
-  append(key, o);              // ...but on O's
-  {
-    std::lock_guard<std::mutex> lock(g_plans_mutex);
-    auto& slot = g_plans[key];
-    if (!slot) slot = build_backward(dq, dk, dv, q, k, v, &o, d_o, lse, nullptr, causal);
-    plan = slot.get();
-  }
-  // rowsum(dO ⊙ O) [Hq, Sq], written by the graph.
-  void* softmax_sum = scratch(Scratch::attn_softmax_sum, static_cast<size_t>(q.heads * q.tokens) * sizeof(float));
-  std::vector<int64_t> uids{kQ, kK, kV, kO, kDO, kStats, kDQ, kDK, kDV, kSoftmaxSum, kDQAccum, kScale, kOne};
-  std::vector<void*> ptrs{q.data,  k.data,  v.data,      o.data,   d_o.data, lse.data, dq.data,
-                          dk.data, dv.data, softmax_sum, dq_accum, &scale,   &one};
+  void* dq_accum = scratch(Scratch::attn_dq_accum, static_cast<size_t>(q.heads * q.tokens * q.dim) * sizeof(float));
+  float neg_inf = -std::numeric_limits<float>::infinity();
+  std::vector<int64_t> uids{kQ, kK, kV, kDO, kStats, kDQ, kDK, kDV, kSoftmaxSum, kDQAccum, kScale};
+  std::vector<void*> ptrs{q.data, k.data, v.data, d_o.data, lse.data, dq.data, dk.data, dv.data, delta.data,
+                          dq_accum, &scale};
   if (causal) {
     uids.push_back(kNegInf);
     ptrs.push_back(&neg_inf);

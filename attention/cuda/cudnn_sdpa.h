@@ -26,12 +26,18 @@ struct StatsView {
 // Causal is top-left aligned: query i sees keys j <= i.
 void forward(View o, StatsView lse, View q, View k, View v, bool causal, float scale);
 
-// dq, dk, dv (bf16, overwritten) of the block, given q, k, v, d_o, the final lse and delta =
-// rowsum(dO ⊙ O_final). cuDNN's graph normally forms delta itself from O; when its engines accept
-// delta as an input (tried once per shape) that graph is used, otherwise make_o() is called for an
-// O stand-in whose rowsum(d_o ⊙ o) is delta, and the usual graph runs on it. Measured on cuDNN 9.19
-// with an H200: no engine accepts the delta-input graph, so the O stand-in is what runs there.
-void backward(View dq, View dk, View dv, View q, View k, View v, View d_o, StatsView lse, StatsView delta,
-              const std::function<View()>& make_o, bool causal, float scale);
+// dq, dk, dv (bf16, overwritten, any strides: views into a fused dQKV buffer are fine) of the block,
+// given q, k, v, the final o and lse, and d_o: the frontend's graph, which forms delta =
+// rowsum(dO ⊙ O) itself, as PyTorch's cuDNN attention does.
+void backward(View dq, View dk, View dv, View q, View k, View v, View o, View d_o, StatsView lse, bool causal,
+              float scale);
+
+// The same from delta = rowsum(dO ⊙ O_final) instead of O (query rows that came from another rank
+// with their delta). A graph that takes delta as an input is tried once per shape; where no engine
+// accepts it, make_o() is called for an O stand-in whose rowsum(d_o ⊙ o) is delta, and backward()
+// runs on it. Measured on cuDNN 9.19 with an H200: no engine accepts the delta-input graph, so the
+// stand-in is what runs there.
+void backward_from_delta(View dq, View dk, View dv, View q, View k, View v, View d_o, StatsView lse, StatsView delta,
+                         const std::function<View()>& make_o, bool causal, float scale);
 
 }  // namespace longtrain::attn::cudnn_sdpa

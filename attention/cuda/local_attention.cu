@@ -2,14 +2,17 @@
 // forward and backward, and our own fp32 kernels for D = rowsum(dO ⊙ O), the LSE merge, and the
 // accumulation of each block's gradients into the caller's (usually f32) dq/dk/dv accumulators.
 //
-// Two things cuDNN does differently from the contract, and how they are bridged:
-// - cuDNN writes dQ/dK/dV; the contract accumulates. The block's bf16 gradients go to scratch and an
-//   fp32 kernel adds them into dq/dk/dv.
-// - cuDNN's graph forms delta = rowsum(dO ⊙ O) itself from O; the contract passes delta (from the
-//   final O of all blocks) and no O. cudnn_sdpa first tries a graph that takes delta as an input;
-//   where no engine accepts it, cuDNN gets a stand-in O' = dO · delta / |dO|² per row, whose
-//   rowsum(dO ⊙ O') is delta up to one bf16 rounding of O' (relative error ≤ 2^-9, the same as
-//   rounding O itself to bf16).
+// The backward costs one cuDNN call and nothing else when the caller holds the final O and the
+// destinations are bf16 views it fully overwrites (one rank: LocalSequenceAttention writing into the
+// model's fused dQKV buffer): cuDNN reads O, forms delta itself, and writes dQ/dK/dV in place through
+// their strides. The other cases are bridged with extra passes:
+// - GradMode::accumulate (or f32 destinations): cuDNN writes the block's bf16 gradients to scratch
+//   and an fp32 kernel adds (or converts) them into dq/dk/dv.
+// - delta instead of O (query rows that came from another rank): cudnn_sdpa first tries a graph that
+//   takes delta as an input; where no engine accepts it, cuDNN gets a stand-in O' = dO · delta / |dO|²
+//   per row, whose rowsum(dO ⊙ O') is delta up to one bf16 rounding of O' (relative error ≤ 2^-9, the
+//   same as rounding O itself to bf16).
+// - an f32 O: rounded to bf16 in scratch, since cuDNN reads bf16.
 #include <cmath>
 #include <type_traits>
 
@@ -207,6 +210,16 @@ __global__ void empty_block_kernel(O* o, RowView ov, float* lse, int64_t l_ts, i
   if ((threadIdx.x & 31) == 0) lse[t * l_ts + h * l_hs] = -INFINITY;
 }
 
+// dst [t, h, :] = 0 (GradMode::overwrite of a block without query-key pairs).
+template <class T>
+__global__ void zero_rows_kernel(T* dst, RowView dv) {
+  const int64_t row = warp_row();
+  if (row >= dv.tokens * dv.heads) return;
+  const int64_t t = row / dv.heads, h = row - t * dv.heads;
+  T* drow = dst + t * dv.ts + h * dv.hs;
+  for (int64_t d = threadIdx.x & 31; d < dv.dim; d += 32) drow[d] = from_float<T>(0.0f);
+}
+
 // ---- host helpers ---------------------------------------------------------------------------------
 
 RowView row_view(const Tensor& t) { return {t.shape[0], t.shape[1], t.shape[2], t.stride[0], t.stride[1]}; }
@@ -272,6 +285,39 @@ template <class F> void dispatch2(DType a, DType b, const char* op, F&& f) {
   dispatch_float(a, op, [&](auto ta) { dispatch_float(b, op, [&](auto tb) { f(ta, tb); }); });
 }
 
+// A bf16 view cuDNN can read or write in place: 16-byte aligned base and strides (what its TMA loads
+// and stores need; head_dim % 8 == 0 keeps views into the fused QKV / dQKV buffers so).
+bool cudnn_addressable(const Tensor& t) {
+  return t.dtype == DType::bf16 && reinterpret_cast<uintptr_t>(t.data) % 16 == 0 && t.stride[0] % 8 == 0 &&
+         t.stride[1] % 8 == 0;
+}
+
+// dst (+)= src over [tokens, heads, dim] rows, converting to dst's dtype (accumulate = false: dst := src).
+template <class Src>
+void add_rows(const char* op, const char* name, const Tensor& dst, const Src* src, RowView srows, bool accumulate) {
+  dispatch_float(dst.dtype, op, [&](auto tag) {
+    using Dst = typename decltype(tag)::type;
+    const bool vec = vectorizable(dst.data, row_view(dst), sizeof(Dst)) && vectorizable(src, srows, sizeof(Src));
+    with_vec(vec, [&](auto v) {
+      add_rows_kernel<decltype(v)::value, Dst, Src><<<row_blocks(srows.tokens * srows.heads), 32 * kWarpsPerBlock, 0,
+                                                      cuda_stream()>>>(static_cast<Dst*>(dst.data), row_view(dst), src,
+                                                                       srows, accumulate);
+    });
+  });
+  LT_CUDA_LAUNCH_CHECK(name);
+}
+
+void zero_rows(const char* op, const Tensor& t) {
+  const RowView r = row_view(t);
+  if (r.tokens * r.heads == 0) return;
+  dispatch_float(t.dtype, op, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    zero_rows_kernel<T><<<row_blocks(r.tokens * r.heads), 32 * kWarpsPerBlock, 0, cuda_stream()>>>(
+        static_cast<T*>(t.data), r);
+  });
+  LT_CUDA_LAUNCH_CHECK("zero_rows_kernel");
+}
+
 }  // namespace
 
 void attention_block_forward(Tensor o, Tensor lse, Tensor q, Tensor k, Tensor v, BlockMask mask, double scale) {
@@ -333,7 +379,7 @@ void attention_delta(Tensor delta, Tensor o, Tensor d_o) {
 }
 
 void attention_block_backward(Tensor dq, Tensor dk, Tensor dv, Tensor q, Tensor k, Tensor v, Tensor d_o, Tensor lse,
-                              Tensor delta, BlockMask mask, double scale) {
+                              Tensor o, Tensor delta, BlockMask mask, double scale, GradMode mode) {
   const char* op = "attention_block_backward";
   check_qkv(op, q, k, v);
   check_rows(op, dq, "dq", q);
@@ -344,49 +390,87 @@ void attention_block_backward(Tensor dq, Tensor dk, Tensor dv, Tensor q, Tensor 
   check_same_shape(d_o, q, op);
   const int64_t tq = q.size(0), tk = k.size(0), hq = q.size(1), hkv = k.size(1), d = q.size(2);
   check_stats(op, lse, "lse", tq, hq);
-  check_stats(op, delta, "delta", tq, hq);
+  const bool from_o = o.ndim != 0;
+  LT_CHECK(from_o != (delta.ndim != 0),
+           "{}: pass exactly one of o (the final O of the query rows) and delta = rowsum(dO ⊙ O), got o {} and "
+           "delta {}; the other must be an empty Tensor{{}}",
+           op, from_o ? o.describe() : "(none)", delta.ndim != 0 ? delta.describe() : "(none)");
+  if (from_o) {
+    check_rows(op, o, "o", q);
+  } else {
+    check_stats(op, delta, "delta", tq, hq);
+  }
   const bool causal = mask == BlockMask::causal_diagonal;
   LT_CHECK(!causal || tq == tk, "{}: a causal_diagonal block needs as many queries as keys, got {} and {}", op, tq, tk);
-  if (tq == 0 || tk == 0) return;  // no query-key pairs: every gradient contribution is zero
+  const bool overwrite = mode == GradMode::overwrite;
+  if (tq == 0 || tk == 0) {  // no query-key pairs: every gradient contribution is zero
+    if (overwrite) {
+      zero_rows(op, dq);
+      zero_rows(op, dk);
+      zero_rows(op, dv);
+    }
+    return;
+  }
 
   const RowView qrows = contiguous_rows(tq, hq, d), krows = contiguous_rows(tk, hkv, d);
   const size_t qbytes = static_cast<size_t>(tq * hq * d) * sizeof(__nv_bfloat16);
   const size_t kbytes = static_cast<size_t>(tk * hkv * d) * sizeof(__nv_bfloat16);
-  void* dq16 = scratch(Scratch::attn_dq, qbytes);
-  void* dk16 = scratch(Scratch::attn_dk, kbytes);
-  void* dv16 = scratch(Scratch::attn_dv, kbytes);
+  // Where cuDNN writes: straight into dq/dk/dv when they are bf16 views this call overwrites, else
+  // into bf16 scratch that is added (accumulate) or converted (overwrite of f32) afterwards.
+  const bool in_place = overwrite && cudnn_addressable(dq) && cudnn_addressable(dk) && cudnn_addressable(dv);
+  cudnn_sdpa::View dq_out, dk_out, dv_out;
+  if (in_place) {
+    dq_out = sdpa_view(dq);
+    dk_out = sdpa_view(dk);
+    dv_out = sdpa_view(dv);
+  } else {
+    dq_out = sdpa_view(scratch(Scratch::attn_dq, qbytes), qrows);
+    dk_out = sdpa_view(scratch(Scratch::attn_dk, kbytes), krows);
+    dv_out = sdpa_view(scratch(Scratch::attn_dv, kbytes), krows);
+  }
 
-  // Only called when cuDNN cannot take delta directly: the O stand-in, in scratch.
-  auto make_o = [&]() {
-    void* o_proxy = scratch(Scratch::attn_o_proxy, qbytes);
-    const bool vec = vectorizable(d_o.data, row_view(d_o), 2);
-    with_vec(vec, [&](auto v) {
-      o_proxy_kernel<decltype(v)::value><<<row_blocks(tq * hq), 32 * kWarpsPerBlock, 0, cuda_stream()>>>(
-          static_cast<__nv_bfloat16*>(o_proxy), qrows, static_cast<const __nv_bfloat16*>(d_o.data), row_view(d_o),
-          static_cast<const float*>(delta.data), delta.stride[0], delta.stride[1]);
-    });
-    LT_CUDA_LAUNCH_CHECK("o_proxy_kernel");
-    return sdpa_view(o_proxy, qrows);
-  };
-  cudnn_sdpa::backward(sdpa_view(dq16, qrows), sdpa_view(dk16, krows), sdpa_view(dv16, krows), sdpa_view(q),
-                       sdpa_view(k), sdpa_view(v), sdpa_view(d_o), stats_view(lse), stats_view(delta), make_o, causal,
-                       static_cast<float>(scale));
-
-  auto accumulate = [&](Tensor& dst, const void* src, RowView srows, const char* name) {
-    dispatch_float(dst.dtype, op, [&](auto tag) {
-      using Dst = typename decltype(tag)::type;
-      const bool vec = vectorizable(dst.data, row_view(dst), sizeof(Dst)) && vectorizable(src, srows, 2);
-      with_vec(vec, [&](auto v) {
-        add_rows_kernel<decltype(v)::value, Dst, __nv_bfloat16><<<row_blocks(srows.tokens * srows.heads),
-                                                                  32 * kWarpsPerBlock, 0, cuda_stream()>>>(
-            static_cast<Dst*>(dst.data), row_view(dst), static_cast<const __nv_bfloat16*>(src), srows, true);
+  if (from_o) {
+    cudnn_sdpa::View o_in;
+    if (cudnn_addressable(o)) {
+      o_in = sdpa_view(o);
+    } else {  // f32 (or unaligned) O: cuDNN reads bf16 rows, rounded here into scratch
+      void* o16 = scratch(Scratch::attn_o_proxy, qbytes);
+      dispatch_float(o.dtype, op, [&](auto tag) {
+        using O = typename decltype(tag)::type;
+        const bool vec = vectorizable(o.data, row_view(o), sizeof(O)) && vectorizable(o16, qrows, 2);
+        with_vec(vec, [&](auto v) {
+          add_rows_kernel<decltype(v)::value, __nv_bfloat16, O><<<row_blocks(tq * hq), 32 * kWarpsPerBlock, 0,
+                                                                  cuda_stream()>>>(
+              static_cast<__nv_bfloat16*>(o16), qrows, static_cast<const O*>(o.data), row_view(o), false);
+        });
       });
-    });
-    LT_CUDA_LAUNCH_CHECK(name);
-  };
-  accumulate(dq, dq16, qrows, "add_rows_kernel (dq)");
-  accumulate(dk, dk16, krows, "add_rows_kernel (dk)");
-  accumulate(dv, dv16, krows, "add_rows_kernel (dv)");
+      LT_CUDA_LAUNCH_CHECK("add_rows_kernel (o to bf16)");
+      o_in = sdpa_view(o16, qrows);
+    }
+    cudnn_sdpa::backward(dq_out, dk_out, dv_out, sdpa_view(q), sdpa_view(k), sdpa_view(v), o_in, sdpa_view(d_o),
+                         stats_view(lse), causal, static_cast<float>(scale));
+  } else {
+    // Only called when cuDNN cannot take delta directly: the O stand-in, in scratch.
+    auto make_o = [&]() {
+      void* o_proxy = scratch(Scratch::attn_o_proxy, qbytes);
+      const bool vec = vectorizable(d_o.data, row_view(d_o), 2);
+      with_vec(vec, [&](auto v) {
+        o_proxy_kernel<decltype(v)::value><<<row_blocks(tq * hq), 32 * kWarpsPerBlock, 0, cuda_stream()>>>(
+            static_cast<__nv_bfloat16*>(o_proxy), qrows, static_cast<const __nv_bfloat16*>(d_o.data), row_view(d_o),
+            static_cast<const float*>(delta.data), delta.stride[0], delta.stride[1]);
+      });
+      LT_CUDA_LAUNCH_CHECK("o_proxy_kernel");
+      return sdpa_view(o_proxy, qrows);
+    };
+    cudnn_sdpa::backward_from_delta(dq_out, dk_out, dv_out, sdpa_view(q), sdpa_view(k), sdpa_view(v), sdpa_view(d_o),
+                                    stats_view(lse), stats_view(delta), make_o, causal, static_cast<float>(scale));
+  }
+  if (in_place) return;
+
+  const bool accumulate = !overwrite;
+  add_rows(op, "add_rows_kernel (dq)", dq, static_cast<const __nv_bfloat16*>(dq_out.data), qrows, accumulate);
+  add_rows(op, "add_rows_kernel (dk)", dk, static_cast<const __nv_bfloat16*>(dk_out.data), krows, accumulate);
+  add_rows(op, "add_rows_kernel (dv)", dv, static_cast<const __nv_bfloat16*>(dv_out.data), krows, accumulate);
 }
 
 void lse_merge(Tensor o_acc, Tensor lse_acc, Tensor o_blk, Tensor lse_blk) {

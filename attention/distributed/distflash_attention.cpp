@@ -142,7 +142,8 @@ void DistFlashAttention::backward(Tensor dq, Tensor dk, Tensor dv, Tensor q, Ten
   const int64_t Hq = q.size(1), Hkv = k.size(1), D = q.size(2);
   const DType acc = lse.dtype;
   const bool remote = P > 1, helpers = causal_ && P >= 3;
-  const BackwardScratch s = prepare_backward(bwd_scratch_, dq, dk, dv, o, lse, d_o);
+  // Own and owner steps read the final O of the own rows; D is computed only for the helpers.
+  const BackwardScratch s = prepare_backward(bwd_scratch_, dq, dk, dv, o, lse, d_o, /*send_delta=*/helpers);
 
   const MessageSpec kv = {{{T, Hkv, D}, k.dtype}, {{T, Hkv, D}, k.dtype}};
   // The Q side a helper needs: Q, dO, LSE and D = rowsum(dO ⊙ O) (O itself never travels).
@@ -207,7 +208,7 @@ void DistFlashAttention::backward(Tensor dq, Tensor dk, Tensor dv, Tensor q, Ten
     if (mine.kind != Task::idle) scope.emplace(observer_);
     if (mine.kind == Task::own) {
       for (const BlockCall& c : plan_block_calls(layout_, P, T, me, me, causal_)) {
-        backward_call(c, s.dq, s.dk, s.dv, q, k, v, d_o, lse, s.delta, scale_);
+        backward_call(c, s.dq, s.dk, s.dv, q, k, v, d_o, lse, s.own_o(), s.own_delta(), scale_);
         pairs += c.pairs();
       }
     } else if (mine.kind == Task::owner) {
@@ -215,7 +216,7 @@ void DistFlashAttention::backward(Tensor dq, Tensor dk, Tensor dv, Tensor q, Ten
       const Message& grads = bwd_dkv_out_[t % 2];
       fill_message(grads, 0.0);
       for (const BlockCall& c : plan_block_calls(layout_, P, T, me, mine.peer, causal_)) {
-        backward_call(c, s.dq, grads[0], grads[1], q, in[0], in[1], d_o, lse, s.delta, scale_);
+        backward_call(c, s.dq, grads[0], grads[1], q, in[0], in[1], d_o, lse, s.own_o(), s.own_delta(), scale_);
         pairs += c.pairs();
       }
     } else if (mine.kind == Task::helper) {
@@ -223,7 +224,7 @@ void DistFlashAttention::backward(Tensor dq, Tensor dk, Tensor dv, Tensor q, Ten
       const Message& grads = bwd_dq_out_[t % 2];
       fill_message(grads, 0.0);
       for (const BlockCall& c : plan_block_calls(layout_, P, T, mine.peer, me, causal_)) {
-        backward_call(c, grads[0], s.dk, s.dv, in[0], k, v, in[1], in[2], in[3], scale_);
+        backward_call(c, grads[0], s.dk, s.dv, in[0], k, v, in[1], in[2], Tensor{}, in[3], scale_);
         pairs += c.pairs();
       }
     }

@@ -102,8 +102,10 @@ void finish_forward(const ForwardScratch& s, Tensor o) {
 }
 
 BackwardScratch prepare_backward(MessageSlots& slots, Tensor dq, Tensor dk, Tensor dv, Tensor o, Tensor lse,
-                                 Tensor d_o) {
+                                 Tensor d_o, bool send_delta) {
   const DType acc = lse.dtype;
+  // The D slot exists even when unused (it is T·Hq accumulators), so the slots, and the memory plan's
+  // copy of them (workspace.cpp), do not depend on the call.
   MessageSpec spec = {{{lse.size(0), lse.size(1)}, acc}};
   const Tensor* grads[3] = {&dq, &dk, &dv};
   for (const Tensor* g : grads)
@@ -114,21 +116,18 @@ BackwardScratch prepare_backward(MessageSlots& slots, Tensor dq, Tensor dk, Tens
   size_t part = 1;
   Tensor* outs[3] = {&s.dq, &s.dk, &s.dv};
   for (int i = 0; i < 3; ++i) {
-    if (grads[i]->dtype != acc) {
-      *outs[i] = slots[0][part++];
-      fill_tensor(*outs[i], 0.0);
-    } else {
-      *outs[i] = *grads[i];
-    }
+    *outs[i] = grads[i]->dtype != acc ? slots[0][part++] : *grads[i];
+    fill_tensor(*outs[i], 0.0);
   }
-  attention_delta(s.delta, o, d_o);
+  if (o.dtype == d_o.dtype) s.o = o;
+  if (send_delta || s.o.ndim == 0) attention_delta(s.delta, o, d_o);
   return s;
 }
 
 void finish_backward(const BackwardScratch& s, Tensor dq, Tensor dk, Tensor dv) {
-  if (s.dq.data != dq.data) add_tensor(dq, s.dq);
-  if (s.dk.data != dk.data) add_tensor(dk, s.dk);
-  if (s.dv.data != dv.data) add_tensor(dv, s.dv);
+  if (s.dq.data != dq.data) copy_tensor(dq, s.dq);
+  if (s.dk.data != dk.data) copy_tensor(dk, s.dk);
+  if (s.dv.data != dv.data) copy_tensor(dv, s.dv);
 }
 
 void forward_call(const BlockCall& c, Tensor o_acc, Tensor lse_acc, Tensor o_blk, Tensor lse_blk, Tensor q, Tensor k,
@@ -140,11 +139,11 @@ void forward_call(const BlockCall& c, Tensor o_acc, Tensor lse_acc, Tensor o_blk
 }
 
 void backward_call(const BlockCall& c, Tensor dq, Tensor dk, Tensor dv, Tensor q, Tensor k, Tensor v, Tensor d_o,
-                   Tensor lse, Tensor delta, double scale) {
-  auto rows = [&](const Tensor& t) { return t.narrow(0, c.q_start, c.q_len); };
+                   Tensor lse, Tensor o, Tensor delta, double scale) {
+  auto rows = [&](const Tensor& t) { return t.ndim == 0 ? t : t.narrow(0, c.q_start, c.q_len); };
   auto keys = [&](const Tensor& t) { return t.narrow(0, c.k_start, c.k_len); };
-  attention_block_backward(rows(dq), keys(dk), keys(dv), rows(q), keys(k), keys(v), rows(d_o), rows(lse),
-                           rows(delta), c.mask, scale);
+  attention_block_backward(rows(dq), keys(dk), keys(dv), rows(q), keys(k), keys(v), rows(d_o), rows(lse), rows(o),
+                           rows(delta), c.mask, scale, GradMode::accumulate);
 }
 
 void check_backward_tensors(const char* schedule, Tensor dq, Tensor dk, Tensor dv, Tensor q, Tensor k, Tensor o,
@@ -220,7 +219,8 @@ void RingAttention::backward(Tensor dq, Tensor dk, Tensor dv, Tensor q, Tensor k
   const int64_t T = check_call("backward", q, k, v, o, lse);
   check_backward_tensors(schedule_name(schedule_).data(), dq, dk, dv, q, k, o, d_o);
   const int P = sp_.size(), me = sp_.rank();
-  const BackwardScratch s = prepare_backward(bwd_scratch_, dq, dk, dv, o, lse, d_o);
+  // The query rows never leave this rank: every block reads the final O (or D) of the own rows.
+  const BackwardScratch s = prepare_backward(bwd_scratch_, dq, dk, dv, o, lse, d_o, /*send_delta=*/false);
   const DType acc = lse.dtype;
   const MessageSpec dkv = {{{k.size(0), k.size(1), k.size(2)}, acc}, {{k.size(0), k.size(1), k.size(2)}, acc}};
   RotationHooks hooks;
@@ -230,7 +230,7 @@ void RingAttention::backward(Tensor dq, Tensor dk, Tensor dv, Tensor q, Tensor k
     const ComputeScope scope(observer_);
     int64_t pairs = 0;
     for (const BlockCall& c : plan_block_calls(layout_, P, T, me, source, causal_)) {
-      backward_call(c, s.dq, gk, gv, q, kk, vv, d_o, lse, s.delta, scale_);
+      backward_call(c, s.dq, gk, gv, q, kk, vv, d_o, lse, s.own_o(), s.own_delta(), scale_);
       pairs += c.pairs();
     }
     return pairs;
@@ -316,7 +316,7 @@ void BurstAttention::backward(Tensor dq, Tensor dk, Tensor dv, Tensor q, Tensor 
   const int64_t T = check_call("backward", q, k, v, o, lse);
   check_backward_tensors("burst", dq, dk, dv, q, k, o, d_o);
   const int P = sp_.size(), me = sp_.rank();
-  const BackwardScratch s = prepare_backward(bwd_scratch_, dq, dk, dv, o, lse, d_o);
+  const BackwardScratch s = prepare_backward(bwd_scratch_, dq, dk, dv, o, lse, d_o, /*send_delta=*/true);
   const DType acc = lse.dtype;
   const int64_t Hq = q.size(1), D = q.size(2);
   // The Q side of a block: Q, dO, LSE and D = rowsum(dO ⊙ O) (so O itself never travels).
@@ -324,13 +324,14 @@ void BurstAttention::backward(Tensor dq, Tensor dk, Tensor dv, Tensor q, Tensor 
   const MessageSpec dq_spec = {{{T, Hq, D}, acc}};
   RotationHooks hooks;
   hooks.compute = [&](int, int source, const Message* block, const Message* grads) {
+    // A visiting Q side carries D; this rank's own rows read the final O where they can.
     const Tensor qq = block ? (*block)[0] : q, gg = block ? (*block)[1] : d_o, ll = block ? (*block)[2] : lse,
-                 dd = block ? (*block)[3] : s.delta;
+                 oo = block ? Tensor{} : s.own_o(), dd = block ? (*block)[3] : s.own_delta();
     const Tensor gq = grads ? (*grads)[0] : s.dq;
     const ComputeScope scope(observer_);
     int64_t pairs = 0;
     for (const BlockCall& c : plan_block_calls(layout_, P, T, source, me, causal_)) {
-      backward_call(c, gq, s.dk, s.dv, qq, k, v, gg, ll, dd, scale_);
+      backward_call(c, gq, s.dk, s.dv, qq, k, v, gg, ll, oo, dd, scale_);
       pairs += c.pairs();
     }
     return pairs;

@@ -24,15 +24,25 @@ ForwardScratch prepare_forward(MessageSlots& slots, Tensor o, Tensor lse);
 // o := o_acc when they differ.
 void finish_forward(const ForwardScratch& s, Tensor o);
 
-// Scratch of a backward call: D = rowsum(dO ⊙ O) and the gradient accumulators (the caller's
-// dq/dk/dv when they are in the accumulator dtype; zeroed buffers otherwise).
+// Scratch of a backward call: what the block calls on this rank's own query rows read of the final O,
+// D = rowsum(dO ⊙ O) where it is needed, and the gradient accumulators (the caller's dq/dk/dv when
+// they are in the accumulator dtype; separate buffers otherwise), zeroed: backward overwrites.
 struct BackwardScratch {
-  Tensor delta;           // [T, Hq]
+  // The caller's o when the block backward reads it directly (o in d_o's dtype: bf16 on CUDA, which
+  // cuDNN reads in place with no delta pass); otherwise empty and the own rows use delta.
+  Tensor o;               // [T, Hq, D]
+  Tensor delta;           // [T, Hq]: computed when it travels (send_delta) or when o is not read
   Tensor dq, dk, dv;      // [T, Hq, D], [T, Hkv, D] x2
+
+  // The (o, delta) pair for block calls on the own query rows: exactly one is non-empty.
+  Tensor own_o() const { return o; }
+  Tensor own_delta() const { return o.ndim != 0 ? Tensor{} : delta; }
 };
+// `send_delta`: the schedule sends this rank's Q side (Q, dO, LSE, D) to other ranks (burst, distflash
+// with helpers), so D is computed even when the own blocks read O.
 BackwardScratch prepare_backward(MessageSlots& slots, Tensor dq, Tensor dk, Tensor dv, Tensor o, Tensor lse,
-                                 Tensor d_o);
-// dq/dk/dv += the separate accumulators, when there are any.
+                                 Tensor d_o, bool send_delta);
+// dq/dk/dv := the separate accumulators, when there are any.
 void finish_backward(const BackwardScratch& s, Tensor dq, Tensor dk, Tensor dv);
 
 // Brackets one step's block calls for a ComputeObserver (null: nothing).
@@ -59,9 +69,10 @@ void check_backward_tensors(const char* schedule, Tensor dq, Tensor dk, Tensor d
 // (o_acc, lse_acc) rows. q, o_*, lse_* are indexed by the call's query range, k/v by its key range.
 void forward_call(const BlockCall& call, Tensor o_acc, Tensor lse_acc, Tensor o_blk, Tensor lse_blk, Tensor q,
                   Tensor k, Tensor v, double scale);
-// One block call of a backward, accumulating into the dq rows and the dk/dv rows.
+// One block call of a backward, accumulating into the dq rows and the dk/dv rows. Exactly one of o
+// (the final O of the query side) and delta is non-empty (attention_block_backward).
 void backward_call(const BlockCall& call, Tensor dq, Tensor dk, Tensor dv, Tensor q, Tensor k, Tensor v, Tensor d_o,
-                   Tensor lse, Tensor delta, double scale);
+                   Tensor lse, Tensor o, Tensor delta, double scale);
 
 // ring and zigzag: K/V rotate on the SP ring; backward sends the dK/dV accumulator behind them.
 class RingAttention final : public DistributedAttention {

@@ -1,6 +1,6 @@
 // Local block attention (attention/local_attention.h) on the CPU: the forward against the definition
 // (full score matrix, softmax), the backward against central finite differences and against the
-// definition, blocks merged with lse_merge against the whole sequence, long blocks cut into several
+// definition (given O or delta, accumulating or overwriting), blocks merged with lse_merge against the whole sequence, long blocks cut into several
 // query tiles, bit-identical results for any thread count, the merge's empty cases, and argument
 // errors.
 #include <gtest/gtest.h>
@@ -285,9 +285,28 @@ TEST_P(AttentionCases, ForwardMatchesDefinition) {
   }
 }
 
-// dq/dk/dv start from random values and must come back as initial + gradient (accumulation).
+// What the backward is handed of the final O, and how it writes.
+struct BackwardVariant {
+  bool from_o;    // the final O (the backend forms delta) instead of delta
+  GradMode mode;  // accumulate onto the initial dq/dk/dv, or overwrite them
+  const char* name() const {
+    if (from_o) return mode == GradMode::accumulate ? "o, accumulate" : "o, overwrite";
+    return mode == GradMode::accumulate ? "delta, accumulate" : "delta, overwrite";
+  }
+};
+constexpr BackwardVariant kBackwardVariants[] = {
+    {false, GradMode::accumulate}, {true, GradMode::accumulate}, {false, GradMode::overwrite}, {true, GradMode::overwrite}};
+
 template <class T>
-void check_backward(const Case& c, bool fused) {
+size_t count_nan(const std::vector<T>& a) {
+  return std::count_if(a.begin(), a.end(), [](T x) { return std::isnan(static_cast<double>(x)); });
+}
+
+// dq/dk/dv start from random values and must come back as initial + gradient (accumulate) or as the
+// gradient alone (overwrite); nothing outside their views is written (the fused buffers' unused
+// columns stay NaN). Returns dq, dk, dv as computed, for comparisons between variants.
+template <class T>
+std::vector<std::vector<double>> check_backward(const Case& c, bool fused, BackwardVariant variant) {
   const Dims s = c.dims();
   const Inputs in = make_inputs<T>(s, 23);
   BlockTensors<T> t(s, fused);
@@ -301,29 +320,50 @@ void check_backward(const Case& c, bool fused) {
   store<T>(t.dq, dq0);
   store<T>(t.dk, dk0);
   store<T>(t.dv, dv0);
+  const size_t nan_before = count_nan(t.dqkv_q) + count_nan(t.dqkv_kv);
   attention_block_forward(t.o, t.lse, t.q, t.k, t.v, c.mask, c.scale());
-  attention_delta(t.delta, t.o, t.d_o);
-  attention_block_backward(t.dq, t.dk, t.dv, t.q, t.k, t.v, t.d_o, t.lse, t.delta, c.mask, c.scale());
+  if (variant.from_o) {
+    attention_block_backward(t.dq, t.dk, t.dv, t.q, t.k, t.v, t.d_o, t.lse, t.o, Tensor{}, c.mask, c.scale(),
+                             variant.mode);
+  } else {
+    attention_delta(t.delta, t.o, t.d_o);
+    attention_block_backward(t.dq, t.dk, t.dv, t.q, t.k, t.v, t.d_o, t.lse, Tensor{}, t.delta, c.mask, c.scale(),
+                             variant.mode);
+  }
+  EXPECT_EQ(count_nan(t.dqkv_q) + count_nan(t.dqkv_kv), nan_before) << "written outside the dq/dk/dv views";
 
   const Reference ref = reference_attention(in, s, c.mask, c.scale());
-  auto plus = [](std::vector<double> a, const std::vector<double>& b) {
-    for (size_t i = 0; i < a.size(); ++i) a[i] += b[i];
+  const bool add = variant.mode == GradMode::accumulate;
+  auto plus = [&](std::vector<double> a, const std::vector<double>& b) {
+    for (size_t i = 0; i < a.size(); ++i) a[i] = (add ? a[i] : 0.0) + b[i];
     return a;
   };
   const double err_dq = test::relative_error(fetch<T>(t.dq), plus(dq0, ref.dq));
   const double err_dk = test::relative_error(fetch<T>(t.dk), plus(dk0, ref.dk));
   const double err_dv = test::relative_error(fetch<T>(t.dv), plus(dv0, ref.dv));
-  std::printf("  %s %-10s dq %.2e, dk %.2e, dv %.2e\n", dtype_label<T>(), fused ? "fused" : "contiguous", err_dq,
-              err_dk, err_dv);
-  EXPECT_LT(err_dq, tolerance<T>());
-  EXPECT_LT(err_dk, tolerance<T>());
-  EXPECT_LT(err_dv, tolerance<T>());
+  std::printf("  %s %-10s %-17s dq %.2e, dk %.2e, dv %.2e\n", dtype_label<T>(), fused ? "fused" : "contiguous",
+              variant.name(), err_dq, err_dk, err_dv);
+  EXPECT_LT(err_dq, tolerance<T>()) << variant.name();
+  EXPECT_LT(err_dk, tolerance<T>()) << variant.name();
+  EXPECT_LT(err_dv, tolerance<T>()) << variant.name();
+  return {fetch<T>(t.dq), fetch<T>(t.dk), fetch<T>(t.dv)};
 }
 
-TEST_P(AttentionCases, BackwardAccumulatesTheDefinitionsGradients) {
+// Every variant against the definition; and handing the backward O instead of delta changes no bit
+// (the CPU forms each row's delta exactly as attention_delta does), so the distributed schedules may
+// pass either.
+template <class T>
+void check_backward_variants(const Case& c, bool fused) {
+  std::vector<std::vector<double>> by_variant[4];
+  for (int i = 0; i < 4; ++i) by_variant[i] = check_backward<T>(c, fused, kBackwardVariants[i]);
+  EXPECT_EQ(by_variant[0], by_variant[1]) << dtype_label<T>() << ": o and delta differ (accumulate)";
+  EXPECT_EQ(by_variant[2], by_variant[3]) << dtype_label<T>() << ": o and delta differ (overwrite)";
+}
+
+TEST_P(AttentionCases, BackwardGivesTheDefinitionsGradientsFromOOrDelta) {
   for (bool fused : {false, true}) {
-    check_backward<double>(GetParam(), fused);
-    check_backward<float>(GetParam(), fused);
+    check_backward_variants<double>(GetParam(), fused);
+    check_backward_variants<float>(GetParam(), fused);
   }
 }
 
@@ -346,7 +386,7 @@ TEST_P(AttentionCases, GradientsMatchFiniteDifferences) {
   };
   loss();
   attention_delta(delta, o, g);
-  attention_block_backward(dq, dk, dv, q, k, v, g, lse, delta, c.mask, c.scale());
+  attention_block_backward(dq, dk, dv, q, k, v, g, lse, Tensor{}, delta, c.mask, c.scale(), GradMode::accumulate);
 
   const double err_dq = test::relative_error(dq.values, test::finite_difference(q.values, loss));
   const double err_dk = test::relative_error(dk.values, test::finite_difference(k.values, loss));
@@ -376,7 +416,8 @@ TEST(LocalAttention, LargeScoresStayFinite) {
     store<double>(t.dv, std::vector<double>(in.v.size(), 0.0));
     attention_block_forward(t.o, t.lse, t.q, t.k, t.v, mask, scale);
     attention_delta(t.delta, t.o, t.d_o);
-    attention_block_backward(t.dq, t.dk, t.dv, t.q, t.k, t.v, t.d_o, t.lse, t.delta, mask, scale);
+    attention_block_backward(t.dq, t.dk, t.dv, t.q, t.k, t.v, t.d_o, t.lse, Tensor{}, t.delta, mask, scale,
+                             GradMode::accumulate);
     const Reference ref = reference_attention(in, s, mask, scale);
     EXPECT_GT(*std::max_element(ref.lse.begin(), ref.lse.end()), 710.0) << "scores must overflow exp()";
     EXPECT_LT(test::relative_error(fetch<double>(t.o), ref.o), 1e-12);
@@ -413,16 +454,30 @@ TEST(LocalAttention, EmptyRowsGiveTheEmptyResultAndNoGradient) {
     for (int64_t d = 0; d < 6; ++d) d_o_quiet[(2 * 3 + h) * 6 + d] = 0.0;
   }
   HostTensor<double> dq_want({5, 3, 6}), dk_want({4, 3, 6}), dv_want({4, 3, 6});
-  attention_block_backward(dq_want, dk_want, dv_want, q, k, v, d_o_quiet, lse, delta_quiet, BlockMask::none, scale);
+  attention_block_backward(dq_want, dk_want, dv_want, q, k, v, d_o_quiet, lse, Tensor{}, delta_quiet, BlockMask::none,
+                           scale, GradMode::accumulate);
 
   for (int64_t h = 0; h < 3; ++h) lse[2 * 3 + h] = -kInf;
   HostTensor<double> dq({5, 3, 6}), dk({4, 3, 6}), dv({4, 3, 6});
-  attention_block_backward(dq, dk, dv, q, k, v, d_o, lse, delta, BlockMask::none, scale);
+  attention_block_backward(dq, dk, dv, q, k, v, d_o, lse, Tensor{}, delta, BlockMask::none, scale, GradMode::accumulate);
   for (const auto* g : {&dq, &dk, &dv})
     for (double x : g->values) ASSERT_FALSE(std::isnan(x));
   EXPECT_LT(test::relative_error(dq.values, dq_want.values), 1e-15);
   EXPECT_LT(test::relative_error(dk.values, dk_want.values), 1e-15);
   EXPECT_LT(test::relative_error(dv.values, dv_want.values), 1e-15);
+
+  // Overwriting with a block that has no query-key pairs writes zeros: dq for Tk = 0, dk/dv for Tq = 0.
+  std::fill(dq.values.begin(), dq.values.end(), 7.0);
+  attention_block_backward(dq, k_none, v_none, q, k_none, v_none, d_o, lse, o, Tensor{}, BlockMask::none, scale,
+                           GradMode::overwrite);
+  for (double x : dq.values) EXPECT_EQ(x, 0.0);
+  HostTensor<double> q_none({0, 3, 6}), d_o_none({0, 3, 6}), lse_none({0, 3}), o_none({0, 3, 6});
+  std::fill(dk.values.begin(), dk.values.end(), 7.0);
+  std::fill(dv.values.begin(), dv.values.end(), 7.0);
+  attention_block_backward(q_none, dk, dv, q_none, k, v, d_o_none, lse_none, o_none, Tensor{}, BlockMask::none, scale,
+                           GradMode::overwrite);
+  for (const auto* g : {&dk, &dv})
+    for (double x : g->values) EXPECT_EQ(x, 0.0);
 }
 
 // ---- blocks equal the whole ----------------------------------------------------------------------
@@ -456,8 +511,8 @@ TEST_P(BlocksEqualWhole, ForwardAndBackward) {
   }
   attention_block_forward(whole.o, whole.lse, whole.q, whole.k, whole.v, mask, scale);
   attention_delta(whole.delta, whole.o, whole.d_o);
-  attention_block_backward(whole.dq, whole.dk, whole.dv, whole.q, whole.k, whole.v, whole.d_o, whole.lse,
-                           whole.delta, mask, scale);
+  attention_block_backward(whole.dq, whole.dk, whole.dv, whole.q, whole.k, whole.v, whole.d_o, whole.lse, Tensor{},
+                           whole.delta, mask, scale, GradMode::accumulate);
 
   auto rows = [&](const Tensor& t, int b) { return t.narrow(cut[b], cut[b + 1] - cut[b]); };
   auto visits = [&](int a) {  // key blocks of query block a, in ring order
@@ -485,8 +540,8 @@ TEST_P(BlocksEqualWhole, ForwardAndBackward) {
   for (int a = 0; a < n_blocks; ++a) {
     for (int b : visits(a)) {
       attention_block_backward(rows(parts.dq, a), rows(parts.dk, b), rows(parts.dv, b), rows(parts.q, a),
-                               rows(parts.k, b), rows(parts.v, b), rows(parts.d_o, a), rows(parts.lse, a),
-                               rows(parts.delta, a), block_mask(a, b), scale);
+                               rows(parts.k, b), rows(parts.v, b), rows(parts.d_o, a), rows(parts.lse, a), Tensor{},
+                               rows(parts.delta, a), block_mask(a, b), scale, GradMode::accumulate);
     }
   }
 
@@ -538,7 +593,8 @@ void check_long_block(const Dims& s, BlockMask mask, const Inputs& in, const Ref
   store<T>(t.dv, dv0);
   attention_block_forward(t.o, t.lse, t.q, t.k, t.v, mask, scale);
   attention_delta(t.delta, t.o, t.d_o);
-  attention_block_backward(t.dq, t.dk, t.dv, t.q, t.k, t.v, t.d_o, t.lse, t.delta, mask, scale);
+  attention_block_backward(t.dq, t.dk, t.dv, t.q, t.k, t.v, t.d_o, t.lse, Tensor{}, t.delta, mask, scale,
+                           GradMode::accumulate);
 
   auto increment = [](const std::vector<double>& after, const std::vector<double>& before) {
     std::vector<double> d(after.size());
@@ -603,7 +659,8 @@ std::vector<std::vector<double>> outputs_with_threads(const Dims& s, BlockMask m
   store<T>(t.dv, random_values<T>(in.v.size(), 99, -0.25, 0.25));
   attention_block_forward(t.o, t.lse, t.q, t.k, t.v, mask, scale);
   attention_delta(t.delta, t.o, t.d_o);
-  attention_block_backward(t.dq, t.dk, t.dv, t.q, t.k, t.v, t.d_o, t.lse, t.delta, mask, scale);
+  attention_block_backward(t.dq, t.dk, t.dv, t.q, t.k, t.v, t.d_o, t.lse, Tensor{}, t.delta, mask, scale,
+                           GradMode::accumulate);
   return {fetch<T>(t.o), fetch<T>(t.lse), fetch<T>(t.delta), fetch<T>(t.dq), fetch<T>(t.dk), fetch<T>(t.dv)};
 }
 
@@ -834,8 +891,29 @@ TEST(LocalAttention, HeadDimMismatchIsAnError) {
   HostTensor<double> dq({5, 3, 6}), dk({5, 3, 4}), dv({5, 3, 4});
   std::string msg = error_of([&] { attention_block_forward(o, lse, q, k, v, BlockMask::none, 0.4); });
   EXPECT_HAS(msg, "attention_block_forward: head_dim differs between q f64[5, 3, 6] cpu, k f64[5, 3, 4] cpu");
-  msg = error_of([&] { attention_block_backward(dq, dk, dv, q, k, v, o, lse, delta, BlockMask::none, 0.4); });
+  msg = error_of([&] {
+    attention_block_backward(dq, dk, dv, q, k, v, o, lse, Tensor{}, delta, BlockMask::none, 0.4, GradMode::accumulate);
+  });
   EXPECT_HAS(msg, "attention_block_backward: head_dim differs");
+}
+
+TEST(LocalAttention, BackwardTakesExactlyOneOfOAndDelta) {
+  HostTensor<double> q({5, 3, 6}), k({5, 3, 6}), v({5, 3, 6}), o({5, 3, 6}), lse({5, 3}), delta({5, 3});
+  HostTensor<double> dq({5, 3, 6}), dk({5, 3, 6}), dv({5, 3, 6}), o_bad({5, 2, 6});
+  std::string msg = error_of([&] {
+    attention_block_backward(dq, dk, dv, q, k, v, o, lse, o, delta, BlockMask::none, 0.4, GradMode::overwrite);
+  });
+  EXPECT_HAS(msg, "attention_block_backward: pass exactly one of o (the final O of the query rows) and delta");
+  EXPECT_HAS(msg, "got o f64[5, 3, 6] cpu and delta f64[5, 3] cpu");
+  msg = error_of([&] {
+    attention_block_backward(dq, dk, dv, q, k, v, o, lse, Tensor{}, Tensor{}, BlockMask::none, 0.4,
+                             GradMode::overwrite);
+  });
+  EXPECT_HAS(msg, "got o (none) and delta (none)");
+  msg = error_of([&] {
+    attention_block_backward(dq, dk, dv, q, k, v, o, lse, o_bad, Tensor{}, BlockMask::none, 0.4, GradMode::overwrite);
+  });
+  EXPECT_HAS(msg, "attention_block_backward: o is f64[5, 2, 6] cpu but must have the shape of q f64[5, 3, 6] cpu");
 }
 
 TEST(LocalAttention, OverlappingTokenRowsAreAnError) {

@@ -1,6 +1,7 @@
 // LocalSequenceAttention (attention/sequence_attention.h), the single-rank SequenceAttention the model
-// calls: the same O, LSE and gradients as calling the block ops directly on the whole sequence, on
-// q/k/v and dq/dk/dv views into fused QKV / dQKV buffers, and counters that count its calls.
+// calls: the same O, LSE and gradients as calling the block ops directly on the whole sequence (delta,
+// accumulating into a zeroed buffer), on q/k/v and dq/dk/dv views into fused QKV / dQKV buffers, with
+// backward overwriting a dQKV buffer full of garbage; and counters that count its calls.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -39,8 +40,10 @@ void check_against_direct_calls(bool causal) {
                                     << (causal ? " causal" : " full"));
   const double scale = 1.0 / std::sqrt(static_cast<double>(kHeadDim));
   const BlockMask mask = causal ? BlockMask::causal_diagonal : BlockMask::none;
-  Fused<T> qkv, dqkv_seq, dqkv_direct;  // dQKV buffers start at zero, as the model zeroes them
+  Fused<T> qkv, dqkv_seq, dqkv_direct;
   test::fill_uniform(qkv.buffer, 5, -1.5, 1.5);
+  // backward overwrites: the model need not zero its dQKV buffer, so this one starts with garbage.
+  test::fill_uniform(dqkv_seq.buffer, 9, -3.0, 3.0);
   HostTensor<T> o_seq({kTokens, kHeads, kHeadDim}), lse_seq({kTokens, kHeads});
   HostTensor<T> o_direct({kTokens, kHeads, kHeadDim}), lse_direct({kTokens, kHeads}), delta({kTokens, kHeads});
   HostTensor<T> d_o({kTokens, kHeads, kHeadDim});
@@ -57,8 +60,8 @@ void check_against_direct_calls(bool causal) {
 
   attention_block_forward(o_direct, lse_direct, qkv.q, qkv.k, qkv.v, mask, scale);
   attention_delta(delta, o_direct, d_o);
-  attention_block_backward(dqkv_direct.q, dqkv_direct.k, dqkv_direct.v, qkv.q, qkv.k, qkv.v, d_o, lse_direct, delta,
-                           mask, scale);
+  attention_block_backward(dqkv_direct.q, dqkv_direct.k, dqkv_direct.v, qkv.q, qkv.k, qkv.v, d_o, lse_direct,
+                           Tensor{}, delta, mask, scale, GradMode::accumulate);
 
   // The same computation in the same order: identical bits.
   EXPECT_EQ(o_seq.values, o_direct.values);

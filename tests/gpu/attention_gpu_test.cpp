@@ -1,9 +1,12 @@
 // CUDA local block attention (cuDNN fused SDPA + our fp32 kernels) against the CPU reference
-// (attention/cpu) on the same bf16-rounded inputs: forward O and LSE, and the backward's dQ/dK/dV
-// increments (the accumulators start from random values, so "+=" is checked). Causal-diagonal and
-// unmasked blocks, MHA and GQA, odd lengths, Q/K/V as strided views of one fused QKV buffer, and an
-// f32 O. Then the properties the distributed schedules rely on: blocks merged with lse_merge equal
-// the whole (forward and backward), and results do not change between runs. Skips without a GPU.
+// (attention/cpu) on the same bf16-rounded inputs: forward O and LSE, and the backward in each of its
+// paths: given delta or the final O, accumulating dQ/dK/dV increments into f32 accumulators that
+// start from random values ("+=" is checked), and overwriting garbage in bf16 destinations (cuDNN
+// writing in place, through the strides of a fused dQKV buffer when Q/K/V are fused) or in f32 ones.
+// Causal-diagonal and unmasked blocks, MHA and GQA, odd lengths, Q/K/V as strided views of one fused
+// QKV buffer, and an f32 O. Then the properties the distributed schedules rely on: blocks merged with
+// lse_merge equal the whole (forward and backward), and results do not change between runs. Skips
+// without a GPU.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -18,6 +21,7 @@ namespace longtrain::test {
 namespace {
 
 using attn::BlockMask;
+using attn::GradMode;
 
 // A [T, heads, D] view of columns [col0, col0 + heads·D) of a [T, W] buffer.
 Tensor head_view(const Tensor& buf, int64_t col0, int64_t heads, int64_t D) {
@@ -65,7 +69,10 @@ TEST_P(GpuAttention, ForwardAndBackwardMatchCpuReference) {
   HostTensor<double> dv_h = host_tensor({c.Tk, c.Hkv, c.D}, dv0);
   attn::attention_block_forward(o_h, lse_h, q_h, k_h, v_h, c.mask, scale);
   attn::attention_delta(delta_h, o_h, do_h);
-  attn::attention_block_backward(dq_h, dk_h, dv_h, q_h, k_h, v_h, do_h, lse_h, delta_h, c.mask, scale);
+  attn::attention_block_backward(dq_h, dk_h, dv_h, q_h, k_h, v_h, do_h, lse_h, Tensor{}, delta_h, c.mask, scale,
+                                 GradMode::accumulate);
+  const std::vector<double> ref_dq = minus(dq_h.values, dq0), ref_dk = minus(dk_h.values, dk0),
+                            ref_dv = minus(dv_h.values, dv0);
 
   // GPU: bf16 q/k/v/dO (separate, or views of one fused QKV buffer), f32 LSE/delta/accumulators.
   const int64_t W = (c.Hq + 2 * c.Hkv) * c.D;
@@ -93,24 +100,73 @@ TEST_P(GpuAttention, ForwardAndBackwardMatchCpuReference) {
   }
   DeviceTensor do_d(DType::bf16, {c.Tq, c.Hq, c.D}), o_d(c.o_dtype, {c.Tq, c.Hq, c.D});
   DeviceTensor lse_d(DType::f32, {c.Tq, c.Hq}), delta_d(DType::f32, {c.Tq, c.Hq});
-  DeviceTensor dq_d(DType::f32, {c.Tq, c.Hq, c.D}), dk_d(DType::f32, {c.Tk, c.Hkv, c.D});
-  DeviceTensor dv_d(DType::f32, {c.Tk, c.Hkv, c.D});
   upload(do_d, d_o);
-  upload(dq_d, dq0);
-  upload(dk_d, dk0);
-  upload(dv_d, dv0);
   attn::attention_block_forward(o_d, lse_d, q_d, k_d, v_d, c.mask, scale);
   attn::attention_delta(delta_d, o_d, do_d);
-  attn::attention_block_backward(dq_d, dk_d, dv_d, q_d, k_d, v_d, do_d, lse_d, delta_d, c.mask, scale);
 
   const std::string tag = std::string(" [") + c.name + "]";
   // O is computed in bf16 by cuDNN even when stored as f32, so both are held to the bf16 tolerance.
   expect_close("attention O" + tag, DType::bf16, download(o_d), o_h.values);
   expect_close("attention LSE (f32)" + tag, DType::f32, download(lse_d), lse_h.values);
   expect_close("attention delta (f32 of bf16 O)" + tag, DType::bf16, download(delta_d), delta_h.values);
-  expect_close("attention dQ increment" + tag, DType::bf16, minus(download(dq_d), dq0), minus(dq_h.values, dq0));
-  expect_close("attention dK increment" + tag, DType::bf16, minus(download(dk_d), dk0), minus(dk_h.values, dk0));
-  expect_close("attention dV increment" + tag, DType::bf16, minus(download(dv_d), dv0), minus(dv_h.values, dv0));
+
+  // Accumulating into f32 accumulators (the distributed schedules), from delta (a Q side that came
+  // from another rank: the O stand-in path) and from O (the own rows: cuDNN reads O).
+  for (bool from_o : {false, true}) {
+    const std::string how = std::string(from_o ? " from O" : " from delta") + ", += f32" + tag;
+    DeviceTensor dq_d(DType::f32, {c.Tq, c.Hq, c.D}), dk_d(DType::f32, {c.Tk, c.Hkv, c.D});
+    DeviceTensor dv_d(DType::f32, {c.Tk, c.Hkv, c.D});
+    upload(dq_d, dq0);
+    upload(dk_d, dk0);
+    upload(dv_d, dv0);
+    attn::attention_block_backward(dq_d, dk_d, dv_d, q_d, k_d, v_d, do_d, lse_d, from_o ? Tensor(o_d) : Tensor{},
+                                   from_o ? Tensor{} : Tensor(delta_d), c.mask, scale, GradMode::accumulate);
+    expect_close("attention dQ increment" + how, DType::bf16, minus(download(dq_d), dq0), ref_dq);
+    expect_close("attention dK increment" + how, DType::bf16, minus(download(dk_d), dk0), ref_dk);
+    expect_close("attention dV increment" + how, DType::bf16, minus(download(dv_d), dv0), ref_dv);
+  }
+
+  // Overwriting, from O: bf16 destinations that cuDNN writes in place (views of one fused dQKV buffer
+  // [T, (Hq + 2·Hkv)·D] when Q/K/V are fused, as LocalSequenceAttention gets them from the model), and
+  // f32 destinations (bf16 scratch converted). Every destination starts as garbage.
+  for (DType grad_dtype : {DType::bf16, DType::f32}) {
+    const std::string how = std::string(" from O, overwriting ") + dtype_name(grad_dtype).data() + tag;
+    const bool fused_grads = c.fused_qkv && grad_dtype == DType::bf16;
+    DeviceTensor dqkv_d(grad_dtype, {fused_grads ? c.Tq : 1, W});
+    DeviceTensor dq_sep(grad_dtype, {c.Tq, c.Hq, c.D}), dk_sep(grad_dtype, {c.Tk, c.Hkv, c.D});
+    DeviceTensor dv_sep(grad_dtype, {c.Tk, c.Hkv, c.D});
+    Tensor dq_d = dq_sep, dk_d = dk_sep, dv_d = dv_sep;
+    if (fused_grads) {
+      upload(dqkv_d, random_values(static_cast<size_t>(c.Tq * W), 108, grad_dtype, -3.0, 3.0));
+      dq_d = head_view(dqkv_d, 0, c.Hq, c.D);
+      dk_d = head_view(dqkv_d, c.Hq * c.D, c.Hkv, c.D);
+      dv_d = head_view(dqkv_d, (c.Hq + c.Hkv) * c.D, c.Hkv, c.D);
+    } else {
+      upload(dq_sep, random_values(nq, 108, grad_dtype, -3.0, 3.0));
+      upload(dk_sep, random_values(nk, 109, grad_dtype, -3.0, 3.0));
+      upload(dv_sep, random_values(nk, 110, grad_dtype, -3.0, 3.0));
+    }
+    attn::attention_block_backward(dq_d, dk_d, dv_d, q_d, k_d, v_d, do_d, lse_d, o_d, Tensor{}, c.mask, scale,
+                                   GradMode::overwrite);
+    std::vector<double> got_dq, got_dk, got_dv;
+    if (fused_grads) {
+      const std::vector<double> all = download(dqkv_d);
+      const int64_t wq = c.Hq * c.D, wk = c.Hkv * c.D;
+      for (int64_t t = 0; t < c.Tq; ++t) {
+        const double* row = all.data() + t * W;
+        got_dq.insert(got_dq.end(), row, row + wq);
+        got_dk.insert(got_dk.end(), row + wq, row + wq + wk);
+        got_dv.insert(got_dv.end(), row + wq + wk, row + W);
+      }
+    } else {
+      got_dq = download(dq_sep);
+      got_dk = download(dk_sep);
+      got_dv = download(dv_sep);
+    }
+    expect_close("attention dQ" + how, DType::bf16, got_dq, ref_dq);
+    expect_close("attention dK" + how, DType::bf16, got_dk, ref_dk);
+    expect_close("attention dV" + how, DType::bf16, got_dv, ref_dv);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -159,7 +215,8 @@ TEST(GpuAttentionKernels, DeltaAndLseMergeMatchCpuReference) {
 // The ring decomposition of one causal sequence of 2·B tokens into B-token blocks:
 //   O(Q1) = blk(Q1, K1, causal);  O(Q2) = merge(blk(Q2, K1, none), blk(Q2, K2, causal));
 // and the backward of each block with the *final* LSE and delta, accumulated into dQ/dK/dV.
-// The merged result must equal the whole-sequence block (forward and backward) within bf16 rounding.
+// The merged result must equal the whole-sequence block (forward and backward, the latter from O,
+// overwriting) within bf16 rounding.
 TEST(GpuAttentionKernels, CausalBlocksMergedEqualTheWhole) {
   LT_REQUIRE_GPU();
   const int64_t B = 192, S = 2 * B, Hq = 8, Hkv = 2, D = 64;
@@ -174,13 +231,12 @@ TEST(GpuAttentionKernels, CausalBlocksMergedEqualTheWhole) {
   upload(do_d, d_o);
   const Tensor Q = q_d, K = k_d, V = v_d, dO = do_d;
 
-  // Whole.
-  DeviceTensor o_w(DType::f32, {S, Hq, D}), lse_w(DType::f32, {S, Hq}), delta_w(DType::f32, {S, Hq});
+  // Whole, as one rank computes it: the backward reads the final O and overwrites (never-zeroed) dQ/dK/dV.
+  DeviceTensor o_w(DType::f32, {S, Hq, D}), lse_w(DType::f32, {S, Hq});
   DeviceTensor dq_w(DType::f32, {S, Hq, D}), dk_w(DType::f32, {S, Hkv, D}), dv_w(DType::f32, {S, Hkv, D});
-  for (const DeviceTensor* t : {&dq_w, &dk_w, &dv_w}) zero(*t);
   attn::attention_block_forward(o_w, lse_w, Q, K, V, BlockMask::causal_diagonal, scale);
-  attn::attention_delta(delta_w, o_w, dO);
-  attn::attention_block_backward(dq_w, dk_w, dv_w, Q, K, V, dO, lse_w, delta_w, BlockMask::causal_diagonal, scale);
+  attn::attention_block_backward(dq_w, dk_w, dv_w, Q, K, V, dO, lse_w, o_w, Tensor{}, BlockMask::causal_diagonal,
+                                 scale, GradMode::overwrite);
 
   // Blocks: fp32 accumulators (0, -inf), bf16 block outputs.
   DeviceTensor o_acc(DType::f32, {S, Hq, D}), lse_acc(DType::f32, {S, Hq}), delta(DType::f32, {S, Hq});
@@ -203,7 +259,7 @@ TEST(GpuAttentionKernels, CausalBlocksMergedEqualTheWhole) {
     attn::attention_block_backward(Tensor(dq).narrow(p.qb * B, B), Tensor(dk).narrow(p.kb * B, B),
                                    Tensor(dv).narrow(p.kb * B, B), Q.narrow(p.qb * B, B), K.narrow(p.kb * B, B),
                                    V.narrow(p.kb * B, B), dO.narrow(p.qb * B, B), Tensor(lse_acc).narrow(p.qb * B, B),
-                                   Tensor(delta).narrow(p.qb * B, B), p.mask, scale);
+                                   Tensor{}, Tensor(delta).narrow(p.qb * B, B), p.mask, scale, GradMode::accumulate);
   }
   expect_close("blocks merged O == whole", DType::bf16, download(o_acc), download(o_w));
   expect_close("blocks merged LSE == whole", DType::f32, download(lse_acc), download(lse_w));
@@ -234,7 +290,7 @@ TEST(GpuAttentionKernels, RunTwice) {
       for (const DeviceTensor* t : {&dq, &dk, &dv}) zero(*t);
       attn::attention_block_forward(o, lse, q, k, v, mask, scale);
       attn::attention_delta(delta, o, d_o);
-      attn::attention_block_backward(dq, dk, dv, q, k, v, d_o, lse, delta, mask, scale);
+      attn::attention_block_backward(dq, dk, dv, q, k, v, d_o, lse, Tensor{}, delta, mask, scale, GradMode::accumulate);
       return std::vector<std::vector<double>>{download(o), download(lse), download(dq), download(dk), download(dv)};
     };
     const auto a = run(), b = run();

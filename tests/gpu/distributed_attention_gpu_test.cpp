@@ -9,8 +9,9 @@
 //     are within bf16 tolerance of the f64 CPU reference and of single-GPU attention on the same bf16
 //     inputs, and the error at P = 2 is no larger than 1.5x the error at P = 1 on the same tokens (the
 //     table of both is printed). Also: calls interleaved like two layers with no host
-//     synchronisation give the same results, a second backward adds, a repeated forward gives the
-//     same bits, and the bytes sent are those of bf16 tensors and f32 accumulators.
+//     synchronisation give the same results, a second backward overwrites (gives the first's results
+//     again), a repeated forward gives the same bits, and the bytes sent are those of bf16 tensors
+//     and f32 accumulators.
 // Skipped (GTEST_SKIP) without CUDA, without a GPU, or (the 2-GPU test) with fewer than 2 GPUs.
 #include <gtest/gtest.h>
 
