@@ -97,6 +97,22 @@ LlamaModel::LlamaModel(const LlamaConfig& config, Precision precision, Checkpoin
   p_ = parameter_views(params_, config_);
   g_ = parameter_views(grads_, config_);
 
+  // The gradient-ready ranges follow the arena's order (model/parameters.cpp): embedding, layer 0 ..
+  // L-1 (each starting at its input norm), final norm, LM head (untied), padding. A range runs to the
+  // start of the next, so alignment gaps (always zero) ride along and the ranges cover the buffer.
+  auto first_element = [&](const std::string& name) {
+    const auto bytes = static_cast<char*>(grads_.get(name).data) - static_cast<char*>(grads_.base());
+    return static_cast<int64_t>(bytes / static_cast<std::ptrdiff_t>(dtype_size(precision_.param)));
+  };
+  const int64_t L = config_.n_layers, total = grads_.flat().numel();
+  std::vector<int64_t> layer_begin;
+  for (int64_t l = 0; l < L; ++l) layer_begin.push_back(first_element(layer_param_name(l, "input_layernorm.weight")));
+  const int64_t norm_begin = first_element("model.norm.weight");
+  gradient_ranges_.push_back({norm_begin, total});
+  for (int64_t l = L - 1; l >= 0; --l)
+    gradient_ranges_.push_back({layer_begin[l], l + 1 < L ? layer_begin[l + 1] : norm_begin});
+  gradient_ranges_.push_back({0, L > 0 ? layer_begin[0] : norm_begin});
+
   // The activation table (model/memory_plan.cpp), shared with the memory plan so that the plan is
   // exactly what is allocated here.
   add_activation_entries(acts_, config_, precision_, policy_, max_tokens);
@@ -209,6 +225,7 @@ LossSum LlamaModel::forward_backward(const TokenShard& shard, double grad_scale)
     layer_forward(l, layer_acts(l, T), residual(l), residual(l + 1), shard.positions, /*run_attention=*/true);
 
   LossSum loss = head(shard, residual(L), acts_.get("losses").narrow(0, T), /*with_grad=*/true, grad_scale, T);
+  gradients_ready(gradient_ranges_[0]);  // final norm, LM head (tied: it is the embedding, reported last)
 
   Tensor d_residual = acts_.get("d_residual").narrow(0, T);
   for (int64_t l = L - 1; l >= 0; --l) {
@@ -217,8 +234,10 @@ LossSum LlamaModel::forward_backward(const TokenShard& shard, double grad_scale)
       layer_forward(l, a, residual(l), Tensor{}, shard.positions,
                     /*run_attention=*/policy_ == CheckpointPolicy::full);
     layer_backward(l, a, residual(l), d_residual, shard.positions);
+    gradients_ready(gradient_ranges_[static_cast<size_t>(L - l)]);
   }
   ops::embedding_backward(g_.embed, shard.tokens, d_residual);
+  gradients_ready(gradient_ranges_.back());
   return loss;
 }
 

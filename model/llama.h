@@ -20,8 +20,10 @@
 // sharding layout.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "attention/sequence_attention.h"
 #include "kernels/ops.h"
@@ -93,6 +95,24 @@ class LlamaModel {
   // the loss is the global mean whatever the parallel layout. Returns this shard's loss sum/count.
   LossSum forward_backward(const TokenShard& shard, double grad_scale);
 
+  // Gradient-ready notification, for overlapping the data-parallel gradient reduction with
+  // backward. When set, forward_backward calls hook(begin, end) each time the element range
+  // [begin, end) of grads().flat() holds its final value for this call, in this order: the head
+  // (final norm, the LM head and the arena's padding; with tied embeddings the LM head is the
+  // embedding, so only the final norm and the padding), each layer from the last to the first
+  // (its parameters and the alignment gaps after them), and last the embedding (tied: its lookup
+  // and LM head gradients). The ranges partition grads().flat() (gradient_ranges()). "Final" is in
+  // the compute stream's order: on CUDA the kernels writing the range are queued, not necessarily
+  // done, so queue whatever reads it behind them (the communicators do). Nothing writes a range
+  // again within the call after it was reported. Pass nullptr to remove the hook.
+  using GradientsReady = std::function<void(int64_t begin, int64_t end)>;
+  void set_gradients_ready(GradientsReady hook) { gradients_ready_ = std::move(hook); }
+  struct FlatRange {
+    int64_t begin, end;  // elements of grads().flat()
+  };
+  // The ranges forward_backward reports, in the order it reports them.
+  const std::vector<FlatRange>& gradient_ranges() const { return gradient_ranges_; }
+
   // Forward only (evaluation): per-token losses [T] (stat dtype, 0 where the label is ignored) are
   // written to `losses` when it is non-empty; returns the shard's loss sum/count.
   LossSum forward(const TokenShard& shard, Tensor losses = {});
@@ -111,6 +131,9 @@ class LlamaModel {
   LossSum head(const TokenShard& shard, Tensor x_final, Tensor losses, bool with_grad, double grad_scale,
                int64_t T);
   void check_shard(const TokenShard& shard) const;
+  void gradients_ready(const FlatRange& r) const {
+    if (gradients_ready_) gradients_ready_(r.begin, r.end);
+  }
 
   LlamaConfig config_;
   Precision precision_;
@@ -119,6 +142,9 @@ class LlamaModel {
   std::unique_ptr<attn::SequenceAttention> attention_;
   Arena params_, grads_, acts_;
   ModelParams p_, g_;
+  // gradient_ranges_: [0] the head, [1 + L - 1 - l] layer l, [L + 1] the embedding.
+  std::vector<FlatRange> gradient_ranges_;
+  GradientsReady gradients_ready_;
 };
 
 }  // namespace longtrain::model

@@ -1,5 +1,7 @@
 #include "parallel/communicator.h"
 
+#include <algorithm>
+
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
@@ -44,6 +46,40 @@ void check_comm_tensor(const char* op, const Tensor& t, Device device) {
            t.describe(), device == Device::cpu ? "cpu: use the Gloo communicator for CPU tensors"
                                                : "cuda: use the NCCL communicator for CUDA tensors");
   LT_CHECK(t.numel() == 0 || t.data != nullptr, "{}: the tensor {} has no data", op, t.describe());
+}
+
+int64_t check_reduce_scatter_range(const Communicator& c, const Tensor& flat, int64_t begin, int64_t end,
+                                   Device device) {
+  check_comm_tensor("reduce_scatter_range", flat, device);
+  const int64_t total = flat.numel();
+  LT_CHECK(total % c.size() == 0,
+           "reduce_scatter_range on {}: the flat buffer {} does not split into {} equal shards; pad it to a multiple "
+           "of the group size (Arena::pad_to_multiple)",
+           c.describe_group(), flat.describe(), c.size());
+  LT_CHECK(0 <= begin && begin <= end && end <= total,
+           "reduce_scatter_range on {}: the range [{}, {}) is not inside the flat buffer {} (0 <= begin <= end <= {})",
+           c.describe_group(), begin, end, flat.describe(), total);
+  return total / c.size();
+}
+
+RangeShare shard_share(int64_t range_begin, int64_t range_end, int64_t n, int shard) {
+  const int64_t b = std::clamp(shard * n, range_begin, range_end);
+  const int64_t e = std::clamp((shard + 1) * n, range_begin, range_end);
+  return {b, e};
+}
+
+RangeVolumes reduce_scatter_range_volumes(int64_t range_begin, int64_t range_end, int64_t n, int size, int rank) {
+  // The ring reduce-scatter: rank q sends every chunk but its own and receives every chunk but that
+  // of rank q - 1 (gloo_communicator.cpp, ring_reduce_scatter).
+  RangeVolumes v;
+  if (size == 1) return v;
+  const int prev = (rank + size - 1) % size;
+  for (int c = 0; c < size; ++c) {
+    const RangeShare s = shard_share(range_begin, range_end, n, c);
+    if (c != rank) v.sent += s.end - s.begin;
+    if (c != prev) v.received += s.end - s.begin;
+  }
+  return v;
 }
 
 std::unique_ptr<Communicator> make_communicator(Backend backend, TcpStore& store, const std::string& name,

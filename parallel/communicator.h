@@ -60,6 +60,16 @@ class P2PWork {
   virtual void wait() = 0;
 };
 
+// A collective in flight (start_reduce_scatter_range). wait() makes its result usable: Gloo runs
+// the collective before start returns, so wait() has nothing left to do; NCCL: wait() makes the
+// compute stream wait for it, without blocking the host (P2PWork's rules). Destroying an unwaited
+// handle waits. The tensor must stay alive, and the communicator too, until then.
+class CollectiveWork {
+ public:
+  virtual ~CollectiveWork() = default;
+  virtual void wait() = 0;
+};
+
 // Traffic of this rank through one communicator (the payload bytes it handed to the transport).
 struct CommStats {
   int64_t bytes_sent = 0;
@@ -92,6 +102,25 @@ class Communicator {
   virtual void reduce_scatter(Tensor out, Tensor in, ReduceOp op = ReduceOp::sum) = 0;
   // in [n]; out [size * n] with out[r * n, (r + 1) * n) := in of rank r. in may be this rank's slice.
   virtual void all_gather(Tensor out, Tensor in) = 0;
+  // One bucket of a reduce_scatter in place, for overlapping gradient reduction with backward.
+  // flat [size * n] is laid out alike on every rank and split as reduce_scatter splits it: rank r
+  // owns the shard [r * n, (r + 1) * n). For every rank r whose shard intersects [begin, end),
+  // the intersection is reduced (op over ranks) into rank r's flat; elements of flat outside this
+  // rank's shard are left unchanged. So buckets that partition [0, size * n) together do exactly
+  // reduce_scatter(flat.narrow(0, rank * n, n), flat): the same result on this rank's shard and
+  // the same traffic (Gloo: bit for bit, the same ring order per element; NCCL: one ncclReduce per
+  // intersected shard, in one group, which with 2 ranks adds the same two values, and with more
+  // may add in another order than ncclReduceScatter). Traffic counters: sent Σ over intersected
+  // shards c != rank of their length, received Σ over c != rank - 1 (the ring reduce-scatter's
+  // volumes restricted to the bucket). Every rank calls it with the same flat size, begin and end.
+  // Gloo: runs the collective before it returns. NCCL: queued on the communication stream behind
+  // the compute work queued so far; the compute stream does not wait for it until wait().
+  [[nodiscard]] virtual std::unique_ptr<CollectiveWork> start_reduce_scatter_range(Tensor flat, int64_t begin,
+                                                                                  int64_t end,
+                                                                                  ReduceOp op = ReduceOp::sum) = 0;
+  void reduce_scatter_range(Tensor flat, int64_t begin, int64_t end, ReduceOp op = ReduceOp::sum) {
+    start_reduce_scatter_range(flat, begin, end, op)->wait();
+  }
   // t := t of rank `root`.
   virtual void broadcast(Tensor t, int root) = 0;
   virtual void barrier() = 0;
@@ -127,6 +156,21 @@ class Communicator {
 
 // Argument checks shared by the backends; throw naming the operation, the group and the tensors.
 void check_comm_tensor(const char* op, const Tensor& t, Device device);
+// start_reduce_scatter_range's arguments: flat on `device`, splitting into size() equal shards,
+// 0 <= begin <= end <= numel. Returns the shard length n.
+int64_t check_reduce_scatter_range(const Communicator& c, const Tensor& flat, int64_t begin, int64_t end,
+                                   Device device);
+
+// The intersection [begin, end) of a bucket with shard `shard` of length n (empty: begin == end),
+// and the ring volumes start_reduce_scatter_range counts for this rank (in elements).
+struct RangeShare {
+  int64_t begin, end;
+};
+RangeShare shard_share(int64_t range_begin, int64_t range_end, int64_t n, int shard);
+struct RangeVolumes {
+  int64_t sent = 0, received = 0;
+};
+RangeVolumes reduce_scatter_range_volumes(int64_t range_begin, int64_t range_end, int64_t n, int size, int rank);
 
 // Creates the communicator `name` over `global_ranks` (ascending or ring order) for this process,
 // global rank `my_global_rank`, which must be one of them. Every member calls it with the same name

@@ -408,6 +408,51 @@ void GlooCommunicator::all_gather(Tensor out, Tensor in) {
                     });
 }
 
+namespace {
+
+// Gloo's collectives complete before they return.
+class DoneWork final : public CollectiveWork {
+ public:
+  void wait() override {}
+};
+
+}  // namespace
+
+std::unique_ptr<CollectiveWork> GlooCommunicator::start_reduce_scatter_range(Tensor flat, int64_t begin, int64_t end,
+                                                                             ReduceOp op) {
+  const int64_t n = check_reduce_scatter_range(*this, flat, begin, end, Device::cpu);
+  impl_->collective(
+      "reduce_scatter_range",
+      fmt::format("{}, [{}, {}) of {}", reduce_op_name(op), begin, end, flat.describe()),
+      [&](uint64_t s, Clock::time_point deadline) {
+        if (size() == 1 || begin == end) return;
+        // The ring of reduce_scatter over the bucket: chunk c is the bucket's part of shard c (often
+        // empty), so every element is summed in the same order as by reduce_scatter (bit for bit).
+        std::vector<int64_t> chunk_begin(static_cast<size_t>(size()) + 1);
+        for (int c = 0; c < size(); ++c) chunk_begin[c] = shard_share(begin, end, n, c).begin - begin;
+        chunk_begin[size()] = end - begin;
+        const RangeShare mine = shard_share(begin, end, n, rank_);
+        const size_t elem = dtype_size(flat.dtype);
+        const Tensor bucket = flat.narrow(0, begin, end - begin);
+        if (flat.dtype == DType::bf16) {
+          std::vector<float> work = widen_bf16(bucket);
+          impl_->ring_reduce_scatter(reinterpret_cast<char*>(work.data()), sizeof(float), chunk_begin,
+                                     reduce_fn(DType::f32, op), s, deadline);
+          narrow_to_bf16(work.data() + (mine.begin - begin), static_cast<char*>(flat.data) + mine.begin * elem,
+                         static_cast<size_t>(mine.end - mine.begin));
+        } else {
+          // The ring leaves partial sums in the other ranks' parts: it works on a copy, so they stay
+          // as they were (as with NCCL's reduce).
+          const char* src = static_cast<const char*>(bucket.data);
+          std::vector<char> work(src, src + bucket.nbytes());
+          impl_->ring_reduce_scatter(work.data(), elem, chunk_begin, reduce_fn(flat.dtype, op), s, deadline);
+          std::memcpy(static_cast<char*>(flat.data) + mine.begin * elem, work.data() + (mine.begin - begin) * elem,
+                      static_cast<size_t>(mine.end - mine.begin) * elem);
+        }
+      });
+  return std::make_unique<DoneWork>();
+}
+
 void GlooCommunicator::broadcast(Tensor t, int root) {
   check_comm_tensor("broadcast", t, Device::cpu);
   LT_CHECK(root >= 0 && root < size(), "broadcast on {}: root {} is outside [0, {})", describe_group(), root, size());

@@ -8,6 +8,7 @@
 //   reduce_scatter (n per rank out): (P-1)·n·b        all_gather (n per rank in): (P-1)·n·b
 //   all_reduce: (n - n_rank)·b + (n - n_{rank+1})·b   (ring reduce-scatter + ring all-gather)
 //   broadcast: (P-1)·n·b from the root, 0 from the others      barrier: none counted
+//   reduce_scatter_range: reduce_scatter's ring restricted to the bucket (communicator.h)
 // bf16 is reduced in f32: the tensor is widened, the ring runs in f32 (so the counters show f32
 // bytes) and the result is rounded once to bf16, so no partial sum is rounded at every hop.
 // Reductions: sum and max; max propagates NaN, so an overflow check sees any rank's NaN.
@@ -38,6 +39,10 @@ class GlooCommunicator final : public Communicator {
   void all_reduce(Tensor t, ReduceOp op = ReduceOp::sum) override;
   void reduce_scatter(Tensor out, Tensor in, ReduceOp op = ReduceOp::sum) override;
   void all_gather(Tensor out, Tensor in) override;
+  // The ring reduce-scatter over the bucket's parts of the shards: synchronous, so the work it
+  // returns is already complete.
+  [[nodiscard]] std::unique_ptr<CollectiveWork> start_reduce_scatter_range(Tensor flat, int64_t begin, int64_t end,
+                                                                          ReduceOp op = ReduceOp::sum) override;
   void broadcast(Tensor t, int root) override;
   void barrier() override;
   [[nodiscard]] std::unique_ptr<P2PWork> start_p2p(std::span<const P2POp> ops) override;

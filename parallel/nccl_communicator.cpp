@@ -8,6 +8,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <exception>
@@ -468,6 +469,12 @@ NcclCommunicator::NcclCommunicator(TcpStore& store, const std::string& name, std
   // The unique id: created by group rank 0, one per communicator, handed over through the store.
   ncclUniqueId id;
   const std::string id_key = impl_->prefix + "id";
+  // Several communicators of this process can have work in flight at once (the gradient reduction on
+  // the world overlaps attention's transfers on the sequence-parallel group, each on its own stream).
+  // NCCL kernels wait for their peers, so every GPU must run them in the same order: NCCL then orders
+  // launches across communicators as the host issued them, which is the same on every rank. Set
+  // before NCCL reads its environment (its first call); a user's own setting wins.
+  ::setenv("NCCL_LAUNCH_ORDER_IMPLICIT", "1", /*overwrite=*/0);
   if (rank_ == 0) {
     const ncclResult_t r = ncclGetUniqueId(&id);
     LT_CHECK(r == ncclSuccess, "creating communicator {}: ncclGetUniqueId failed: {}", describe_group(),
@@ -654,6 +661,76 @@ void NcclCommunicator::synchronize() {
 
 namespace {
 
+// Makes the compute stream wait for `done` (null: nothing was queued).
+void order_compute_after(NcclCommunicator::Impl* impl, const EventPtr& done) {
+  impl->throw_if_failed();
+  if (done) LT_CUDA_CHECK(cudaStreamWaitEvent(cudaStreamPerThread, done->e, 0));
+}
+
+class NcclCollectiveWork final : public CollectiveWork {
+ public:
+  NcclCollectiveWork(NcclCommunicator::Impl* impl, EventPtr done) : impl_(impl), done_(std::move(done)) {}
+  ~NcclCollectiveWork() override {
+    // After a failure the error is on its way up and the process will stop: nothing to order.
+    if (waited_ || !done_ || impl_->failure->claimed.load()) return;
+    try {
+      wait();
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "[longtrain] a collective destroyed without wait() failed: %s\n", e.what());
+    }
+  }
+
+  // Orders the compute stream after the collective; the host does not wait.
+  void wait() override {
+    if (waited_) return;
+    waited_ = true;
+    order_compute_after(impl_, done_);
+  }
+
+ private:
+  NcclCommunicator::Impl* impl_;
+  EventPtr done_;
+  bool waited_ = false;
+};
+
+}  // namespace
+
+std::unique_ptr<CollectiveWork> NcclCommunicator::start_reduce_scatter_range(Tensor flat, int64_t begin, int64_t end,
+                                                                             ReduceOp op) {
+  const int64_t n = check_reduce_scatter_range(*this, flat, begin, end, Device::cuda);
+  Queued q = impl_->begin_collective("reduce_scatter_range",
+                                     fmt::format("{}, [{}, {}) of {}", reduce_op_name(op), begin, end, flat.describe()));
+  if (size() == 1 || begin == end) {
+    impl_->mark_completed(q.seq);
+    return std::make_unique<NcclCollectiveWork>(impl_.get(), nullptr);
+  }
+  const size_t elem = dtype_size(flat.dtype);
+  // Not ordered before compute queued later: that is the overlap (the caller's wait() orders it).
+  EventPtr done = impl_->run(std::move(q), /*compute_waits=*/false, [&] {
+    ncclResult_t first = ncclGroupStart();
+    if (first != ncclSuccess) return first;
+    for (int r = 0; r < size(); ++r) {
+      const RangeShare s = shard_share(begin, end, n, r);
+      if (s.begin == s.end) continue;
+      // In place: the root's sendbuff is its recvbuff; the other ranks' buffers are only read.
+      void* p = static_cast<char*>(flat.data) + static_cast<size_t>(s.begin) * elem;
+      const ncclResult_t res = ncclReduce(p, p, static_cast<size_t>(s.end - s.begin), nccl_dtype(flat.dtype),
+                                          nccl_op(op), r, impl_->comm, impl_->stream);
+      if (first == ncclSuccess) first = res;
+    }
+    const ncclResult_t group_end = ncclGroupEnd();
+    return first != ncclSuccess ? first : group_end;
+  });
+  const RangeVolumes v = reduce_scatter_range_volumes(begin, end, n, size(), rank_);
+  count_sent(v.sent * static_cast<int64_t>(elem));
+  count_received(v.received * static_cast<int64_t>(elem));
+  return std::make_unique<NcclCollectiveWork>(impl_.get(), std::move(done));
+}
+
+// ------------------------------------------------------------------------------------------------
+
+namespace {
+
 class NcclP2PWork final : public P2PWork {
  public:
   NcclP2PWork(NcclCommunicator::Impl* impl, EventPtr done) : impl_(impl), done_(std::move(done)) {}
@@ -671,8 +748,7 @@ class NcclP2PWork final : public P2PWork {
   void wait() override {
     if (waited_) return;
     waited_ = true;
-    impl_->throw_if_failed();
-    if (done_) LT_CUDA_CHECK(cudaStreamWaitEvent(cudaStreamPerThread, done_->e, 0));
+    order_compute_after(impl_, done_);
   }
 
  private:

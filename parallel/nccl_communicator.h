@@ -19,6 +19,10 @@
 //     wait() orders the device streams; it does NOT block the host (copy a result to the host, or
 //     call synchronize(), to wait for it there). Between start and wait, compute on the compute
 //     stream runs concurrently with the transfers.
+//   - start_reduce_scatter_range queues its ncclReduce calls (one per intersected shard, in one
+//     group) on the communication stream behind the compute work queued so far, and returns
+//     without making the compute stream wait: compute queued afterwards (the next layers'
+//     backward) overlaps it. CollectiveWork::wait() makes the compute stream wait for it.
 //   - barrier() blocks the host until every rank reached it (an all_reduce of one integer that the
 //     host waits for), so host-side effects before it (say, store keys) are visible after it.
 //
@@ -51,6 +55,7 @@
 // of b bytes on P ranks, chunk c of the balanced split holding n_c elements:
 //   all_reduce: sent (n - n_rank)·b + (n - n_{rank+1})·b, received (n - n_{rank-1})·b + (n - n_rank)·b
 //   reduce_scatter (n out) and all_gather (n in): (P-1)·n·b each way
+//   reduce_scatter_range: reduce_scatter's ring volumes restricted to the bucket (communicator.h)
 //   broadcast: (P-1)·n·b sent by the root, n·b received by the others     barrier: none counted
 //   send/recv: the payload bytes of each transfer.
 // They count payload handed to NCCL as a ring would move it, not NCCL's actual protocol traffic
@@ -83,6 +88,8 @@ class NcclCommunicator final : public Communicator {
   void all_reduce(Tensor t, ReduceOp op = ReduceOp::sum) override;
   void reduce_scatter(Tensor out, Tensor in, ReduceOp op = ReduceOp::sum) override;
   void all_gather(Tensor out, Tensor in) override;
+  [[nodiscard]] std::unique_ptr<CollectiveWork> start_reduce_scatter_range(Tensor flat, int64_t begin, int64_t end,
+                                                                          ReduceOp op = ReduceOp::sum) override;
   void broadcast(Tensor t, int root) override;
   void barrier() override;
   [[nodiscard]] std::unique_ptr<P2PWork> start_p2p(std::span<const P2POp> ops) override;

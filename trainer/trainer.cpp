@@ -545,17 +545,26 @@ TrainSummary train(TrainConfig c, const std::string& resume, const TrainHooks& h
     LT_CHECK(count > 0, "step {}: no valid label in the step's {} sequences", step, micro * ranks.dp_size);
     model.zero_grads();
     double loss_sum = 0.0;
-    for (auto& b : batches) {
-      loss_sum += model.forward_backward(shard_of(b, &staging), 1.0 / count).sum;
-      if (hooks.after_backward) hooks.after_backward(step, model);
-    }
-    // Every rank's gradient is its share of the global one (its tokens, its data): sum them. The
-    // update then runs identically on every rank, so the replicas stay bit-identical.
-    // Each rank's gradient is its share of the global one (its tokens, its data). Reduce-scatter
-    // them: rank r gets the sum over ranks of its shard, all the optimizer needs.
+    // Each rank's gradient is its share of the global one (its tokens, its data). They are summed
+    // into the owners of the ZeRO-1 shards (rank r gets the sum over ranks of its shard, all the
+    // optimizer needs) bucket by bucket during the last micro-batch's backward: each layer's range
+    // is reduced as soon as its backward is done (the model's gradients-ready hook), on NCCL's
+    // communication stream while the next layers' backward computes. Earlier micro-batches only
+    // accumulate. The buckets together are one reduce_scatter of the flat buffer (communicator.h).
     const Tensor grads = model.grads().flat();
     const Tensor grad_shard = grads.narrow(0, opt.shard_begin(), shard);
-    if (ranks.dist) ranks.dist->world().reduce_scatter(grad_shard, grads);
+    std::vector<std::unique_ptr<parallel::CollectiveWork>> reductions;
+    for (size_t i = 0; i < batches.size(); ++i) {
+      if (ranks.dist && i + 1 == batches.size()) {
+        model.set_gradients_ready([&](int64_t begin, int64_t end) {
+          reductions.push_back(ranks.dist->world().start_reduce_scatter_range(grads, begin, end));
+        });
+      }
+      loss_sum += model.forward_backward(shard_of(batches[i], &staging), 1.0 / count).sum;
+      model.set_gradients_ready(nullptr);
+      if (hooks.after_backward) hooks.after_backward(step, model);
+    }
+    for (auto& r : reductions) r->wait();  // NCCL: the compute stream waits before reading the shard
     double sums[2] = {loss_sum, ops::sum_squares(grad_shard)};
     ranks.sum(sums, 2);
     const double loss = sums[0] / count;

@@ -138,6 +138,32 @@ inline std::vector<int64_t> balanced_chunks(int64_t n, int p) {
   return sizes;
 }
 
+// Bucket boundaries for start_reduce_scatter_range over a flat buffer of p shards of n elements
+// (n >= 16): each list starts at 0, ends at p * n and never decreases, so its buckets partition the
+// buffer. Together they hold buckets straddling every shard boundary, buckets inside one shard
+// (empty intersection with every other), empty buckets (a repeated boundary), a bucket spanning
+// several whole shards, and the whole buffer in one bucket.
+inline std::vector<std::vector<int64_t>> bucket_partitions(int64_t n, int p) {
+  const int64_t total = n * p;
+  std::vector<std::vector<int64_t>> parts;
+  // Around every shard boundary: [b - 1, b + 1) straddles it, [1, 7) sits inside shard 0, [b, b) is empty.
+  std::vector<int64_t> around{0, 1, 7};
+  for (int r = 1; r < p; ++r) {
+    for (int64_t cut : {r * n - 1, r * n, r * n, r * n + 1, r * n + 5}) around.push_back(cut);
+  }
+  around.push_back(total);
+  parts.push_back(around);
+  // Layer-like buckets of uneven lengths.
+  std::vector<int64_t> uneven{0};
+  for (int64_t cut = 3, step = 5; cut < total; cut += step, step = step * 7 % 23 + n / 3) uneven.push_back(cut);
+  uneven.push_back(total);
+  parts.push_back(uneven);
+  // One bucket from inside shard 0 to inside the last shard, spanning the whole shards between.
+  parts.push_back({0, n / 2, total - n / 2, total});
+  parts.push_back({0, total});
+  return parts;
+}
+
 // The barrier blocks until every rank reached it: every rank's key set before it is visible after
 // it (ranks arrive at staggered times).
 inline void check_barrier(parallel::Distributed& d, std::ostream& rep) {

@@ -1,6 +1,7 @@
 // The Gloo communicator with real processes (fork): every collective against a single-process
 // computation for 2 and 3 ranks (each rank can generate every rank's input, so each checks its own
-// result against the reference computed in double), exact traffic counters, grouped send/recv
+// result against the reference computed in double), the bucketed reduce_scatter_range against
+// reduce_scatter bit for bit, exact traffic counters, grouped send/recv
 // overlapped with compute, the process groups, and failures: a rank that never arrives, never joins,
 // or dies is named in the others' errors, within the timeout.
 //
@@ -75,6 +76,67 @@ void check_reduce_scatter(Communicator& c, int64_t n, ReduceOp op, bool in_place
     rep << "CASE " << name << "/input_unchanged " << (std::memcmp(in.data(), in_before.data(), in.size() * sizeof(T)) != 0)
         << " 0\n";
   }
+}
+
+// start_reduce_scatter_range: the buckets of each partition, issued from the top of the buffer
+// down as backward reports them, leave this rank's shard exactly as one in-place reduce_scatter
+// does (bit for bit), leave the other shards' elements as they were, and move the same bytes.
+template <class T>
+void check_reduce_scatter_range(Communicator& c, int64_t n, ReduceOp op, std::ostream& rep) {
+  const int p = c.size(), r = c.rank();
+  const size_t bytes_before = static_cast<size_t>(r * n) * sizeof(T), shard_bytes = static_cast<size_t>(n) * sizeof(T);
+  int partition = 0;
+  for (const std::vector<int64_t>& cuts : bucket_partitions(n, p)) {
+    const uint64_t seed = next_seed();
+    const std::vector<T> in = rank_input<T>(n * p, r, seed);
+    std::vector<T> whole = in, bucketed = in;
+    c.reset_stats();
+    c.reduce_scatter(view(whole).narrow(0, r * n, n), view(whole), op);
+    const CommStats one = c.stats();
+    c.reset_stats();
+    std::vector<std::unique_ptr<CollectiveWork>> works;
+    for (size_t i = cuts.size() - 1; i > 0; --i)
+      works.push_back(c.start_reduce_scatter_range(view(bucketed), cuts[i - 1], cuts[i], op));
+    for (auto& w : works) w->wait();
+    const CommStats buckets = c.stats();
+    const std::string name = fmt::format("reduce_scatter_range/{}/{}/n={}/partition={}", dtype_str<T>(),
+                                         reduce_op_name(op), n, partition++);
+    const T* mine = bucketed.data() + r * n;
+    rep << "CASE " << name << "/equals_reduce_scatter " << (std::memcmp(mine, whole.data() + r * n, shard_bytes) != 0)
+        << " 0\n";
+    rep << "CASE " << name << "/reference " << rel_error(mine, reduce_scatter_reference<T>(n, p, r, op, seed)) << " "
+        << tolerance<T>(op) << "\n";
+    const bool others_kept =
+        std::memcmp(bucketed.data(), in.data(), bytes_before) == 0 &&
+        std::memcmp(mine + n, in.data() + (r + 1) * n, static_cast<size_t>((p - r - 1) * n) * sizeof(T)) == 0;
+    rep << "CASE " << name << "/other_shards_kept " << !others_kept << " 0\n";
+    rep << "CASE " << name << "/bytes_sent " << std::abs(buckets.bytes_sent - one.bytes_sent) << " 0\n";
+    rep << "CASE " << name << "/bytes_received " << std::abs(buckets.bytes_received - one.bytes_received) << " 0\n";
+    rep << "CASE " << name << "/collectives "
+        << std::abs(buckets.collectives - static_cast<int64_t>(cuts.size() - 1)) << " 0\n";
+  }
+}
+
+// Bad buckets are refused before anything is sent, naming the operation, the group and the values;
+// the communicator stays usable (the next collectives of this test run on it).
+void check_reduce_scatter_range_errors(Communicator& c, std::ostream& rep) {
+  std::vector<float> buf(static_cast<size_t>(c.size()) * 5 + 1);
+  auto error_of = [&](int64_t numel, int64_t begin, int64_t end) -> std::string {
+    try {
+      c.reduce_scatter_range(view(buf).narrow(0, 0, numel), begin, end);
+    } catch (const Error& e) {
+      return e.what();
+    }
+    return "no error";
+  };
+  const std::string uneven = error_of(c.size() * 5 + 1, 0, 1);
+  rep << "CASE errors/range_uneven_buffer "
+      << (uneven.find("reduce_scatter_range on 'world'") == std::string::npos ||
+          uneven.find(fmt::format("does not split into {} equal shards", c.size())) == std::string::npos)
+      << " 0\n";
+  const std::string backwards = error_of(c.size() * 5, 4, 3);
+  rep << "CASE errors/range_outside " << (backwards.find("the range [4, 3) is not inside") == std::string::npos)
+      << " 0\n";
 }
 
 template <class T>
@@ -206,6 +268,14 @@ std::string collectives_on_every_dtype(int rank, int p, int port) {
   }
   check_reduce_scatter<float>(c, 1031, ReduceOp::sum, true, rep);
   check_reduce_scatter<bf16>(c, 7, ReduceOp::sum, true, rep);
+  check_reduce_scatter_range_errors(c, rep);
+  for (int64_t n : {17, 1031}) {
+    check_reduce_scatter_range<float>(c, n, ReduceOp::sum, rep);
+    check_reduce_scatter_range<bf16>(c, n, ReduceOp::sum, rep);
+    check_reduce_scatter_range<double>(c, n, ReduceOp::sum, rep);
+    check_reduce_scatter_range<int32_t>(c, n, ReduceOp::sum, rep);
+  }
+  check_reduce_scatter_range<float>(c, 17, ReduceOp::max, rep);
   for (int64_t n : {1, 7, 1031}) {
     check_all_gather<float>(c, n, false, rep);
     check_all_gather<bf16>(c, n, false, rep);
@@ -269,10 +339,11 @@ TEST(OneRankWorld, CollectivesAreTheIdentity) {
   c.reduce_scatter(view(out), view(t));
   c.all_gather(view(gathered), view(out));
   c.broadcast(view(gathered), 0);
+  c.reduce_scatter_range(view(gathered), 1, 3);
   c.barrier();
   EXPECT_EQ(gathered, (std::vector<float>{1.5f, -2.0f, 3.25f}));
   EXPECT_EQ(c.stats().bytes_sent, 0);
-  EXPECT_EQ(c.stats().collectives, 5);
+  EXPECT_EQ(c.stats().collectives, 6);
 }
 
 TEST(OneRankWorld, BadArgumentsNameTheOperationAndTheGroup) {

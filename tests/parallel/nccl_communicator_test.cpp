@@ -2,7 +2,9 @@
 // each. The worker checks every collective (f32, bf16, i32, f64; sum and max) against a
 // single-process computation, with inputs written late on the compute stream and results read
 // straight back through it (so the event ordering between the compute and communication streams is
-// exercised), grouped send/recv both ways, the traffic counters, the barrier and every process
+// exercised), the bucketed reduce_scatter_range against reduce_scatter (bit for bit) and its overlap
+// with compute (the compute stream is not held by a bucket a late peer has not joined), grouped
+// send/recv both ways, the traffic counters, the barrier and every process
 // group; it prints "CASE <name> <error> <tolerance>" lines that this test asserts. Then the
 // failures: a rank that never arrives at an all_reduce, and a send that is never posted, are named
 // in the other rank's error within seconds (timeout 1 s), never a hang.

@@ -1,5 +1,6 @@
 // Training with several processes through the real launcher (Gloo on this machine): data parallel
-// with batch b per rank equals one rank with batch 2b.
+// with batch b per rank equals one rank with batch 2b, also over 3 ranks with accumulation (the
+// gradient reduction runs bucket by bucket during backward).
 #include <sys/wait.h>
 
 #include <cstdlib>
@@ -56,6 +57,29 @@ TEST_F(DistributedTrainTest, DataParallelEqualsOneRankWithTheWholeBatch) {
   ::testing::Test::RecordProperty("worst_relative_loss_difference", fmt::format("{:.2e}", worst));
   // The replicas wrote one run directory (rank 0's) and one checkpoint.
   EXPECT_TRUE(fs::exists(root_ / "runs/dp_two/checkpoints/step_10/model.safetensors"));
+}
+
+// 3 ranks (so the ZeRO-1 shard boundaries fall inside layers, and the layer-by-layer gradient
+// buckets straddle them) with 2 accumulated micro-batches of 1 sequence each (only the last one's
+// backward reduces) equal one rank with the 6 sequences in one batch.
+TEST_F(DistributedTrainTest, DataParallelOverThreeRanksWithAccumulationEqualsOneRank) {
+  const std::vector<std::string> common = {"train.steps=6", "eval.batches=0", "checkpoint.every=0"};
+  std::vector<std::string> one = common, three = common;
+  one.insert(one.end(), {"train.batch_size=6", "train.grad_accum=1"});
+  TrainSummary single = train(config("dp3_single", one));
+
+  three.insert(three.end(), {"train.batch_size=1", "train.grad_accum=2"});
+  std::string args = "train " + write_config("dp3_accum").string();
+  for (const std::string& s : three) args += " --set " + s;
+  ASSERT_EQ(launch(3, args), 0);
+  std::vector<double> parallel = logged_losses(root_ / "runs/dp3_accum");
+  ASSERT_EQ(parallel.size(), single.losses.size());
+  double worst = 0;
+  for (size_t i = 0; i < parallel.size(); ++i) {
+    worst = std::max(worst, std::abs(parallel[i] - single.losses[i]) / std::abs(single.losses[i]));
+    EXPECT_NEAR(parallel[i], single.losses[i], 1e-5 * std::abs(single.losses[i])) << "step " << i + 1;
+  }
+  ::testing::Test::RecordProperty("worst_relative_loss_difference", fmt::format("{:.2e}", worst));
 }
 
 // Sequence parallelism through the trainer: 20 steps with the sequence split over 2 ranks give the
