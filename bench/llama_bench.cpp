@@ -1,30 +1,49 @@
-// llama_bench: training steps of LlamaModel on one GPU at the TinyLlama-1.1B shape of
-// bench/anchors/llama_anchor.py (vocab 32000, dim 2048, 22 layers, 32 heads, 4 KV heads, head dim 64,
-// ffn 5632, rope_theta 10000), batch 1, S tokens of synthetic ids, bf16 mixed precision (bf16
-// parameters, gradients and activations, f32 master weights and Adam moments). One step is what the
-// anchor times: zero the gradients, forward + backward, AdamW step (ours also computes the global
-// gradient norm and clips at 1.0).
+// llama_bench: training steps of LlamaModel on one GPU, or on the GPUs of one sequence-parallel group,
+// at the TinyLlama-1.1B shape of bench/anchors/llama_anchor.py (vocab 32000, dim 2048, 22 layers, 32
+// heads, 4 KV heads, head dim 64, ffn 5632, rope_theta 10000), batch 1, S tokens of synthetic ids,
+// bf16 mixed precision (bf16 parameters, gradients and activations, f32 master weights and Adam
+// moments). One step is what the anchor times: zero the gradients, forward + backward, AdamW step
+// (ours also computes the global gradient norm and clips at 1.0).
 //
 //   llama_bench [--lengths 8192,32768,65536] [--policies remat_aware,full] [--anchor llama_anchor.json]
 //               [--out result.json] [--commit SHA] [--warmup 1] [--steps 3] [--plan-only]
+//               [--schedule zigzag] [--longest] [--gpus P] [--memory FREE_GIB,TOTAL_GIB]
+//   longtrain-run --nproc-per-node 2 -- llama_bench ...     (sequence parallel over 2 GPUs)
 //   llama_bench --merge result.json --anchor llama_anchor.json --out merged.json
+//
+// Under the launcher (WORLD_SIZE = P > 1) the P ranks form one sequence-parallel group over NCCL: each
+// holds S/P tokens in the schedule's layout (zigzag for ring, zigzag and burst; contiguous for
+// distflash) with global positions, attention runs the distributed schedule, and the step is the
+// trainer's: gradients reduce-scattered over the ranks, AdamW on this rank's ZeRO-1 shard, parameters
+// all-gathered. S in --lengths is the whole sequence; times are the slowest rank's, memory the
+// largest rank's; rank 0 prints and writes the result.
 //
 // --merge adds the anchor's numbers and the ratios to a result written earlier in the same run (when
 // the anchor ran after the benchmark); it needs no GPU.
+//
+// --longest: no training; for each policy, the longest sequence whose memory plan fits this device's
+// free memory (the check `longtrain train` makes before it allocates): the largest power of two, and
+// the largest multiple of 8192·P. Run the normal mode at those lengths to show they train. --gpus P
+// plans for a group of P GPUs outside the launcher (as does --plan-only); --memory FREE,TOTAL (GiB)
+// plans for a GPU that is not here.
 //
 // For each length (ascending) and checkpoint policy: the memory plan is printed and checked against
 // the free device memory before anything is allocated (a config that does not fit is reported and
 // skipped); then warm-up steps, then timed steps (wall clock between two device synchronisations, as
 // the anchor times them), with CUDA events splitting each step into forward+backward, optimizer, and
-// the attention calls inside forward+backward.
+// the attention calls inside forward+backward. The attention forwards per layer and step are counted
+// (remat_aware and none: 1, full: 2).
 //
 // FLOPs: the anchor counts 6·N_matmul + 6·L·S·d_model per token (N_matmul = all parameters except the
 // embedding; causal attention at half of 12·L·S·d). model_tflops and MFU (against 989 TFLOP/s dense
-// bf16) use that formula so the two are comparable; LlamaConfig::train_flops_per_token (same formula
-// without the norm weights, 0.01% less) is reported beside it. Peak memory: device memory taken by the
-// process after the timed steps (cudaMemGetInfo against the free memory at start; arenas and scratch
-// never shrink during a step, so this is the step's peak), CUDA context excluded. The anchor reports
-// torch.cuda.max_memory_allocated (its caching allocator's live tensors).
+// bf16) use that formula so the two are comparable; per GPU it is divided by P. LlamaConfig::
+// train_flops_per_token (same formula without the norm weights, 0.01% less) is reported beside it.
+// Peak memory: device memory taken by the process after the timed steps (cudaMemGetInfo against the
+// free memory at start; arenas and scratch never shrink during a step, so this is the step's peak),
+// CUDA context excluded, NCCL's and cuBLAS/cuDNN's own buffers included; and allocated_peak, the
+// most longtrain itself had allocated at once (runtime/device.h allocation_stats: every arena and
+// scratch buffer), which is what the memory plan predicts. The anchor reports torch.cuda.max_memory_allocated
+// (its caching allocator's live tensors).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -35,8 +54,11 @@
 #include <thread>
 #include <vector>
 
+#include "attention/distributed/distributed_attention.h"
 #include "attention/sequence_attention.h"
 #include "bench/bench_common.h"
+#include "parallel/distributed.h"
+#include "parallel/layout.h"
 #include "model/llama.h"
 #include "model/memory_plan.h"
 #include "model/parameters.h"
@@ -52,7 +74,10 @@ struct Options {
   std::vector<model::CheckpointPolicy> policies{model::CheckpointPolicy::remat_aware, model::CheckpointPolicy::full};
   std::string anchor, out, commit = "unknown", command, merge;
   int warmup = 1, steps = 3;
-  bool plan_only = false;
+  bool plan_only = false, longest = false;
+  int plan_gpus = 0;  // --gpus: the group size --plan-only and --longest plan for outside the launcher
+  double free_gib = 0.0, total_gib = 0.0;  // --memory FREE,TOTAL: --longest for a GPU that is not here
+  attn::Schedule schedule = attn::Schedule::zigzag;
 };
 
 Options parse(int argc, char** argv) {
@@ -84,6 +109,17 @@ Options parse(int argc, char** argv) {
       o.merge = next();
     } else if (a == "--plan-only") {
       o.plan_only = true;
+    } else if (a == "--longest") {
+      o.longest = true;
+    } else if (a == "--memory") {
+      const std::vector<std::string> v = split_list(next());
+      LT_CHECK(v.size() == 2, "llama_bench: --memory takes FREE_GIB,TOTAL_GIB");
+      o.free_gib = std::stod(v[0]);
+      o.total_gib = std::stod(v[1]);
+    } else if (a == "--gpus") {
+      o.plan_gpus = std::stoi(next());
+    } else if (a == "--schedule") {
+      o.schedule = attn::parse_schedule(next());
     } else {
       LT_FAIL("llama_bench: unknown argument {} (see the comment at the top of bench/llama_bench.cpp)", a);
     }
@@ -107,25 +143,25 @@ model::LlamaConfig tinyllama() {
   return c;
 }
 
-// The attention of the model with CUDA events around every call: the time attention takes inside a
-// step, without synchronising.
+// The attention of the model (one GPU's, or the group's distributed schedule) with CUDA events around
+// every call: the time attention takes inside a step, without synchronising.
 class TimedAttention final : public attn::SequenceAttention {
  public:
-  explicit TimedAttention(double scale) : inner_(/*causal=*/true, scale) {}
+  explicit TimedAttention(std::unique_ptr<attn::SequenceAttention> inner) : inner_(std::move(inner)) {}
   ~TimedAttention() override {
     for (cudaEvent_t e : events_) cudaEventDestroy(e);
   }
   void forward(Tensor o, Tensor lse, Tensor q, Tensor k, Tensor v) override {
     ++counters.forward_calls;
     const size_t i = begin();
-    inner_.forward(o, lse, q, k, v);
+    inner_->forward(o, lse, q, k, v);
     end(i);
   }
   void backward(Tensor dq, Tensor dk, Tensor dv, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse,
                 Tensor d_o) override {
     ++counters.backward_calls;
     const size_t i = begin();
-    inner_.backward(dq, dk, dv, q, k, v, o, lse, d_o);
+    inner_->backward(dq, dk, dv, q, k, v, o, lse, d_o);
     end(i);
   }
   void reset() { used_ = 0; }
@@ -154,7 +190,7 @@ class TimedAttention final : public attn::SequenceAttention {
   }
   void end(size_t i) { LT_CUDA_CHECK(cudaEventRecord(events_[i + 1], cuda_stream())); }
 
-  attn::LocalSequenceAttention inner_;
+  std::unique_ptr<attn::SequenceAttention> inner_;
   std::vector<cudaEvent_t> events_;
   size_t used_ = 0;
 };
@@ -200,12 +236,38 @@ size_t free_bytes() {
 
 constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 
+// The layout a schedule's tokens are laid out in (what `longtrain train` pairs them with).
+SeqLayout layout_for(attn::Schedule s) {
+  return s == attn::Schedule::distflash ? SeqLayout::contiguous : SeqLayout::zigzag;
+}
+
+// In place over the group (NCCL reduces device memory): the max or sum of a few host values.
+void reduce_host(parallel::Communicator* comm, std::vector<double>& v, parallel::ReduceOp op) {
+  if (comm == nullptr || comm->size() == 1) return;
+  CudaBuffer d(v);
+  comm->all_reduce(d.t, op);
+  copy(Tensor(v.data(), DType::f64, {static_cast<int64_t>(v.size())}), d.t);
+  LT_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
 }  // namespace
 
 int main(int argc, char** argv) try {
   const Options opt = parse(argc, argv);
   const model::LlamaConfig cfg = tinyllama();
   const model::Precision prec = model::Precision::cuda_mixed();
+  const parallel::WorldInfo world = parallel::world_from_env();
+  const bool planning = opt.plan_only || opt.longest;
+  const int P = planning && opt.plan_gpus > 0 && world.world_size == 1 ? opt.plan_gpus : world.world_size;
+  const int rank = world.rank;
+  const bool main_rank = rank == 0;
+  const SeqLayout layout = layout_for(opt.schedule);
+  model::SequenceParallelPlan sp_plan;
+  sp_plan.sp_size = P;
+  sp_plan.schedule = opt.schedule;
+  auto plan_for = [&](model::CheckpointPolicy p, int64_t S) {
+    return model::plan_memory(cfg, prec, p, S / P, P, sp_plan);
+  };
 
   if (!opt.merge.empty()) {  // the anchor's numbers beside a result written earlier: runs without a GPU
     json result = read_json("llama_bench --merge", "the result", opt.merge);
@@ -229,21 +291,84 @@ int main(int argc, char** argv) try {
 
   if (opt.plan_only) {  // the plans alone: runs without a GPU
     for (int64_t S : opt.lengths)
-      for (model::CheckpointPolicy p : opt.policies) std::printf("%s\n", model::plan_memory(cfg, prec, p, S).table().c_str());
+      for (model::CheckpointPolicy p : opt.policies) std::printf("%s\n", plan_for(p, S).table().c_str());
+    return 0;
+  }
+
+  if (opt.longest) {
+    // The plan is exact to within a fraction of a percent of the measured peak
+    // (bench/results/llama-h200-*.json), so the longest length is found on the plan, then shown to
+    // train by a normal run at that length.
+    model::DeviceMemory mem;
+    if (opt.free_gib > 0) {
+      mem.free = static_cast<size_t>(opt.free_gib * kGiB);
+      mem.total = static_cast<size_t>(opt.total_gib * kGiB);
+    } else {
+      LT_CHECK(cuda_available(), "llama_bench --longest: no CUDA device is visible (or give --memory FREE,TOTAL)");
+      LT_CUDA_CHECK(cudaFree(nullptr));
+      mem = model::device_memory(Device::cuda);
+    }
+    const json machine = opt.free_gib > 0 ? json{{"memory", "given with --memory"}} : machine_json();
+    const int64_t granule = 8192LL * P;
+    json rows = json::array();
+    for (model::CheckpointPolicy policy : opt.policies) {
+      auto fits = [&](int64_t S) {
+        try {
+          model::check_memory_fits(plan_for(policy, S), mem);
+          return true;
+        } catch (const std::exception&) {
+          return false;
+        }
+      };
+      int64_t pow2 = 0;
+      for (int64_t S = granule; S <= (int64_t{1} << 26) && fits(S); S *= 2) pow2 = S;
+      int64_t lo = pow2 / granule, hi = std::max<int64_t>(lo, 1) * 2;  // fits(lo·g); !fits(hi·g) (pow2 · 2 fails)
+      while (hi - lo > 1) {
+        const int64_t mid = (lo + hi) / 2;
+        (fits(mid * granule) ? lo : hi) = mid;
+      }
+      const int64_t largest = lo * granule;
+      json row = {{"policy", model::checkpoint_policy_name(policy)}, {"largest_power_of_two", pow2},
+                  {"largest_multiple_of_8192P", largest}};
+      if (largest > 0) row["plan_GiB_at_largest"] = round3(plan_for(policy, largest).total() / kGiB);
+      if (main_rank)
+        std::printf("longest by plan, %d GPU(s), %-11s: power of two %lld, largest %lld (plan %.2f GiB; free %.2f GiB)\n",
+                    P, model::checkpoint_policy_name(policy), (long long)pow2, (long long)largest,
+                    largest > 0 ? plan_for(policy, largest).total() / kGiB : 0.0, mem.free / kGiB);
+      rows.push_back(row);
+    }
+    if (main_rank && !opt.out.empty())
+      write_json("llama_bench", opt.out,
+                 json{{"benchmark", "longest sequence whose memory plan fits, TinyLlama-1.1B shape"},
+                      {"gpus", P}, {"schedule", P > 1 ? std::string(attn::schedule_name(opt.schedule)) : "local"},
+                      {"free_GiB", round3(mem.free / kGiB)}, {"date", utc_date()}, {"machine", machine},
+                      {"commit", opt.commit}, {"command", opt.command}, {"rows", rows}});
     return 0;
   }
 
   LT_CHECK(cuda_available(), "llama_bench: no CUDA device is visible");
+  if (P > 1) select_cuda_device(world.local_rank);
   LT_CUDA_CHECK(cudaFree(nullptr));  // create the context before measuring free memory
   const size_t baseline_free = free_bytes();
   const json machine = machine_json();
+
+  // The sequence-parallel group (NCCL), one GPU per rank; none on one GPU.
+  std::unique_ptr<parallel::Distributed> dist;
+  parallel::Communicator* group = nullptr;
+  if (P > 1) {
+    parallel::DistributedOptions o;
+    o.sp_size = P;
+    o.backend = parallel::Backend::nccl;
+    dist = std::make_unique<parallel::Distributed>(world, parallel::options_from_env(o));
+    group = &dist->world();
+  }
 
   json anchor;
   if (!opt.anchor.empty()) {
     std::ifstream in(opt.anchor);
     if (in.good()) {
       in >> anchor;
-    } else {  // the anchor failed or was not run: measure ours anyway, and say so in the result
+    } else if (main_rank) {  // the anchor failed or was not run: measure ours anyway, and say so in the result
       std::fprintf(stderr, "llama_bench: cannot read the anchor results %s; reporting without ratios\n",
                    opt.anchor.c_str());
     }
@@ -256,69 +381,116 @@ int main(int argc, char** argv) try {
   };
 
   json result;
-  result["benchmark"] =
-      "Llama training step on one GPU, TinyLlama-1.1B shape (vocab 32000, dim 2048, 22 layers, 32 heads, 4 KV "
-      "heads, head dim 64, ffn 5632), batch 1, bf16 mixed precision, AdamW";
+  result["benchmark"] = fmt::format(
+      "Llama training step on {} GPU(s){}, TinyLlama-1.1B shape (vocab 32000, dim 2048, 22 layers, 32 heads, 4 KV "
+      "heads, head dim 64, ffn 5632), batch 1, bf16 mixed precision, AdamW",
+      P, P > 1 ? fmt::format(" (one sequence-parallel group, {} schedule, {} layout, ZeRO-1 over the group)",
+                             attn::schedule_name(opt.schedule), layout_name(layout))
+               : std::string());
+  result["gpus"] = P;
   result["date"] = utc_date();
   result["machine"] = machine;
   result["commit"] = opt.commit;
   result["command"] = opt.command;
   result["parameters"] = cfg.num_parameters();
   result["timing"] = fmt::format("wall clock over {} steps after {} warm-up steps, device synchronised before and "
-                                 "after (the anchor: 4 steps after 2)",
+                                 "after, slowest rank (the anchor: 4 steps after 2)",
                                  opt.steps, opt.warmup);
   result["flops"] =
       "model FLOPs per token = 6*N_matmul + 6*L*S*d_model (N_matmul = parameters except the embedding; causal "
-      "attention at half), the anchor's formula; MFU against 989 TFLOP/s dense bf16";
+      "attention at half), the anchor's formula, over the whole sequence; per GPU divided by the GPUs; MFU "
+      "against 989 TFLOP/s dense bf16 per GPU";
   result["peak_memory"] =
       "ours: device memory taken by the process after the timed steps (cudaMemGetInfo vs. the start; no frees "
-      "inside a step), CUDA context excluded; anchor: torch.cuda.max_memory_allocated";
+      "inside a step), CUDA context excluded, NCCL buffers included, largest rank; anchor: "
+      "torch.cuda.max_memory_allocated";
   result["ours"] =
       "longtrain LlamaModel (cuBLASLt GEMMs, cuDNN fused attention, chunked LM head + cross-entropy) + "
       "trainer::AdamW (f32 master weights and moments, global-norm clipping at 1.0); zero_grads + "
       "forward_backward + AdamW step";
   if (!anchor.is_null()) result["anchor"] = {{"script", "bench/anchors/llama_anchor.py"}, {"file", opt.anchor}};
 
-  std::printf("llama_bench: %s, %d SMs, %.1f GiB; %.0f parameters\n", machine["gpu"].get<std::string>().c_str(),
-              machine["sms"].get<int>(), machine["gpu_memory_gib"].get<double>(), n_all);
+  if (main_rank)
+    std::printf("llama_bench: %d x %s, %d SMs, %.1f GiB; %.0f parameters%s\n", P,
+                machine["gpu"].get<std::string>().c_str(), machine["sms"].get<int>(),
+                machine["gpu_memory_gib"].get<double>(), n_all,
+                P > 1 ? fmt::format("; sequence parallel, {} schedule", attn::schedule_name(opt.schedule)).c_str() : "");
   const std::vector<bf16> image = parameter_image(cfg);
   json rows = json::array();
   std::vector<std::string> summary;
   if (!anchor.is_null() && anchor.contains("params")) result["anchor_params"] = anchor["params"];
   auto write_result = [&](const json& r) {
-    if (opt.out.empty()) return;
+    if (opt.out.empty() || !main_rank) return;
     result["rows"] = r;
     write_json("llama_bench", opt.out, result);
   };
 
   for (int64_t S : opt.lengths) {
-    // Synthetic ids; labels are the next token (the last one ignored), as HF shifts them; positions 0..S-1.
-    std::vector<int32_t> ids(static_cast<size_t>(S)), labels(ids.size()), positions(ids.size());
+    LT_CHECK(S % P == 0, "llama_bench: length {} does not split over {} GPUs", S, P);
+    check_layout(layout, S, P);
+    // Synthetic ids; labels are the next token (the last one ignored), as HF shifts them; global
+    // positions 0..S-1. This rank keeps the tokens its layout gives it.
+    std::vector<int32_t> all_ids(static_cast<size_t>(S));
     uint64_t s = 0x853c49e6748fea9bull ^ static_cast<uint64_t>(S);
-    for (auto& id : ids) {
+    for (auto& id : all_ids) {
       s = s * 6364136223846793005ull + 1442695040888963407ull;
       id = static_cast<int32_t>((s >> 33) % static_cast<uint64_t>(cfg.vocab_size));
     }
-    for (int64_t t = 0; t < S; ++t) {
-      labels[t] = t + 1 < S ? ids[t + 1] : model::LlamaModel::kIgnoreIndex;
-      positions[t] = static_cast<int32_t>(t);
+    const std::vector<int64_t> mine = layout_global_indices(layout, S, P, rank);
+    const int64_t T = static_cast<int64_t>(mine.size());
+    std::vector<int32_t> ids(mine.size()), labels(mine.size()), positions(mine.size());
+    for (size_t i = 0; i < mine.size(); ++i) {
+      const int64_t t = mine[i];
+      ids[i] = all_ids[static_cast<size_t>(t)];
+      labels[i] = t + 1 < S ? all_ids[static_cast<size_t>(t + 1)] : model::LlamaModel::kIgnoreIndex;
+      positions[i] = static_cast<int32_t>(t);
     }
-    const int64_t valid = S - 1;
+    const int64_t valid = S - 1;  // over the whole sequence: the loss is normalised by the global count
     const json* anchor_row = nullptr;
     const std::string key = std::to_string(S);
     if (anchor.contains(key)) anchor_row = &anchor[key];
 
     for (model::CheckpointPolicy policy : opt.policies) {
-      json row = {{"S", S}, {"policy", model::checkpoint_policy_name(policy)}};
-      const model::MemoryPlan plan = model::plan_memory(cfg, prec, policy, S);
-      std::printf("\n%s", plan.table().c_str());
+      json row = {{"S", S}, {"gpus", P}, {"tokens_per_gpu", T}, {"policy", model::checkpoint_policy_name(policy)}};
+      const model::MemoryPlan plan = plan_for(policy, S);
+      if (main_rank) std::printf("\n%s", plan.table().c_str());
       row["plan_GiB"] = round3(plan.total() / kGiB);
+      // Every rank decides the same way (same plan, same GPUs); a failure on one rank after this point
+      // is a real error, not a skip.
+      std::string skip;
       try {
         model::check_memory_fits(plan, model::device_memory(Device::cuda));
+      } catch (const std::exception& e) {
+        skip = e.what();
+      }
+      std::vector<double> skip_any = {skip.empty() ? 0.0 : 1.0};
+      reduce_host(group, skip_any, parallel::ReduceOp::max);
+      if (skip.empty() && skip_any[0] > 0) skip = "another rank's memory plan does not fit";
+      if (!skip.empty()) {
+        row["skipped"] = skip;
+        if (main_rank) std::printf("S=%lld %s: skipped: %s\n", (long long)S, model::checkpoint_policy_name(policy), skip.c_str());
+        summary.push_back(fmt::format("S={:7} {:11}: skipped: {}", S, model::checkpoint_policy_name(policy), skip));
+        rows.push_back(row);
+        write_result(rows);
+        continue;
+      }
+      {
         const size_t free_before = free_bytes();
-        auto attention = std::make_unique<TimedAttention>(1.0 / std::sqrt(static_cast<double>(cfg.head_dim)));
+        reset_allocation_peak(Device::cuda);
+        attn::SequenceAttentionSpec spec;
+        spec.schedule = opt.schedule;
+        spec.causal = true;
+        spec.scale = 1.0 / std::sqrt(static_cast<double>(cfg.head_dim));
+        spec.layout = layout;
+        if (dist) {
+          spec.sp = &dist->sp();
+          spec.intra_node = &dist->intra_node();
+          spec.inter_node = &dist->inter_node();
+        }
+        auto attention = std::make_unique<TimedAttention>(attn::make_sequence_attention(spec));
         TimedAttention* timed = attention.get();
-        model::LlamaModel m(cfg, prec, policy, S, std::move(attention));
+        model::LlamaModel m(cfg, prec, policy, T, std::move(attention), P);
+        LT_CHECK(static_cast<size_t>(m.params().flat().numel()) >= image.size(), "llama_bench: parameter image larger than the arena");
         copy(Tensor(m.params().base(), DType::bf16, {static_cast<int64_t>(image.size())}, Device::cuda),
              Tensor(const_cast<bf16*>(image.data()), DType::bf16, {static_cast<int64_t>(image.size())}));
         trainer::AdamWConfig ocfg;  // torch.optim.AdamW's defaults, as the anchor uses them, lr 1e-4
@@ -330,67 +502,105 @@ int main(int argc, char** argv) try {
         ocfg.schedule = trainer::LrSchedule::constant;
         ocfg.grad_clip = 1.0;
         ocfg.no_decay = {};
-        trainer::AdamW adamw(m.params(), ocfg);
+        // ZeRO-1 as the trainer shards it: rank r owns the r-th of P equal shards of the flat buffer.
+        const int64_t flat = m.params().flat().numel(), shard = flat / P;
+        trainer::AdamW adamw(m.params(), ocfg, rank * shard, (rank + 1) * shard);
         CudaBuffer d_ids(ids), d_labels(labels), d_pos(positions);
-        const model::TokenShard shard{d_ids.t, d_labels.t, d_pos.t};
+        const model::TokenShard tokens{d_ids.t, d_labels.t, d_pos.t};
+        CudaBuffer norm_sq(DType::f64, {1});
 
         // Three events per timed step (start, after forward+backward, after the optimizer), read after
         // the wall-clock measurement so that reading them adds no synchronisation inside it.
         CudaEvents events(static_cast<size_t>(3 * opt.steps));
-        double loss = 0.0, grad_norm = 0.0;
+        double loss_sum = 0.0, grad_norm = 0.0;
         // Timed step i records events 3i (start), 3i + 1 (after forward+backward) and 3i + 2 (after the
         // optimizer); i < 0 is an untimed step.
         auto step = [&](int i) {
           const size_t e = static_cast<size_t>(3 * std::max(i, 0));
           if (i >= 0) events.record(e);
           m.zero_grads();
-          const model::LossSum l = m.forward_backward(shard, 1.0 / static_cast<double>(valid));
+          const model::LossSum l = m.forward_backward(tokens, 1.0 / static_cast<double>(valid));
           if (i >= 0) events.record(e + 1);
-          const trainer::AdamW::StepInfo info = adamw.step(m.params(), m.grads());
+          if (group == nullptr) {
+            const trainer::AdamW::StepInfo info = adamw.step(m.params(), m.grads());
+            grad_norm = info.grad_norm;
+          } else {  // the trainer's step: reduce-scatter, Σ of squares over the group, shard update, all-gather
+            const Tensor grads = m.grads().flat();
+            const Tensor grad_shard = grads.narrow(0, adamw.shard_begin(), shard);
+            group->reduce_scatter(grad_shard, grads);
+            std::vector<double> sq = {ops::sum_squares(grad_shard)};
+            reduce_host(group, sq, parallel::ReduceOp::sum);
+            grad_norm = std::sqrt(sq[0]);
+            adamw.step_shard(m.params(), grad_shard, grad_norm);
+            const Tensor params = m.params().flat();
+            group->all_gather(params, params.narrow(0, adamw.shard_begin(), shard));
+          }
           if (i >= 0) events.record(e + 2);
-          loss = l.sum / static_cast<double>(l.count);
-          grad_norm = info.grad_norm;
+          loss_sum = l.sum;
         };
         const auto t_warm = std::chrono::steady_clock::now();
         for (int i = 0; i < opt.warmup; ++i) step(-1);
         LT_CUDA_CHECK(cudaDeviceSynchronize());
+        if (group) group->barrier();
         const double warm_s = seconds_since(t_warm);
         timed->reset();
+        const int64_t forwards_timed_before = timed->counters.forward_calls;
         const auto t0 = std::chrono::steady_clock::now();
         for (int i = 0; i < opt.steps; ++i) step(i);
         LT_CUDA_CHECK(cudaDeviceSynchronize());
-        const double step_s = seconds_since(t0) / opt.steps;
+        double step_s = seconds_since(t0) / opt.steps;
         double fb_ms = 0.0, opt_ms = 0.0;
         for (int i = 0; i < opt.steps; ++i) {
           const size_t e = static_cast<size_t>(3 * i);
           fb_ms += events.ms(e, e + 1) / opt.steps;
           opt_ms += events.ms(e + 1, e + 2) / opt.steps;
         }
-        const double attn_ms = timed->elapsed_ms() / opt.steps;
+        double attn_ms = timed->elapsed_ms() / opt.steps;
+        const double forwards_per_layer =
+            static_cast<double>(timed->counters.forward_calls - forwards_timed_before) / (opt.steps * cfg.n_layers);
         const size_t free_after = free_bytes();
+        // The slowest rank's times, the largest rank's memory; the loss over the whole sequence.
+        std::vector<double> maxes = {step_s, fb_ms, opt_ms, attn_ms, static_cast<double>(baseline_free - free_after),
+                                     static_cast<double>(free_before - free_after), warm_s,
+                                     static_cast<double>(allocation_stats(Device::cuda).peak)};
+        reduce_host(group, maxes, parallel::ReduceOp::max);
+        std::vector<double> sums = {loss_sum};
+        reduce_host(group, sums, parallel::ReduceOp::sum);
+        step_s = maxes[0];
+        fb_ms = maxes[1];
+        opt_ms = maxes[2];
+        attn_ms = maxes[3];
+        const double peak = maxes[4], model_bytes = maxes[5], tracked = maxes[7];
+        const double loss = sums[0] / static_cast<double>(valid);
 
         const double tok_s = static_cast<double>(S) / step_s;
         const double flops = anchor_flops_per_token(S) * static_cast<double>(S);
         const double ours_flops = cfg.train_flops_per_token(S) * static_cast<double>(S);
-        const double peak = static_cast<double>(baseline_free - free_after);
         row["step_s"] = round3(step_s);
         row["tok_per_s"] = std::round(tok_s);
+        row["tok_per_s_per_gpu"] = std::round(tok_s / P);
         row["model_tflops"] = round1(flops / step_s / 1e12);
+        row["model_tflops_per_gpu"] = round1(flops / step_s / 1e12 / P);
         row["model_tflops_longtrain_formula"] = round1(ours_flops / step_s / 1e12);
-        row["mfu_989"] = round3(flops / step_s / 989e12);
+        row["mfu_989"] = round3(flops / step_s / 989e12 / P);
         row["peak_GiB"] = round1(peak / kGiB);
-        row["model_GiB"] = round1(static_cast<double>(free_before - free_after) / kGiB);
+        row["peak_over_plan"] = round3(peak / static_cast<double>(plan.total()));
+        row["allocated_peak_GiB"] = round3(tracked / kGiB);
+        row["allocated_peak_over_plan"] = round3(tracked / static_cast<double>(plan.total()));
+        row["model_GiB"] = round1(model_bytes / kGiB);
         row["loss"] = round3(loss);
         row["grad_norm"] = round3(grad_norm);
-        row["first_steps_s"] = round3(warm_s);
+        row["first_steps_s"] = round3(maxes[6]);
+        row["attention_forwards_per_layer"] = forwards_per_layer;
         row["split_ms"] = {{"forward_backward", round1(fb_ms)},
                            {"attention_in_forward_backward", round1(attn_ms)},
                            {"optimizer", round1(opt_ms)}};
         std::string line = fmt::format(
-            "S={:6} {:11}: {:7.3f} s/step, {:7.0f} tok/s, {:5.1f} TFLOP/s, MFU {:.3f}, peak {:5.1f} GiB (plan {:5.1f}); "
-            "fwd+bwd {:.0f} ms (attention {:.0f}), optimizer {:.0f} ms; loss {:.3f}",
-            S, model::checkpoint_policy_name(policy), step_s, tok_s, flops / step_s / 1e12, flops / step_s / 989e12,
-            peak / kGiB, plan.total() / kGiB, fb_ms, attn_ms, opt_ms, loss);
+            "S={:7} {}GPU {:11}: {:8.3f} s/step, {:7.0f} tok/s, {:5.1f} TFLOP/s/GPU, MFU {:.3f}, peak {:5.1f} GiB "
+            "(plan {:5.1f}); fwd+bwd {:.0f} ms (attention {:.0f}, {:.0f} fwd/layer), optimizer {:.0f} ms; loss {:.3f}",
+            S, P, model::checkpoint_policy_name(policy), step_s, tok_s, flops / step_s / 1e12 / P,
+            flops / step_s / 989e12 / P, peak / kGiB, plan.total() / kGiB, fb_ms, attn_ms, forwards_per_layer, opt_ms,
+            loss);
         if (anchor_row != nullptr && anchor_row->is_object() && anchor_row->contains("tok_per_s")) {
           const double a_tok = (*anchor_row)["tok_per_s"].get<double>();
           row["anchor"] = *anchor_row;
@@ -399,20 +609,18 @@ int main(int argc, char** argv) try {
         } else if (anchor_row != nullptr) {
           row["anchor"] = *anchor_row;
         }
-        std::printf("%s\n", line.c_str());
+        if (main_rank) std::printf("%s\n", line.c_str());
         summary.push_back(line);
-      } catch (const std::exception& e) {
-        row["skipped"] = e.what();
-        std::printf("S=%lld %s: skipped: %s\n", (long long)S, model::checkpoint_policy_name(policy), e.what());
-        summary.push_back(fmt::format("S={:6} {:11}: skipped: {}", S, model::checkpoint_policy_name(policy), e.what()));
       }
       std::fflush(stdout);
       rows.push_back(row);
       write_result(rows);  // after every configuration: a run stopped at its time limit keeps what it measured
     }
   }
-  std::printf("\n");
-  for (const std::string& l : summary) std::printf("%s\n", l.c_str());
+  if (main_rank) {
+    std::printf("\n");
+    for (const std::string& l : summary) std::printf("%s\n", l.c_str());
+  }
   return 0;
 } catch (const std::exception& e) {
   std::fprintf(stderr, "llama_bench: %s\n", e.what());

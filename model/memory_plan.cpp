@@ -6,11 +6,13 @@
 #include <vector>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #ifdef LONGTRAIN_HAS_CUDA
 #include <cuda_runtime_api.h>
 #endif
 
+#include "attention/distributed/workspace.h"
 #include "kernels/ops.h"
 #include "model/parameters.h"
 
@@ -89,16 +91,19 @@ int cuda_sm_count() {
 }  // namespace
 
 MemoryPlan plan_memory(const LlamaConfig& config, const Precision& precision, CheckpointPolicy policy,
-                       int64_t tokens_per_rank, int64_t optimizer_shards) {
+                       int64_t tokens_per_rank, int64_t optimizer_shards, const SequenceParallelPlan& sp) {
   config.validate();
   LT_CHECK(tokens_per_rank > 0, "a memory plan needs at least one token per rank (got {})", tokens_per_rank);
   LT_CHECK(optimizer_shards >= 1, "a memory plan needs at least one optimizer shard (got {})", optimizer_shards);
+  LT_CHECK(sp.sp_size >= 1 && sp.nodes >= 1, "a memory plan needs sp_size >= 1 and nodes >= 1 (got {}, {})",
+           sp.sp_size, sp.nodes);
   MemoryPlan plan;
   plan.config = config;
   plan.precision = precision;
   plan.policy = policy;
   plan.tokens = tokens_per_rank;
   plan.optimizer_shards = optimizer_shards;
+  plan.sp = sp;
   const Device dev = precision.device;
 
   // Parameters and gradients: LlamaModel's tables, padded as it pads them for flat shards.
@@ -132,26 +137,34 @@ MemoryPlan plan_memory(const LlamaConfig& config, const Precision& precision, Ch
     if (e.name == "residual.0" || e.name.rfind("layers.0.", 0) == 0) plan.saved_per_layer += footprint;
   }
   plan.activation_scratch = plan.activations - plan.saved;
-  plan.saved_kinds = "x";
+  std::vector<std::string_view> kept = {"x"};
   for (const char* kind : {"n1", "rstd1", "qkv", "o", "lse", "h", "n2", "rstd2", "gate_up", "s"})
-    if (keeps_activation(policy, kind)) plan.saved_kinds += fmt::format(", {}", kind);
+    if (keeps_activation(policy, kind)) kept.push_back(kind);
+  plan.saved_kinds = fmt::format("{}", fmt::join(kept, ", "));
 
   // Workspaces outside the arenas.
   const int64_t T = tokens_per_rank, V = config.vocab_size, C = config.dim, Hq = config.n_heads,
                 Hkv = config.n_kv_heads, D = config.head_dim;
   const int64_t chunk = std::min<int64_t>(ops::CrossEntropyParams{}.chunk_tokens, T);
-  const size_t act = dtype_size(precision.act), stat = dtype_size(precision.stat);
+  const size_t act = dtype_size(precision.act);
   const size_t q_elems = static_cast<size_t>(T * Hq * D), kv_elems = static_cast<size_t>(T * Hkv * D);
   const size_t rows = static_cast<size_t>(T * Hq);
   if (dev == Device::cuda) {
     // cross_entropy.cu: f32 logits and act-dtype d(logits) of one chunk.
     plan.lm_head_workspace = scratch_bytes(static_cast<size_t>(chunk * V) * 4) +
                              scratch_bytes(static_cast<size_t>(chunk * V) * act);
-    // LocalSequenceAttention's delta arena; local_attention.cu's bf16 dQ, dK, dV of the block and the
-    // O stand-in; cudnn_sdpa.cpp's fp32 dQ accumulator and rowsum(dO ⊙ O). (cuDNN's own workspace is
-    // reported by the plan once built and is small for SDPA; it is left to the headroom.)
-    plan.attention_workspace = rows * stat + scratch_bytes(q_elems * 2) + 2 * scratch_bytes(kv_elems * 2) +
-                               scratch_bytes(q_elems * 2) + scratch_bytes(q_elems * 4) + scratch_bytes(rows * 4);
+    // cudnn_sdpa.cpp's backward: cuDNN's own workspace (fp32, Hq·T·D; docs/cudnn-sdpa.md), the fp32
+    // dQ accumulator it is given (same size) and rowsum(dO ⊙ O). One rank's backward hands cuDNN the
+    // model's O and lets it write dQ/dK/dV straight into the fused dQKV buffer (no more scratch).
+    plan.attention_workspace = scratch_bytes(q_elems * 4 + 256) + scratch_bytes(q_elems * 4) + scratch_bytes(rows * 4);
+    if (sp.sp_size > 1) {
+      // local_attention.cu under a distributed schedule: the block's bf16 dQ/dK/dV before they are added
+      // into the schedule's f32 accumulators; burst (visiting query rows) and distflash with helpers
+      // (P >= 3) rebuild a bf16 O stand-in from D for the rows whose O is not on this rank.
+      plan.attention_workspace += scratch_bytes(q_elems * 2) + 2 * scratch_bytes(kv_elems * 2);
+      if (sp.schedule == attn::Schedule::burst || (sp.schedule == attn::Schedule::distflash && sp.causal && sp.sp_size >= 3))
+        plan.attention_workspace += scratch_bytes(q_elems * 2);
+    }
     // linear.cu's cuBLASLt workspace (32 MiB), rmsnorm_backward's partial sums, embedding_backward's
     // index plan, the bad-index flag.
     const int64_t norm_blocks = std::min<int64_t>(T, 4LL * cuda_sm_count());
@@ -162,7 +175,17 @@ MemoryPlan plan_memory(const LlamaConfig& config, const Precision& precision, Ch
     // kernels/cpu/cross_entropy.cpp: one chunk of logits (then their gradient) in the model's dtype;
     // the attention delta arena.
     plan.lm_head_workspace = static_cast<size_t>(chunk * V) * act;
-    plan.attention_workspace = rows * stat;
+  }
+  if (sp.sp_size > 1) {
+    attn::ScheduleWorkspaceShape shape;
+    shape.tokens = T;
+    shape.q_heads = Hq;
+    shape.kv_heads = Hkv;
+    shape.head_dim = D;
+    shape.dtype = precision.act;
+    shape.stat = precision.stat;
+    shape.device = dev;
+    plan.schedule_workspace = attn::schedule_workspace_bytes(sp.schedule, sp.causal, sp.sp_size, sp.nodes, shape);
   }
   return plan;
 }
@@ -171,9 +194,12 @@ std::string MemoryPlan::table() const {
   const Precision& p = precision;
   std::string out = fmt::format(
       "memory plan: {} parameters, {} layers, dim {}, vocab {}; {} (parameters {}, activations {}, statistics {}); "
-      "checkpoint {}; {} tokens per rank\n",
+      "checkpoint {}; {} tokens per rank{}\n",
       config.num_parameters(), config.n_layers, config.dim, config.vocab_size, p.device == Device::cuda ? "cuda" : "cpu",
-      dtype_name(p.param), dtype_name(p.act), dtype_name(p.stat), checkpoint_policy_name(policy), tokens);
+      dtype_name(p.param), dtype_name(p.act), dtype_name(p.stat), checkpoint_policy_name(policy), tokens,
+      sp.sp_size > 1 ? fmt::format(" ({} sequence-parallel ranks, {} schedule)", sp.sp_size,
+                                   attn::schedule_name(sp.schedule))
+                     : std::string());
   auto row = [&](const std::string& what, size_t bytes, const std::string& detail) {
     out += fmt::format("  {:<22} {:>11}   {}\n", what, human(bytes), detail);
   };
@@ -194,7 +220,13 @@ std::string MemoryPlan::table() const {
       fmt::format("{} tokens × {} vocab of logits at a time",
                   std::min<int64_t>(ops::CrossEntropyParams{}.chunk_tokens, tokens), config.vocab_size));
   row("attention workspace", attention_workspace,
-      p.device == Device::cuda ? "delta, fp32 dQ accumulator, bf16 dQ/dK/dV, O stand-in" : "delta");
+      p.device == Device::cuda ? (sp.sp_size > 1 ? "cuDNN workspace, fp32 dQ accumulator, bf16 block dQ/dK/dV"
+                                                 : "cuDNN workspace and fp32 dQ accumulator")
+                               : "none");
+  if (schedule_workspace > 0)
+    row("schedule buffers", schedule_workspace,
+        fmt::format("{}: K/V (or Q-side) rotation slots, f32 O and dQ/dK/dV accumulators, block partials",
+                    attn::schedule_name(sp.schedule)));
   if (gemm_workspace > 0) row("GEMM/op workspace", gemm_workspace, "cuBLASLt workspace, norm partials, index plan");
   row("total", total(), "");
   return out;
@@ -231,11 +263,13 @@ void check_memory_fits(const MemoryPlan& plan, const DeviceMemory& memory) {
   const char* where = plan.precision.device == Device::cuda ? "GPU" : "host";
   std::string knobs;
   if (plan.policy != CheckpointPolicy::full) {
-    MemoryPlan full = plan_memory(plan.config, plan.precision, CheckpointPolicy::full, plan.tokens);
+    MemoryPlan full = plan_memory(plan.config, plan.precision, CheckpointPolicy::full, plan.tokens,
+                                  plan.optimizer_shards, plan.sp);
     knobs += fmt::format("model.checkpoint: full would need {} in all; ", human(full.total()));
   }
   if (plan.tokens > 1) {
-    MemoryPlan half = plan_memory(plan.config, plan.precision, plan.policy, (plan.tokens + 1) / 2);
+    MemoryPlan half =
+        plan_memory(plan.config, plan.precision, plan.policy, (plan.tokens + 1) / 2, plan.optimizer_shards, plan.sp);
     knobs += fmt::format("halving the tokens per rank (data.seq_len, or doubling parallel.sp_size) would need {}",
                          human(half.total()));
   }

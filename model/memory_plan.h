@@ -18,6 +18,7 @@
 #include <string>
 #include <string_view>
 
+#include "attention/distributed/distributed_attention.h"
 #include "model/llama.h"
 #include "runtime/arena.h"
 
@@ -40,6 +41,15 @@ void add_activation_entries(Arena& acts, const LlamaConfig& config, const Precis
 
 // ---- the plan ---------------------------------------------------------------------------------
 
+// The sequence parallelism a plan is for: sp_size ranks share one sequence through `schedule`
+// (attention/distributed); nodes > 1 is burst's double ring. sp_size 1: the local attention.
+struct SequenceParallelPlan {
+  int sp_size = 1;
+  attn::Schedule schedule = attn::Schedule::zigzag;
+  bool causal = true;
+  int nodes = 1;
+};
+
 struct MemoryPlan {
   LlamaConfig config;
   Precision precision;
@@ -47,6 +57,7 @@ struct MemoryPlan {
   int64_t tokens = 0;  // per rank (sequence length / sp_size × micro-batch)
 
   int64_t optimizer_shards = 1;
+  SequenceParallelPlan sp;
 
   // Arenas (LlamaModel and trainer::AdamW), bytes as Arena::bytes() reports them.
   size_t parameters = 0;
@@ -64,11 +75,12 @@ struct MemoryPlan {
 
   // Grow-only workspaces outside the arenas.
   size_t lm_head_workspace = 0;    // one chunk of f32 logits and of their gradient
-  size_t attention_workspace = 0;  // delta, cuDNN's fp32 dQ accumulator, the block's bf16 dQ/dK/dV, O stand-in
+  size_t attention_workspace = 0;  // cuDNN's workspace and fp32 dQ accumulator; with sp_size > 1 the block's bf16 dQ/dK/dV
+  size_t schedule_workspace = 0;   // sp_size > 1: the schedule's message slots and accumulators
   size_t gemm_workspace = 0;       // cuBLASLt workspace, norm partial sums, embedding index plan
 
   size_t optimizer() const { return master_weights + adam_m + adam_v; }
-  size_t workspace() const { return lm_head_workspace + attention_workspace + gemm_workspace; }
+  size_t workspace() const { return lm_head_workspace + attention_workspace + schedule_workspace + gemm_workspace; }
   size_t total() const { return parameters + gradients + optimizer() + activations + workspace(); }
 
   // A printable table (one line per item, GiB/MiB, what each holds), ending with the total.
@@ -79,8 +91,9 @@ struct MemoryPlan {
 // tokens, trained with trainer::AdamW (f32 moments; f32 master weights when the parameters are bf16).
 // optimizer_shards > 1 plans ZeRO-1: the parameter and gradient arenas padded as
 // LlamaModel(..., flat_shards) pads them, and the optimizer state of one of that many equal shards.
+// sp.sp_size > 1 adds the distributed attention's buffers (attention/distributed/workspace.h).
 MemoryPlan plan_memory(const LlamaConfig& config, const Precision& precision, CheckpointPolicy policy,
-                       int64_t tokens_per_rank, int64_t optimizer_shards = 1);
+                       int64_t tokens_per_rank, int64_t optimizer_shards = 1, const SequenceParallelPlan& sp = {});
 
 struct DeviceMemory {
   size_t free = 0;

@@ -2,6 +2,8 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
+#include <unordered_map>
 
 #ifdef LONGTRAIN_HAS_CUDA
 #include <cuda_runtime.h>
@@ -41,11 +43,58 @@ void select_cuda_device(int index) {
 #endif
 }
 
+namespace {
+
+// Live allocations per device (allocations are few and large: arenas, grow-only scratch).
+struct AllocationTracker {
+  std::mutex mutex;
+  std::unordered_map<void*, size_t> sizes[2];
+  AllocationStats stats[2];
+
+  static size_t index(Device d) { return d == Device::cpu ? 0 : 1; }
+  void add(Device d, void* p, size_t bytes) {
+    std::lock_guard<std::mutex> lock(mutex);
+    const size_t i = index(d);
+    sizes[i][p] = bytes;
+    stats[i].live += bytes;
+    if (stats[i].live > stats[i].peak) stats[i].peak = stats[i].live;
+  }
+  void remove(Device d, void* p) {
+    std::lock_guard<std::mutex> lock(mutex);
+    const size_t i = index(d);
+    auto it = sizes[i].find(p);
+    if (it == sizes[i].end()) return;
+    stats[i].live -= it->second;
+    sizes[i].erase(it);
+  }
+};
+
+AllocationTracker& tracker() {
+  static AllocationTracker* t = new AllocationTracker;  // never destroyed: frees may run at exit
+  return *t;
+}
+
+}  // namespace
+
+AllocationStats allocation_stats(Device device) {
+  AllocationTracker& t = tracker();
+  std::lock_guard<std::mutex> lock(t.mutex);
+  return t.stats[AllocationTracker::index(device)];
+}
+
+void reset_allocation_peak(Device device) {
+  AllocationTracker& t = tracker();
+  std::lock_guard<std::mutex> lock(t.mutex);
+  AllocationStats& s = t.stats[AllocationTracker::index(device)];
+  s.peak = s.live;
+}
+
 void* device_alloc(Device device, size_t bytes) {
   if (bytes == 0) bytes = 1;
   if (device == Device::cpu) {
     void* p = std::aligned_alloc(256, (bytes + 255) / 256 * 256);
     LT_CHECK(p != nullptr, "out of host memory allocating {} bytes", bytes);
+    tracker().add(device, p, bytes);
     return p;
   }
 #ifdef LONGTRAIN_HAS_CUDA
@@ -53,6 +102,7 @@ void* device_alloc(Device device, size_t bytes) {
   cudaError_t err = cudaMalloc(&p, bytes);
   LT_CHECK(err == cudaSuccess, "out of GPU memory allocating {:.2f} GiB: {}", bytes / double(1 << 30),
            cudaGetErrorString(err));
+  tracker().add(device, p, bytes);
   return p;
 #else
   LT_FAIL("CUDA memory requested but longtrain was built without CUDA (-DLONGTRAIN_CUDA=ON)");
@@ -61,6 +111,7 @@ void* device_alloc(Device device, size_t bytes) {
 
 void device_free(Device device, void* ptr) {
   if (ptr == nullptr) return;
+  tracker().remove(device, ptr);
   if (device == Device::cpu) {
     std::free(ptr);
     return;

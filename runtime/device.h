@@ -16,6 +16,17 @@ void select_cuda_device(int index);
 void* device_alloc(Device device, size_t bytes);  // 256-byte aligned; throws on failure
 void device_free(Device device, void* ptr);
 
+// What device_alloc has handed out on `device` in this process and not yet freed (the bytes asked
+// for), and the most that was ever live at once since the last reset. Memory plans are checked
+// against it: every arena and grow-only scratch buffer of longtrain comes from device_alloc, so
+// this is longtrain's own footprint, without the CUDA context, cuBLAS/cuDNN or NCCL internals.
+struct AllocationStats {
+  size_t live = 0;
+  size_t peak = 0;
+};
+AllocationStats allocation_stats(Device device);
+void reset_allocation_peak(Device device);  // peak := live
+
 void zero(const Tensor& t);                     // contiguous t := 0
 void copy(const Tensor& dst, const Tensor& src);  // contiguous, same dtype and element count, any devices
 

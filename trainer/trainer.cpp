@@ -435,7 +435,16 @@ UnigramBaseline unigram_baseline(const data::TokenCorpus& train, const data::Tok
 
 model::MemoryPlan plan_training_memory(const TrainConfig& c, int world_size) {
   const int64_t tokens = c.data.seq_len / c.parallel.sp_size;
-  return model::plan_memory(c.model, precision_for(c), c.model.checkpoint, tokens, world_size);
+  model::SequenceParallelPlan sp;
+  sp.sp_size = static_cast<int>(c.parallel.sp_size);
+  sp.schedule = attn::parse_schedule(enum_name(c.attention.schedule));
+  sp.causal = c.attention.causal;
+  // burst runs its double ring when the group spans nodes (make_attention passes both rings); outside
+  // a launcher (`train --plan` alone) the group is taken to be on one node.
+  const parallel::WorldInfo w = parallel::world_from_env();
+  const int per_node = w.source == "default" ? sp.sp_size : w.local_world_size;
+  if (per_node > 0 && sp.sp_size > per_node && sp.sp_size % per_node == 0) sp.nodes = sp.sp_size / per_node;
+  return model::plan_memory(c.model, precision_for(c), c.model.checkpoint, tokens, world_size, sp);
 }
 
 TrainSummary train(TrainConfig c, const std::string& resume, const TrainHooks& hooks) {
@@ -452,6 +461,7 @@ TrainSummary train(TrainConfig c, const std::string& resume, const TrainHooks& h
   // Too little memory is an error now, naming the knobs, not an allocation failure mid-setup.
   const model::MemoryPlan plan = plan_training_memory(c, ranks.world_size);
   model::check_memory_fits(plan, model::device_memory(precision.device));
+  reset_allocation_peak(precision.device);  // the step log's peak is this run's (a process may train twice)
 
   // 2. The run directory, its log and the resolved config: written by global rank 0 only.
   const fs::path run_dir = c.logging.run_dir;
@@ -534,6 +544,7 @@ TrainSummary train(TrainConfig c, const std::string& resume, const TrainHooks& h
     // Attention forwards per layer and micro-batch this step: 1 under remat_aware and none, 2 under
     // full (the recomputation re-runs attention and its communication).
     const int64_t attention_forwards_before = model.attention().counters.forward_calls;
+    const int64_t attention_bytes_before = model.attention().counters.bytes_sent;
     const int64_t step = rs.step + 1;
     // The loss is the mean over every valid label of the step on every rank: count them first.
     double count = 0;
@@ -604,18 +615,28 @@ TrainSummary train(TrainConfig c, const std::string& resume, const TrainHooks& h
       const double tok_s = static_cast<double>(tokens_per_step) / dt;
       const double eta = elapsed / static_cast<double>(steps_timed) * static_cast<double>(c.train.steps - step);
       plot.add_train(step, loss);
-      const double attn_fwd = static_cast<double>(model.attention().counters.forward_calls -
-                                                  attention_forwards_before) /
-                              static_cast<double>(c.model.n_layers * micro);
+      const double per_layer = static_cast<double>(c.model.n_layers * micro);
+      const double attn_fwd =
+          static_cast<double>(model.attention().counters.forward_calls - attention_forwards_before) / per_layer;
+      // What this rank's attention sent per layer (sequence parallelism): full re-sends its forward
+      // traffic in the recomputation, remat_aware does not.
+      const double attn_mib =
+          static_cast<double>(model.attention().counters.bytes_sent - attention_bytes_before) / per_layer / 1048576.0;
+      // Everything longtrain has allocated on the training device at its most (runtime/device.h), against
+      // the memory plan that was checked before the start.
+      const double peak_gib = static_cast<double>(allocation_stats(precision.device).peak) / 1073741824.0;
       record({{"step", step}, {"loss", loss}, {"lr", info.lr}, {"grad_norm", norm}, {"tokens_per_s", tok_s},
-              {"attention_forwards_per_layer", attn_fwd},
+              {"attention_forwards_per_layer", attn_fwd}, {"attention_sent_mib_per_layer", attn_mib},
+              {"allocated_peak_gib", peak_gib}, {"plan_gib", static_cast<double>(plan.total()) / 1073741824.0},
               {"tflops", tok_s * flops_per_token / 1e12}, {"tokens_seen", rs.tokens_seen}, {"elapsed_s", elapsed}});
       if (step % c.logging.log_every == 0 || step == c.train.steps || step == summary.first_step) {
         clear_bar();
         log->info("step {:>5}/{} | loss {:.4f} | lr {:.2e} | grad norm {:.3f} | {:.0f} tok/s | {:.3f} TFLOP/s | "
-                  "mem {:.0f} MiB | attn fwd/layer {:g} | ETA {}",
-                  step, c.train.steps, loss, info.lr, norm, tok_s, tok_s * flops_per_token / 1e12,
-                  state_bytes / 1048576.0, attn_fwd, human_duration(eta));
+                  "peak {:.2f} GiB (plan {:.2f}) | attn fwd/layer {:g}{} | ETA {}",
+                  step, c.train.steps, loss, info.lr, norm, tok_s, tok_s * flops_per_token / 1e12, peak_gib,
+                  static_cast<double>(plan.total()) / 1073741824.0, attn_fwd,
+                  ranks.sp_size > 1 ? fmt::format(", sent {:.1f} MiB/layer", attn_mib) : std::string(),
+                  human_duration(eta));
         if (ranks.main && c.logging.plot) plot.save(run_dir / "loss.svg", title);
       }
       if (tty) {

@@ -3,6 +3,7 @@
 #include <mutex>
 
 #include "kernels/cuda/cuda_common.cuh"
+#include "runtime/device.h"
 
 namespace longtrain::cuda_util {
 
@@ -30,13 +31,13 @@ void* scratch(Scratch which, size_t bytes) {
   std::lock_guard<std::mutex> lock(g_scratch_mutex);
   ScratchBuffer& b = g_scratch[static_cast<size_t>(which)];
   if (bytes > b.bytes) {
-    if (b.ptr != nullptr) LT_CUDA_CHECK(cudaFree(b.ptr));
+    // Through device_alloc, so that allocation_stats() sees the scratch too. The old buffer may
+    // still be read by queued kernels: cudaFree waits for the device first.
+    device_free(Device::cuda, b.ptr);
     b.ptr = nullptr;
     b.bytes = 0;
     size_t rounded = (bytes + (1u << 20) - 1) & ~size_t((1u << 20) - 1);  // whole MiB: fewer regrowths
-    cudaError_t err = cudaMalloc(&b.ptr, rounded);
-    LT_CHECK(err == cudaSuccess, "out of GPU memory allocating {:.2f} GiB of scratch (buffer {}): {}",
-             rounded / double(1 << 30), static_cast<int>(which), cudaGetErrorString(err));
+    b.ptr = device_alloc(Device::cuda, rounded);
     b.bytes = rounded;
   }
   return b.ptr;

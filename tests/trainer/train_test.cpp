@@ -12,6 +12,7 @@
 
 #include <fmt/format.h>
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include "train_fixture.h"
 
@@ -116,17 +117,25 @@ TEST_F(TrainTest, EvalOfACheckpointReproducesTheLoopsValidationLoss) {
   EXPECT_EQ(e.bucket_loss.size(), static_cast<size_t>(m.config.eval.position_buckets));
 }
 
-// The step log shows how often attention ran: once per layer under remat_aware, twice under full.
-TEST_F(TrainTest, StepLogCountsAttentionForwards) {
+// The step log shows how often attention ran: once per layer under remat_aware, twice under full;
+// and the most memory longtrain had allocated, which the memory plan checked before the start must
+// match (within 10%, never below what was allocated).
+TEST_F(TrainTest, StepLogCountsAttentionForwardsAndPeakMemoryMatchesThePlan) {
   for (auto [policy, expected] : {std::pair{"remat_aware", 1.0}, std::pair{"full", 2.0}, std::pair{"none", 1.0}}) {
     const std::string name = std::string("attn_count_") + policy;
     train(config(name, {"train.steps=2", "eval.batches=0", "checkpoint.every=0", "optim.warmup_steps=1",
                         std::string("model.checkpoint=") + policy}));
     std::ifstream in(root_ / "runs" / name / "metrics.jsonl");
     int lines = 0;
-    for (std::string line; std::getline(in, line); ++lines)
+    for (std::string line; std::getline(in, line); ++lines) {
       EXPECT_NE(line.find(fmt::format("\"attention_forwards_per_layer\":{:.1f},", expected)), std::string::npos)
           << policy << ": " << line;
+      const nlohmann::json j = nlohmann::json::parse(line);
+      const double peak = j.at("allocated_peak_gib").get<double>(), plan = j.at("plan_gib").get<double>();
+      EXPECT_GT(peak, 0.0) << policy;
+      EXPECT_LE(peak, plan) << policy << ": more was allocated than planned";
+      EXPECT_GE(peak, 0.9 * plan) << policy << ": the plan is more than 10% above what was allocated";
+    }
     EXPECT_EQ(lines, 2);
   }
 }

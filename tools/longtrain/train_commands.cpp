@@ -33,17 +33,26 @@ void add_train_commands(CLI::App& app) {
                                    "workspace) and exit without allocating");
     cmd->callback([=] {
       trainer::TrainConfig c = trainer::load_config(*config_path, *sets);
-      trainer::resolve_device(c, cuda_available());
       if (*plan) {
+        // A plan for train.device: cuda is planned even on a machine without a GPU (to size a run
+        // before getting one); only the free-memory line needs the device.
+        const bool gpu_here = cuda_available();
+        trainer::resolve_device(c, gpu_here || c.train.device == trainer::DeviceChoice::cuda);
         const char* ws = std::getenv("WORLD_SIZE");
         const int world = ws ? std::atoi(ws) : static_cast<int>(c.parallel.sp_size);
         model::MemoryPlan p = trainer::plan_training_memory(c, world);
         fmt::print("{}", p.table());
-        const model::DeviceMemory m = model::device_memory(p.precision.device);
-        fmt::print("free on this {}: {:.2f} GiB of {:.2f} GiB\n", p.precision.device == Device::cuda ? "GPU" : "host",
-                   m.free / 1073741824.0, m.total / 1073741824.0);
+        if (p.precision.device == Device::cpu || gpu_here) {
+          const model::DeviceMemory m = model::device_memory(p.precision.device);
+          fmt::print("free on this {}: {:.2f} GiB of {:.2f} GiB\n",
+                     p.precision.device == Device::cuda ? "GPU" : "host", m.free / 1073741824.0,
+                     m.total / 1073741824.0);
+        } else {
+          fmt::print("(no GPU here: compare the total with the free memory of the GPU you will train on)\n");
+        }
         return;
       }
+      trainer::resolve_device(c, cuda_available());
       trainer::TrainSummary s = trainer::train(c, *resume);
       if (s.final_eval)
         fmt::print("final validation loss {:.4f} (perplexity {:.2f}) after step {}\n", s.final_eval->loss,
