@@ -628,12 +628,16 @@ TrainSummary train(TrainConfig c, const std::string& resume, const TrainHooks& h
       record({{"step", step}, {"loss", loss}, {"lr", info.lr}, {"grad_norm", norm}, {"tokens_per_s", tok_s},
               {"attention_forwards_per_layer", attn_fwd}, {"attention_sent_mib_per_layer", attn_mib},
               {"allocated_peak_gib", peak_gib}, {"plan_gib", static_cast<double>(plan.total()) / 1073741824.0},
-              {"tflops", tok_s * flops_per_token / 1e12}, {"tokens_seen", rs.tokens_seen}, {"elapsed_s", elapsed}});
+              {"tflops", tok_s * flops_per_token / 1e12},
+              {"tflops_per_gpu", tok_s * flops_per_token / 1e12 / ranks.world_size}, {"tokens_seen", rs.tokens_seen},
+              {"elapsed_s", elapsed}});
       if (step % c.logging.log_every == 0 || step == c.train.steps || step == summary.first_step) {
         clear_bar();
-        log->info("step {:>5}/{} | loss {:.4f} | lr {:.2e} | grad norm {:.3f} | {:.0f} tok/s | {:.3f} TFLOP/s | "
+        // tok/s of the whole world; model TFLOP/s per rank (one GPU each on CUDA).
+        log->info("step {:>5}/{} | loss {:.4f} | lr {:.2e} | grad norm {:.3f} | {:.0f} tok/s | {:.3f} TFLOP/s per rank | "
                   "peak {:.2f} GiB (plan {:.2f}) | attn fwd/layer {:g}{} | ETA {}",
-                  step, c.train.steps, loss, info.lr, norm, tok_s, tok_s * flops_per_token / 1e12, peak_gib,
+                  step, c.train.steps, loss, info.lr, norm, tok_s, tok_s * flops_per_token / 1e12 / ranks.world_size,
+                  peak_gib,
                   static_cast<double>(plan.total()) / 1073741824.0, attn_fwd,
                   ranks.sp_size > 1 ? fmt::format(", sent {:.1f} MiB/layer", attn_mib) : std::string(),
                   human_duration(eta));

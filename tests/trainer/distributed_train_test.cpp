@@ -4,6 +4,7 @@
 #include <sys/wait.h>
 
 #include <cstdlib>
+#include <map>
 
 #include <nlohmann/json.hpp>
 
@@ -108,6 +109,43 @@ TEST_F(DistributedTrainTest, SequenceParallelTrainingEqualsOneRank) {
     EXPECT_LT(worst, 1e-5) << k.name;
     ::testing::Test::RecordProperty(k.name, fmt::format("{:.2e}", worst));
   }
+}
+
+// Under sequence parallelism the step log shows what recomputation costs: remat_aware runs attention
+// (and its ring transfers) once per layer, full twice, so full sends one forward's bytes more; the
+// allocated peak (schedule buffers included) matches the memory plan.
+TEST_F(DistributedTrainTest, SequenceParallelStepLogShowsAttentionTrafficAndPeakMemory) {
+  std::map<std::string, double> sent;
+  for (const char* policy : {"remat_aware", "full"}) {
+    const std::string name = std::string("sp_log_") + policy;
+    std::string args = "train " + write_config(name).string();
+    for (const std::string& s : {std::string("train.steps=2"), std::string("eval.batches=0"),
+                                 std::string("checkpoint.every=0"), std::string("train.batch_size=1"),
+                                 std::string("optim.warmup_steps=1"), std::string("parallel.sp_size=2"),
+                                 std::string("attention.schedule=zigzag"), std::string("parallel.layout=zigzag"),
+                                 "model.checkpoint=" + std::string(policy)})
+      args += " --set " + s;
+    ASSERT_EQ(launch(2, args), 0) << policy;
+    std::ifstream in(root_ / "runs" / name / "metrics.jsonl");
+    int steps = 0;
+    for (std::string line; std::getline(in, line);) {
+      const nlohmann::json j = nlohmann::json::parse(line);
+      if (!j.contains("loss")) continue;
+      ++steps;
+      EXPECT_EQ(j.at("attention_forwards_per_layer").get<double>(), std::string(policy) == "full" ? 2.0 : 1.0)
+          << policy;
+      sent[policy] = j.at("attention_sent_mib_per_layer").get<double>();
+      const double peak = j.at("allocated_peak_gib").get<double>(), plan = j.at("plan_gib").get<double>();
+      EXPECT_LE(peak, plan) << policy;
+      EXPECT_GE(peak, 0.9 * plan) << policy;
+    }
+    EXPECT_EQ(steps, 2) << policy;
+  }
+  // What full sends on top of remat_aware is exactly one more forward: zigzag over 2 ranks sends this
+  // rank's K and V once (16 tokens x 2 KV heads x head dim 8, f32), per layer.
+  const double forward_mib = 2.0 * 16 * 2 * 8 * 4 / 1048576.0;
+  EXPECT_GT(sent["remat_aware"], forward_mib);
+  EXPECT_DOUBLE_EQ(sent["full"] - sent["remat_aware"], forward_mib) << "full re-runs the forward's transfers";
 }
 
 // ZeRO-1: each rank checkpoints its optimizer shard; resuming on the same world size continues the
