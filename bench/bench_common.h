@@ -32,7 +32,10 @@ using nlohmann::json;
 // argv joined by spaces: the command a result records.
 inline std::string command_line(int argc, char** argv) {
   std::string command;
-  for (int i = 0; i < argc; ++i) command += (i ? " " : "") + std::string(argv[i]);
+  for (int i = 0; i < argc; ++i) {
+    if (i > 0) command += ' ';
+    command += argv[i];
+  }
   return command;
 }
 

@@ -14,8 +14,9 @@
 // Under the launcher (WORLD_SIZE = P > 1) the P ranks form one sequence-parallel group over NCCL: each
 // holds S/P tokens in the schedule's layout (zigzag for ring, zigzag and burst; contiguous for
 // distflash) with global positions, attention runs the distributed schedule, and the step is the
-// trainer's: gradients reduce-scattered over the ranks, AdamW on this rank's ZeRO-1 shard, parameters
-// all-gathered. S in --lengths is the whole sequence; times are the slowest rank's, memory the
+// trainer's ZeRO-1 step: gradients reduce-scattered over the ranks, AdamW on this rank's shard,
+// parameters all-gathered; the reduce-scatter runs after backward here, not overlapped with it as in
+// the trainer (with sequence parallelism alone the gradient traffic is small next to attention's). S in --lengths is the whole sequence; times are the slowest rank's, memory the
 // largest rank's; rank 0 prints and writes the result.
 //
 // --merge adds the anchor's numbers and the ratios to a result written earlier in the same run (when

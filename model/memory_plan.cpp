@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <fstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <fmt/format.h>
@@ -153,7 +154,7 @@ MemoryPlan plan_memory(const LlamaConfig& config, const Precision& precision, Ch
     // cross_entropy.cu: f32 logits and act-dtype d(logits) of one chunk.
     plan.lm_head_workspace = scratch_bytes(static_cast<size_t>(chunk * V) * 4) +
                              scratch_bytes(static_cast<size_t>(chunk * V) * act);
-    // cudnn_sdpa.cpp's backward: cuDNN's own workspace (fp32, Hq·T·D; docs/cudnn-sdpa.md), the fp32
+    // cudnn_sdpa.cpp's backward: cuDNN's own workspace (fp32, Hq·T·D, as measured with cuDNN 9.19), the fp32
     // dQ accumulator it is given (same size) and rowsum(dO ⊙ O). One rank's backward hands cuDNN the
     // model's O and lets it write dQ/dK/dV straight into the fused dQKV buffer (no more scratch).
     plan.attention_workspace = scratch_bytes(q_elems * 4 + 256) + scratch_bytes(q_elems * 4) + scratch_bytes(rows * 4);
@@ -172,10 +173,19 @@ MemoryPlan plan_memory(const LlamaConfig& config, const Precision& precision, Ch
     plan.gemm_workspace = scratch_bytes(32 * kMiB) + scratch_bytes(static_cast<size_t>(norm_blocks * C) * 4) +
                           scratch_bytes(static_cast<size_t>(2 * unique_ids + 1 + T) * 4) + scratch_bytes(4);
   } else {
-    // kernels/cpu/cross_entropy.cpp: one chunk of logits (then their gradient) in the model's dtype;
-    // the attention delta arena.
+    // kernels/cpu/cross_entropy.cpp: one chunk of logits (then their gradient) in the model's dtype.
     plan.lm_head_workspace = static_cast<size_t>(chunk * V) * act;
   }
+  // trainer.cpp's token staging arena (train) and evaluate()'s staging and losses arenas, each an
+  // Arena allocation rounded to 256 bytes.
+  auto arena_allocation = [&](const std::vector<std::pair<int64_t, DType>>& entries) {
+    Arena a("tokens", dev);
+    int i = 0;
+    for (const auto& [n, dtype] : entries) a.add(fmt::format("e{}", i++), {n}, dtype);
+    return (a.bytes() + 255) / 256 * 256;
+  };
+  const size_t staging = arena_allocation({{T, DType::i32}, {T, DType::i32}, {T, DType::i32}});
+  plan.token_buffers = 2 * staging + arena_allocation({{T, precision.stat}});
   if (sp.sp_size > 1) {
     attn::ScheduleWorkspaceShape shape;
     shape.tokens = T;
@@ -227,6 +237,7 @@ std::string MemoryPlan::table() const {
     row("schedule buffers", schedule_workspace,
         fmt::format("{}: K/V (or Q-side) rotation slots, f32 O and dQ/dK/dV accumulators, block partials",
                     attn::schedule_name(sp.schedule)));
+  row("token buffers", token_buffers, "tokens, labels, positions of a step (and of an eval batch, with its losses)");
   if (gemm_workspace > 0) row("GEMM/op workspace", gemm_workspace, "cuBLASLt workspace, norm partials, index plan");
   row("total", total(), "");
   return out;

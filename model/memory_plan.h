@@ -79,9 +79,13 @@ struct MemoryPlan {
   size_t schedule_workspace = 0;   // sp_size > 1: the schedule's message slots and accumulators
   size_t gemm_workspace = 0;       // cuBLASLt workspace, norm partial sums, embedding index plan
 
+  // The trainer's token buffers: the step's tokens, labels and positions (i32 [T] each), and during
+  // evaluation another such set with the per-token losses.
+  size_t token_buffers = 0;
+
   size_t optimizer() const { return master_weights + adam_m + adam_v; }
   size_t workspace() const { return lm_head_workspace + attention_workspace + schedule_workspace + gemm_workspace; }
-  size_t total() const { return parameters + gradients + optimizer() + activations + workspace(); }
+  size_t total() const { return parameters + gradients + optimizer() + activations + workspace() + token_buffers; }
 
   // A printable table (one line per item, GiB/MiB, what each holds), ending with the total.
   std::string table() const;

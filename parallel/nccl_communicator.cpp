@@ -473,8 +473,10 @@ NcclCommunicator::NcclCommunicator(TcpStore& store, const std::string& name, std
   // the world overlaps attention's transfers on the sequence-parallel group, each on its own stream).
   // NCCL kernels wait for their peers, so every GPU must run them in the same order: NCCL then orders
   // launches across communicators as the host issued them, which is the same on every rank. Set
-  // before NCCL reads its environment (its first call); a user's own setting wins.
-  ::setenv("NCCL_LAUNCH_ORDER_IMPLICIT", "1", /*overwrite=*/0);
+  // before NCCL reads its environment (its first call) and only once, before any NCCL thread exists
+  // that could read the environment concurrently; a user's own setting wins.
+  static std::once_flag launch_order_once;
+  std::call_once(launch_order_once, [] { ::setenv("NCCL_LAUNCH_ORDER_IMPLICIT", "1", /*overwrite=*/0); });
   if (rank_ == 0) {
     const ncclResult_t r = ncclGetUniqueId(&id);
     LT_CHECK(r == ncclSuccess, "creating communicator {}: ncclGetUniqueId failed: {}", describe_group(),

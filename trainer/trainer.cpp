@@ -565,6 +565,11 @@ TrainSummary train(TrainConfig c, const std::string& resume, const TrainHooks& h
     const Tensor grads = model.grads().flat();
     const Tensor grad_shard = grads.narrow(0, opt.shard_begin(), shard);
     std::vector<std::unique_ptr<parallel::CollectiveWork>> reductions;
+    // The hook refers to `reductions`: never left set past this step, even when backward throws.
+    struct ClearGradientsReady {
+      model::LlamaModel& m;
+      ~ClearGradientsReady() { m.set_gradients_ready(nullptr); }
+    } clear_hook{model};
     for (size_t i = 0; i < batches.size(); ++i) {
       if (ranks.dist && i + 1 == batches.size()) {
         model.set_gradients_ready([&](int64_t begin, int64_t end) {
@@ -573,7 +578,12 @@ TrainSummary train(TrainConfig c, const std::string& resume, const TrainHooks& h
       }
       loss_sum += model.forward_backward(shard_of(batches[i], &staging), 1.0 / count).sum;
       model.set_gradients_ready(nullptr);
-      if (hooks.after_backward) hooks.after_backward(step, model);
+      if (hooks.after_backward) {
+        // What the test hook does to the gradients must come after the in-place reduction (NCCL runs
+        // it on its own stream): wait first.
+        for (auto& r : reductions) r->wait();
+        hooks.after_backward(step, model);
+      }
     }
     for (auto& r : reductions) r->wait();  // NCCL: the compute stream waits before reading the shard
     double sums[2] = {loss_sum, ops::sum_squares(grad_shard)};

@@ -54,8 +54,9 @@ UnigramBaseline unigram_baseline(const data::TokenCorpus& train, const data::Tok
 model::MemoryPlan plan_training_memory(const TrainConfig& config, int world_size);
 
 // Test hooks: called after each micro-step's backward, before the non-finite check and the update.
-// With several ranks, the last micro-step's gradients are already being reduced over the ranks when
-// it runs (the reduction overlaps backward), so a change it makes to them stays on this rank.
+// With several ranks, the last micro-step's gradients have already been reduced over the ranks when
+// it runs (the reduction overlaps backward; the trainer waits for it first), so a change it makes to
+// them stays on this rank.
 struct TrainHooks {
   std::function<void(int64_t step, model::LlamaModel& model)> after_backward;
 };

@@ -26,7 +26,8 @@ struct StatsView {
 // Causal is top-left aligned: query i sees keys j <= i.
 void forward(View o, StatsView lse, View q, View k, View v, bool causal, float scale);
 
-// dq, dk, dv (bf16, overwritten, any strides: views into a fused dQKV buffer are fine) of the block,
+// dq, dk, dv (bf16, overwritten; strided views into a fused dQKV buffer are fine when base and
+// strides are 16-byte aligned, which local_attention.cu checks before writing in place) of the block,
 // given q, k, v, the final o and lse, and d_o: the frontend's graph, which forms delta =
 // rowsum(dO ⊙ O) itself, as PyTorch's cuDNN attention does.
 void backward(View dq, View dk, View dv, View q, View k, View v, View o, View d_o, StatsView lse, bool causal,

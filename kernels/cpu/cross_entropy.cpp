@@ -4,9 +4,9 @@
 // so the [T, V] logits never exist. The GEMMs are this backend's linear_forward/linear_backward.
 #include <algorithm>
 #include <cmath>
-#include <vector>
 
 #include "kernels/backends.h"
+#include "runtime/device.h"
 
 namespace longtrain::ops::cpu {
 namespace {
@@ -59,15 +59,21 @@ void cross_entropy_impl(const Tensor& losses, const Tensor& dx, const Tensor& dw
   const int32_t* lab = labels.ptr<int32_t>();
   T* loss = losses.ptr<T>();
 
-  std::vector<T> buffer(static_cast<size_t>(chunk * V));  // logits, then their gradient, of one chunk
+  // Logits, then their gradient, of one chunk; through device_alloc so that allocation_stats() (the
+  // step log's peak, checked against the memory plan) sees it.
+  struct Scratch {
+    void* p;
+    ~Scratch() { device_free(Device::cpu, p); }
+  } scratch{device_alloc(Device::cpu, static_cast<size_t>(chunk * V) * sizeof(T))};
+  T* const buffer = static_cast<T*>(scratch.p);
   for (int64_t t0 = 0; t0 < n_tokens; t0 += chunk) {
     const int64_t n = std::min(chunk, n_tokens - t0);
     const Tensor x_chunk = x.narrow(t0, n);                            // [n, C]
-    const Tensor logits(buffer.data(), dtype_of<T>(), {n, V});         // [n, V]
+    const Tensor logits(buffer, dtype_of<T>(), {n, V});                // [n, V]
     linear_forward(logits, x_chunk, w);
 
     for (int64_t r = 0; r < n; ++r) {
-      T* row = buffer.data() + r * V;
+      T* row = buffer + r * V;
       const int32_t label = lab[t0 + r];
       if (label == p.ignore_index) {
         loss[t0 + r] = T(0);

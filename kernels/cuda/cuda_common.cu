@@ -37,7 +37,11 @@ void* scratch(Scratch which, size_t bytes) {
     b.ptr = nullptr;
     b.bytes = 0;
     size_t rounded = (bytes + (1u << 20) - 1) & ~size_t((1u << 20) - 1);  // whole MiB: fewer regrowths
-    b.ptr = device_alloc(Device::cuda, rounded);
+    try {
+      b.ptr = device_alloc(Device::cuda, rounded);
+    } catch (const Error& e) {
+      LT_FAIL("{} (the CUDA ops' scratch buffer {}, kernels/cuda/cuda_host.h)", e.what(), static_cast<int>(which));
+    }
     b.bytes = rounded;
   }
   return b.ptr;

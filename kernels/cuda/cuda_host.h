@@ -48,7 +48,7 @@ enum class Scratch : int {
   index_plan,       // embedding_backward: grouped token positions
   attn_workspace,   // cuDNN workspace
   attn_fwd_out,     // attention forward: bf16 O when the caller's O is f32
-  attn_o_proxy,     // attention backward: the O stand-in built from delta (see attention/cuda)
+  attn_o_proxy,     // attention backward: the O stand-in built from delta, or an f32 O rounded to bf16
   attn_dq,          // attention backward: this block's dQ, dK, dV before they are accumulated
   attn_dk,
   attn_dv,

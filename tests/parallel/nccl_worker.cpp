@@ -152,8 +152,11 @@ void check_reduce_scatter_range(Communicator& c, int64_t n, ReduceOp op, std::os
     const std::string name = fmt::format("reduce_scatter_range/{}/{}/n={}/partition={}", dtype_str<T>(),
                                          reduce_op_name(op), n, partition++);
     const size_t shard_bytes = static_cast<size_t>(n) * sizeof(T);
-    rep << "CASE " << name << "/equals_reduce_scatter "
-        << (std::memcmp(got.data() + r * n, want.data() + r * n, shard_bytes) != 0) << " 0\n";
+    // Bit for bit only with 2 ranks (both add the same two values); above that NCCL's reduce and
+    // reduce_scatter may sum in different orders, and the reference check below bounds the error.
+    if (p == 2)
+      rep << "CASE " << name << "/equals_reduce_scatter "
+          << (std::memcmp(got.data() + r * n, want.data() + r * n, shard_bytes) != 0) << " 0\n";
     rep << "CASE " << name << "/reference "
         << rel_error(got.data() + r * n, reduce_scatter_reference<T>(n, p, r, op, seed)) << " " << tolerance<T>(op)
         << "\n";
