@@ -242,13 +242,9 @@ SeqLayout layout_for(attn::Schedule s) {
   return s == attn::Schedule::distflash ? SeqLayout::contiguous : SeqLayout::zigzag;
 }
 
-// In place over the group (NCCL reduces device memory): the max or sum of a few host values.
+// In place over the group, if there is one: the max or sum of a few host values.
 void reduce_host(parallel::Communicator* comm, std::vector<double>& v, parallel::ReduceOp op) {
-  if (comm == nullptr || comm->size() == 1) return;
-  CudaBuffer d(v);
-  comm->all_reduce(d.t, op);
-  copy(Tensor(v.data(), DType::f64, {static_cast<int64_t>(v.size())}), d.t);
-  LT_CUDA_CHECK(cudaDeviceSynchronize());
+  if (comm != nullptr) parallel::all_reduce_host_values(*comm, v.data(), static_cast<int64_t>(v.size()), op);
 }
 
 }  // namespace

@@ -9,6 +9,8 @@
 #ifdef LONGTRAIN_HAS_CUDA
 #include "parallel/nccl_communicator.h"
 #endif
+#include "runtime/arena.h"
+#include "runtime/device.h"
 #include "runtime/error.h"
 
 namespace longtrain::parallel {
@@ -99,6 +101,17 @@ std::unique_ptr<Communicator> make_communicator(Backend backend, TcpStore& store
 #endif
   }
   LT_FAIL("unknown communicator backend {}", static_cast<int>(backend));
+}
+
+void all_reduce_host_values(Communicator& comm, double* values, int64_t n, ReduceOp op) {
+  Tensor host(values, DType::f64, {n});
+  if (comm.device() == Device::cpu) return comm.all_reduce(host, op);
+  Arena staging("host values", comm.device());
+  staging.add("values", {n}, DType::f64);
+  staging.allocate();
+  copy(staging.get("values"), host);
+  comm.all_reduce(staging.get("values"), op);
+  copy(host, staging.get("values"));
 }
 
 }  // namespace longtrain::parallel

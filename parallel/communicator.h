@@ -172,6 +172,10 @@ struct RangeVolumes {
 };
 RangeVolumes reduce_scatter_range_volumes(int64_t range_begin, int64_t range_end, int64_t n, int size, int rank);
 
+// In place over the ranks of `comm`: the sum (or max) of a few host values (losses, counts, timings).
+// NCCL reduces device memory, so there they travel through a small device buffer.
+void all_reduce_host_values(Communicator& comm, double* values, int64_t n, ReduceOp op = ReduceOp::sum);
+
 // Creates the communicator `name` over `global_ranks` (ascending or ring order) for this process,
 // global rank `my_global_rank`, which must be one of them. Every member calls it with the same name
 // and ranks; it returns once all have joined, or throws naming the ranks that did not join within

@@ -68,19 +68,6 @@ AdamWConfig adamw_config(const TrainConfig& c) {
   return a;
 }
 
-// In place Σ over the ranks of `comm` of a few host values (losses, counts). NCCL reduces device
-// memory, so there they travel through a small device buffer.
-void sum_host_values(parallel::Communicator& comm, double* values, int64_t n) {
-  Tensor host(values, DType::f64, {n});
-  if (comm.device() == Device::cpu) return comm.all_reduce(host);
-  Arena staging("host values", comm.device());
-  staging.add("values", {n}, DType::f64);
-  staging.allocate();
-  copy(staging.get("values"), host);
-  comm.all_reduce(staging.get("values"));
-  copy(host, staging.get("values"));
-}
-
 // This process's place in the job: the world from the environment (longtrain-run or Slurm), its
 // data- and sequence-parallel ranks, and the communicators. A plain `longtrain train` is rank 0 of 1.
 struct Ranks {
@@ -96,7 +83,7 @@ struct Ranks {
   // Σ over every rank of a few host values (losses, counts); NCCL reduces device memory, so they
   // travel through a small device buffer there.
   void sum(double* values, int64_t n) const {
-    if (dist) sum_host_values(dist->world(), values, n);
+    if (dist) parallel::all_reduce_host_values(dist->world(), values, n);
   }
 };
 
@@ -393,7 +380,7 @@ EvalResult evaluate(model::LlamaModel& model, data::Loader& loader, int64_t batc
       sums[3 + 2 * bucket] += 1;
     }
   }
-  if (world) sum_host_values(*world, sums.data(), static_cast<int64_t>(sums.size()));
+  if (world) parallel::all_reduce_host_values(*world, sums.data(), static_cast<int64_t>(sums.size()));
   EvalResult r;
   r.tokens = static_cast<int64_t>(sums[1]);
   r.loss = r.tokens ? sums[0] / sums[1] : NAN;
