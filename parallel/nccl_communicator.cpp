@@ -669,20 +669,23 @@ void order_compute_after(NcclCommunicator::Impl* impl, const EventPtr& done) {
   if (done) LT_CUDA_CHECK(cudaStreamWaitEvent(cudaStreamPerThread, done->e, 0));
 }
 
-class NcclCollectiveWork final : public CollectiveWork {
+// A queued collective or send/recv batch: wait() orders the compute stream after it (the host does
+// not wait); dropping it unwaited orders it too, unless the communicator failed (the error is on its
+// way up and the process will stop).
+template <class Work>
+class NcclWork final : public Work {
  public:
-  NcclCollectiveWork(NcclCommunicator::Impl* impl, EventPtr done) : impl_(impl), done_(std::move(done)) {}
-  ~NcclCollectiveWork() override {
-    // After a failure the error is on its way up and the process will stop: nothing to order.
+  NcclWork(NcclCommunicator::Impl* impl, EventPtr done, const char* what)
+      : impl_(impl), done_(std::move(done)), what_(what) {}
+  ~NcclWork() override {
     if (waited_ || !done_ || impl_->failure->claimed.load()) return;
     try {
       wait();
     } catch (const std::exception& e) {
-      std::fprintf(stderr, "[longtrain] a collective destroyed without wait() failed: %s\n", e.what());
+      std::fprintf(stderr, "[longtrain] a %s destroyed without wait() failed: %s\n", what_, e.what());
     }
   }
 
-  // Orders the compute stream after the collective; the host does not wait.
   void wait() override {
     if (waited_) return;
     waited_ = true;
@@ -692,6 +695,7 @@ class NcclCollectiveWork final : public CollectiveWork {
  private:
   NcclCommunicator::Impl* impl_;
   EventPtr done_;
+  const char* what_;
   bool waited_ = false;
 };
 
@@ -704,7 +708,7 @@ std::unique_ptr<CollectiveWork> NcclCommunicator::start_reduce_scatter_range(Ten
                                      fmt::format("{}, [{}, {}) of {}", reduce_op_name(op), begin, end, flat.describe()));
   if (size() == 1 || begin == end) {
     impl_->mark_completed(q.seq);
-    return std::make_unique<NcclCollectiveWork>(impl_.get(), nullptr);
+    return std::make_unique<NcclWork<CollectiveWork>>(impl_.get(), nullptr, "collective");
   }
   const size_t elem = dtype_size(flat.dtype);
   // Not ordered before compute queued later: that is the overlap (the caller's wait() orders it).
@@ -726,38 +730,12 @@ std::unique_ptr<CollectiveWork> NcclCommunicator::start_reduce_scatter_range(Ten
   const RangeVolumes v = reduce_scatter_range_volumes(begin, end, n, size(), rank_);
   count_sent(v.sent * static_cast<int64_t>(elem));
   count_received(v.received * static_cast<int64_t>(elem));
-  return std::make_unique<NcclCollectiveWork>(impl_.get(), std::move(done));
+  return std::make_unique<NcclWork<CollectiveWork>>(impl_.get(), std::move(done), "collective");
 }
 
 // ------------------------------------------------------------------------------------------------
 
 namespace {
-
-class NcclP2PWork final : public P2PWork {
- public:
-  NcclP2PWork(NcclCommunicator::Impl* impl, EventPtr done) : impl_(impl), done_(std::move(done)) {}
-  ~NcclP2PWork() override {
-    // After a failure the error is on its way up and the process will stop: nothing to order.
-    if (waited_ || !done_ || impl_->failure->claimed.load()) return;
-    try {
-      wait();
-    } catch (const std::exception& e) {
-      std::fprintf(stderr, "[longtrain] a send/recv batch destroyed without wait() failed: %s\n", e.what());
-    }
-  }
-
-  // Orders the compute stream after the batch; the host does not wait.
-  void wait() override {
-    if (waited_) return;
-    waited_ = true;
-    order_compute_after(impl_, done_);
-  }
-
- private:
-  NcclCommunicator::Impl* impl_;
-  EventPtr done_;
-  bool waited_ = false;
-};
 
 const char* direction(P2POp::Kind kind) { return kind == P2POp::Kind::send ? "send" : "recv"; }
 
@@ -778,7 +756,7 @@ std::unique_ptr<P2PWork> NcclCommunicator::start_p2p(std::span<const P2POp> ops)
                                 op.tensor.describe()));
     (send ? sent : received) += static_cast<int64_t>(op.tensor.nbytes());
   }
-  if (q.transfers.empty()) return std::make_unique<NcclP2PWork>(impl_.get(), nullptr);
+  if (q.transfers.empty()) return std::make_unique<NcclWork<P2PWork>>(impl_.get(), nullptr, "send/recv batch");
   q.what = fmt::format("send/recv batch #{} ({})", ++impl_->batches, fmt::join(parts, ", "));
   const auto transfers = static_cast<int64_t>(q.transfers.size());
   // Bytes, not elements: a receive matches a send of the same byte size whatever the dtypes.
@@ -799,7 +777,7 @@ std::unique_ptr<P2PWork> NcclCommunicator::start_p2p(std::span<const P2POp> ops)
   count_sent(sent);
   count_received(received);
   count_p2p(transfers);
-  return std::make_unique<NcclP2PWork>(impl_.get(), std::move(done));
+  return std::make_unique<NcclWork<P2PWork>>(impl_.get(), std::move(done), "send/recv batch");
 }
 
 // ------------------------------------------------------------------------------------------------
