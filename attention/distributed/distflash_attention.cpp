@@ -25,6 +25,27 @@ namespace longtrain::attn::dist {
 using parallel::P2POp;
 using Task = DistFlashTask;
 
+namespace {
+
+// The transfers that bring step `step`'s inputs (forward and backward alike): this rank receives the
+// K/V of the rank it owns a block with (into kv_in's slot step % 2) or the Q side of the rank it
+// helps (into q_in's), and sends its own K/V (own_kv) or Q side (own_q) to every rank that needs
+// them at that step. Slots are looked up only when used: without helpers the Q-side slots are empty.
+void append_step_inputs(std::vector<P2POp>& ops, int P, bool causal, int me, int step, const MessageSlots& kv_in,
+                        const MessageSlots& q_in, const MessageSlots& own_kv, const MessageSlots& own_q) {
+  const Task mine = distflash_task(P, causal, me, step);
+  if (mine.kind == Task::owner) append_recvs(ops, kv_in[step % 2], mine.peer);
+  if (mine.kind == Task::helper) append_recvs(ops, q_in[step % 2], mine.peer);
+  for (int x = 0; x < P; ++x) {
+    const Task theirs = distflash_task(P, causal, x, step);
+    if (x == me || theirs.peer != me) continue;
+    if (theirs.kind == Task::owner) append_sends(ops, own_kv[0], x);
+    if (theirs.kind == Task::helper) append_sends(ops, own_q[0], x);
+  }
+}
+
+}  // namespace
+
 DistFlashAttention::DistFlashAttention(const SequenceAttentionSpec& spec)
     : DistributedAttention(Schedule::distflash, spec) {
   LT_CHECK(spec.layout == SeqLayout::contiguous,
@@ -77,17 +98,8 @@ void DistFlashAttention::forward(Tensor o, Tensor lse, Tensor q, Tensor k, Tenso
   forward_trace_.steps.assign(static_cast<size_t>(S + 1), ScheduleStep{});
   for (int t = 0; t <= S; ++t) {
     std::vector<P2POp> ops;
-    if (t + 1 < S) {  // inputs of step t+1
-      const Task mine = distflash_task(P, causal_, me, t + 1);
-      if (mine.kind == Task::owner) append_recvs(ops, fwd_kv_in_[(t + 1) % 2], mine.peer);
-      if (mine.kind == Task::helper) append_recvs(ops, fwd_q_in_[(t + 1) % 2], mine.peer);
-      for (int x = 0; x < P; ++x) {
-        const Task theirs = distflash_task(P, causal_, x, t + 1);
-        if (x == me || theirs.peer != me) continue;
-        if (theirs.kind == Task::owner) append_sends(ops, fwd_own_kv_[0], x);
-        if (theirs.kind == Task::helper) append_sends(ops, fwd_own_q_[0], x);
-      }
-    }
+    if (t + 1 < S)  // inputs of step t+1
+      append_step_inputs(ops, P, causal_, me, t + 1, fwd_kv_in_, fwd_q_in_, fwd_own_kv_, fwd_own_q_);
     int result_from = -1;
     if (t - 1 >= 1) {  // results of step t-1: a helper's partial (O, LSE) goes to its owner
       const Task mine = distflash_task(P, causal_, me, t - 1);
@@ -173,17 +185,8 @@ void DistFlashAttention::backward(Tensor dq, Tensor dk, Tensor dv, Tensor q, Ten
   backward_trace_.steps.assign(static_cast<size_t>(S + 1), ScheduleStep{});
   for (int t = 0; t <= S; ++t) {
     std::vector<P2POp> ops;
-    if (t + 1 < S) {  // inputs of step t+1
-      const Task mine = distflash_task(P, causal_, me, t + 1);
-      if (mine.kind == Task::owner) append_recvs(ops, bwd_kv_in_[(t + 1) % 2], mine.peer);
-      if (mine.kind == Task::helper) append_recvs(ops, bwd_q_in_[(t + 1) % 2], mine.peer);
-      for (int x = 0; x < P; ++x) {
-        const Task theirs = distflash_task(P, causal_, x, t + 1);
-        if (x == me || theirs.peer != me) continue;
-        if (theirs.kind == Task::owner) append_sends(ops, bwd_own_kv_[0], x);
-        if (theirs.kind == Task::helper) append_sends(ops, bwd_own_q_[0], x);
-      }
-    }
+    if (t + 1 < S)  // inputs of step t+1
+      append_step_inputs(ops, P, causal_, me, t + 1, bwd_kv_in_, bwd_q_in_, bwd_own_kv_, bwd_own_q_);
     const Message* received = nullptr;  // dK/dV for this rank's K/V, or dQ for its Q
     bool received_dkv = false;
     if (t - 1 >= 1) {  // results of step t-1: an owner's dK/dV partial, a helper's dQ partial
