@@ -40,12 +40,7 @@ struct Options {
 Options parse(int argc, char** argv) {
   Options o;
   o.command = command_line(argc, argv);
-  for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i];
-    auto next = [&]() -> std::string {
-      LT_CHECK(i + 1 < argc, "attention_bench: {} needs a value", a);
-      return argv[++i];
-    };
+  for_each_flag(argc, argv, "attention_bench", [&](const std::string& a, const FlagValue& next) {
     if (a == "--lengths") {
       o.lengths = int_list(next());
     } else if (a == "--anchor") {
@@ -59,9 +54,10 @@ Options parse(int argc, char** argv) {
     } else if (a == "--reps") {
       o.reps = std::stoi(next());
     } else {
-      LT_FAIL("attention_bench: unknown argument {} (see the comment at the top of bench/attention_bench.cpp)", a);
+      return false;
     }
-  }
+    return true;
+  });
   return o;
 }
 

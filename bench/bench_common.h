@@ -11,6 +11,7 @@
 #include <cmath>
 #include <ctime>
 #include <fstream>
+#include <functional>
 #include <initializer_list>
 #include <sstream>
 #include <string>
@@ -37,6 +38,24 @@ inline std::string command_line(int argc, char** argv) {
     command += argv[i];
   }
   return command;
+}
+
+// The value of the flag being handled: the next argument (an error naming the flag when there is none).
+using FlagValue = std::function<std::string()>;
+
+// Walks argv[1..]: handle(flag, value) takes each flag (and its value, if it has one) and returns
+// false for one it does not know, which is an error naming it and the comment that lists them.
+inline void for_each_flag(int argc, char** argv, const std::string& tool,
+                          const std::function<bool(const std::string& flag, const FlagValue& value)>& handle) {
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    const FlagValue value = [&]() -> std::string {
+      LT_CHECK(i + 1 < argc, "{}: {} needs a value", tool, a);
+      return argv[++i];
+    };
+    if (!handle(a, value))
+      LT_FAIL("{}: unknown argument '{}' (see the comment at the top of bench/{}.cpp)", tool, a, tool);
+  }
 }
 
 // "a,b,c" -> {"a", "b", "c"}.

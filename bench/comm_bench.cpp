@@ -42,12 +42,7 @@ struct Options {
 Options parse(int argc, char** argv) {
   Options o;
   o.command = command_line(argc, argv);
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    auto next = [&]() -> std::string {
-      LT_CHECK(i + 1 < argc, "comm_bench: {} needs a value", a);
-      return argv[++i];
-    };
+  for_each_flag(argc, argv, "comm_bench", [&](const std::string& a, const FlagValue& next) {
     if (a == "--sizes-mib") {
       o.sizes_mib = int_list(next());
     } else if (a == "--anchor") {
@@ -61,9 +56,10 @@ Options parse(int argc, char** argv) {
     } else if (a == "--warmup") {
       o.warmup = std::stoi(next());
     } else {
-      LT_FAIL("comm_bench: unknown argument '{}' (see the comment at the top of bench/comm_bench.cpp)", a);
+      return false;
     }
-  }
+    return true;
+  });
   return o;
 }
 

@@ -57,12 +57,7 @@ struct Options {
 Options parse(int argc, char** argv) {
   Options o;
   o.command = command_line(argc, argv);
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    auto next = [&]() -> std::string {
-      LT_CHECK(i + 1 < argc, "cp_bench: {} needs a value", a);
-      return argv[++i];
-    };
+  for_each_flag(argc, argv, "cp_bench", [&](const std::string& a, const FlagValue& next) {
     if (a == "--lengths") {
       o.lengths = int_list(next());
     } else if (a == "--schedules") {
@@ -85,9 +80,10 @@ Options parse(int argc, char** argv) {
     } else if (a == "--anchor") {
       o.anchor = next();
     } else {
-      LT_FAIL("cp_bench: unknown argument '{}' (see the comment at the top of bench/cp_bench.cpp)", a);
+      return false;
     }
-  }
+    return true;
+  });
   LT_CHECK(o.warmup >= 1 && o.reps >= 1, "cp_bench: --warmup and --reps must be at least 1");
   return o;
 }

@@ -84,12 +84,7 @@ struct Options {
 Options parse(int argc, char** argv) {
   Options o;
   o.command = command_line(argc, argv);
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    auto next = [&]() -> std::string {
-      LT_CHECK(i + 1 < argc, "llama_bench: {} needs a value", a);
-      return argv[++i];
-    };
+  for_each_flag(argc, argv, "llama_bench", [&](const std::string& a, const FlagValue& next) {
     if (a == "--lengths") {
       o.lengths = int_list(next());
       std::sort(o.lengths.begin(), o.lengths.end());  // ascending: scratch only grows, peaks stay honest
@@ -122,9 +117,10 @@ Options parse(int argc, char** argv) {
     } else if (a == "--schedule") {
       o.schedule = attn::parse_schedule(next());
     } else {
-      LT_FAIL("llama_bench: unknown argument {} (see the comment at the top of bench/llama_bench.cpp)", a);
+      return false;
     }
-  }
+    return true;
+  });
   LT_CHECK(o.steps > 0 && o.warmup >= 0, "llama_bench: --steps must be positive and --warmup non-negative");
   return o;
 }
