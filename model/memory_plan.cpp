@@ -182,7 +182,7 @@ MemoryPlan plan_memory(const LlamaConfig& config, const Precision& precision, Ch
     Arena a("tokens", dev);
     int i = 0;
     for (const auto& [n, dtype] : entries) a.add(fmt::format("e{}", i++), {n}, dtype);
-    return (a.bytes() + 255) / 256 * 256;
+    return a.allocation_bytes();
   };
   const size_t staging = arena_allocation({{T, DType::i32}, {T, DType::i32}, {T, DType::i32}});
   plan.token_buffers = 2 * staging + arena_allocation({{T, precision.stat}});

@@ -48,8 +48,8 @@ void Arena::pad_to_multiple(size_t bytes) {
 
 void Arena::allocate() {
   LT_CHECK(base_ == nullptr, "arena '{}' allocated twice", kind_);
-  // Round up to whole 256-byte blocks so the zeroing view below covers the allocation exactly.
-  size_t padded = (bytes_ + 255) / 256 * 256;
+  // Whole 256-byte blocks, so the zeroing view below covers the allocation exactly.
+  const size_t padded = allocation_bytes();
   base_ = device_alloc(device_, padded);
   zero(Tensor(base_, DType::i32, {static_cast<int64_t>(padded / 4)}, device_));
 }

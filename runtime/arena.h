@@ -52,6 +52,9 @@ class Arena {
   const std::string& kind() const { return kind_; }
   Device device() const { return device_; }
   size_t bytes() const { return bytes_; }
+  // What allocate() asks device_alloc for: bytes() rounded up to whole 256-byte blocks (memory
+  // plans count this, without allocating).
+  size_t allocation_bytes() const { return (bytes_ + 255) / 256 * 256; }
   void* base() const { return base_; }
 
  private:

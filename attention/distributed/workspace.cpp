@@ -13,14 +13,13 @@ namespace {
 
 using dist::MessageSpec;
 
-// What MessageSlots::ensure(spec, count, device) allocates: one arena of count × parts entries,
-// rounded up to whole 256-byte blocks as Arena::allocate rounds it.
+// What MessageSlots::ensure(spec, count, device) allocates: one arena of count × parts entries.
 size_t slots_bytes(const MessageSpec& spec, int count, Device device) {
   if (count == 0 || spec.empty()) return 0;
   Arena table("slots", device);  // only the table: never allocated
   for (int s = 0; s < count; ++s)
     for (size_t p = 0; p < spec.size(); ++p) table.add(fmt::format("slot{}.part{}", s, p), spec[p].shape, spec[p].dtype);
-  return (table.bytes() + 255) / 256 * 256;
+  return table.allocation_bytes();
 }
 
 }  // namespace
