@@ -16,8 +16,31 @@ struct KeyRange {
 
 }  // namespace
 
+ChunkCalls parse_chunk_calls(std::string_view name) {
+  if (name == "auto") return ChunkCalls::automatic;
+  if (name == "merged") return ChunkCalls::merged;
+  if (name == "per_chunk") return ChunkCalls::per_chunk;
+  LT_FAIL("unknown chunk calls '{}': use auto, merged or per_chunk", name);
+}
+
+std::string_view chunk_calls_name(ChunkCalls calls) {
+  switch (calls) {
+    case ChunkCalls::automatic: return "auto";
+    case ChunkCalls::merged: return "merged";
+    case ChunkCalls::per_chunk: return "per_chunk";
+  }
+  return "?";
+}
+
+ChunkCalls chunk_calls_for(ChunkCalls calls, Device device) {
+  if (calls != ChunkCalls::automatic) return calls;
+  return device == Device::cuda ? ChunkCalls::per_chunk : ChunkCalls::merged;
+}
+
 std::vector<BlockCall> plan_block_calls(SeqLayout layout, int sp_size, int64_t local_len, int q_rank, int kv_rank,
-                                        bool causal) {
+                                        bool causal, ChunkCalls calls) {
+  LT_CHECK(calls != ChunkCalls::automatic, "plan_block_calls: resolve ChunkCalls::automatic with chunk_calls_for");
+  const bool merge = calls == ChunkCalls::merged;
   LT_CHECK(local_len > 0, "a sequence-parallel shard needs at least one token, got {}", local_len);
   const int64_t seq_len = local_len * sp_size;
   check_layout(layout, seq_len, sp_size, q_rank);
@@ -46,28 +69,27 @@ std::vector<BlockCall> plan_block_calls(SeqLayout layout, int sp_size, int64_t l
                kv_rank);
       if (!before) continue;
       std::vector<KeyRange>& v = visible[i];
-      if (!v.empty() && v.back().start + v.back().len == k.local_start) {
+      if (merge && !v.empty() && v.back().start + v.back().len == k.local_start) {
         v.back().len += k.length;
       } else {
         v.push_back({k.local_start, k.length});
       }
     }
   }
-  // Consecutive query runs that see the same keys become one call.
-  std::vector<BlockCall> calls;
+  // Consecutive query runs that see the same keys become one call (merged).
+  std::vector<BlockCall> out;
   for (size_t i = 0; i < q_runs.size();) {
     size_t end = i + 1;
     int64_t q_len = q_runs[i].length;
-    while (end < q_runs.size() && visible[end] == visible[i] &&
+    while (merge && end < q_runs.size() && visible[end] == visible[i] &&
            q_runs[end].local_start == q_runs[i].local_start + q_len) {
       q_len += q_runs[end].length;
       ++end;
     }
-    for (const KeyRange& r : visible[i])
-      calls.push_back({q_runs[i].local_start, q_len, r.start, r.len, BlockMask::none});
+    for (const KeyRange& r : visible[i]) out.push_back({q_runs[i].local_start, q_len, r.start, r.len, BlockMask::none});
     i = end;
   }
-  return calls;
+  return out;
 }
 
 }  // namespace longtrain::attn

@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string_view>
 #include <vector>
 
 #include "attention/local_attention.h"
@@ -28,10 +29,25 @@ struct BlockCall {
   int64_t pairs() const;
 };
 
+// How the chunk pairs of two different ranks become calls: merged into as few calls as possible, or
+// one call per (query chunk, key chunk) pair. A rank meeting itself is one causal call either way.
+// automatic: per_chunk on CUDA, merged elsewhere. Measured on 2 H200s (cp_bench, zigzag, 32 / 8
+// heads, head_dim 128): at 256K tokens two 64K x 64K cuDNN calls beat one 64K x 128K (or 128K x 64K)
+// call by 0.9% of the whole forward+backward; at 64K it makes no difference. On the CPU, larger
+// GEMMs are the better deal.
+enum class ChunkCalls { automatic, merged, per_chunk };
+
 // The calls for the queries of SP rank `q_rank` against the keys of SP rank `kv_rank`, each holding
 // `local_len` tokens of a sequence split over `sp_size` ranks in `layout`. Empty when causal masking
-// hides every pair. local_len must split into the layout's chunks (checked).
+// hides every pair. local_len must split into the layout's chunks (checked). `calls` must not be
+// automatic here (resolve it with chunk_calls_for).
 std::vector<BlockCall> plan_block_calls(SeqLayout layout, int sp_size, int64_t local_len, int q_rank, int kv_rank,
-                                        bool causal);
+                                        bool causal, ChunkCalls calls = ChunkCalls::merged);
+
+// `calls`, with automatic resolved for tensors on `device`.
+ChunkCalls chunk_calls_for(ChunkCalls calls, Device device);
+// "auto", "merged", "per_chunk" (benchmark flags); parsing throws naming the accepted values.
+ChunkCalls parse_chunk_calls(std::string_view name);
+std::string_view chunk_calls_name(ChunkCalls calls);
 
 }  // namespace longtrain::attn

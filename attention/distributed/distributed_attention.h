@@ -62,6 +62,7 @@
 #include <string_view>
 #include <vector>
 
+#include "attention/distributed/block_plan.h"
 #include "attention/sequence_attention.h"
 #include "parallel/communicator.h"
 #include "parallel/layout.h"
@@ -88,6 +89,8 @@ struct SequenceAttentionSpec {
   // group inside one node, or a ragged shape) it runs the single ring over `sp`.
   parallel::Communicator* intra_node = nullptr;
   parallel::Communicator* inter_node = nullptr;
+  // How the chunk pairs two ranks share become local block calls (block_plan.h).
+  ChunkCalls chunk_calls = ChunkCalls::automatic;
 };
 
 // Throws longtrain::Error naming the setting and the fix: zigzag needs the zigzag layout, distflash
@@ -147,11 +150,16 @@ class DistributedAttention : public SequenceAttention {
   // the layout's chunks, the output dtypes) and returns T. `op` names the call in errors.
   int64_t check_call(const char* op, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o,
                      const Tensor& lse) const;
+  // The block calls of `q_rank`'s queries against `kv_rank`'s keys, T tokens each, tensors on `device`.
+  std::vector<BlockCall> block_calls(int q_rank, int kv_rank, int64_t T, Device device) const {
+    return plan_block_calls(layout_, sp_.size(), T, q_rank, kv_rank, causal_, chunk_calls_for(chunk_calls_, device));
+  }
 
   Schedule schedule_;
   bool causal_;
   double scale_;
   SeqLayout layout_;
+  ChunkCalls chunk_calls_;
   parallel::Communicator& sp_;
   ScheduleTrace forward_trace_, backward_trace_;
   ComputeObserver* observer_ = nullptr;

@@ -42,7 +42,12 @@ int64_t ScheduleTrace::bytes_sent() const {
 }
 
 DistributedAttention::DistributedAttention(Schedule schedule, const SequenceAttentionSpec& spec)
-    : schedule_(schedule), causal_(spec.causal), scale_(spec.scale), layout_(spec.layout), sp_(*spec.sp) {}
+    : schedule_(schedule),
+      causal_(spec.causal),
+      scale_(spec.scale),
+      layout_(spec.layout),
+      chunk_calls_(spec.chunk_calls),
+      sp_(*spec.sp) {}
 
 int64_t DistributedAttention::check_call(const char* op, const Tensor& q, const Tensor& k, const Tensor& v,
                                          const Tensor& o, const Tensor& lse) const {
@@ -169,8 +174,8 @@ MessageSpec kv_spec(const Tensor& k) {
 // The forward of ring, zigzag and burst: K/V blocks rotate over `topo`; at each round this rank's
 // queries meet the block it holds and the partial results merge into (o, lse).
 void rotating_kv_forward(RingRotation& rotation, MessageSlots& scratch, const RingTopology& topo, SeqLayout layout,
-                         bool causal, double scale, Tensor o, Tensor lse, Tensor q, Tensor k, Tensor v,
-                         ScheduleTrace& trace, ComputeObserver* observer) {
+                         bool causal, ChunkCalls chunk_calls, double scale, Tensor o, Tensor lse, Tensor q, Tensor k,
+                         Tensor v, ScheduleTrace& trace, ComputeObserver* observer) {
   const int64_t T = q.size(0);
   const int P = topo.size(), me = topo.sp_rank();
   const ForwardScratch s = prepare_forward(scratch, o, lse);
@@ -179,7 +184,8 @@ void rotating_kv_forward(RingRotation& rotation, MessageSlots& scratch, const Ri
     const Tensor kk = block ? (*block)[0] : k, vv = block ? (*block)[1] : v;
     const ComputeScope scope(observer);
     int64_t pairs = 0;
-    for (const BlockCall& c : plan_block_calls(layout, P, T, me, source, causal)) {
+    const ChunkCalls calls = chunk_calls_for(chunk_calls, q.device);
+    for (const BlockCall& c : plan_block_calls(layout, P, T, me, source, causal, calls)) {
       forward_call(c, s.o_acc, lse, s.o_blk, s.lse_blk, q, kk, vv, scale);
       pairs += c.pairs();
     }
@@ -208,8 +214,8 @@ std::string RingAttention::describe() const {
 void RingAttention::forward(Tensor o, Tensor lse, Tensor q, Tensor k, Tensor v) {
   ++counters.forward_calls;
   check_call("forward", q, k, v, o, lse);
-  rotating_kv_forward(forward_rotation_, fwd_scratch_, RingTopology::single(sp_), layout_, causal_, scale_, o, lse, q,
-                      k, v, forward_trace_, observer_);
+  rotating_kv_forward(forward_rotation_, fwd_scratch_, RingTopology::single(sp_), layout_, causal_, chunk_calls_, scale_,
+                      o, lse, q, k, v, forward_trace_, observer_);
   counters.bytes_sent += forward_trace_.bytes_sent();
 }
 
@@ -218,7 +224,7 @@ void RingAttention::backward(Tensor dq, Tensor dk, Tensor dv, Tensor q, Tensor k
   ++counters.backward_calls;
   const int64_t T = check_call("backward", q, k, v, o, lse);
   check_backward_tensors(schedule_name(schedule_).data(), dq, dk, dv, q, k, o, d_o);
-  const int P = sp_.size(), me = sp_.rank();
+  const int me = sp_.rank();
   // The query rows never leave this rank: every block reads the final O (or D) of the own rows.
   const BackwardScratch s = prepare_backward(bwd_scratch_, dq, dk, dv, o, lse, d_o, /*send_delta=*/false);
   const DType acc = lse.dtype;
@@ -229,7 +235,7 @@ void RingAttention::backward(Tensor dq, Tensor dk, Tensor dv, Tensor q, Tensor k
     const Tensor gk = grads ? (*grads)[0] : s.dk, gv = grads ? (*grads)[1] : s.dv;
     const ComputeScope scope(observer_);
     int64_t pairs = 0;
-    for (const BlockCall& c : plan_block_calls(layout_, P, T, me, source, causal_)) {
+    for (const BlockCall& c : block_calls(me, source, T, q.device)) {
       backward_call(c, s.dq, gk, gv, q, kk, vv, d_o, lse, s.own_o(), s.own_delta(), scale_);
       pairs += c.pairs();
     }
@@ -305,8 +311,8 @@ std::string BurstAttention::describe() const {
 void BurstAttention::forward(Tensor o, Tensor lse, Tensor q, Tensor k, Tensor v) {
   ++counters.forward_calls;
   check_call("forward", q, k, v, o, lse);
-  rotating_kv_forward(forward_rotation_, fwd_scratch_, topology_, layout_, causal_, scale_, o, lse, q, k, v,
-                      forward_trace_, observer_);
+  rotating_kv_forward(forward_rotation_, fwd_scratch_, topology_, layout_, causal_, chunk_calls_, scale_, o, lse, q, k,
+                      v, forward_trace_, observer_);
   counters.bytes_sent += forward_trace_.bytes_sent();
 }
 
@@ -315,7 +321,7 @@ void BurstAttention::backward(Tensor dq, Tensor dk, Tensor dv, Tensor q, Tensor 
   ++counters.backward_calls;
   const int64_t T = check_call("backward", q, k, v, o, lse);
   check_backward_tensors("burst", dq, dk, dv, q, k, o, d_o);
-  const int P = sp_.size(), me = sp_.rank();
+  const int me = sp_.rank();
   const BackwardScratch s = prepare_backward(bwd_scratch_, dq, dk, dv, o, lse, d_o, /*send_delta=*/true);
   const DType acc = lse.dtype;
   const int64_t Hq = q.size(1), D = q.size(2);
@@ -330,7 +336,7 @@ void BurstAttention::backward(Tensor dq, Tensor dk, Tensor dv, Tensor q, Tensor 
     const Tensor gq = grads ? (*grads)[0] : s.dq;
     const ComputeScope scope(observer_);
     int64_t pairs = 0;
-    for (const BlockCall& c : plan_block_calls(layout_, P, T, source, me, causal_)) {
+    for (const BlockCall& c : block_calls(source, me, T, q.device)) {
       backward_call(c, gq, s.dk, s.dv, qq, k, v, gg, ll, oo, dd, scale_);
       pairs += c.pairs();
     }

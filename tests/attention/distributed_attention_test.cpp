@@ -14,6 +14,7 @@
 // Children report "CASE <name> <error> <tolerance>" lines; the parent asserts error <= tolerance.
 #include <gtest/gtest.h>
 
+#include <array>
 #include <cmath>
 #include <iostream>
 #include <map>
@@ -225,11 +226,15 @@ Volumes expected_bytes(Schedule s, bool causal, int P, int r, int64_t T, int64_t
 struct Config {
   Schedule schedule;
   SeqLayout layout;
+  ChunkCalls chunk_calls = ChunkCalls::automatic;  // merged on the CPU
 };
+// With one call per chunk pair (what CUDA runs) where a layout has more than one chunk per rank.
 const std::vector<Config> kConfigs = {
     {Schedule::ring, SeqLayout::contiguous},      {Schedule::ring, SeqLayout::zigzag},
     {Schedule::zigzag, SeqLayout::zigzag},        {Schedule::distflash, SeqLayout::contiguous},
-    {Schedule::burst, SeqLayout::zigzag},         {Schedule::burst, SeqLayout::contiguous}};
+    {Schedule::burst, SeqLayout::zigzag},         {Schedule::burst, SeqLayout::contiguous},
+    {Schedule::zigzag, SeqLayout::zigzag, ChunkCalls::per_chunk},
+    {Schedule::burst, SeqLayout::zigzag, ChunkCalls::per_chunk}};
 
 std::string steps_text(const ScheduleTrace& trace) {
   std::string s;
@@ -254,8 +259,9 @@ void check_config(Communicator& sp, const Config& cfg, bool causal, Heads heads,
                   std::ostream& rep) {
   const int P = sp.size(), r = sp.rank();
   const std::string name =
-      fmt::format("P{}{}/{}/{}/{}/{}/{}", P, direct ? "direct" : "", schedule_name(cfg.schedule),
-                  layout_name(cfg.layout), causal ? "causal" : "full", heads.name, dtype_name(dtype_of<T>()));
+      fmt::format("P{}{}/{}/{}{}/{}/{}/{}", P, direct ? "direct" : "", schedule_name(cfg.schedule),
+                  layout_name(cfg.layout), cfg.chunk_calls == ChunkCalls::per_chunk ? "/per_chunk" : "",
+                  causal ? "causal" : "full", heads.name, dtype_name(dtype_of<T>()));
   const Problem p = make_problem(S, heads, D, causal, /*seed=*/S * 1000 + D * 10 + (causal ? 1 : 0),
                                  std::is_same_v<T, float>);
   SequenceAttentionSpec spec;
@@ -263,6 +269,7 @@ void check_config(Communicator& sp, const Config& cfg, bool causal, Heads heads,
   spec.causal = causal;
   spec.scale = p.scale;
   spec.layout = cfg.layout;
+  spec.chunk_calls = cfg.chunk_calls;
   spec.sp = &sp;
   std::unique_ptr<SequenceAttention> attention = direct ? make_schedule_directly(spec) : make_sequence_attention(spec);
   Shard<T> sh(p, cfg.layout, P, r, /*seed=*/77 + static_cast<uint64_t>(r));
@@ -453,7 +460,7 @@ TEST_P(DistributedAttentionRanks, EveryScheduleEqualsSingleRankAttention) {
   const int port = parallel::net::pick_free_port();
   auto out = test::run_ranks(P, [&](int r) { return every_schedule(r, P, port); }, 90s);
   Reports rep;
-  expect_cases(out, 6 * 2 * 3 * 2 * 6, &rep);
+  expect_cases(out, static_cast<int>(kConfigs.size()) * 2 * 3 * 2 * 6, &rep);
   for (const auto& [kind, err] : rep.worst) std::cout << "  worst " << kind << ": " << err << "\n";
   // Every visible query-key pair of the sequence is computed exactly once over the group.
   for (const auto& [name, v] : rep.pairs) {
@@ -837,10 +844,32 @@ TEST(BlockPlan, ZigzagHalfBlockRules) {
   one(plan_block_calls(SeqLayout::contiguous, 4, 12, 3, 1, true), 0, 12, 0, 12, BlockMask::none);
   // Full attention: one unmasked block whatever the ranks.
   one(plan_block_calls(SeqLayout::zigzag, 4, 12, 0, 3, false), 0, 12, 0, 12, BlockMask::none);
+
+  // One call per chunk pair: the same pairs, each local chunk (6 tokens) on its own; a rank meeting
+  // itself is still one causal call.
+  auto split = [](int q, int kv) { return plan_block_calls(SeqLayout::zigzag, 4, 12, q, kv, true, ChunkCalls::per_chunk); };
+  one(split(1, 1), 0, 12, 0, 12, BlockMask::causal_diagonal);
+  auto two = [](const std::vector<BlockCall>& calls, std::array<int64_t, 4> a, std::array<int64_t, 4> b) {
+    ASSERT_EQ(calls.size(), 2u);
+    for (size_t i = 0; i < 2; ++i) {
+      const auto& w = i == 0 ? a : b;
+      EXPECT_EQ(calls[i].q_start, w[0]);
+      EXPECT_EQ(calls[i].q_len, w[1]);
+      EXPECT_EQ(calls[i].k_start, w[2]);
+      EXPECT_EQ(calls[i].k_len, w[3]);
+      EXPECT_EQ(calls[i].mask, BlockMask::none);
+    }
+  };
+  two(split(2, 0), {0, 6, 0, 6}, {6, 6, 0, 6});   // each query chunk x the source's first chunk
+  two(split(1, 3), {6, 6, 0, 6}, {6, 6, 6, 6});   // the late query chunk x each source chunk
+  EXPECT_EQ(chunk_calls_for(ChunkCalls::automatic, Device::cuda), ChunkCalls::per_chunk);
+  EXPECT_EQ(chunk_calls_for(ChunkCalls::automatic, Device::cpu), ChunkCalls::merged);
+  EXPECT_EQ(chunk_calls_for(ChunkCalls::merged, Device::cuda), ChunkCalls::merged);
 }
 
 // Over all (query rank, key rank) pairs, the calls cover each visible pair of the sequence once.
 TEST(BlockPlan, CoversEveryVisiblePairOnce) {
+  for (ChunkCalls calls : {ChunkCalls::merged, ChunkCalls::per_chunk})
   for (SeqLayout layout : {SeqLayout::contiguous, SeqLayout::zigzag}) {
     for (int P = 1; P <= 5; ++P) {
       const int64_t local = 6, S = local * P;
@@ -850,7 +879,7 @@ TEST(BlockPlan, CoversEveryVisiblePairOnce) {
           const auto qg = layout_global_indices(layout, S, P, q);
           for (int kv = 0; kv < P; ++kv) {
             const auto kg = layout_global_indices(layout, S, P, kv);
-            for (const BlockCall& c : plan_block_calls(layout, P, local, q, kv, causal))
+            for (const BlockCall& c : plan_block_calls(layout, P, local, q, kv, causal, calls))
               for (int64_t i = c.q_start; i < c.q_start + c.q_len; ++i)
                 for (int64_t j = c.k_start; j < c.k_start + c.k_len; ++j) {
                   if (c.mask == BlockMask::causal_diagonal && j - c.k_start > i - c.q_start) continue;
