@@ -6,10 +6,13 @@
 // delta accumulating into f32 dQ/dK/dV (what a distributed schedule's visiting query rows pay:
 // attention_delta, the O stand-in, scratch and three accumulation passes), and the bare cuDNN graphs
 // (cudnn_sdpa::forward/backward). Given the anchor's JSON from the same machine and run, it writes
-// them side by side with ratios.
+// them side by side with ratios. --layouts adds the bare cuDNN graphs on separate buffers in other
+// memory layouts (bshd: [S, H, D] per tensor; bhsd: head-major [H, S, D], as the anchor's tensors are),
+// to show what the fused token-major layout costs cuDNN.
 //
 //   attention_bench [--lengths 4096,16384,65536] [--anchor attn_anchor.json] [--out result.json]
-//                   [--commit SHA] [--warmup 3] [--reps 10]
+//                   [--commit SHA] [--warmup 3] [--reps 10] [--kv-heads 32,8] [--head-dim 128]
+//                   [--layouts bshd,bhsd]
 //
 // Timing as the anchor does it: CUDA events around each call, the median of the timed runs.
 // FLOPs count the causal half: fwd = 4·Hq·S²·D / 2, fwd+bwd = 3.5 × fwd.
@@ -32,6 +35,9 @@ namespace {
 
 struct Options {
   std::vector<int64_t> lengths{4096, 16384, 65536};
+  std::vector<int64_t> kv_heads{32, 8};
+  int64_t head_dim = 128;
+  std::vector<std::string> layouts;
   std::string anchor, out, commit = "unknown";
   int warmup = 3, reps = 10;
   std::string command;
@@ -43,6 +49,14 @@ Options parse(int argc, char** argv) {
   for_each_flag(argc, argv, "attention_bench", [&](const std::string& a, const FlagValue& next) {
     if (a == "--lengths") {
       o.lengths = int_list(next());
+    } else if (a == "--kv-heads") {
+      o.kv_heads = int_list(next());
+    } else if (a == "--head-dim") {
+      o.head_dim = std::stoll(next());
+    } else if (a == "--layouts") {
+      o.layouts = split_list(next());
+      for (const std::string& l : o.layouts)
+        LT_CHECK(l == "bshd" || l == "bhsd", "attention_bench: --layouts takes bshd and/or bhsd, got '{}'", l);
     } else if (a == "--anchor") {
       o.anchor = next();
     } else if (a == "--out") {
@@ -91,6 +105,14 @@ attn::cudnn_sdpa::View view(const Tensor& t) {
   return {t.data, t.shape[0], t.shape[1], t.shape[2], t.stride[0], t.stride[1]};
 }
 
+// A [S, H, D] view of a separate buffer in `layout`: bshd (token-major) or bhsd (head-major).
+attn::cudnn_sdpa::View layout_view(const CudaBuffer& b, const std::string& layout) {
+  const Tensor& t = b.t;
+  const int64_t S = t.shape[0], H = t.shape[1], D = t.shape[2];
+  if (layout == "bhsd") return {t.data, S, H, D, D, S * D};
+  return {t.data, S, H, D, H * D, D};
+}
+
 }  // namespace
 
 int main(int argc, char** argv) try {
@@ -121,9 +143,10 @@ int main(int argc, char** argv) try {
   if (!anchor.is_null()) result["anchor"] = {{"script", "bench/anchors/attn_anchor.py"}, {"file", opt.anchor}};
   json rows = json::array();
 
-  const int64_t Hq = 32, D = 128;
+  const int64_t Hq = 32, D = opt.head_dim;
   const double scale = 1.0 / std::sqrt(static_cast<double>(D));
-  for (int64_t hkv : {int64_t{32}, int64_t{8}}) {
+  if (D != 128) result["benchmark"] = fmt::format("causal attention fwd and fwd+bwd, batch 1, 32 query heads, head dim {}, bf16", D);
+  for (int64_t hkv : opt.kv_heads) {
     for (int64_t S : opt.lengths) {
       // The model's buffers: fused QKV [S, (Hq + 2·Hkv), D] and dQKV of the same layout.
       const int64_t W = Hq + 2 * hkv;
@@ -180,6 +203,35 @@ int main(int argc, char** argv) try {
                                        {"fwd_tflops", round1(fwd_flops / ms_cf / 1e9)},
                                        {"fwdbwd_ms", round3(ms_cfb)},
                                        {"fwdbwd_tflops", round1(3.5 * fwd_flops / ms_cfb / 1e9)}}}};
+      for (const std::string& layout : opt.layouts) {
+        // Separate Q/K/V/O/dO and dQ/dK/dV buffers in this layout, the bare cuDNN graphs.
+        CudaBuffer lq(DType::bf16, {S, Hq, D}), lk(DType::bf16, {S, hkv, D}), lv(DType::bf16, {S, hkv, D});
+        CudaBuffer lo(DType::bf16, {S, Hq, D}), ldo(DType::bf16, {S, Hq, D});
+        CudaBuffer ldq(DType::bf16, {S, Hq, D}), ldk(DType::bf16, {S, hkv, D}), ldv(DType::bf16, {S, hkv, D});
+        fill_bf16(lq.t, 11);
+        fill_bf16(lk.t, 12);
+        fill_bf16(lv.t, 13);
+        fill_bf16(ldo.t, 14);
+        const float sc = static_cast<float>(scale);
+        auto lf = [&] {
+          attn::cudnn_sdpa::forward(layout_view(lo, layout), stats, layout_view(lq, layout), layout_view(lk, layout),
+                                    layout_view(lv, layout), true, sc);
+        };
+        auto lfb = [&] {
+          lf();
+          attn::cudnn_sdpa::backward(layout_view(ldq, layout), layout_view(ldk, layout), layout_view(ldv, layout),
+                                     layout_view(lq, layout), layout_view(lk, layout), layout_view(lv, layout),
+                                     layout_view(lo, layout), layout_view(ldo, layout), stats, true, sc);
+        };
+        const double lms_f = time_ms(lf, opt.warmup, opt.reps), lms_fb = time_ms(lfb, opt.warmup, opt.reps);
+        row["cudnn_only_" + layout] = {{"fwd_ms", round3(lms_f)},
+                                       {"fwd_tflops", round1(fwd_flops / lms_f / 1e9)},
+                                       {"fwdbwd_ms", round3(lms_fb)},
+                                       {"fwdbwd_tflops", round1(3.5 * fwd_flops / lms_fb / 1e9)}};
+        std::printf("hkv=%2lld S=%6lld: cuDNN-only %s fwd %8.3f ms, fwd+bwd %8.3f ms (fused: %8.3f, %8.3f)\n",
+                    static_cast<long long>(hkv), static_cast<long long>(S), layout.c_str(), lms_f, lms_fb, ms_cf,
+                    ms_cfb);
+      }
       std::string line = fmt::format("hkv={:2} S={:6}: ours fwd {:8.3f} ms ({:5.1f} TFLOP/s), fwd+bwd {:8.3f} ms "
                                      "({:5.1f}); from delta into f32 {:8.3f} ms ({:5.1f}); cuDNN-only fwd+bwd {:8.3f} ms "
                                      "({:5.1f})",

@@ -6,7 +6,8 @@
 //
 //   longtrain-run --nproc-per-node 2 -- cp_bench [--lengths 65536,131072,262144]
 //       [--schedules ring,zigzag,distflash,burst] [--warmup 2] [--reps 5] [--rep-seconds 10]
-//       [--budget-s 0] [--out cp.json] [--commit SHA]
+//       [--budget-s 0] [--out cp.json] [--commit SHA] [--chunk-calls auto|merged|per_chunk]
+//       [--qkv-layout fused|bhsd]
 //   cp_bench --merge cp.json --anchor cp_anchor_w2.json [--out merged.json]
 //
 // Each rank's inputs are laid out as the model holds them: Q/K/V strided views of one fused
@@ -52,6 +53,8 @@ struct Options {
   int warmup = 2, reps = 5;
   double rep_seconds = 10, budget_s = 0;
   std::string out, commit = "unknown", merge, anchor, command;
+  std::string qkv_layout = "fused";
+  attn::ChunkCalls chunk_calls = attn::ChunkCalls::automatic;  // auto: per_chunk on CUDA
 };
 
 Options parse(int argc, char** argv) {
@@ -69,6 +72,12 @@ Options parse(int argc, char** argv) {
       o.reps = std::stoi(next());
     } else if (a == "--rep-seconds") {
       o.rep_seconds = std::stod(next());
+    } else if (a == "--chunk-calls") {
+      o.chunk_calls = attn::parse_chunk_calls(next());
+    } else if (a == "--qkv-layout") {
+      o.qkv_layout = next();
+      LT_CHECK(o.qkv_layout == "fused" || o.qkv_layout == "bhsd", "cp_bench: --qkv-layout takes fused or bhsd, got '{}'",
+               o.qkv_layout);
     } else if (a == "--budget-s") {
       o.budget_s = std::stod(next());
     } else if (a == "--out") {
@@ -194,22 +203,34 @@ Measured measure(parallel::Distributed& d, attn::Schedule schedule, int64_t S, c
   spec.sp = &sp;
   spec.intra_node = &d.intra_node();
   spec.inter_node = &d.inter_node();
+  spec.chunk_calls = o.chunk_calls;
   std::unique_ptr<attn::SequenceAttention> attention = attn::make_sequence_attention(spec);
   auto* da = dynamic_cast<attn::DistributedAttention*>(attention.get());
   LT_CHECK(da != nullptr, "cp_bench: {} ranks give no distributed attention", P);
   EventObserver observer;
   da->set_compute_observer(&observer);
 
-  CudaBuffer qkv(DType::bf16, {T, kW, kD}), o_buf(DType::bf16, {T, kHq, kD}), lse(DType::f32, {T, kHq}),
-      d_o(DType::bf16, {T, kHq, kD}), dqkv(DType::bf16, {T, kW, kD});
+  // fused: [T, Hq + 2·Hkv, D] buffers as the model's; bhsd: head-major [heads, T, D], as the anchor's.
+  const bool bhsd = o.qkv_layout == "bhsd";
+  auto heads_of = [&](const Tensor& t, int64_t h0, int64_t n) {
+    if (!bhsd) return t.narrow(1, h0, n);
+    const Tensor hm = t.narrow(0, h0, n);  // [n, T, D] seen as [T, n, D]
+    Tensor v = hm;
+    v.shape = {hm.shape[1], hm.shape[0], hm.shape[2], 0};
+    v.stride = {hm.stride[1], hm.stride[0], hm.stride[2], 0};
+    return v;
+  };
+  CudaBuffer qkv(DType::bf16, {bhsd ? kW : T, bhsd ? T : kW, kD}), o_buf(DType::bf16, {bhsd ? kHq : T, bhsd ? T : kHq, kD}),
+      lse(DType::f32, {T, kHq}), d_o(DType::bf16, {bhsd ? kHq : T, bhsd ? T : kHq, kD}),
+      dqkv(DType::bf16, {bhsd ? kW : T, bhsd ? T : kW, kD});
   fill_bf16(qkv.t, 11 + 7 * static_cast<uint32_t>(sp.rank()));
   fill_bf16(d_o.t, 13 + 7 * static_cast<uint32_t>(sp.rank()));
-  const Tensor q = qkv.t.narrow(1, 0, kHq), k = qkv.t.narrow(1, kHq, kHkv), v = qkv.t.narrow(1, kHq + kHkv, kHkv);
-  const Tensor dq = dqkv.t.narrow(1, 0, kHq), dk = dqkv.t.narrow(1, kHq, kHkv),
-               dv = dqkv.t.narrow(1, kHq + kHkv, kHkv);
-  auto forward = [&] { attention->forward(o_buf.t, lse.t, q, k, v); };
+  const Tensor q = heads_of(qkv.t, 0, kHq), k = heads_of(qkv.t, kHq, kHkv), v = heads_of(qkv.t, kHq + kHkv, kHkv);
+  const Tensor dq = heads_of(dqkv.t, 0, kHq), dk = heads_of(dqkv.t, kHq, kHkv), dv = heads_of(dqkv.t, kHq + kHkv, kHkv);
+  const Tensor ot = heads_of(o_buf.t, 0, kHq), dot = heads_of(d_o.t, 0, kHq);
+  auto forward = [&] { attention->forward(ot, lse.t, q, k, v); };
   // backward overwrites dq/dk/dv (SequenceAttention's contract), as LlamaModel calls it.
-  auto backward = [&] { attention->backward(dq, dk, dv, q, k, v, o_buf.t, lse.t, d_o.t); };
+  auto backward = [&] { attention->backward(dq, dk, dv, q, k, v, ot, lse.t, dot); };
 
   double last_warm_s = 0;
   for (int i = 0; i < o.warmup; ++i) {
@@ -339,6 +360,9 @@ int main(int argc, char** argv) {
         {"ours", "longtrain make_sequence_attention (attention/distributed): forward(o, lse, q, k, v); "
                  "backward(dq, dk, dv, ...) with q/k/v and dq/dk/dv strided views of fused buffers, bf16 O, f32 "
                  "LSE and f32 accumulators; NCCL send/recv ordered by events, overlapped with the block calls"},
+        {"qkv_layout", o.qkv_layout == "bhsd" ? "bhsd: separate head-major [heads, T, D] buffers, as the anchor's"
+                                              : "fused: [T, Hq + 2 Hkv, D] buffers, as the model's"},
+        {"chunk_calls", std::string(attn::chunk_calls_name(attn::chunk_calls_for(o.chunk_calls, Device::cuda)))},
         {"layouts", "ring, distflash: contiguous; zigzag, burst: zigzag"},
         {"flops", "per GPU: 3.5 * (4*Hq*S^2*D/2) / P (cp_anchor.py's count)"},
         {"timing", fmt::format("CUDA events around reps back-to-back fwd+bwd calls after {} warm-ups and a barrier "
