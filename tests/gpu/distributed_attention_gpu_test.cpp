@@ -7,7 +7,8 @@
 //   - Every schedule on 2 GPUs over NCCL (longtrain-run starts distributed_attention_gpu_worker, one
 //     GPU per rank): causal GQA, 8 query / 2 KV heads, head_dim 128, 1024 tokens. O, LSE, dQ, dK, dV
 //     are within bf16 tolerance of the f64 CPU reference and of single-GPU attention on the same bf16
-//     inputs, and the error at P = 2 is no larger than 1.5x the error at P = 1 on the same tokens (the
+//     inputs, and the error at P = 2 exceeds the error at P = 1 on the same tokens by at most one bf16
+//     rounding per block summed (cuDNN writes block outputs only in bf16; the worker says why; the
 //     table of both is printed). Also: calls interleaved like two layers with no host
 //     synchronisation give the same results, a second backward overwrites (gives the first's results
 //     again), a repeated forward gives the same bits, and the bytes sent are those of bf16 tensors
@@ -182,8 +183,10 @@ TEST(DistributedAttentionGpu, EveryScheduleOnTwoGpusMatchesOneGpuAndTheF64Refere
   const std::string err = read_file(dir.str("launcher.err"));
   ASSERT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 0) << err;
 
-  // (config, tensor) -> worst over ranks of the P = 1 error, the P = 2 error and P = 2 against P = 1.
-  std::map<std::string, std::map<std::string, std::array<double, 3>>> table;
+  // (config, tensor) -> worst over ranks of the P = 1 error, the P = 2 error, P = 2 against P = 1, the
+  // error of bf16 block outputs alone (emulated on the CPU) at P = 1 and P = 2, and P = 2 against its
+  // emulation.
+  std::map<std::string, std::map<std::string, std::array<double, 6>>> table;
   for (int r = 0; r < 2; ++r) {
     const std::string log = read_file(dir.str("rank_" + std::to_string(r) + ".log"));
     EXPECT_TRUE(contains(log, "DONE")) << "rank " << r << ":\n" << log;
@@ -202,31 +205,36 @@ TEST(DistributedAttentionGpu, EveryScheduleOnTwoGpusMatchesOneGpuAndTheF64Refere
         ++cases;
       } else if (word == "ERR") {
         std::string tensor;
-        double e1 = 0, e2 = 0, vs1 = 0;
-        ASSERT_TRUE(static_cast<bool>(f >> tensor >> e1 >> e2 >> vs1)) << "rank " << r << ": bad line " << line;
+        std::array<double, 6> e{};
+        ASSERT_TRUE(static_cast<bool>(f >> tensor >> e[0] >> e[1] >> e[2] >> e[3] >> e[4] >> e[5]))
+            << "rank " << r << ": bad line " << line;
         auto& row = table[name][tensor];
-        row = {std::max(row[0], e1), std::max(row[1], e2), std::max(row[2], vs1)};
+        for (size_t i = 0; i < e.size(); ++i) row[i] = std::max(row[i], e[i]);
       }
     }
-    // 6 configs x (1 + 5 tensors x 5 + bytes + 3 adds + bitwise)
-    EXPECT_GE(cases, 6 * 31) << "rank " << r << " reported too few cases:\n" << log;
+    // 7 configs x (1 + 5 tensors x 5 + bytes + 3 adds + bitwise)
+    EXPECT_GE(cases, 7 * 31) << "rank " << r << " reported too few cases:\n" << log;
   }
-  std::cout << "  max|err|/max|ref| on each rank's tokens, worst rank (P=1: one GPU, whole sequence):\n"
-            << "  schedule/layout         tensor   P=1 vs f64   P=2 vs f64   P=2 vs P=1\n";
-  std::array<double, 3> worst{};
+  std::cout << "  max|err|/max|ref| on each rank's tokens, worst rank (P=1: one GPU, whole sequence; bf16 blocks:\n"
+            << "  the same block calls exact on the CPU with outputs rounded to bf16 where cuDNN rounds them):\n"
+            << "  schedule/layout         tensor   P=1 vs f64   P=2 vs f64   P=2 vs P=1  bf16 blocks P=1   P=2"
+               "   P=2 vs its bf16 blocks\n";
+  std::array<double, 6> worst{};
   for (const auto& [config, rows] : table) {
     for (const char* tensor : {"o", "lse", "dq", "dk", "dv"}) {
       const auto it = rows.find(tensor);
       if (it == rows.end()) continue;
       const auto& e = it->second;
-      std::cout << fmt::format("  {:<23} {:<6} {:>12.3e} {:>12.3e} {:>12.3e}\n", config, tensor, e[0], e[1], e[2]);
+      std::cout << fmt::format("  {:<23} {:<6} {:>12.3e} {:>12.3e} {:>12.3e} {:>12.3e} {:>10.3e} {:>12.3e}\n", config,
+                               tensor, e[0], e[1], e[2], e[3], e[4], e[5]);
       if (std::string(tensor) != "lse")
-        for (int i = 0; i < 3; ++i) worst[i] = std::max(worst[i], e[i]);
+        for (size_t i = 0; i < e.size(); ++i) worst[i] = std::max(worst[i], e[i]);
     }
   }
-  EXPECT_EQ(table.size(), 6u);
-  std::cout << fmt::format("  worst over bf16 tensors: P=1 {:.3e}, P=2 {:.3e}, P=2 vs P=1 {:.3e}; {:.1f} s\n",
-                           worst[0], worst[1], worst[2], seconds);
+  EXPECT_EQ(table.size(), 7u);
+  std::cout << fmt::format("  worst over bf16 tensors: P=1 {:.3e}, P=2 {:.3e}, P=2 vs P=1 {:.3e}; bf16 blocks alone: "
+                           "P=1 {:.3e}, P=2 {:.3e}; P=2 vs its bf16 blocks {:.3e}; {:.1f} s\n",
+                           worst[0], worst[1], worst[2], worst[3], worst[4], worst[5], seconds);
 }
 
 }  // namespace
