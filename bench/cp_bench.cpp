@@ -6,7 +6,7 @@
 //
 //   longtrain-run --nproc-per-node 2 -- cp_bench [--lengths 65536,131072,262144]
 //       [--schedules ring,zigzag,distflash,burst] [--warmup 2] [--reps 5] [--rep-seconds 10]
-//       [--budget-s 0] [--out cp.json] [--commit SHA] [--chunk-calls auto|merged|per_chunk]
+//       [--budget-s 0] [--out cp.json] [--commit SHA] [--chunk-calls merged|per_chunk]
 //       [--qkv-layout fused|bhsd]
 //   cp_bench --merge cp.json --anchor cp_anchor_w2.json [--out merged.json]
 //
@@ -54,7 +54,7 @@ struct Options {
   double rep_seconds = 10, budget_s = 0;
   std::string out, commit = "unknown", merge, anchor, command;
   std::string qkv_layout = "fused";
-  attn::ChunkCalls chunk_calls = attn::ChunkCalls::automatic;  // auto: per_chunk on CUDA
+  attn::ChunkCalls chunk_calls = attn::ChunkCalls::merged;
 };
 
 Options parse(int argc, char** argv) {
@@ -362,7 +362,7 @@ int main(int argc, char** argv) {
                  "LSE and f32 accumulators; NCCL send/recv ordered by events, overlapped with the block calls"},
         {"qkv_layout", o.qkv_layout == "bhsd" ? "bhsd: separate head-major [heads, T, D] buffers, as the anchor's"
                                               : "fused: [T, Hq + 2 Hkv, D] buffers, as the model's"},
-        {"chunk_calls", std::string(attn::chunk_calls_name(attn::chunk_calls_for(o.chunk_calls, Device::cuda)))},
+        {"chunk_calls", std::string(attn::chunk_calls_name(o.chunk_calls))},
         {"layouts", "ring, distflash: contiguous; zigzag, burst: zigzag"},
         {"flops", "per GPU: 3.5 * (4*Hq*S^2*D/2) / P (cp_anchor.py's count)"},
         {"timing", fmt::format("CUDA events around reps back-to-back fwd+bwd calls after {} warm-ups and a barrier "

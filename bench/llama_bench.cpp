@@ -7,7 +7,7 @@
 //
 //   llama_bench [--lengths 8192,32768,65536] [--policies remat_aware,full] [--anchor llama_anchor.json]
 //               [--out result.json] [--commit SHA] [--warmup 1] [--steps 3] [--plan-only]
-//               [--schedule zigzag] [--chunk-calls auto|merged|per_chunk] [--longest] [--gpus P]
+//               [--schedule zigzag] [--chunk-calls merged|per_chunk] [--longest] [--gpus P]
 //               [--memory FREE_GIB,TOTAL_GIB]
 //   longtrain-run --nproc-per-node 2 -- llama_bench ...     (sequence parallel over 2 GPUs)
 //   llama_bench --merge result.json --anchor llama_anchor.json --out merged.json
@@ -80,7 +80,7 @@ struct Options {
   int plan_gpus = 0;  // --gpus: the group size --plan-only and --longest plan for outside the launcher
   double free_gib = 0.0, total_gib = 0.0;  // --memory FREE,TOTAL: --longest for a GPU that is not here
   attn::Schedule schedule = attn::Schedule::zigzag;
-  attn::ChunkCalls chunk_calls = attn::ChunkCalls::automatic;
+  attn::ChunkCalls chunk_calls = attn::ChunkCalls::merged;
 };
 
 Options parse(int argc, char** argv) {
@@ -385,7 +385,7 @@ int main(int argc, char** argv) try {
                              attn::schedule_name(opt.schedule), layout_name(layout))
                : std::string());
   result["gpus"] = P;
-  if (P > 1) result["chunk_calls"] = std::string(attn::chunk_calls_name(attn::chunk_calls_for(opt.chunk_calls, Device::cuda)));
+  if (P > 1) result["chunk_calls"] = std::string(attn::chunk_calls_name(opt.chunk_calls));
   result["date"] = utc_date();
   result["machine"] = machine;
   result["commit"] = opt.commit;

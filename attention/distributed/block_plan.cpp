@@ -17,29 +17,17 @@ struct KeyRange {
 }  // namespace
 
 ChunkCalls parse_chunk_calls(std::string_view name) {
-  if (name == "auto") return ChunkCalls::automatic;
   if (name == "merged") return ChunkCalls::merged;
   if (name == "per_chunk") return ChunkCalls::per_chunk;
-  LT_FAIL("unknown chunk calls '{}': use auto, merged or per_chunk", name);
+  LT_FAIL("unknown chunk calls '{}': use merged or per_chunk", name);
 }
 
 std::string_view chunk_calls_name(ChunkCalls calls) {
-  switch (calls) {
-    case ChunkCalls::automatic: return "auto";
-    case ChunkCalls::merged: return "merged";
-    case ChunkCalls::per_chunk: return "per_chunk";
-  }
-  return "?";
-}
-
-ChunkCalls chunk_calls_for(ChunkCalls calls, Device device) {
-  if (calls != ChunkCalls::automatic) return calls;
-  return device == Device::cuda ? ChunkCalls::per_chunk : ChunkCalls::merged;
+  return calls == ChunkCalls::per_chunk ? "per_chunk" : "merged";
 }
 
 std::vector<BlockCall> plan_block_calls(SeqLayout layout, int sp_size, int64_t local_len, int q_rank, int kv_rank,
                                         bool causal, ChunkCalls calls) {
-  LT_CHECK(calls != ChunkCalls::automatic, "plan_block_calls: resolve ChunkCalls::automatic with chunk_calls_for");
   const bool merge = calls == ChunkCalls::merged;
   LT_CHECK(local_len > 0, "a sequence-parallel shard needs at least one token, got {}", local_len);
   const int64_t seq_len = local_len * sp_size;

@@ -29,24 +29,20 @@ struct BlockCall {
   int64_t pairs() const;
 };
 
-// How the chunk pairs of two different ranks become calls: merged into as few calls as possible, or
-// one call per (query chunk, key chunk) pair. A rank meeting itself is one causal call either way.
-// automatic: per_chunk on CUDA, merged elsewhere. Measured on 2 H200s (cp_bench, zigzag, 32 / 8
-// heads, head_dim 128): at 256K tokens two 64K x 64K cuDNN calls beat one 64K x 128K (or 128K x 64K)
-// call by 0.9% of the whole forward+backward; at 64K it makes no difference. On the CPU, larger
-// GEMMs are the better deal.
-enum class ChunkCalls { automatic, merged, per_chunk };
+// How the chunk pairs of two different ranks become calls: merged into as few calls as possible (the
+// default), or one call per (query chunk, key chunk) pair. A rank meeting itself is one causal call
+// either way. On 2 H200s (cp_bench, zigzag, 32 / 8 heads, head_dim 128) per_chunk was 0.9% faster at
+// 256K tokens in one run and 0.2% faster (0.4% slower at 128K) in the next, beside a spread of about
+// 1% between runs: no measurable difference, so the fewer, larger calls stay the default.
+enum class ChunkCalls { merged, per_chunk };
 
 // The calls for the queries of SP rank `q_rank` against the keys of SP rank `kv_rank`, each holding
 // `local_len` tokens of a sequence split over `sp_size` ranks in `layout`. Empty when causal masking
-// hides every pair. local_len must split into the layout's chunks (checked). `calls` must not be
-// automatic here (resolve it with chunk_calls_for).
+// hides every pair. local_len must split into the layout's chunks (checked).
 std::vector<BlockCall> plan_block_calls(SeqLayout layout, int sp_size, int64_t local_len, int q_rank, int kv_rank,
                                         bool causal, ChunkCalls calls = ChunkCalls::merged);
 
-// `calls`, with automatic resolved for tensors on `device`.
-ChunkCalls chunk_calls_for(ChunkCalls calls, Device device);
-// "auto", "merged", "per_chunk" (benchmark flags); parsing throws naming the accepted values.
+// "merged", "per_chunk" (benchmark flags); parsing throws naming the accepted values.
 ChunkCalls parse_chunk_calls(std::string_view name);
 std::string_view chunk_calls_name(ChunkCalls calls);
 

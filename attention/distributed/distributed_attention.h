@@ -90,7 +90,7 @@ struct SequenceAttentionSpec {
   parallel::Communicator* intra_node = nullptr;
   parallel::Communicator* inter_node = nullptr;
   // How the chunk pairs two ranks share become local block calls (block_plan.h).
-  ChunkCalls chunk_calls = ChunkCalls::automatic;
+  ChunkCalls chunk_calls = ChunkCalls::merged;
 };
 
 // Throws longtrain::Error naming the setting and the fix: zigzag needs the zigzag layout, distflash
@@ -150,9 +150,9 @@ class DistributedAttention : public SequenceAttention {
   // the layout's chunks, the output dtypes) and returns T. `op` names the call in errors.
   int64_t check_call(const char* op, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o,
                      const Tensor& lse) const;
-  // The block calls of `q_rank`'s queries against `kv_rank`'s keys, T tokens each, tensors on `device`.
-  std::vector<BlockCall> block_calls(int q_rank, int kv_rank, int64_t T, Device device) const {
-    return plan_block_calls(layout_, sp_.size(), T, q_rank, kv_rank, causal_, chunk_calls_for(chunk_calls_, device));
+  // The block calls of `q_rank`'s queries against `kv_rank`'s keys, T tokens each.
+  std::vector<BlockCall> block_calls(int q_rank, int kv_rank, int64_t T) const {
+    return plan_block_calls(layout_, sp_.size(), T, q_rank, kv_rank, causal_, chunk_calls_);
   }
 
   Schedule schedule_;

@@ -184,8 +184,7 @@ void rotating_kv_forward(RingRotation& rotation, MessageSlots& scratch, const Ri
     const Tensor kk = block ? (*block)[0] : k, vv = block ? (*block)[1] : v;
     const ComputeScope scope(observer);
     int64_t pairs = 0;
-    const ChunkCalls calls = chunk_calls_for(chunk_calls, q.device);
-    for (const BlockCall& c : plan_block_calls(layout, P, T, me, source, causal, calls)) {
+    for (const BlockCall& c : plan_block_calls(layout, P, T, me, source, causal, chunk_calls)) {
       forward_call(c, s.o_acc, lse, s.o_blk, s.lse_blk, q, kk, vv, scale);
       pairs += c.pairs();
     }
@@ -235,7 +234,7 @@ void RingAttention::backward(Tensor dq, Tensor dk, Tensor dv, Tensor q, Tensor k
     const Tensor gk = grads ? (*grads)[0] : s.dk, gv = grads ? (*grads)[1] : s.dv;
     const ComputeScope scope(observer_);
     int64_t pairs = 0;
-    for (const BlockCall& c : block_calls(me, source, T, q.device)) {
+    for (const BlockCall& c : block_calls(me, source, T)) {
       backward_call(c, s.dq, gk, gv, q, kk, vv, d_o, lse, s.own_o(), s.own_delta(), scale_);
       pairs += c.pairs();
     }
@@ -336,7 +335,7 @@ void BurstAttention::backward(Tensor dq, Tensor dk, Tensor dv, Tensor q, Tensor 
     const Tensor gq = grads ? (*grads)[0] : s.dq;
     const ComputeScope scope(observer_);
     int64_t pairs = 0;
-    for (const BlockCall& c : block_calls(source, me, T, q.device)) {
+    for (const BlockCall& c : block_calls(source, me, T)) {
       backward_call(c, gq, s.dk, s.dv, qq, k, v, gg, ll, oo, dd, scale_);
       pairs += c.pairs();
     }

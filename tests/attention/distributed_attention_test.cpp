@@ -226,9 +226,9 @@ Volumes expected_bytes(Schedule s, bool causal, int P, int r, int64_t T, int64_t
 struct Config {
   Schedule schedule;
   SeqLayout layout;
-  ChunkCalls chunk_calls = ChunkCalls::automatic;  // merged on the CPU
+  ChunkCalls chunk_calls = ChunkCalls::merged;
 };
-// With one call per chunk pair (what CUDA runs) where a layout has more than one chunk per rank.
+// Also with one call per chunk pair, where a layout has more than one chunk per rank.
 const std::vector<Config> kConfigs = {
     {Schedule::ring, SeqLayout::contiguous},      {Schedule::ring, SeqLayout::zigzag},
     {Schedule::zigzag, SeqLayout::zigzag},        {Schedule::distflash, SeqLayout::contiguous},
@@ -862,9 +862,8 @@ TEST(BlockPlan, ZigzagHalfBlockRules) {
   };
   two(split(2, 0), {0, 6, 0, 6}, {6, 6, 0, 6});   // each query chunk x the source's first chunk
   two(split(1, 3), {6, 6, 0, 6}, {6, 6, 6, 6});   // the late query chunk x each source chunk
-  EXPECT_EQ(chunk_calls_for(ChunkCalls::automatic, Device::cuda), ChunkCalls::per_chunk);
-  EXPECT_EQ(chunk_calls_for(ChunkCalls::automatic, Device::cpu), ChunkCalls::merged);
-  EXPECT_EQ(chunk_calls_for(ChunkCalls::merged, Device::cuda), ChunkCalls::merged);
+  EXPECT_EQ(parse_chunk_calls(chunk_calls_name(ChunkCalls::per_chunk)), ChunkCalls::per_chunk);
+  EXPECT_EQ(parse_chunk_calls(chunk_calls_name(ChunkCalls::merged)), ChunkCalls::merged);
 }
 
 // Over all (query rank, key rank) pairs, the calls cover each visible pair of the sequence once.

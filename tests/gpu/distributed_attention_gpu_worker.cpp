@@ -34,6 +34,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <fmt/format.h>
@@ -204,20 +205,21 @@ HostTensor<double> gather_rows(const std::vector<double>& whole, const std::vect
 }
 
 // What rank r's tokens get from P ranks when every block call's outputs are rounded to bf16 where
-// cuDNN rounds them, everything else exact: the block calls of the schedules on CUDA
-// (plan_block_calls, one per chunk pair), each computed in f64; O rounded per call, then merged
+// cuDNN rounds them, everything else exact: the schedules' block calls (plan_block_calls with
+// `chunk_calls`), each computed in f64; O rounded per call, then merged
 // exactly; dQ rounded per call; dK/dV rounded per query head (cuDNN's GQA group sum reads them in
 // bf16), summed over the group, rounded per call, then summed exactly; the results rounded once more
 // (the caller's bf16 outputs). delta comes from the exact O. P = 1 is one causal call over the whole
 // sequence. What remains between this and the GPU is cuDNN's arithmetic inside a call.
-Outputs bf16_block_outputs(const Problem& p, const Outputs& exact, SeqLayout layout, int P, int r) {
+Outputs bf16_block_outputs(const Problem& p, const Outputs& exact, SeqLayout layout, ChunkCalls chunk_calls, int P,
+                           int r) {
   const int64_t T = kS / P, G = kHq / kHkv;
   auto rows = [&](int x) { return layout_global_indices(layout, kS, P, x); };
   auto slice = [](const std::vector<int64_t>& v, int64_t start, int64_t len) {
     return std::vector<int64_t>(v.begin() + start, v.begin() + start + len);
   };
   auto calls = [&](int q_rank, int kv_rank) {
-    return plan_block_calls(layout, P, T, q_rank, kv_rank, /*causal=*/true, ChunkCalls::per_chunk);
+    return plan_block_calls(layout, P, T, q_rank, kv_rank, /*causal=*/true, chunk_calls);
   };
   std::vector<double> delta(static_cast<size_t>(kS * kHq), 0.0);
   for (int64_t t = 0; t < kS * kHq; ++t)
@@ -366,7 +368,7 @@ Outputs rows_of(const Outputs& whole, const std::vector<int64_t>& rows) {
 struct Config {
   Schedule schedule;
   SeqLayout layout;
-  ChunkCalls chunk_calls = ChunkCalls::automatic;  // one call per chunk pair on CUDA
+  ChunkCalls chunk_calls = ChunkCalls::merged;
 };
 
 // Bytes this rank sends in one forward and one backward at P = 2 (the definitions of
@@ -385,10 +387,10 @@ std::pair<int64_t, int64_t> expected_bytes(Schedule s, int rank, int64_t T) {
   return {-1, -1};
 }
 
-// The bf16-block-output emulation of problem a per (P, layout), for this rank's rows (P = 1: all).
+// The bf16-block-output emulation of problem a, for this rank's rows (P = 1: all rows).
 struct Emulated {
-  Outputs one;                          // P = 1
-  std::map<SeqLayout, Outputs> shards;  // P = 2, this rank
+  Outputs one;                                                // P = 1
+  std::map<std::pair<SeqLayout, ChunkCalls>, Outputs> shards;  // P = 2, this rank
 };
 
 void check_schedule(parallel::Distributed& d, const Config& cfg, const Problem& a, const Problem& b,
@@ -396,7 +398,7 @@ void check_schedule(parallel::Distributed& d, const Config& cfg, const Problem& 
   parallel::Communicator& sp = d.sp();
   const int P = sp.size(), r = sp.rank();
   const std::string name = fmt::format("{}/{}{}", schedule_name(cfg.schedule), layout_name(cfg.layout),
-                                       cfg.chunk_calls == ChunkCalls::merged ? "/merged" : "");
+                                       cfg.chunk_calls == ChunkCalls::per_chunk ? "/per_chunk" : "");
   SequenceAttentionSpec spec;
   spec.schedule = cfg.schedule;
   spec.causal = true;
@@ -430,8 +432,10 @@ void check_schedule(parallel::Distributed& d, const Config& cfg, const Problem& 
   const bool bf16_blocks = g_dtype == DType::bf16;
   Outputs emul1, emul2;
   if (bf16_blocks) {
-    auto it = emulated.shards.find(cfg.layout);
-    if (it == emulated.shards.end()) it = emulated.shards.emplace(cfg.layout, bf16_block_outputs(a, ref_a, cfg.layout, P, r)).first;
+    const std::pair<SeqLayout, ChunkCalls> key{cfg.layout, cfg.chunk_calls};
+    auto it = emulated.shards.find(key);
+    if (it == emulated.shards.end())
+      it = emulated.shards.emplace(key, bf16_block_outputs(a, ref_a, cfg.layout, cfg.chunk_calls, P, r)).first;
     emul1 = rows_of(emulated.one, rows);
     emul2 = it->second;
   }
@@ -497,11 +501,11 @@ int main(int argc, char** argv) {
     const Outputs ref_a = cpu_reference(a);
     const Outputs gpu1_a = single_gpu(a), gpu1_b = single_gpu(b);
     Emulated emulated;
-    if (g_dtype == DType::bf16) emulated.one = bf16_block_outputs(a, ref_a, SeqLayout::contiguous, 1, 0);
+    if (g_dtype == DType::bf16) emulated.one = bf16_block_outputs(a, ref_a, SeqLayout::contiguous, ChunkCalls::merged, 1, 0);
     const std::vector<Config> configs = {{Schedule::ring, SeqLayout::contiguous},  {Schedule::ring, SeqLayout::zigzag},
                                          {Schedule::zigzag, SeqLayout::zigzag},    {Schedule::distflash, SeqLayout::contiguous},
                                          {Schedule::burst, SeqLayout::zigzag},     {Schedule::burst, SeqLayout::contiguous},
-                                         {Schedule::zigzag, SeqLayout::zigzag, ChunkCalls::merged}};
+                                         {Schedule::zigzag, SeqLayout::zigzag, ChunkCalls::per_chunk}};
     for (const Config& cfg : configs) check_schedule(d, cfg, a, b, ref_a, gpu1_a, gpu1_b, emulated);
     d.sp().barrier();
     std::printf("DONE\n");
