@@ -50,6 +50,30 @@ void check_comm_tensor(const char* op, const Tensor& t, Device device) {
   LT_CHECK(t.numel() == 0 || t.data != nullptr, "{}: the tensor {} has no data", op, t.describe());
 }
 
+int64_t check_reduce_scatter(const Communicator& c, const Tensor& out, const Tensor& in, Device device) {
+  check_comm_tensor("reduce_scatter", out, device);
+  check_comm_tensor("reduce_scatter", in, device);
+  LT_CHECK(in.dtype == out.dtype, "reduce_scatter on {}: input {} and output {} differ in dtype", c.describe_group(),
+           in.describe(), out.describe());
+  const int64_t n = out.numel();
+  LT_CHECK(in.numel() == n * c.size(),
+           "reduce_scatter on {}: the input {} must hold size x output = {} x {} = {} elements", c.describe_group(),
+           in.describe(), c.size(), n, n * c.size());
+  return n;
+}
+
+int64_t check_all_gather(const Communicator& c, const Tensor& out, const Tensor& in, Device device) {
+  check_comm_tensor("all_gather", out, device);
+  check_comm_tensor("all_gather", in, device);
+  LT_CHECK(in.dtype == out.dtype, "all_gather on {}: input {} and output {} differ in dtype", c.describe_group(),
+           in.describe(), out.describe());
+  const int64_t n = in.numel();
+  LT_CHECK(out.numel() == n * c.size(),
+           "all_gather on {}: the output {} must hold size x input = {} x {} = {} elements", c.describe_group(),
+           out.describe(), c.size(), n, n * c.size());
+  return n;
+}
+
 int64_t check_reduce_scatter_range(const Communicator& c, const Tensor& flat, int64_t begin, int64_t end,
                                    Device device) {
   check_comm_tensor("reduce_scatter_range", flat, device);

@@ -156,6 +156,11 @@ class Communicator {
 
 // Argument checks shared by the backends; throw naming the operation, the group and the tensors.
 void check_comm_tensor(const char* op, const Tensor& t, Device device);
+// reduce_scatter's arguments: both on `device`, one dtype, in holding size() x out's elements. Returns
+// out's element count n.
+int64_t check_reduce_scatter(const Communicator& c, const Tensor& out, const Tensor& in, Device device);
+// all_gather's: both on `device`, one dtype, out holding size() x in's elements. Returns in's count n.
+int64_t check_all_gather(const Communicator& c, const Tensor& out, const Tensor& in, Device device);
 // start_reduce_scatter_range's arguments: flat on `device`, splitting into size() equal shards,
 // 0 <= begin <= end <= numel. Returns the shard length n.
 int64_t check_reduce_scatter_range(const Communicator& c, const Tensor& flat, int64_t begin, int64_t end,

@@ -356,14 +356,7 @@ void GlooCommunicator::all_reduce(Tensor t, ReduceOp op) {
 }
 
 void GlooCommunicator::reduce_scatter(Tensor out, Tensor in, ReduceOp op) {
-  check_comm_tensor("reduce_scatter", out, Device::cpu);
-  check_comm_tensor("reduce_scatter", in, Device::cpu);
-  LT_CHECK(in.dtype == out.dtype, "reduce_scatter on {}: input {} and output {} differ in dtype", describe_group(),
-           in.describe(), out.describe());
-  const int64_t n = out.numel();
-  LT_CHECK(in.numel() == n * size(),
-           "reduce_scatter on {}: the input {} must hold size x output = {} x {} = {} elements", describe_group(),
-           in.describe(), size(), n, n * size());
+  const int64_t n = check_reduce_scatter(*this, out, in, Device::cpu);
   impl_->collective(
       "reduce_scatter", fmt::format("{}, {} -> {}", reduce_op_name(op), in.describe(), out.describe()),
       [&](uint64_t s, Clock::time_point deadline) {
@@ -389,14 +382,7 @@ void GlooCommunicator::reduce_scatter(Tensor out, Tensor in, ReduceOp op) {
 }
 
 void GlooCommunicator::all_gather(Tensor out, Tensor in) {
-  check_comm_tensor("all_gather", out, Device::cpu);
-  check_comm_tensor("all_gather", in, Device::cpu);
-  LT_CHECK(in.dtype == out.dtype, "all_gather on {}: input {} and output {} differ in dtype", describe_group(),
-           in.describe(), out.describe());
-  const int64_t n = in.numel();
-  LT_CHECK(out.numel() == n * size(),
-           "all_gather on {}: the output {} must hold size x input = {} x {} = {} elements", describe_group(),
-           out.describe(), size(), n, n * size());
+  const int64_t n = check_all_gather(*this, out, in, Device::cpu);
   impl_->collective("all_gather", fmt::format("{} -> {}", in.describe(), out.describe()),
                     [&](uint64_t s, Clock::time_point deadline) {
                       const size_t elem = dtype_size(in.dtype);

@@ -548,14 +548,7 @@ void NcclCommunicator::all_reduce(Tensor t, ReduceOp op) {
 }
 
 void NcclCommunicator::reduce_scatter(Tensor out, Tensor in, ReduceOp op) {
-  check_comm_tensor("reduce_scatter", out, Device::cuda);
-  check_comm_tensor("reduce_scatter", in, Device::cuda);
-  LT_CHECK(in.dtype == out.dtype, "reduce_scatter on {}: input {} and output {} differ in dtype", describe_group(),
-           in.describe(), out.describe());
-  const int64_t n = out.numel();
-  LT_CHECK(in.numel() == n * size(),
-           "reduce_scatter on {}: the input {} must hold size x output = {} x {} = {} elements", describe_group(),
-           in.describe(), size(), n, n * size());
+  const int64_t n = check_reduce_scatter(*this, out, in, Device::cuda);
   const size_t elem = dtype_size(in.dtype);
   const char* in_begin = static_cast<const char*>(in.data);
   const char* mine = in_begin + static_cast<size_t>(rank_ * n) * elem;
@@ -583,14 +576,7 @@ void NcclCommunicator::reduce_scatter(Tensor out, Tensor in, ReduceOp op) {
 }
 
 void NcclCommunicator::all_gather(Tensor out, Tensor in) {
-  check_comm_tensor("all_gather", out, Device::cuda);
-  check_comm_tensor("all_gather", in, Device::cuda);
-  LT_CHECK(in.dtype == out.dtype, "all_gather on {}: input {} and output {} differ in dtype", describe_group(),
-           in.describe(), out.describe());
-  const int64_t n = in.numel();
-  LT_CHECK(out.numel() == n * size(),
-           "all_gather on {}: the output {} must hold size x input = {} x {} = {} elements", describe_group(),
-           out.describe(), size(), n, n * size());
+  const int64_t n = check_all_gather(*this, out, in, Device::cuda);
   const size_t elem = dtype_size(in.dtype);
   char* out_begin = static_cast<char*>(out.data);
   char* mine = out_begin + static_cast<size_t>(rank_ * n) * elem;
