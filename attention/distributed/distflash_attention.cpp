@@ -80,7 +80,7 @@ void DistFlashAttention::forward(Tensor o, Tensor lse, Tensor q, Tensor k, Tenso
   const bool remote = P > 1, helpers = causal_ && P >= 3;
   const ForwardScratch s = prepare_forward(fwd_scratch_, o, lse);
 
-  const MessageSpec kv = {{{T, k.size(1), D}, k.dtype}, {{T, k.size(1), D}, k.dtype}};
+  const MessageSpec kv = kv_spec(k, k.dtype);
   const MessageSpec q_side = {{{T, Hq, D}, q.dtype}};
   const MessageSpec partial = {{{T, Hq, D}, acc}, {{T, Hq}, acc}};
   fwd_own_kv_.ensure(kv, remote ? 1 : 0, q.device);
@@ -151,16 +151,14 @@ void DistFlashAttention::backward(Tensor dq, Tensor dk, Tensor dv, Tensor q, Ten
   const int64_t T = check_call("backward", q, k, v, o, lse);
   check_backward_tensors("distflash", dq, dk, dv, q, k, o, d_o);
   const int P = sp_.size(), me = sp_.rank(), S = distflash_steps(P, causal_);
-  const int64_t Hq = q.size(1), Hkv = k.size(1), D = q.size(2);
+  const int64_t Hq = q.size(1), D = q.size(2);
   const DType acc = lse.dtype;
   const bool remote = P > 1, helpers = causal_ && P >= 3;
   // Own and owner steps read the final O of the own rows; D is computed only for the helpers.
   const BackwardScratch s = prepare_backward(bwd_scratch_, dq, dk, dv, o, lse, d_o, /*send_delta=*/helpers);
 
-  const MessageSpec kv = {{{T, Hkv, D}, k.dtype}, {{T, Hkv, D}, k.dtype}};
-  // The Q side a helper needs: Q, dO, LSE and D = rowsum(dO ⊙ O) (O itself never travels).
-  const MessageSpec q_side = {{{T, Hq, D}, q.dtype}, {{T, Hq, D}, d_o.dtype}, {{T, Hq}, acc}, {{T, Hq}, acc}};
-  const MessageSpec dkv = {{{T, Hkv, D}, acc}, {{T, Hkv, D}, acc}};
+  const MessageSpec kv = kv_spec(k, k.dtype), dkv = kv_spec(k, acc);
+  const MessageSpec q_side = backward_q_side_spec(q, d_o, acc);  // what a helper needs
   const MessageSpec dq_spec = {{{T, Hq, D}, acc}};
   bwd_own_kv_.ensure(kv, remote ? 1 : 0, q.device);
   bwd_kv_in_.ensure(kv, remote ? 2 : 0, q.device);

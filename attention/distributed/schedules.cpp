@@ -165,11 +165,16 @@ void check_backward_tensors(const char* schedule, Tensor dq, Tensor dk, Tensor d
            dtype_name(q.dtype));
 }
 
-namespace {
-
-MessageSpec kv_spec(const Tensor& k) {
-  return {{{k.size(0), k.size(1), k.size(2)}, k.dtype}, {{k.size(0), k.size(1), k.size(2)}, k.dtype}};
+MessageSpec kv_spec(const Tensor& k, DType dtype) {
+  return {{{k.size(0), k.size(1), k.size(2)}, dtype}, {{k.size(0), k.size(1), k.size(2)}, dtype}};
 }
+
+MessageSpec backward_q_side_spec(const Tensor& q, const Tensor& d_o, DType acc) {
+  const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2);
+  return {{{T, Hq, D}, q.dtype}, {{T, Hq, D}, d_o.dtype}, {{T, Hq}, acc}, {{T, Hq}, acc}};
+}
+
+namespace {
 
 // The forward of ring, zigzag and burst: K/V blocks rotate over `topo`; at each round this rank's
 // queries meet the block it holds and the partial results merge into (o, lse).
@@ -194,7 +199,7 @@ void rotating_kv_forward(RingRotation& rotation, MessageSlots& scratch, const Ri
     copy_tensor(m[0], k);
     copy_tensor(m[1], v);
   };
-  rotation.run(topo, kv_spec(k), {}, q.device, pack, hooks, trace);
+  rotation.run(topo, kv_spec(k, k.dtype), {}, q.device, pack, hooks, trace);
   finish_forward(s, o);
 }
 
@@ -226,8 +231,6 @@ void RingAttention::backward(Tensor dq, Tensor dk, Tensor dv, Tensor q, Tensor k
   const int me = sp_.rank();
   // The query rows never leave this rank: every block reads the final O (or D) of the own rows.
   const BackwardScratch s = prepare_backward(bwd_scratch_, dq, dk, dv, o, lse, d_o, /*send_delta=*/false);
-  const DType acc = lse.dtype;
-  const MessageSpec dkv = {{{k.size(0), k.size(1), k.size(2)}, acc}, {{k.size(0), k.size(1), k.size(2)}, acc}};
   RotationHooks hooks;
   hooks.compute = [&](int, int source, const Message* block, const Message* grads) {
     const Tensor kk = block ? (*block)[0] : k, vv = block ? (*block)[1] : v;
@@ -248,7 +251,8 @@ void RingAttention::backward(Tensor dq, Tensor dk, Tensor dv, Tensor q, Tensor k
     copy_tensor(m[0], k);
     copy_tensor(m[1], v);
   };
-  backward_rotation_.run(RingTopology::single(sp_), kv_spec(k), dkv, q.device, pack, hooks, backward_trace_);
+  backward_rotation_.run(RingTopology::single(sp_), kv_spec(k, k.dtype), kv_spec(k, lse.dtype), q.device, pack,
+                         hooks, backward_trace_);
   finish_backward(s, dq, dk, dv);
   counters.bytes_sent += backward_trace_.bytes_sent();
 }
@@ -324,8 +328,7 @@ void BurstAttention::backward(Tensor dq, Tensor dk, Tensor dv, Tensor q, Tensor 
   const BackwardScratch s = prepare_backward(bwd_scratch_, dq, dk, dv, o, lse, d_o, /*send_delta=*/true);
   const DType acc = lse.dtype;
   const int64_t Hq = q.size(1), D = q.size(2);
-  // The Q side of a block: Q, dO, LSE and D = rowsum(dO ⊙ O) (so O itself never travels).
-  const MessageSpec q_side = {{{T, Hq, D}, q.dtype}, {{T, Hq, D}, d_o.dtype}, {{T, Hq}, acc}, {{T, Hq}, acc}};
+  const MessageSpec q_side = backward_q_side_spec(q, d_o, acc);
   const MessageSpec dq_spec = {{{T, Hq, D}, acc}};
   RotationHooks hooks;
   hooks.compute = [&](int, int source, const Message* block, const Message* grads) {

@@ -61,6 +61,12 @@ class ComputeScope {
   ComputeObserver* observer_;
 };
 
+// The messages the schedules send: a K/V-shaped pair (K/V in k's dtype, or the dK/dV accumulators in
+// the accumulator dtype), and a backward's Q side, Q, dO, LSE and D = rowsum(dO ⊙ O) (so O itself
+// never travels).
+MessageSpec kv_spec(const Tensor& k, DType dtype);
+MessageSpec backward_q_side_spec(const Tensor& q, const Tensor& d_o, DType acc);
+
 // Shapes of a backward call beyond DistributedAttention::check_call's: dq/d_o/o like q, dk/dv like k.
 void check_backward_tensors(const char* schedule, Tensor dq, Tensor dk, Tensor dv, Tensor q, Tensor k, Tensor o,
                             Tensor d_o);
