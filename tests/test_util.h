@@ -1,5 +1,5 @@
-// Helpers shared by the tests: owning host tensors, seeded random fill, error norms and central
-// finite differences.
+// Helpers shared by the tests: owning host tensors, seeded random fill, rounding to a dtype, reading
+// a (device) tensor back as doubles or bytes, error norms and central finite differences.
 #pragma once
 
 #include <cmath>
@@ -9,6 +9,7 @@
 #include <random>
 #include <vector>
 
+#include "runtime/device.h"
 #include "runtime/tensor.h"
 
 namespace longtrain::test {
@@ -56,6 +57,48 @@ double relative_error(const std::vector<A>& a, const std::vector<B>& b) {
     den = std::max(den, std::abs(static_cast<double>(b[i])));
   }
   return den > 0.0 ? num / den : num;
+}
+
+// Rounds v to what `dtype` stores (bf16 round-to-nearest-even, f32, or unchanged for f64).
+inline double round_to(double v, DType dtype) {
+  if (dtype == DType::bf16) return static_cast<float>(bf16(static_cast<float>(v)));
+  if (dtype == DType::f32) return static_cast<float>(v);
+  return v;
+}
+
+inline std::vector<double> round_all(std::vector<double> v, DType dtype) {
+  for (double& x : v) x = round_to(x, dtype);
+  return v;
+}
+
+// The contiguous tensor t (on any device) as doubles.
+inline std::vector<double> download(const Tensor& t) {
+  const size_t n = static_cast<size_t>(t.numel());
+  std::vector<unsigned char> host(n * dtype_size(t.dtype));
+  Tensor dst = t;
+  dst.data = host.data();
+  dst.device = Device::cpu;
+  copy(dst, t);
+  std::vector<double> out(n);
+  for (size_t i = 0; i < n; ++i) {
+    switch (t.dtype) {
+      case DType::bf16: out[i] = static_cast<float>(reinterpret_cast<const bf16*>(host.data())[i]); break;
+      case DType::f32: out[i] = reinterpret_cast<const float*>(host.data())[i]; break;
+      case DType::f64: out[i] = reinterpret_cast<const double*>(host.data())[i]; break;
+      case DType::i32: out[i] = reinterpret_cast<const int32_t*>(host.data())[i]; break;
+    }
+  }
+  return out;
+}
+
+// The raw bytes of a contiguous tensor on any device (for bitwise run-twice comparisons).
+inline std::vector<unsigned char> download_bytes(const Tensor& t) {
+  std::vector<unsigned char> host(t.nbytes());
+  Tensor dst = t;
+  dst.data = host.data();
+  dst.device = Device::cpu;
+  copy(dst, t);
+  return host;
 }
 
 // Central differences (f(x + h e_i) - f(x - h e_i)) / 2h for every element of x, restoring x.

@@ -51,7 +51,11 @@ namespace {
 
 using namespace longtrain;
 using namespace longtrain::attn;
+using test::download;
+using test::download_bytes;
 using test::HostTensor;
+using test::round_all;
+using test::round_to;
 
 constexpr int64_t kS = 1024, kHq = 8, kHkv = 2, kD = 128, kW = kHq + 2 * kHkv;
 
@@ -105,29 +109,6 @@ void upload(const Tensor& t, const std::vector<double>& v) {
   copy(t, src);  // queued on the compute stream, like everything the schedules do
 }
 
-std::vector<double> download(const Tensor& t) {
-  std::vector<unsigned char> host(t.nbytes());
-  Tensor dst = t;
-  dst.data = host.data();
-  dst.device = Device::cpu;
-  copy(dst, t);  // waits for the compute stream
-  std::vector<double> out(static_cast<size_t>(t.numel()));
-  for (size_t i = 0; i < out.size(); ++i) {
-    out[i] = t.dtype == DType::bf16 ? static_cast<double>(static_cast<float>(reinterpret_cast<bf16*>(host.data())[i]))
-                                    : static_cast<double>(reinterpret_cast<float*>(host.data())[i]);
-  }
-  return out;
-}
-
-std::vector<unsigned char> download_bytes(const Tensor& t) {
-  std::vector<unsigned char> host(t.nbytes());
-  Tensor dst = t;
-  dst.data = host.data();
-  dst.device = Device::cpu;
-  copy(dst, t);
-  return host;
-}
-
 // [T, heads, D] columns [h0, h0 + heads) of a fused [T, W, D] buffer.
 Tensor heads_of(const Tensor& fused, int64_t h0, int64_t heads) { return fused.narrow(1, h0, heads); }
 
@@ -157,7 +138,7 @@ Problem make_problem(uint64_t seed) {
   std::uniform_real_distribution<double> u(-std::sqrt(3.0), std::sqrt(3.0));
   auto fill = [&](std::vector<double>& x, int64_t n) {
     x.resize(static_cast<size_t>(n));
-    for (double& e : x) e = static_cast<float>(bf16(static_cast<float>(u(rng))));
+    for (double& e : x) e = round_to(u(rng), DType::bf16);
   };
   fill(p.q, kS * kHq * kD);
   fill(p.k, kS * kHkv * kD);
@@ -186,10 +167,7 @@ Outputs cpu_reference(const Problem& p) {
 
 // ---- what bf16 block outputs cost ---------------------------------------------------------------------
 
-double to_bf16(double x) { return static_cast<float>(bf16(static_cast<float>(x))); }
-void round_to_bf16(std::vector<double>& v) {
-  for (double& x : v) x = to_bf16(x);
-}
+double to_bf16(double x) { return round_to(x, DType::bf16); }
 
 // Rows `idx` of a whole-sequence [S, heads, D] tensor, each KV head repeated `repeat` times (the
 // query heads of its group), as a HostTensor [idx.size(), heads · repeat, D].
@@ -249,7 +227,7 @@ Outputs bf16_block_outputs(const Problem& p, const Outputs& exact, SeqLayout lay
       HostTensor<double> ob({c.q_len, kHq, kD}), lb({c.q_len, kHq});
       attention_block_forward(ob, lb, gather_rows(p.q, qi, kHq, kD), gather_rows(p.k, ki, kHkv, kD),
                               gather_rows(p.v, ki, kHkv, kD), c.mask, p.scale);
-      round_to_bf16(ob.values);
+      for (double& x : ob.values) x = to_bf16(x);
       lse_merge(Tensor(o).narrow(0, c.q_start, c.q_len), Tensor(lse).narrow(0, c.q_start, c.q_len), ob, lb);
       Grads g = backward(qi, ki, c.mask);
       for (int64_t i = 0; i < c.q_len * kHq * kD; ++i) dq[(c.q_start * kHq * kD) + i] += to_bf16(g.dq[i]);
@@ -271,8 +249,8 @@ Outputs bf16_block_outputs(const Problem& p, const Outputs& exact, SeqLayout lay
           }
     }
   }
-  for (HostTensor<double>* t : {&o, &dq, &dk, &dv}) round_to_bf16(t->values);
-  return {o.values, lse.values, dq.values, dk.values, dv.values};
+  return {round_all(o.values, DType::bf16), lse.values, round_all(dq.values, DType::bf16),
+          round_all(dk.values, DType::bf16), round_all(dv.values, DType::bf16)};
 }
 
 // The rows of `whole` ([S, width]) at the global token indices `rows`.

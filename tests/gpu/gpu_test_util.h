@@ -55,18 +55,6 @@ struct DeviceTensor {
   operator Tensor() const { return view; }
 };
 
-// Rounds v to what `dtype` stores (bf16 round-to-nearest-even, f32, or unchanged for f64).
-inline double round_to(double v, DType dtype) {
-  if (dtype == DType::bf16) return static_cast<float>(bf16(static_cast<float>(v)));
-  if (dtype == DType::f32) return static_cast<float>(v);
-  return v;
-}
-
-inline std::vector<double> round_all(std::vector<double> v, DType dtype) {
-  for (double& x : v) x = round_to(x, dtype);
-  return v;
-}
-
 // Uniform random doubles in [lo, hi), rounded to `dtype`.
 inline std::vector<double> random_values(size_t n, uint64_t seed, DType dtype, double lo = -1.0, double hi = 1.0) {
   std::mt19937_64 rng(seed);
@@ -102,36 +90,6 @@ inline void upload_ints(const Tensor& t, const std::vector<int32_t>& values) {
   src.data = const_cast<int32_t*>(values.data());
   src.device = Device::cpu;
   copy(t, src);
-}
-
-// The contiguous device tensor t as doubles.
-inline std::vector<double> download(const Tensor& t) {
-  const size_t n = static_cast<size_t>(t.numel());
-  std::vector<unsigned char> host(n * dtype_size(t.dtype));
-  Tensor dst = t;
-  dst.data = host.data();
-  dst.device = Device::cpu;
-  copy(dst, t);
-  std::vector<double> out(n);
-  for (size_t i = 0; i < n; ++i) {
-    switch (t.dtype) {
-      case DType::bf16: out[i] = static_cast<float>(reinterpret_cast<const bf16*>(host.data())[i]); break;
-      case DType::f32: out[i] = reinterpret_cast<const float*>(host.data())[i]; break;
-      case DType::f64: out[i] = reinterpret_cast<const double*>(host.data())[i]; break;
-      case DType::i32: out[i] = reinterpret_cast<const int32_t*>(host.data())[i]; break;
-    }
-  }
-  return out;
-}
-
-// The raw bytes of a contiguous device tensor (for bitwise run-twice comparisons).
-inline std::vector<unsigned char> download_bytes(const Tensor& t) {
-  std::vector<unsigned char> host(t.nbytes());
-  Tensor dst = t;
-  dst.data = host.data();
-  dst.device = Device::cpu;
-  copy(dst, t);
-  return host;
 }
 
 // A host f64 tensor holding `values`.
