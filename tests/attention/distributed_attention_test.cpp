@@ -864,6 +864,14 @@ TEST(BlockPlan, ZigzagHalfBlockRules) {
   two(split(1, 3), {6, 6, 0, 6}, {6, 6, 6, 6});   // the late query chunk x each source chunk
   EXPECT_EQ(parse_chunk_calls(chunk_calls_name(ChunkCalls::per_chunk)), ChunkCalls::per_chunk);
   EXPECT_EQ(parse_chunk_calls(chunk_calls_name(ChunkCalls::merged)), ChunkCalls::merged);
+  // A bad --chunk-calls value names what it got and what is accepted.
+  std::string error;
+  try {
+    parse_chunk_calls("auto");
+  } catch (const Error& e) {
+    error = e.what();
+  }
+  EXPECT_NE(error.find("unknown chunk calls 'auto': use merged or per_chunk"), std::string::npos) << error;
 }
 
 // Over all (query rank, key rank) pairs, the calls cover each visible pair of the sequence once.
