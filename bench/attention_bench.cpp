@@ -121,7 +121,8 @@ int main(int argc, char** argv) try {
   json anchor = opt.anchor.empty() ? json() : read_json("attention_bench", "the anchor results", opt.anchor);
 
   json result;
-  result["benchmark"] = "causal attention fwd and fwd+bwd, batch 1, 32 query heads, head dim 128, bf16";
+  result["benchmark"] =
+      fmt::format("causal attention fwd and fwd+bwd, batch 1, 32 query heads, head dim {}, bf16", opt.head_dim);
   result["date"] = utc_date();
   result["machine"] = machine_json();
   result["commit"] = opt.commit;
@@ -145,7 +146,6 @@ int main(int argc, char** argv) try {
 
   const int64_t Hq = 32, D = opt.head_dim;
   const double scale = 1.0 / std::sqrt(static_cast<double>(D));
-  if (D != 128) result["benchmark"] = fmt::format("causal attention fwd and fwd+bwd, batch 1, 32 query heads, head dim {}, bf16", D);
   for (int64_t hkv : opt.kv_heads) {
     for (int64_t S : opt.lengths) {
       // The model's buffers: fused QKV [S, (Hq + 2·Hkv), D] and dQKV of the same layout.

@@ -220,9 +220,9 @@ Measured measure(parallel::Distributed& d, attn::Schedule schedule, int64_t S, c
     v.stride = {hm.stride[1], hm.stride[0], hm.stride[2], 0};
     return v;
   };
-  CudaBuffer qkv(DType::bf16, {bhsd ? kW : T, bhsd ? T : kW, kD}), o_buf(DType::bf16, {bhsd ? kHq : T, bhsd ? T : kHq, kD}),
-      lse(DType::f32, {T, kHq}), d_o(DType::bf16, {bhsd ? kHq : T, bhsd ? T : kHq, kD}),
-      dqkv(DType::bf16, {bhsd ? kW : T, bhsd ? T : kW, kD});
+  const int64_t rows_w = bhsd ? kW : T, cols_w = bhsd ? T : kW, rows_q = bhsd ? kHq : T, cols_q = bhsd ? T : kHq;
+  CudaBuffer qkv(DType::bf16, {rows_w, cols_w, kD}), o_buf(DType::bf16, {rows_q, cols_q, kD}),
+      lse(DType::f32, {T, kHq}), d_o(DType::bf16, {rows_q, cols_q, kD}), dqkv(DType::bf16, {rows_w, cols_w, kD});
   fill_bf16(qkv.t, 11 + 7 * static_cast<uint32_t>(sp.rank()));
   fill_bf16(d_o.t, 13 + 7 * static_cast<uint32_t>(sp.rank()));
   const Tensor q = heads_of(qkv.t, 0, kHq), k = heads_of(qkv.t, kHq, kHkv), v = heads_of(qkv.t, kHq + kHkv, kHkv);

@@ -218,8 +218,8 @@ std::string RingAttention::describe() const {
 void RingAttention::forward(Tensor o, Tensor lse, Tensor q, Tensor k, Tensor v) {
   ++counters.forward_calls;
   check_call("forward", q, k, v, o, lse);
-  rotating_kv_forward(forward_rotation_, fwd_scratch_, RingTopology::single(sp_), layout_, causal_, chunk_calls_, scale_,
-                      o, lse, q, k, v, forward_trace_, observer_);
+  rotating_kv_forward(forward_rotation_, fwd_scratch_, RingTopology::single(sp_), layout_, causal_, chunk_calls_,
+                      scale_, o, lse, q, k, v, forward_trace_, observer_);
   counters.bytes_sent += forward_trace_.bytes_sent();
 }
 

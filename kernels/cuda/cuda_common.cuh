@@ -1,5 +1,6 @@
 // Device-side helpers shared by the CUDA ops (kernels/cuda/*.cu) and the CUDA attention kernels:
-// the float/bf16 dispatch, conversions, 4-element vector accesses and block reductions. Host-side helpers are in cuda_host.h.
+// the float/bf16 dispatch, conversions, 4-element vector accesses and block reductions. Host-side
+// helpers are in cuda_host.h.
 #pragma once
 
 #include <cuda_bf16.h>

@@ -847,7 +847,9 @@ TEST(BlockPlan, ZigzagHalfBlockRules) {
 
   // One call per chunk pair: the same pairs, each local chunk (6 tokens) on its own; a rank meeting
   // itself is still one causal call.
-  auto split = [](int q, int kv) { return plan_block_calls(SeqLayout::zigzag, 4, 12, q, kv, true, ChunkCalls::per_chunk); };
+  auto split = [](int q, int kv) {
+    return plan_block_calls(SeqLayout::zigzag, 4, 12, q, kv, true, ChunkCalls::per_chunk);
+  };
   one(split(1, 1), 0, 12, 0, 12, BlockMask::causal_diagonal);
   auto two = [](const std::vector<BlockCall>& calls, std::array<int64_t, 4> a, std::array<int64_t, 4> b) {
     ASSERT_EQ(calls.size(), 2u);

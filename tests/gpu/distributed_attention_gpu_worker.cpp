@@ -479,10 +479,14 @@ int main(int argc, char** argv) {
     const Outputs ref_a = cpu_reference(a);
     const Outputs gpu1_a = single_gpu(a), gpu1_b = single_gpu(b);
     Emulated emulated;
-    if (g_dtype == DType::bf16) emulated.one = bf16_block_outputs(a, ref_a, SeqLayout::contiguous, ChunkCalls::merged, 1, 0);
-    const std::vector<Config> configs = {{Schedule::ring, SeqLayout::contiguous},  {Schedule::ring, SeqLayout::zigzag},
-                                         {Schedule::zigzag, SeqLayout::zigzag},    {Schedule::distflash, SeqLayout::contiguous},
-                                         {Schedule::burst, SeqLayout::zigzag},     {Schedule::burst, SeqLayout::contiguous},
+    if (g_dtype == DType::bf16)
+      emulated.one = bf16_block_outputs(a, ref_a, SeqLayout::contiguous, ChunkCalls::merged, /*P=*/1, /*r=*/0);
+    const std::vector<Config> configs = {{Schedule::ring, SeqLayout::contiguous},
+                                         {Schedule::ring, SeqLayout::zigzag},
+                                         {Schedule::zigzag, SeqLayout::zigzag},
+                                         {Schedule::distflash, SeqLayout::contiguous},
+                                         {Schedule::burst, SeqLayout::zigzag},
+                                         {Schedule::burst, SeqLayout::contiguous},
                                          {Schedule::zigzag, SeqLayout::zigzag, ChunkCalls::per_chunk}};
     for (const Config& cfg : configs) check_schedule(d, cfg, a, b, ref_a, gpu1_a, gpu1_b, emulated);
     d.sp().barrier();
