@@ -1,6 +1,7 @@
-// Checked errors. Every failure becomes a longtrain::Error whose message starts with file:line, so a
-// user sees where it was raised and a test can assert on the text. Messages say what was wrong and
-// what to do; callers that know the file, key or rank add it to the message.
+// Checked errors. Every failure becomes a longtrain::Error. Its message (what()) is for the user: what
+// was wrong and what to do; callers that know the file, key or rank add it to the message. The source
+// location that raised it is kept apart (where()), for a debug log and for tests, and is never part of
+// what a user reads.
 #pragma once
 
 #include <stdexcept>
@@ -11,11 +12,17 @@
 namespace longtrain {
 
 struct Error : std::runtime_error {
-  using std::runtime_error::runtime_error;
+  explicit Error(const std::string& message, std::string where = {})
+      : std::runtime_error(message), where_(std::move(where)) {}
+  // "file:line" of the check that failed ("" when the error was built by hand).
+  const std::string& where() const noexcept { return where_; }
+
+ private:
+  std::string where_;
 };
 
 [[noreturn]] inline void raise_error(const char* file, int line, const std::string& message) {
-  throw Error(fmt::format("{}:{}: {}", file, line, message));
+  throw Error(message, fmt::format("{}:{}", file, line));
 }
 
 }  // namespace longtrain

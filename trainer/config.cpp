@@ -791,9 +791,8 @@ void Loader::check_model() const {
   try {
     static_cast<const model::LlamaConfig&>(config_.model).validate();
   } catch (const Error& e) {
-    // LlamaConfig's message starts with its own source location and names model.<key>: locate it
-    // at that key in the config instead.
-    std::string message = std::regex_replace(std::string(e.what()), std::regex("^\\S+:[0-9]+: "), "");
+    // LlamaConfig's message names model.<key>: locate it at that key in the config.
+    const std::string message = e.what();
     std::vector<std::string> keys;
     static const std::regex model_key("model\\.[a-z_]+");
     for (std::sregex_iterator it(message.begin(), message.end(), model_key), end; it != end; ++it)

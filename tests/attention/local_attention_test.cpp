@@ -862,7 +862,8 @@ std::string error_of(F&& f) {
   try {
     f();
   } catch (const Error& e) {
-    return e.what();
+    // The message, then (for the tests that check it) the source location kept apart from it.
+    return std::string(e.what()) + " [raised at " + e.where() + "]";
   }
   return "(no error)";
 }
