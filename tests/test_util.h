@@ -2,11 +2,24 @@
 // a (device) tensor back as doubles or bytes, error norms and central finite differences.
 #pragma once
 
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
 #include <functional>
 #include <initializer_list>
+#include <istream>
+#include <iterator>
+#include <optional>
 #include <random>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
 #include <vector>
 
 #include "runtime/device.h"
@@ -48,15 +61,105 @@ void fill_uniform(HostTensor<T>& t, uint64_t seed, double lo = -1.0, double hi =
   for (auto& v : t.values) v = static_cast<T>(dist(rng));
 }
 
-// max |a - b| / max |b|: the error of a relative to the reference b, in b's scale.
+// Every comparison below scores a NaN or an infinity in either argument, or two lengths that differ,
+// as an infinite error, so that `EXPECT_LT(error, tol)` fails on them: std::max(0.0, NaN) is 0, and a
+// NaN-blind maximum would let an all-NaN result pass as exact.
+template <class A, class B>
+bool comparable(const std::vector<A>& a, const std::vector<B>& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i)
+    if (!std::isfinite(static_cast<double>(a[i])) || !std::isfinite(static_cast<double>(b[i]))) return false;
+  return true;
+}
+
+// max |a - b| / max |b|: the error of a relative to the reference b, in b's scale (the absolute
+// error when b is all zeros).
 template <class A, class B>
 double relative_error(const std::vector<A>& a, const std::vector<B>& b) {
+  if (!comparable(a, b)) return INFINITY;
   double num = 0.0, den = 0.0;
-  for (size_t i = 0; i < a.size() && i < b.size(); ++i) {
+  for (size_t i = 0; i < a.size(); ++i) {
     num = std::max(num, std::abs(static_cast<double>(a[i]) - static_cast<double>(b[i])));
     den = std::max(den, std::abs(static_cast<double>(b[i])));
   }
   return den > 0.0 ? num / den : num;
+}
+
+// ||a - b||_2 / ||b||_2: the norm-wise error, which a few wrong small entries (a row or a head of
+// small values) move even when they stay far below the largest magnitude.
+template <class A, class B>
+double norm_relative_error(const std::vector<A>& a, const std::vector<B>& b) {
+  if (!comparable(a, b)) return INFINITY;
+  double num = 0.0, den = 0.0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    const double d = static_cast<double>(a[i]) - static_cast<double>(b[i]);
+    num += d * d;
+    den += static_cast<double>(b[i]) * static_cast<double>(b[i]);
+  }
+  return den > 0.0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+// |a - b| / |b| for two scalars (|a - b| when b is 0); infinite when either is not finite.
+inline double scalar_relative_error(double a, double b) {
+  if (!std::isfinite(a) || !std::isfinite(b)) return INFINITY;
+  return b != 0.0 ? std::abs(a - b) / std::abs(b) : std::abs(a - b);
+}
+
+// Reads the next whitespace-separated fields of a line that a worker process printed into `outs`,
+// in order. Each field must parse whole (strtod / strtoll), and a double must be finite: `ls >> x`
+// would leave x at 0 on "nan" or a missing field, and a check of a zero error would then pass.
+template <class... Out>
+::testing::AssertionResult read_fields(std::istream& in, Out&... outs) {
+  std::string failure;
+  auto read_one = [&](auto& out) {
+    if (!failure.empty()) return;
+    std::string field;
+    if (!(in >> field)) {
+      failure = "a field is missing";
+      return;
+    }
+    char* end = nullptr;
+    errno = 0;
+    if constexpr (std::is_floating_point_v<std::remove_reference_t<decltype(out)>>) {
+      const double v = std::strtod(field.c_str(), &end);
+      if (end != field.c_str() + field.size() || errno != 0) {
+        failure = "'" + field + "' is not a number";
+      } else if (!std::isfinite(v)) {
+        failure = "'" + field + "' is not finite";
+      } else {
+        out = static_cast<std::remove_reference_t<decltype(out)>>(v);
+      }
+    } else {
+      const long long v = std::strtoll(field.c_str(), &end, 10);
+      if (end != field.c_str() + field.size() || errno != 0) {
+        failure = "'" + field + "' is not an integer";
+      } else {
+        out = static_cast<std::remove_reference_t<decltype(out)>>(v);
+      }
+    }
+  };
+  (read_one(outs), ...);
+  if (!failure.empty()) return ::testing::AssertionFailure() << failure;
+  return ::testing::AssertionSuccess();
+}
+
+// The whole content of the file at `path`. A file that is missing or cannot be read is an error: a
+// comparison of two unreadable files as "" == "" would pass whatever the code under test wrote.
+inline std::string read_file(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw std::runtime_error("test: cannot read '" + path.string() + "' (missing or unreadable)");
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (in.bad()) throw std::runtime_error("test: reading '" + path.string() + "' failed");
+  return text;
+}
+
+// For polling a file another process is about to write: its content, or nothing while it is missing.
+inline std::optional<std::string> read_file_if_exists(const std::filesystem::path& path) {
+  std::error_code ec;
+  if (!std::filesystem::exists(path, ec)) return std::nullopt;
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return std::nullopt;
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
 }
 
 // Rounds v to what `dtype` stores (bf16 round-to-nearest-even, f32, or unchanged for f64).

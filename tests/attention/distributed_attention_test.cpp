@@ -164,18 +164,18 @@ double element(const Tensor& t, int64_t j, int64_t e) {
   return static_cast<const float*>(t.data)[off];
 }
 
-// max |got - ref| / max |ref| over this rank's rows, ref being the whole-sequence tensor.
+// max |got - ref| / max |ref| over this rank's rows, ref being the whole-sequence tensor (through
+// test::relative_error, so a NaN or an infinity on either side is an infinite error).
 double shard_error(const Tensor& got, const HostTensor<double>& ref, const std::vector<int64_t>& rows) {
   const int64_t per_row = got.ndim == 3 ? got.shape[1] * got.shape[2] : got.shape[1];
-  double num = 0, den = 0;
+  std::vector<double> mine, want;
   for (size_t j = 0; j < rows.size(); ++j) {
     for (int64_t e = 0; e < per_row; ++e) {
-      const double r = ref[static_cast<size_t>(rows[j] * per_row + e)];
-      num = std::max(num, std::abs(element(got, static_cast<int64_t>(j), e) - r));
-      den = std::max(den, std::abs(r));
+      want.push_back(ref[static_cast<size_t>(rows[j] * per_row + e)]);
+      mine.push_back(element(got, static_cast<int64_t>(j), e));
     }
   }
-  return den > 0 ? num / den : num;
+  return test::relative_error(mine, want);
 }
 
 bool bitwise_equal(const Tensor& a, const Tensor& b) {
@@ -379,7 +379,7 @@ void expect_cases(const std::vector<test::RankOutcome>& outcomes, int min_cases,
       ls >> word >> name;
       if (word == "CASE") {
         double err = 0, tol = 0;
-        ls >> err >> tol;
+        EXPECT_TRUE(test::read_fields(ls, err, tol)) << "rank " << r << ": malformed line: " << line;
         ++cases;
         EXPECT_LE(err, tol) << "rank " << r << ": " << name;
         // worst error per dtype and tensor: ".../f64/dq" -> "f64/dq"
@@ -388,7 +388,7 @@ void expect_cases(const std::vector<test::RankOutcome>& outcomes, int min_cases,
         rep.worst[kind] = std::max(rep.worst[kind], err);
       } else if (word == "PAIRS") {
         int64_t f = 0, b = 0, want = 0;
-        ls >> f >> b >> want;
+        EXPECT_TRUE(test::read_fields(ls, f, b, want)) << "rank " << r << ": malformed line: " << line;
         auto& acc = rep.pairs[name];
         acc[0] += f;
         acc[1] += b;
@@ -397,9 +397,15 @@ void expect_cases(const std::vector<test::RankOutcome>& outcomes, int min_cases,
         int rank = 0;
         int64_t T = 0;
         std::string dir;
-        ls >> rank >> T >> dir;
+        EXPECT_TRUE(test::read_fields(ls, rank, T)) << "rank " << r << ": malformed line: " << line;
+        EXPECT_TRUE(static_cast<bool>(ls >> dir)) << "rank " << r << ": malformed line: " << line;
         std::vector<int64_t> v;
-        for (int64_t x; ls >> x;) v.push_back(x);
+        for (std::string field; ls >> field;) {
+          std::istringstream one(field);
+          int64_t x = 0;
+          EXPECT_TRUE(test::read_fields(one, x)) << "rank " << r << ": malformed line: " << line;
+          v.push_back(x);
+        }
         rep.steps[name][dir][rank] = v;
         rep.local_len[name] = T;
       }
@@ -533,9 +539,14 @@ std::string double_ring(int rank, int P, int per_node, int port) {
         rep << "CASE " << name << "/dk " << shard_error(b.dk, p.dk, b.rows) << " " << tol << "\n";
         rep << "CASE " << name << "/dv " << shard_error(b.dv, p.dv, b.rows) << " " << tol << "\n";
         // Against the single ring directly: only the order of the merges and sums differs.
+        // (A NaN or an infinity on either side makes it infinite: std::max alone would skip a NaN.)
         double vs_single = 0;
-        for (size_t i = 0; i < a.o.size(); ++i) vs_single = std::max(vs_single, std::abs(a.o[i] - b.o[i]));
-        for (size_t i = 0; i < a.dqkv.size(); ++i) vs_single = std::max(vs_single, std::abs(a.dqkv[i] - b.dqkv[i]));
+        auto widen = [&](double x, double y) {
+          const double d = std::abs(x - y);
+          vs_single = std::isfinite(d) ? std::max(vs_single, d) : INFINITY;
+        };
+        for (size_t i = 0; i < a.o.size(); ++i) widen(a.o[i], b.o[i]);
+        for (size_t i = 0; i < a.dqkv.size(); ++i) widen(a.dqkv[i], b.dqkv[i]);
         rep << "CASE " << name << "/vs_single_ring " << vs_single << " 1e-13\n";
 
         // Traffic: nothing on the SP communicator; intra + inter = the single ring's volume; the
@@ -611,9 +622,9 @@ TEST(BurstTraffic, BackwardSendsAQuarterLessThanTheKvRing) {
   std::istringstream in(out[0].text);
   for (std::string word; in >> word;) {
     if (word != "RATIO") continue;
-    double ratio;
-    int64_t burst, ring;
-    in >> ratio >> burst >> ring;
+    double ratio = 0;
+    int64_t burst = 0, ring = 0;
+    ASSERT_TRUE(test::read_fields(in, ratio, burst, ring)) << out[0].text;
     std::cout << "  burst backward / ring backward bytes (MHA, D = 16, P = 4): " << burst << " / " << ring << " = "
               << ratio << "\n";
   }

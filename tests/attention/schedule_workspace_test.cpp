@@ -116,9 +116,19 @@ TEST_P(ScheduleWorkspace, PlanEqualsWhatTheScheduleKeeps) {
   for (int r = 0; r < P; ++r) {
     ASSERT_TRUE(out[static_cast<size_t>(r)].exited(0)) << "rank " << r << ": " << out[static_cast<size_t>(r)].text;
     std::istringstream in(out[static_cast<size_t>(r)].text);
-    std::string name, w1, w2, w3, w4;
     long long planned = 0, kept = 0, second = 0, after = 0;
-    while (in >> name >> w1 >> planned >> w2 >> kept >> w3 >> second >> w4 >> after) {
+    for (std::string line; std::getline(in, line);) {
+      if (line.empty()) continue;
+      std::istringstream ls(line);
+      std::string name, w1, w2, w3, w4;
+      ls >> name >> w1;
+      EXPECT_TRUE(test::read_fields(ls, planned)) << "rank " << r << ": malformed line: " << line;
+      ls >> w2;
+      EXPECT_TRUE(test::read_fields(ls, kept)) << "rank " << r << ": malformed line: " << line;
+      ls >> w3;
+      EXPECT_TRUE(test::read_fields(ls, second)) << "rank " << r << ": malformed line: " << line;
+      ls >> w4;
+      EXPECT_TRUE(test::read_fields(ls, after)) << "rank " << r << ": malformed line: " << line;
       ++lines;
       // Every rank keeps what the plan says (the plan is the worst rank's; all ranks allocate alike).
       EXPECT_EQ(kept, planned) << name << " rank " << r;

@@ -102,16 +102,27 @@ inline HostTensor<double> host_tensor(std::initializer_list<int64_t> shape, cons
 
 inline const char* name_of(DType d) { return d == DType::bf16 ? "bf16" : (d == DType::f32 ? "f32" : "f64"); }
 
-// Prints the measured error (the evidence in the test log), records it in the XML output, and expects
-// it within gpu_tolerance(storage).
+// The norm-wise bound ||gpu - ref|| / ||ref||, checked beside the max-normalised one. Rounding each
+// element to bf16 moves it by at most 2^-9 of itself, so the norm-wise error of a once-rounded output
+// is at most 2^-9 however its values are spread; the max-normalised error alone lets a wrong row or
+// head of small values pass. The same 8 x 2^-9 margin as gpu_tolerance (not yet measured on a GPU
+// with this check: tighten it from the printed values).
+inline double gpu_norm_tolerance(DType storage) { return gpu_tolerance(storage); }
+
+// Prints the measured errors (the evidence in the test log), records them in the XML output, and
+// expects them within gpu_tolerance(storage) (max-normalised) and gpu_norm_tolerance(storage).
 inline void expect_close(const std::string& what, DType storage, const std::vector<double>& got,
                          const std::vector<double>& reference) {
   ASSERT_EQ(got.size(), reference.size()) << what;
   const double error = relative_error(got, reference);
-  const double tol = gpu_tolerance(storage);
-  std::printf("  %-48s %-4s max|err|/max|ref| = %.3e (tolerance %.1e)\n", what.c_str(), name_of(storage), error, tol);
+  const double norm_error = norm_relative_error(got, reference);
+  const double tol = gpu_tolerance(storage), norm_tol = gpu_norm_tolerance(storage);
+  std::printf("  %-48s %-4s max|err|/max|ref| = %.3e (tolerance %.1e), ||err||/||ref|| = %.3e (tolerance %.1e)\n",
+              what.c_str(), name_of(storage), error, tol, norm_error, norm_tol);
   ::testing::Test::RecordProperty(what + " " + name_of(storage), std::to_string(error));
+  ::testing::Test::RecordProperty(what + " " + name_of(storage) + " norm", std::to_string(norm_error));
   EXPECT_LT(error, tol) << what << " (" << name_of(storage) << ")";
+  EXPECT_LT(norm_error, norm_tol) << what << " (" << name_of(storage) << ", norm-wise)";
   for (size_t i = 0; i < got.size(); ++i) {
     if (std::isfinite(got[i]) != std::isfinite(reference[i])) {
       ADD_FAILURE() << what << ": element " << i << " is " << got[i] << ", the reference " << reference[i];

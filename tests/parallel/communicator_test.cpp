@@ -299,12 +299,14 @@ void expect_cases(const std::vector<test::RankOutcome>& outcomes, int min_cases)
   for (size_t r = 0; r < outcomes.size(); ++r) {
     ASSERT_TRUE(outcomes[r].exited(0)) << "rank " << r << ":\n" << outcomes[r].text;
     std::istringstream in(outcomes[r].text);
-    std::string word, name;
-    double err = 0, tol = 0;
     int cases = 0;
-    while (in >> word) {
-      if (word != "CASE") continue;
-      in >> name >> err >> tol;
+    for (std::string line; std::getline(in, line);) {
+      std::istringstream ls(line);
+      std::string word, name;
+      double err = 0, tol = 0;
+      if (!(ls >> word) || word != "CASE") continue;
+      ls >> name;
+      EXPECT_TRUE(test::read_fields(ls, err, tol)) << "rank " << r << ": malformed line: " << line;
       ++cases;
       EXPECT_LE(err, tol) << "rank " << r << ": " << name;
       const std::string kind = name.substr(0, name.find('/', name.find('/') + 1));

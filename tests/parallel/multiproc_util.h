@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "runtime/error.h"
+#include "test_util.h"
 
 namespace longtrain::test {
 
@@ -133,12 +134,6 @@ struct TempDir {
   std::string str(const std::string& name = "") const { return (name.empty() ? path : path / name).string(); }
 };
 
-inline std::string read_file(const std::string& path) {
-  std::ifstream f(path);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
 
 // Starts argv[0] with `env` added to this process's environment, stdout and stderr to files.
 inline pid_t spawn(const std::vector<std::string>& argv, const std::map<std::string, std::string>& env,

@@ -16,6 +16,7 @@
 #include <thread>
 
 #include "runtime/error.h"
+#include "test_util.h"
 
 namespace longtrain::trainer {
 namespace {
@@ -53,10 +54,7 @@ void write_file(const fs::path& p, const std::string& text) {
   std::ofstream(p, std::ios::binary | std::ios::trunc) << text;
 }
 
-std::string read_file(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), {});
-}
+using ::longtrain::test::read_file;  // a missing file is an error, never ""
 
 // The content a writer puts in step N: N-dependent, so a test can tell whose bytes it reads.
 std::string payload(int64_t step, size_t bytes) {

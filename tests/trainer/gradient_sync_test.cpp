@@ -226,12 +226,14 @@ TEST_P(BucketedReduction, DuringBackwardEqualsOneReduceScatterAfterIt) {
   for (int r = 0; r < p; ++r) {
     ASSERT_TRUE(out[r].exited(0)) << "rank " << r << ":\n" << out[r].text;
     std::istringstream in(out[r].text);
-    std::string word, name;
-    double err = 0, tol = 0;
     int cases = 0;
-    while (in >> word) {
-      if (word != "CASE") continue;
-      in >> name >> err >> tol;
+    for (std::string line; std::getline(in, line);) {
+      std::istringstream ls(line);
+      std::string word, name;
+      double err = 0, tol = 0;
+      if (!(ls >> word) || word != "CASE") continue;
+      ls >> name;
+      EXPECT_TRUE(test::read_fields(ls, err, tol)) << "rank " << r << ": malformed line: " << line;
       ++cases;
       EXPECT_LE(err, tol) << "rank " << r << ": " << name;
     }
