@@ -4,6 +4,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <random>
@@ -12,19 +13,19 @@
 
 #include <fmt/format.h>
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include "data/prepare.h"
 #include "data/tokenizer.h"
+#include "test_util.h"
 #include "trainer/trainer.h"
 
 namespace longtrain::trainer::test {
 
 namespace fs = std::filesystem;
 
-inline std::string read_file(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), {});
-}
+// A missing file is an error (test_util.h), so "" is never compared with "".
+using ::longtrain::test::read_file;
 
 // A corpus with structure a small model can learn: sentences from a tiny grammar.
 inline std::string synthetic_document(std::mt19937& rng) {
@@ -37,6 +38,38 @@ inline std::string synthetic_document(std::mt19937& rng) {
     doc += fmt::format("{} {} {}. ", subjects[rng() % 6], verbs[rng() % 6], objects[rng() % 6]);
   }
   return doc;
+}
+
+// Expects checkpoint directory `got` to hold what `want` holds, byte for byte: the model, one
+// optimizer shard per rank (`ranks` of them), trainer_state.json (step, counters, the loader's
+// epoch, cursor and seed) and the rest. Only config.yaml may differ (it names the run directory).
+inline void expect_same_checkpoint(const fs::path& want, const fs::path& got, int ranks) {
+  ASSERT_TRUE(fs::is_directory(want)) << want;
+  ASSERT_TRUE(fs::is_directory(got)) << got;
+  std::vector<std::string> want_files, got_files;
+  for (const auto& e : fs::directory_iterator(want)) want_files.push_back(e.path().filename().string());
+  for (const auto& e : fs::directory_iterator(got)) got_files.push_back(e.path().filename().string());
+  std::sort(want_files.begin(), want_files.end());
+  std::sort(got_files.begin(), got_files.end());
+  EXPECT_EQ(got_files, want_files);
+  std::vector<std::string> required = {"model.safetensors", "trainer_state.json"};
+  for (int r = 0; r < ranks; ++r) required.push_back(fmt::format("optimizer.rank{}.safetensors", r));
+  for (const std::string& f : required)
+    EXPECT_TRUE(std::find(want_files.begin(), want_files.end(), f) != want_files.end()) << want / f << " missing";
+  for (const std::string& f : want_files) {
+    if (f == "config.yaml" || f == "MANIFEST.json") continue;
+    EXPECT_TRUE(read_file(want / f) == read_file(got / f)) << f << " differs between " << want << " and " << got;
+  }
+  // The manifests record the same files with the same sizes and checksums, config.yaml's aside.
+  auto records = [](const fs::path& dir) {
+    nlohmann::json files = nlohmann::json::parse(read_file(dir / "MANIFEST.json")).at("files");
+    nlohmann::json kept = nlohmann::json::array();
+    for (const auto& r : files)
+      if (r.at("path") != "config.yaml") kept.push_back(r);
+    return kept;
+  };
+  EXPECT_EQ(records(got), records(want));
+  EXPECT_GE(records(want).size(), required.size());
 }
 
 class TrainTest : public ::testing::Test {
