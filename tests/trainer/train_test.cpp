@@ -8,12 +8,14 @@
 #include <filesystem>
 #include <fstream>
 #include <random>
+#include <regex>
 #include <sstream>
 
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "model/generate.h"
 #include "train_fixture.h"
 
 namespace longtrain::trainer {
@@ -37,10 +39,8 @@ TEST_F(TrainTest, ResumeIsBitExact) {
   ASSERT_EQ(resumed.first_step, 5);
   ASSERT_EQ(resumed.losses.size(), 4u);
   for (size_t i = 0; i < 4; ++i) EXPECT_EQ(resumed.losses[i], whole.losses[4 + i]) << "step " << 5 + i;
-  EXPECT_EQ(read_file(root_ / "runs/whole/checkpoints/step_8/model.safetensors"),
-            read_file(fs::path(c.checkpoint.dir) / "step_8/model.safetensors"));
-  EXPECT_EQ(read_file(root_ / "runs/whole/checkpoints/step_8/optimizer.safetensors"),
-            read_file(fs::path(c.checkpoint.dir) / "step_8/optimizer.safetensors"));
+  // Model, optimizer shard, loader state and counters: the resumed run ends where the whole one did.
+  test::expect_same_checkpoint(root_ / "runs/whole/checkpoints/step_8", fs::path(c.checkpoint.dir) / "step_8", 1);
   // The loss went down over the run, and the run left its log, metrics and loss curve.
   EXPECT_LT(whole.losses.back(), whole.losses.front());
   EXPECT_TRUE(fs::exists(root_ / "runs/whole/metrics.jsonl"));
@@ -142,14 +142,141 @@ TEST_F(TrainTest, StepLogCountsAttentionForwardsAndPeakMemoryMatchesThePlan) {
 
 // Through the real CLI: each class of config error exits non-zero with its message, and no run
 // directory appears.
-int run_cli(const std::string& args, std::string& output) {
-  const std::string cmd = fmt::format("{} {} 2>&1", LONGTRAIN_BINARY, args);
+int run_cli(const std::string& args, std::string& output, const std::string& env = "") {
+  const std::string cmd = fmt::format("{} {} {} 2>&1", env, LONGTRAIN_BINARY, args);
   FILE* pipe = popen(cmd.c_str(), "r");
   char buf[4096];
   output.clear();
   while (size_t n = fread(buf, 1, sizeof buf, pipe)) output.append(buf, n);
   int status = pclose(pipe);
   return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+// No user-facing error carries the C++ source location that raised it ("…/data/shards.cpp:232: ");
+// LONGTRAIN_DEBUG=1 adds it on a line of its own.
+void expect_no_source_location(const std::string& output) {
+  static const std::regex location(R"([A-Za-z0-9_]+\.(cpp|cu|h):[0-9]+)");
+  EXPECT_FALSE(std::regex_search(output, location)) << "a source location in: " << output;
+}
+
+TEST_F(TrainTest, ErrorsNameNoSourceLocationUnlessDebugging) {
+  const fs::path cfg = write_config("no_location");
+  std::string out;
+  EXPECT_EQ(run_cli("train " + cfg.string() + " --set data.train=/nowhere/shards", out), 1) << out;
+  EXPECT_NE(out.find("/nowhere/shards"), std::string::npos) << out;
+  expect_no_source_location(out);
+  EXPECT_EQ(run_cli("train " + cfg.string() + " --set data.train=/nowhere/shards", out, "LONGTRAIN_DEBUG=1"), 1);
+  EXPECT_TRUE(std::regex_search(out, std::regex(R"(longtrain: debug: raised at \S+\.(cpp|h):[0-9]+)"))) << out;
+}
+
+// `train --plan` prints the memory plan and exits without training or creating the run directory.
+TEST_F(TrainTest, PlanPrintsTheMemoryPlanAndTrainsNothing) {
+  const fs::path cfg = write_config("planned");
+  std::string out;
+  ASSERT_EQ(run_cli("train " + cfg.string() + " --plan", out), 0) << out;
+  const model::MemoryPlan plan = plan_training_memory(config("planned"), 1);
+  EXPECT_NE(out.find(plan.table()), std::string::npos) << "the printed plan is not plan_training_memory's:\n" << out;
+  for (const char* row : {"parameters", "gradients", "adam m", "adam v", "activations, saved", "total"})
+    EXPECT_NE(out.find(row), std::string::npos) << row << " missing in:\n" << out;
+  EXPECT_NE(out.find("free on this host"), std::string::npos) << out;
+  EXPECT_FALSE(fs::exists(root_ / "runs/planned")) << "--plan created the run directory";
+  // A bad config is refused by --plan as by train.
+  EXPECT_EQ(run_cli("train " + cfg.string() + " --plan --set model.n_kv_heads=3", out), 1) << out;
+  EXPECT_NE(out.find("n_kv_heads"), std::string::npos) << out;
+}
+
+// eval and generate refuse what they cannot use, naming it: a checkpoint missing a file, a missing
+// tokenizer, a tokenizer or data whose vocabulary is not the model's.
+TEST_F(TrainTest, EvalAndGenerateErrorsNameTheProblem) {
+  TrainSummary s = train(config("cli_errors", {"train.steps=2", "checkpoint.every=0", "eval.batches=1"}));
+  ASSERT_TRUE(s.last_checkpoint);
+  const fs::path good = *s.last_checkpoint;
+  std::string out;
+  ASSERT_EQ(run_cli("eval --checkpoint " + good.string(), out), 0) << out;
+  ASSERT_EQ(run_cli("generate --checkpoint " + good.string() + " --prompt 'the cat' --max-new-tokens 3", out), 0)
+      << out;
+
+  // An incomplete checkpoint: its model file is gone.
+  const fs::path incomplete = root_ / "cli_errors_incomplete";
+  fs::copy(good, incomplete, fs::copy_options::recursive);
+  fs::remove(incomplete / "model.safetensors");
+  for (const char* cmd : {"eval", "generate"}) {
+    const std::string extra = std::string(cmd) == "generate" ? " --prompt hi --max-new-tokens 3" : "";
+    EXPECT_EQ(run_cli(std::string(cmd) + " --checkpoint " + incomplete.string() + extra, out), 1) << cmd << out;
+    EXPECT_NE(out.find(incomplete.string()), std::string::npos) << cmd << ": " << out;
+    EXPECT_NE(out.find("model.safetensors"), std::string::npos) << cmd << ": " << out;
+    expect_no_source_location(out);
+  }
+
+  // No tokenizer: the run's data.tokenizer was moved away, so the checkpoint holds none either.
+  TrainSummary moved = train(config("cli_errors_moved_tokenizer", {"train.steps=2", "checkpoint.every=0",
+                                                                   "eval.batches=0",
+                                                                   "data.tokenizer=" + (root_ / "gone.model").string()}));
+  ASSERT_TRUE(moved.last_checkpoint);
+  ASSERT_FALSE(fs::exists(*moved.last_checkpoint / "tokenizer.model"));
+  EXPECT_EQ(run_cli("generate --checkpoint " + moved.last_checkpoint->string() + " --prompt hi --max-new-tokens 3",
+                    out), 1) << out;
+  EXPECT_NE(out.find("gone.model"), std::string::npos) << out;
+  EXPECT_NE(out.find("--tokenizer"), std::string::npos) << out;
+  // An explicit --tokenizer that is not there is refused, not replaced by the checkpoint's.
+  EXPECT_EQ(run_cli("generate --checkpoint " + good.string() + " --prompt hi --max-new-tokens 3 --tokenizer " +
+                        (root_ / "nowhere.model").string(), out), 1) << out;
+  EXPECT_NE(out.find("nowhere.model"), std::string::npos) << out;
+
+  // A vocabulary that is not the model's: another tokenizer, and data prepared with it.
+  const fs::path other = root_ / "cli_errors_other";
+  fs::create_directories(other);
+  data::TokenizerTrainOptions to;
+  to.inputs = {(root_ / "corpus.jsonl").string()};
+  to.model_prefix = (other / "tok").string();
+  to.vocab_size = 300;
+  to.threads = 1;
+  data::train_tokenizer(to);
+  data::PrepareOptions po;
+  po.tokenizer = (other / "tok.model").string();
+  po.inputs = {(root_ / "corpus.jsonl").string()};
+  po.output = (other / "shards").string();
+  po.val_fraction = 0.1;
+  po.threads = 1;
+  po.progress = false;
+  data::prepare_corpus(po);
+  EXPECT_EQ(run_cli("generate --checkpoint " + good.string() + " --prompt hi --max-new-tokens 3 --tokenizer " +
+                        (other / "tok.model").string(), out), 1) << out;
+  EXPECT_NE(out.find("300"), std::string::npos) << out;
+  EXPECT_NE(out.find("320"), std::string::npos) << out;
+  EXPECT_EQ(run_cli("eval --checkpoint " + good.string() + " --data " + (other / "shards").string(), out), 1) << out;
+  EXPECT_NE(out.find("300"), std::string::npos) << out;
+  EXPECT_NE(out.find("320"), std::string::npos) << out;
+  expect_no_source_location(out);
+}
+
+// generate prints the prompt and its continuation decoded as one sequence: what SentencePiece gives
+// for the prompt's tokens followed by the sampled ones (greedy here, so the test can sample the same).
+TEST_F(TrainTest, GeneratePrintsPromptAndContinuationAsOneText) {
+  TrainSummary s = train(config("generated", {"train.steps=6", "checkpoint.every=0", "eval.batches=0"}));
+  ASSERT_TRUE(s.last_checkpoint);
+  const std::string prompt = "the old man";
+  std::string out;
+  ASSERT_EQ(run_cli("generate --checkpoint " + s.last_checkpoint->string() + " --prompt '" + prompt +
+                        "' --temperature 0 --max-new-tokens 8", out), 0) << out;
+  LoadedModel m = load_model_from_checkpoint(*s.last_checkpoint, 1);
+  data::Tokenizer tok((*s.last_checkpoint / "tokenizer.model").string());
+  std::vector<int32_t> ids;
+  if (tok.bos_id() >= 0) ids.push_back(tok.bos_id());
+  const std::vector<int32_t> prompt_ids = tok.encode(prompt);
+  ids.insert(ids.end(), prompt_ids.begin(), prompt_ids.end());
+  model::SamplingParams greedy;
+  greedy.temperature = 0;
+  const std::vector<int32_t> continuation = model::generate(*m.model, ids, 8, greedy, tok.eos_id());
+  ASSERT_FALSE(continuation.empty());
+  std::vector<int32_t> all = prompt_ids;
+  all.insert(all.end(), continuation.begin(), continuation.end());
+  EXPECT_EQ(out, tok.decode(all) + "\n");
+  EXPECT_EQ(out.rfind(prompt, 0), 0u) << out;
+  // A continuation whose first piece starts a word keeps the space in front of it.
+  if (tok.piece(continuation[0]).rfind("\xe2\x96\x81", 0) == 0) {
+    EXPECT_EQ(out[prompt.size()], ' ') << out;
+  }
 }
 
 TEST_F(TrainTest, BadConfigsExitNonZeroAndCreateNoRunDirectory) {
@@ -175,6 +302,7 @@ TEST_F(TrainTest, BadConfigsExitNonZeroAndCreateNoRunDirectory) {
     EXPECT_EQ(run_cli(args, out), 1) << cases[i].name << ": " << out;
     EXPECT_NE(out.find(cases[i].expect), std::string::npos) << cases[i].name << ": " << out;
     EXPECT_FALSE(fs::exists(root_ / "runs" / cases[i].name)) << cases[i].name << " created its run directory";
+    expect_no_source_location(out);
   }
 }
 

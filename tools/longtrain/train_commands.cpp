@@ -119,19 +119,33 @@ void add_train_commands(CLI::App& app) {
     cmd->add_option("--seed", sp->seed, "Sampling seed (default 0)");
     cmd->callback([=] {
       trainer::LoadedModel m = trainer::load_model_from_checkpoint(*dir, 1);
-      std::string tok = !tokenizer_path->empty() ? *tokenizer_path : (fs::path(*dir) / "tokenizer.model").string();
-      if (!fs::exists(tok)) tok = m.config.data.tokenizer;
-      LT_CHECK(!tok.empty() && fs::exists(tok),
-               "generate: no tokenizer: {} has no tokenizer.model and the config names none; pass --tokenizer", *dir);
+      // An explicit --tokenizer is used or refused, never replaced by another one.
+      std::string tok = *tokenizer_path;
+      if (!tok.empty()) {
+        LT_CHECK(fs::exists(tok), "generate: --tokenizer {} does not exist", tok);
+      } else {
+        tok = (fs::path(*dir) / "tokenizer.model").string();
+        if (!fs::exists(tok)) tok = m.config.data.tokenizer;
+        LT_CHECK(!tok.empty() && fs::exists(tok),
+                 "generate: no tokenizer: {} has no tokenizer.model and the config's data.tokenizer ({}) is not there; "
+                 "pass --tokenizer",
+                 *dir, m.config.data.tokenizer.empty() ? "unset" : m.config.data.tokenizer);
+      }
       data::Tokenizer tokenizer(tok);
       LT_CHECK(tokenizer.vocab_size() == m.config.model.vocab_size,
                "generate: tokenizer {} has {} pieces but the model's vocabulary is {}", tok, tokenizer.vocab_size(),
                m.config.model.vocab_size);
       std::vector<int32_t> ids;
       if (tokenizer.bos_id() >= 0) ids.push_back(tokenizer.bos_id());
+      const size_t first_text_id = ids.size();
       for (int32_t id : tokenizer.encode(*prompt)) ids.push_back(id);
-      std::vector<int32_t> out = model::generate(*m.model, ids, *max_new, *sp, tokenizer.eos_id());
-      fmt::print("{}{}\n", *prompt, tokenizer.decode(out));
+      const std::vector<int32_t> out = model::generate(*m.model, ids, *max_new, *sp, tokenizer.eos_id());
+      // Prompt and continuation are decoded as one sequence: SentencePiece marks a word's leading
+      // space on its first piece and drops it at the start of a decode, so decoding the continuation
+      // alone would glue its first word to the prompt's last one.
+      std::vector<int32_t> text_ids(ids.begin() + static_cast<std::ptrdiff_t>(first_text_id), ids.end());
+      text_ids.insert(text_ids.end(), out.begin(), out.end());
+      fmt::print("{}\n", tokenizer.decode(text_ids));
     });
   }
 }
