@@ -44,6 +44,11 @@ using Millis = std::chrono::milliseconds;
 // treats it as a consequence, never as the root cause, when it picks the exit code to return.
 constexpr int kExitPeerFailure = 75;
 
+// Exit status of a rank (and of the launcher) that was asked to stop by SIGTERM or SIGINT, finished
+// its current step and wrote a checkpoint: the job can continue with `--resume auto`. Slurm sends
+// SIGTERM before it preempts or cancels a job (`scancel --signal=TERM`, `--signal=TERM@120`).
+constexpr int kExitPreempted = 76;
+
 // How often the monitor thread wakes to publish progress; peer failures arrive immediately.
 constexpr Millis kMonitorInterval{100};
 

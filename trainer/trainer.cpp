@@ -1,5 +1,6 @@
 #include "trainer/trainer.h"
 
+#include <signal.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -18,9 +19,11 @@
 #include "kernels/ops.h"
 #include "model/safetensors.h"
 #include "parallel/distributed.h"
+#include "parallel/store.h"
 #include "runtime/device.h"
 #include "trainer/checkpoint.h"
 #include "trainer/metrics.h"
+#include "trainer/stop_signals.h"
 
 namespace longtrain::trainer {
 
@@ -521,6 +524,8 @@ TrainSummary train(TrainConfig c, const std::string& resume, const TrainHooks& h
     save_checkpoint(c, model, opt, loader, rs, ranks, summary.last_checkpoint);
   };
 
+  // SIGTERM/SIGINT from here on: finish the step, checkpoint, return (the CLI exits kExitPreempted).
+  const StopSignals stop_signals;
   using clock = std::chrono::steady_clock;
   const auto start = clock::now();
   int64_t steps_timed = 0;
@@ -573,8 +578,11 @@ TrainSummary train(TrainConfig c, const std::string& resume, const TrainHooks& h
       }
     }
     for (auto& r : reductions) r->wait();  // NCCL: the compute stream waits before reading the shard
-    double sums[2] = {loss_sum, ops::sum_squares(grad_shard)};
-    ranks.sum(sums, 2);
+    // A stop request rides on the step's one host reduction, so every rank stops after the same step
+    // even when the signal reached them on either side of it.
+    double sums[3] = {loss_sum, ops::sum_squares(grad_shard), stop_signals.requested() ? 1.0 : 0.0};
+    ranks.sum(sums, 3);
+    const bool stop_requested = sums[2] > 0;
     const double loss = sums[0] / count;
     const double norm = std::sqrt(sums[1]);
     rs.step = step;
@@ -652,9 +660,24 @@ TrainSummary train(TrainConfig c, const std::string& resume, const TrainHooks& h
       clear_bar();
       run_eval(step);
     }
-    if (c.checkpoint.every > 0 && step % c.checkpoint.every == 0 && step < c.train.steps) {
+    const bool checkpointed = c.checkpoint.every > 0 && step % c.checkpoint.every == 0 && step < c.train.steps;
+    if (checkpointed) {
       clear_bar();
       checkpoint();
+    }
+    if (stop_requested && step < c.train.steps) {
+      clear_bar();
+      const int sig = stop_signals.requested();
+      if (!checkpointed) checkpoint();
+      summary.stopped_by_signal = sig != 0 ? sig : SIGTERM;  // another rank's signal: SIGTERM by default
+      summary.last_step = rs.step;
+      log->warn("stopped by {} after step {} of {}: checkpoint {} written; continue with --resume auto (exit code "
+                "{})",
+                sig != 0 ? signal_name(sig) : "a signal another rank received", rs.step, c.train.steps,
+                summary.last_checkpoint ? summary.last_checkpoint->string() : std::string("(on rank 0)"),
+                parallel::kExitPreempted);
+      record({{"step", rs.step}, {"stopped_by_signal", summary.stopped_by_signal}});
+      return summary;
     }
   }
   clear_bar();

@@ -69,6 +69,8 @@ struct TrainSummary {
   int64_t skipped_steps = 0;
   std::optional<EvalResult> final_eval;
   std::optional<std::filesystem::path> last_checkpoint;
+  // SIGTERM or SIGINT when a signal stopped the run early (after a checkpoint of last_step), else 0.
+  int stopped_by_signal = 0;
 };
 
 // Runs training. `resume` is "" (start fresh), "auto" (the newest complete checkpoint under

@@ -1,14 +1,19 @@
 // Training with several processes through the real launcher (Gloo on this machine): data parallel
 // with batch b per rank equals one rank with batch 2b, also over 3 ranks with accumulation (the
 // gradient reduction runs bucket by bucket during backward).
+#include <signal.h>
 #include <sys/wait.h>
+
+#include <chrono>
 
 #include <cstdlib>
 #include <map>
 
 #include <nlohmann/json.hpp>
 
+#include "parallel/multiproc_util.h"
 #include "parallel/net.h"
+#include "parallel/store.h"
 #include "train_fixture.h"
 
 namespace longtrain::trainer {
@@ -207,6 +212,58 @@ TEST_F(DistributedTrainTest, DataAndSequenceParallelResumeIsBitExact) {
   for (size_t i = 0; i < 2; ++i) EXPECT_EQ(resumed[i], whole[2 + i]) << "step " << 3 + i;
   test::expect_same_checkpoint(root_ / "runs/dpsp_whole/checkpoints/step_4",
                                root_ / "runs/dpsp_resumed/checkpoints/step_4", 4);
+}
+
+// Preemption through the launcher, data and sequence parallel (4 ranks: 2 replicas of a 2-rank
+// group): SIGTERM to longtrain-run reaches every rank; they finish the same step, write its checkpoint
+// and exit with kExitPreempted, which the launcher returns; --resume auto then ends exactly where an
+// uninterrupted run ends.
+TEST_F(DistributedTrainTest, SigtermThroughTheLauncherCheckpointsAndResumesBitExactly) {
+  const std::vector<std::string> sets = {"train.steps=120", "checkpoint.every=0", "eval.batches=0",
+                                         "train.batch_size=1", "train.grad_accum=1", "parallel.sp_size=2",
+                                         "parallel.layout=zigzag", "attention.schedule=zigzag",
+                                         "logging.log_every=1000"};
+  auto argv_for = [&](const std::string& name, int port) {
+    std::vector<std::string> argv = {LONGTRAIN_RUN_BINARY, "--nproc-per-node", "4", "--master-addr", "127.0.0.1",
+                                     "--master-port", std::to_string(port), "--", LONGTRAIN_BINARY, "train",
+                                     write_config(name).string()};
+    for (const std::string& s : sets) argv.insert(argv.end(), {"--set", s});
+    return argv;
+  };
+  auto args_for = [&](const std::string& name) {
+    std::string args = "train " + write_config(name).string();
+    for (const std::string& s : sets) args += " --set " + s;
+    return args;
+  };
+  const fs::path run = root_ / "runs/preempted";
+  const pid_t launcher = ::longtrain::test::spawn(argv_for("preempted", parallel::net::pick_free_port()), {},
+                                                  (root_ / "preempted.out").string(),
+                                                  (root_ / "preempted.err").string());
+  // Wait for a few steps, then preempt.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (logged_losses(run).size() < 3 && std::chrono::steady_clock::now() < deadline) {
+    if (::longtrain::test::wait_for_exit(launcher, std::chrono::milliseconds(10))) break;
+  }
+  ASSERT_GE(logged_losses(run).size(), 3u) << test::read_file(root_ / "preempted.err");
+  ASSERT_EQ(::kill(launcher, SIGTERM), 0);
+  const std::optional<int> status = ::longtrain::test::wait_for_exit(launcher, std::chrono::seconds(60));
+  if (!status) ::longtrain::test::kill_and_reap(launcher);
+  ASSERT_TRUE(status) << "the launcher did not stop within 60 s of SIGTERM";
+  const std::string err = test::read_file(root_ / "preempted.err");
+  ASSERT_TRUE(WIFEXITED(*status)) << err;
+  EXPECT_EQ(WEXITSTATUS(*status), parallel::kExitPreempted) << err;
+  const size_t stopped_at = logged_losses(run).size();
+  ASSERT_LT(stopped_at, 120u) << "the run ended before the signal arrived";
+  const fs::path ckpt = run / "checkpoints" / fmt::format("step_{}", stopped_at);
+  EXPECT_TRUE(fs::exists(ckpt / "MANIFEST.json")) << ckpt << "\n" << err;
+  for (int r = 0; r < 4; ++r) EXPECT_TRUE(fs::exists(ckpt / fmt::format("optimizer.rank{}.safetensors", r))) << r;
+
+  ASSERT_EQ(launch(4, args_for("preempted") + " --resume auto"), 0);
+  ASSERT_EQ(launch(4, args_for("unpreempted")), 0);
+  const std::vector<double> whole = logged_losses(root_ / "runs/unpreempted"), parts = logged_losses(run);
+  ASSERT_EQ(parts.size(), whole.size());
+  for (size_t i = 0; i < whole.size(); ++i) EXPECT_EQ(parts[i], whole[i]) << "step " << i + 1;
+  test::expect_same_checkpoint(root_ / "runs/unpreempted/checkpoints/step_120", run / "checkpoints/step_120", 4);
 }
 
 TEST_F(DistributedTrainTest, SequenceParallelSizeWithoutEnoughProcessesIsAClearError) {

@@ -1,6 +1,7 @@
 // The training loop end to end on a small synthetic corpus: bit-exact resume, NaN/Inf handling both
 // ways, eval of a checkpoint reproducing the loop's validation loss, and bad configs leaving no run
 // directory behind (through the real `longtrain` binary).
+#include <signal.h>
 #include <unistd.h>
 
 #include <cmath>
@@ -57,6 +58,37 @@ TEST_F(TrainTest, ResumeWithAChangedConfigIsRefusedNamingTheKey) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("optim.lr"), std::string::npos) << e.what();
   }
+}
+
+// SIGTERM (or SIGINT) mid-run: the step in flight finishes, a checkpoint of it is written and train
+// returns early; resuming from it ends exactly where the uninterrupted run ends.
+TEST_F(TrainTest, SigtermFinishesTheStepCheckpointsAndResumesBitExactly) {
+  const std::vector<std::string> sets = {"checkpoint.every=0", "eval.batches=0"};
+  TrainSummary whole = train(config("sig_whole", sets));
+  ASSERT_EQ(whole.stopped_by_signal, 0);
+  for (int sig : {SIGTERM, SIGINT}) {
+    const std::string name = std::string("sig_") + (sig == SIGTERM ? "term" : "int");
+    TrainHooks hooks;
+    bool raised = false;  // once: the hook runs per micro-batch, and a second signal ends the process
+    hooks.after_backward = [sig, &raised](int64_t step, model::LlamaModel&) {
+      if (step == 3 && !raised) raised = (::raise(sig) == 0);
+    };
+    TrainSummary stopped = train(config(name, sets), "", hooks);
+    EXPECT_EQ(stopped.stopped_by_signal, sig);
+    EXPECT_EQ(stopped.last_step, 3);
+    EXPECT_EQ(stopped.losses.size(), 3u);
+    ASSERT_TRUE(stopped.last_checkpoint);
+    EXPECT_EQ(stopped.last_checkpoint->filename(), "step_3");
+    TrainSummary resumed = train(config(name, sets), "auto");
+    EXPECT_EQ(resumed.stopped_by_signal, 0);
+    EXPECT_EQ(resumed.first_step, 4);
+    test::expect_same_checkpoint(root_ / "runs/sig_whole/checkpoints/step_8",
+                                 root_ / "runs" / name / "checkpoints/step_8", 1);
+  }
+  // The handlers are gone with the run: the default action is back (a signal now would end the test).
+  struct sigaction now {};
+  ::sigaction(SIGTERM, nullptr, &now);
+  EXPECT_EQ(now.sa_handler, SIG_DFL);
 }
 
 TEST_F(TrainTest, NonFiniteGradientsAreSkippedWithoutAnUpdate) {

@@ -17,7 +17,10 @@
 //   kExitPeerFailure (75); that is never taken as the root cause when a real failure is known, and
 //   after such an exit the launcher waits 1 s for the real failure before it stops the others.
 // - SIGINT, SIGTERM, SIGHUP and SIGQUIT are forwarded to every rank and stop the job (grace, then
-//   SIGKILL); SIGUSR1/SIGUSR2 are forwarded only.
+//   SIGKILL); SIGUSR1/SIGUSR2 are forwarded only. After SIGTERM or SIGINT (what Slurm sends before it
+//   preempts or cancels a job) `longtrain train` finishes its step, writes a checkpoint and exits
+//   with kExitPreempted (76): the ranks get --preempt-grace seconds (default 120) for that, and when
+//   every rank ended so, the launcher exits with 76 too (continue with --resume auto).
 // - Every rank has PR_SET_PDEATHSIG=SIGKILL: if this launcher is killed, its ranks die with it; the
 //   store then tells the other nodes' ranks (see parallel/store.h), so their launchers stop too.
 // - On node 0 a busy --master-port is reported before anything starts; on other nodes an
@@ -67,6 +70,7 @@ struct Args {
   int master_port = 29500;
   std::string log_dir;
   double grace_s = 5.0;
+  double preempt_grace_s = 120.0;
   std::vector<std::string> command;
 };
 
@@ -264,6 +268,7 @@ class Launcher {
       const int sig = static_cast<int>(info.ssi_signo);
       if (sig == SIGCHLD) continue;  // reap() runs after every wake-up
       const bool stops = sig != SIGUSR1 && sig != SIGUSR2;
+      const bool preempts = sig == SIGTERM || sig == SIGINT;
       say(fmt::format("received {}: forwarding it to the ranks{}", strsignal(sig), stops ? " and stopping" : ""));
       for (Rank& r : ranks_) {
         if (!r.running) continue;
@@ -272,7 +277,7 @@ class Launcher {
       }
       if (stops) {
         if (!received_signal_) received_signal_ = sig;
-        start_kill_clock();
+        start_kill_clock(preempts ? args_.preempt_grace_s : args_.grace_s);
       }
     }
   }
@@ -290,6 +295,8 @@ class Launcher {
         r.ended_s = seconds();
         const int code = exit_code_of(status);
         if (code == 0) continue;
+        // Asked to stop by the signal we forwarded, the rank checkpointed and stopped: no failure.
+        if (received_signal_ && WIFEXITED(status) && code == par::kExitPreempted) continue;
         // Deaths by the signals this launcher sent are consequences, not causes.
         const bool ours = r.signalled && WIFSIGNALED(status);
         const bool peer = WIFEXITED(status) && code == par::kExitPeerFailure;
@@ -320,13 +327,13 @@ class Launcher {
       ::kill(-other.pid, SIGTERM);
       other.signalled = true;
     }
-    start_kill_clock();
+    start_kill_clock(args_.grace_s);
   }
 
-  void start_kill_clock() {
+  void start_kill_clock(double grace_s) {
     stopping_ = true;
     if (!kill_deadline_) {
-      kill_deadline_ = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(args_.grace_s * 1000));
+      kill_deadline_ = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(grace_s * 1000));
     }
   }
 
@@ -387,8 +394,18 @@ class Launcher {
       if (r.log) std::fclose(r.log);
     }
     int code = 0;
+    int preempted = 0, finished = 0;
+    for (const Rank& r : ranks_) {
+      if (WIFEXITED(r.status) && exit_code_of(r.status) == par::kExitPreempted) ++preempted;
+      if (WIFEXITED(r.status) && exit_code_of(r.status) == 0) ++finished;
+    }
     if (root_) {
       code = root_->code;
+    } else if (received_signal_ && preempted > 0 && preempted + finished == static_cast<int>(ranks_.size())) {
+      say(fmt::format("stopped by {} after {:.1f} s: the ranks finished their step and wrote a checkpoint; continue "
+                      "with --resume auto (exit code {})",
+                      strsignal(received_signal_), seconds(), par::kExitPreempted));
+      return par::kExitPreempted;
     } else if (received_signal_) {
       code = 128 + received_signal_;
     } else {
@@ -448,6 +465,9 @@ int main(int argc, char** argv) {
   auto* o_port = app.add_option("--master-port,--master_port", a.master_port, "port of the rendezvous store");
   app.add_option("--log-dir,--log_dir", a.log_dir, "write DIR/rank_N.log for every rank");
   app.add_option("--grace-period", a.grace_s, "seconds between SIGTERM and SIGKILL when stopping ranks (default 5)");
+  app.add_option("--preempt-grace", a.preempt_grace_s,
+                 "seconds the ranks get, after a forwarded SIGTERM or SIGINT, to finish their step and write a "
+                 "checkpoint before SIGKILL (default 120)");
   app.footer("Usage: longtrain-run [flags] [--] PROGRAM [ARGS...]\n");
   try {
     app.parse(argc, argv);
@@ -486,6 +506,7 @@ int main(int argc, char** argv) {
   }
   if (a.master_port < 1 || a.master_port > 65535) die(fmt::format("--master-port {} is outside [1, 65535]", a.master_port));
   if (!(a.grace_s >= 0)) die(fmt::format("--grace-period {} must be >= 0", a.grace_s));
+  if (!(a.preempt_grace_s >= 0)) die(fmt::format("--preempt-grace {} must be >= 0", a.preempt_grace_s));
 
   if (a.node_rank == 0) {
     // Rank 0 will serve the store here; a busy port would only surface as a rank failure later.

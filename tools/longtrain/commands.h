@@ -9,6 +9,12 @@ class App;
 
 namespace longtrain::cli {
 
+// Thrown by a command that ends without an error but with an exit status other than 0 (train stopped
+// by SIGTERM/SIGINT after its checkpoint: parallel::kExitPreempted); main returns `code`.
+struct ExitCode {
+  int code;
+};
+
 // `longtrain corpus RDB --output DIR`: R lazy-load database (Debian's r-cran-janeaustenr
 // data/Rdata.rdb) -> one .txt per record (corpus_command.cpp).
 void add_corpus_command(CLI::App& app);

@@ -30,6 +30,8 @@ int main(int argc, char** argv) {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
+  } catch (const longtrain::cli::ExitCode& e) {
+    return e.code;
   } catch (const longtrain::Error& e) {
     fmt::print(stderr, "longtrain: error: {}\n", e.what());
     // The source location is for whoever debugs longtrain, not for the user.

@@ -10,6 +10,7 @@
 #include "data/loader.h"
 #include "data/tokenizer.h"
 #include "model/generate.h"
+#include "parallel/store.h"
 #include "runtime/device.h"
 #include "tools/longtrain/commands.h"
 #include "trainer/config.h"
@@ -54,6 +55,7 @@ void add_train_commands(CLI::App& app) {
       }
       trainer::resolve_device(c, cuda_available());
       trainer::TrainSummary s = trainer::train(c, *resume);
+      if (s.stopped_by_signal != 0) throw ExitCode{parallel::kExitPreempted};
       if (s.final_eval)
         fmt::print("final validation loss {:.4f} (perplexity {:.2f}) after step {}\n", s.final_eval->loss,
                    s.final_eval->perplexity, s.last_step);
