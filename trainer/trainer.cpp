@@ -292,6 +292,12 @@ void save_checkpoint(const TrainConfig& c, const model::LlamaModel& model, AdamW
     CheckpointRef ref = commit_checkpoint(*pending, so);
     last = ref.path;
     spdlog::info("checkpoint {} written", ref.path.string());
+  } catch (const std::exception& e) {
+    if (pending) abort_checkpoint(*pending);
+    // Say what it means for the run: nothing of this step was published, the older ones are intact.
+    LT_FAIL("the checkpoint of step {} could not be written under {} ({}); nothing of it was kept and the "
+            "earlier checkpoints are intact: free space (or fix the error) and continue with --resume auto",
+            rs.step, c.checkpoint.dir, e.what());
   } catch (...) {
     if (pending) abort_checkpoint(*pending);
     throw;

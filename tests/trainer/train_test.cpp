@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <iostream>
 #include <random>
 #include <regex>
 #include <sstream>
@@ -18,6 +19,7 @@
 
 #include "model/generate.h"
 #include "train_fixture.h"
+#include "trainer/checkpoint.h"
 
 namespace longtrain::trainer {
 namespace {
@@ -280,6 +282,38 @@ TEST_F(TrainTest, EvalAndGenerateErrorsNameTheProblem) {
   EXPECT_NE(out.find("300"), std::string::npos) << out;
   EXPECT_NE(out.find("320"), std::string::npos) << out;
   expect_no_source_location(out);
+}
+
+// A write that fails while a checkpoint is saved (here a real one: RLIMIT_FSIZE makes the kernel refuse
+// any file over 64 KiB with EFBIG, as a full disk refuses with ENOSPC) is a clear error; the previous
+// checkpoint stays intact, `--resume auto` picks it, and the run then ends as if nothing happened.
+TEST_F(TrainTest, AFailedCheckpointWriteLeavesThePreviousOneToResumeFrom) {
+  const fs::path cfg = write_config("write_fails");
+  const std::string args = "train " + cfg.string() + " --set checkpoint.every=4 --set eval.batches=0";
+  const fs::path ckpts = root_ / "runs/write_fails/checkpoints";
+  std::string out;
+  ASSERT_EQ(run_cli(args, out), 0) << out;
+  const fs::path reference = root_ / "write_fails_step_8";
+  fs::copy(ckpts / "step_8", reference, fs::copy_options::recursive);
+  fs::remove_all(ckpts / "step_8");
+
+  // Resume from step 4 where no file may grow past 64 KiB: the model file of step 8 cannot be written.
+  // SIGXFSZ is ignored so that the write fails with EFBIG instead of killing the process.
+  EXPECT_EQ(run_cli(args + " --resume auto", out, "trap '' XFSZ; ulimit -f 64;"), 1) << out;
+  EXPECT_NE(out.find("checkpoint of step 8 could not be written"), std::string::npos) << out;
+  EXPECT_NE(out.find("File too large"), std::string::npos) << out;
+  EXPECT_NE(out.find("--resume auto"), std::string::npos) << out;
+  expect_no_source_location(out);
+  const size_t error_at = out.find("longtrain: error:");
+  if (error_at != std::string::npos) std::cout << "  " << out.substr(error_at, out.find('\n', error_at) - error_at) << "\n";
+  EXPECT_FALSE(fs::exists(ckpts / "step_8")) << "a half-written step_8 was published";
+  EXPECT_EQ(verify_checkpoint(ckpts / "step_4"), "") << "the previous checkpoint was damaged";
+  const std::optional<CheckpointRef> pick = resolve_resume(ckpts, "auto");
+  ASSERT_TRUE(pick);
+  EXPECT_EQ(pick->path.filename(), "step_4");
+
+  ASSERT_EQ(run_cli(args + " --resume auto", out), 0) << out;
+  test::expect_same_checkpoint(reference, ckpts / "step_8", 1);
 }
 
 // generate prints the prompt and its continuation decoded as one sequence: what SentencePiece gives
