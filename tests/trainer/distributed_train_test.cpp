@@ -7,6 +7,8 @@
 #include <chrono>
 
 #include <cstdlib>
+#include <fstream>
+#include <iostream>
 #include <map>
 
 #include <nlohmann/json.hpp>
@@ -264,6 +266,55 @@ TEST_F(DistributedTrainTest, SigtermThroughTheLauncherCheckpointsAndResumesBitEx
   ASSERT_EQ(parts.size(), whole.size());
   for (size_t i = 0; i < whole.size(); ++i) EXPECT_EQ(parts[i], whole[i]) << "step " << i + 1;
   test::expect_same_checkpoint(root_ / "runs/unpreempted/checkpoints/step_120", run / "checkpoints/step_120", 4);
+}
+
+// A rank killed with SIGKILL in the middle of training (data and sequence parallel, 4 ranks): every
+// rank stops within 10 s, the launcher exits with the killed rank's status (128 + 9), and
+// `--resume auto` from the newest complete checkpoint ends exactly where an uninterrupted run ends.
+TEST_F(DistributedTrainTest, ARankKilledMidRunStopsTheJobAndResumeIsBitExact) {
+  const std::vector<std::string> sets = {"train.steps=120", "checkpoint.every=10", "eval.batches=0",
+                                         "train.batch_size=1", "train.grad_accum=1", "parallel.sp_size=2",
+                                         "parallel.layout=zigzag", "attention.schedule=zigzag",
+                                         "logging.log_every=1000"};
+  std::vector<std::string> argv = {LONGTRAIN_RUN_BINARY, "--nproc-per-node", "4", "--master-addr", "127.0.0.1",
+                                   "--master-port", std::to_string(parallel::net::pick_free_port()), "--",
+                                   LONGTRAIN_BINARY, "train", write_config("killed").string()};
+  for (const std::string& s : sets) argv.insert(argv.end(), {"--set", s});
+  std::string args = "train " + write_config("killed").string();
+  for (const std::string& s : sets) args += " --set " + s;
+  const fs::path run = root_ / "runs/killed";
+  const pid_t launcher = ::longtrain::test::spawn(argv, {}, (root_ / "killed.out").string(),
+                                                  (root_ / "killed.err").string());
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (logged_losses(run).size() < 15 && std::chrono::steady_clock::now() < deadline) {
+    if (::longtrain::test::wait_for_exit(launcher, std::chrono::milliseconds(10))) break;
+  }
+  ASSERT_GE(logged_losses(run).size(), 15u) << test::read_file(root_ / "killed.err");
+  // The ranks are the launcher's children; kill the third.
+  std::vector<pid_t> ranks;
+  {
+    std::ifstream children("/proc/" + std::to_string(launcher) + "/task/" + std::to_string(launcher) + "/children");
+    for (pid_t p; children >> p;) ranks.push_back(p);
+  }
+  ASSERT_EQ(ranks.size(), 4u);
+  ASSERT_EQ(::kill(ranks[2], SIGKILL), 0);
+  const auto killed_at = std::chrono::steady_clock::now();
+  const std::optional<int> status = ::longtrain::test::wait_for_exit(launcher, std::chrono::seconds(10));
+  if (!status) ::longtrain::test::kill_and_reap(launcher);
+  ASSERT_TRUE(status) << "the job did not stop within 10 s of a rank's SIGKILL";
+  const double stop_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - killed_at).count();
+  std::cout << "  the job stopped " << stop_s << " s after the SIGKILL\n";
+  const std::string err = test::read_file(root_ / "killed.err");
+  ASSERT_TRUE(WIFEXITED(*status)) << err;
+  EXPECT_EQ(WEXITSTATUS(*status), 128 + SIGKILL) << err;
+  for (pid_t p : ranks) EXPECT_FALSE(::longtrain::test::pid_alive(p)) << "rank pid " << p << " survived";
+  ASSERT_LT(logged_losses(run).size(), 120u) << "the run ended before the kill";
+
+  ASSERT_EQ(launch(4, args + " --resume auto"), 0);
+  std::string reference = "train " + write_config("not_killed").string();
+  for (const std::string& s : sets) reference += " --set " + s;
+  ASSERT_EQ(launch(4, reference), 0);
+  test::expect_same_checkpoint(root_ / "runs/not_killed/checkpoints/step_120", run / "checkpoints/step_120", 4);
 }
 
 TEST_F(DistributedTrainTest, SequenceParallelSizeWithoutEnoughProcessesIsAClearError) {
