@@ -701,8 +701,10 @@ void Loader::apply_document(const std::string& text) {
                             root.Mark().line + 1, describe(root)));
   std::map<std::string, int> section_lines;
   for (auto it = root.begin(); it != root.end(); ++it) {
-    const YAML::Node& name_node = it->first;
-    const YAML::Node& body = it->second;
+    // Copies, not references: yaml-cpp's operator-> returns a temporary proxy, and a reference to its
+    // members dangles once the statement ends (found by the config fuzz target under ASan).
+    const YAML::Node name_node = it->first;
+    const YAML::Node body = it->second;
     const int line = name_node.Mark().line + 1;
     if (!name_node.IsScalar())
       throw Error(fmt::format("{}:{}: expected a section name, got {}", source_, line, describe(name_node)));

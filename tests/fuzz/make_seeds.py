@@ -1,0 +1,74 @@
+#!/usr/bin/env python3
+"""Writes the committed seed corpora of the fuzz targets (tests/fuzz/corpus/TARGET/) from valid inputs:
+configs/tiny.yaml, a small safetensors file and config.json written here by the formats' definitions,
+and a shard set made by `longtrain prepare` (pass its directory). Run from the repository root:
+
+    tests/fuzz/make_seeds.py SHARD_DIR
+"""
+import json
+import os
+import struct
+import sys
+
+root = "tests/fuzz/corpus"
+
+
+def put(target, name, data):
+    os.makedirs(f"{root}/{target}", exist_ok=True)
+    with open(f"{root}/{target}/{name}", "wb") as f:
+        f.write(data if isinstance(data, bytes) else data.encode())
+
+
+# config: first line the --set overrides (';'-separated), then the YAML.
+tiny = open("configs/tiny.yaml").read()
+put("config", "tiny", "\n" + tiny)
+put("config", "tiny_overrides", "train.steps=5;optim.lr=1e-3;model.n_kv_heads=2;parallel.sp_size=2\n" + tiny)
+put("config", "small", "train.batch_size=2\nmodel:\n  dim: 32\n  n_layers: 2\n  n_heads: 4\ndata:\n  train: d\n")
+
+# safetensors: 8-byte little-endian header length, the JSON header (data_offsets into the data
+# buffer that follows), then the data.
+def safetensors(tensors, metadata=None):
+    header, data = {}, b""
+    if metadata:
+        header["__metadata__"] = metadata
+    for name, dtype, shape, raw in tensors:
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [len(data), len(data) + len(raw)]}
+        data += raw
+    text = json.dumps(header).encode()
+    text += b" " * ((8 - len(text) % 8) % 8)
+    return struct.pack("<Q", len(text)) + text + data
+
+
+f32 = struct.pack("<6f", 0.5, -1.0, 2.0, 0.25, 3.0, -0.125)
+bf16 = bytes([0x80, 0x3f, 0x00, 0x40, 0x40, 0x40, 0x80, 0xbf])  # 1, 2, 3, -1
+f16 = struct.pack("<4e", 1.0, -2.0, 0.5, 65504.0)
+put("safetensors", "three_dtypes", safetensors(
+    [("w", "F32", [2, 3], f32), ("b", "BF16", [4], bf16), ("h", "F16", [2, 2], f16)], {"format": "pt"}))
+put("safetensors", "scalar_and_empty", safetensors([("s", "F32", [], struct.pack("<f", 1.5)), ("e", "F32", [0], b"")]))
+
+# hf_config: a Llama config.json in transformers' 4.x form and in 5.x form (rope_parameters).
+llama = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 320, "hidden_size": 32,
+         "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "head_dim": 8, "max_position_embeddings": 64, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+         "tie_word_embeddings": False, "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2}
+put("hf_config", "llama4x", json.dumps(llama, indent=2))
+v5 = dict(llama)
+del v5["rope_theta"]
+v5["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+put("hf_config", "llama5x_rope_parameters", json.dumps(v5, indent=2))
+
+# shards: FuzzedDataProvider's order: manifest.json as a "random length string" (ended by a backslash
+# and one other byte; a backslash inside is doubled), then the .idx whose length is read from the
+# input's last two bytes, then the .bin (the rest).
+if len(sys.argv) > 1:
+    d = sys.argv[1]
+    manifest = json.load(open(f"{d}/manifest.json"))
+    # The fuzz target names the shard train-00000: keep only that one in the manifest.
+    manifest["splits"] = {"train": manifest["splits"]["train"]}
+    text = json.dumps(manifest).replace("\\", "\\\\").encode() + b"\\\n"
+    idx = open(f"{d}/train-00000.idx", "rb").read()
+    bin_ = open(f"{d}/train-00000.bin", "rb").read()
+    assert len(idx) <= 4096
+    n = len(idx)  # ConsumeIntegralInRange(0, 4096) reads the last byte as the high one, then the one before
+    put("shards", "prepared", text + idx + bin_ + bytes([n & 0xff, n >> 8]))
