@@ -8,8 +8,10 @@
 // chunked LM head and cross-entropy give the losses; forward_logits gives the full logits) and by
 // generation's KV-cache path, and each result must match the golden to a relative error below 1e-5,
 // norm-wise (||a - b|| / ||b||) and max-normalised (max |a - b| / max |b|). Non-finite values and
-// missing files fail the test.
+// missing files fail the test. The committed fixtures must also be what write_hf_parity_fixture writes
+// today, so that the recipe in README.md reproduces them.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <cstdio>
@@ -21,6 +23,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "hf_parity_fixtures.h"
 #include "model/generate.h"
 #include "model/hf_export.h"
 #include "model/llama.h"
@@ -38,9 +41,12 @@ namespace fs = std::filesystem;
 
 constexpr double kTolerance = 1e-5;  // f32 against f32, relative, both norms
 
-// Every fixture the goldens must cover; a folder missing from this list is not tested, one missing
-// on disk fails.
-const char* const kFixtures[] = {"gqa_untied", "tied_mha", "mqa_theta_eps"};
+// Every fixture of hf_parity_fixtures() is tested; a folder of one missing on disk fails.
+std::vector<std::string> fixture_names() {
+  std::vector<std::string> names;
+  for (const HfParityFixture& f : hf_parity_fixtures()) names.push_back(f.name);
+  return names;
+}
 
 struct Errors {
   double norm_wise = 0.0;  // ||a - b|| / ||b||
@@ -104,7 +110,7 @@ std::vector<double> golden_tensor(const SafetensorsFile& f, const std::string& n
   return test::download(t);
 }
 
-class HfParityTest : public ::testing::TestWithParam<const char*> {};
+class HfParityTest : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(HfParityTest, ForwardMatchesTransformers) {
   const fs::path dir = fs::path(LONGTRAIN_HF_PARITY_DIR) / GetParam();
@@ -122,7 +128,7 @@ TEST_P(HfParityTest, ForwardMatchesTransformers) {
   const SafetensorsFile golden((dir / "golden.safetensors").string());
   for (const char* key : {"transformers_version", "transformers_commit", "torch_version", "date"})
     ASSERT_TRUE(golden.metadata().count(key)) << "golden.safetensors has no metadata '" << key << "'";
-  std::printf("%s: transformers %s (%s), torch %s, made %s; %lld tokens, vocab %lld\n", GetParam(),
+  std::printf("%s: transformers %s (%s), torch %s, made %s; %lld tokens, vocab %lld\n", GetParam().c_str(),
               golden.metadata().at("transformers_version").c_str(), golden.metadata().at("transformers_commit").c_str(),
               golden.metadata().at("torch_version").c_str(), golden.metadata().at("date").c_str(),
               static_cast<long long>(T), static_cast<long long>(c.vocab_size));
@@ -176,8 +182,26 @@ TEST_P(HfParityTest, ForwardMatchesTransformers) {
   expect_close("logits (generate, KV cache)", decoded, golden_rows);
 }
 
-INSTANTIATE_TEST_SUITE_P(Fixtures, HfParityTest, ::testing::ValuesIn(kFixtures),
-                         [](const ::testing::TestParamInfo<const char*>& info) { return std::string(info.param); });
+// The committed checkpoint and tokens are byte for byte what the fixture code writes now: when this
+// fails, the exporter or the initialisation changed, and the fixtures and their goldens must be made
+// again (README.md beside them) before the next change to them.
+TEST_P(HfParityTest, FixtureIsWhatTheFixtureCodeWrites) {
+  const fs::path committed = fs::path(LONGTRAIN_HF_PARITY_DIR) / GetParam();
+  const fs::path fresh = fs::temp_directory_path() / ("longtrain_hf_parity_" + std::to_string(::getpid())) / GetParam();
+  fs::remove_all(fresh);
+  for (const HfParityFixture& f : hf_parity_fixtures())
+    if (f.name == GetParam()) write_hf_parity_fixture(fresh, f);
+  for (const char* file : {"model.safetensors", "tokens.json"}) {
+    ASSERT_TRUE(fs::is_regular_file(committed / file)) << (committed / file) << " is missing";
+    ASSERT_TRUE(fs::is_regular_file(fresh / file)) << (fresh / file) << " was not written";
+    EXPECT_TRUE(read_text(committed / file) == read_text(fresh / file))
+        << (committed / file) << " differs from what make_hf_parity_fixtures writes now";
+  }
+  fs::remove_all(fresh.parent_path());
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, HfParityTest, ::testing::ValuesIn(fixture_names()),
+                         [](const ::testing::TestParamInfo<std::string>& info) { return info.param; });
 
 // The comparison itself must be able to fail: NaN, Inf and a wrong value are caught.
 TEST(HfParityCompare, FailsOnNonFiniteAndWrongValues) {
