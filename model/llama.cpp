@@ -241,15 +241,34 @@ LossSum LlamaModel::forward_backward(const TokenShard& shard, double grad_scale)
   return loss;
 }
 
-LossSum LlamaModel::forward(const TokenShard& shard, Tensor losses) {
+Tensor LlamaModel::forward_layers(const TokenShard& shard) {
   check_shard(shard);
   const int64_t T = shard.tokens.numel(), L = config_.n_layers;
   auto residual = [&](int64_t l) { return acts_.get(fmt::format("residual.{}", l)).narrow(0, T); };
   ops::embedding_forward(residual(0), shard.tokens, p_.embed);
   for (int64_t l = 0; l < L; ++l)
     layer_forward(l, layer_acts(l, T), residual(l), residual(l + 1), shard.positions, /*run_attention=*/true);
+  return residual(L);
+}
+
+LossSum LlamaModel::forward(const TokenShard& shard, Tensor losses) {
+  Tensor x_final = forward_layers(shard);
+  const int64_t T = shard.tokens.numel();
   Tensor out = losses.empty() ? acts_.get("losses").narrow(0, T) : losses;
-  return head(shard, residual(L), out, /*with_grad=*/false, 1.0, T);
+  return head(shard, x_final, out, /*with_grad=*/false, 1.0, T);
+}
+
+void LlamaModel::forward_logits(const TokenShard& shard, Tensor logits) {
+  LT_CHECK(precision_.device == Device::cpu, "forward_logits runs on the CPU only; this model is on the GPU");
+  const int64_t T = shard.tokens.numel();
+  LT_CHECK(logits.device == Device::cpu && logits.dtype == precision_.act && logits.ndim == 2 &&
+               logits.size(0) == T && logits.size(1) == config_.vocab_size && logits.is_contiguous(),
+           "forward_logits needs contiguous host logits {} [{}, {}]; got {}", dtype_name(precision_.act), T,
+           config_.vocab_size, logits.describe());
+  Tensor x_final = forward_layers(shard);
+  Tensor normed = acts_.get("final_norm").narrow(0, T), rstd = acts_.get("final_rstd").narrow(0, T);
+  ops::rmsnorm_forward(normed, rstd, x_final, p_.final_norm, config_.norm_eps);
+  ops::linear_forward(logits, normed, p_.lm_head);
 }
 
 }  // namespace longtrain::model

@@ -117,6 +117,12 @@ class LlamaModel {
   // written to `losses` when it is non-empty; returns the shard's loss sum/count.
   LossSum forward(const TokenShard& shard, Tensor losses = {});
 
+  // Forward only, to the full logits [T, vocab_size] (act dtype, contiguous, on the host): what the
+  // fused, chunked head never materialises. CPU only and meant for short shards: it is how the model
+  // is compared with other implementations (tests/model/hf_parity_test.cpp checks it against
+  // Hugging Face transformers). The layers are the ones forward() runs.
+  void forward_logits(const TokenShard& shard, Tensor logits);
+
   // Bytes of each arena, for the memory plan.
   size_t activation_bytes() const { return acts_.bytes(); }
 
@@ -125,6 +131,7 @@ class LlamaModel {
  private:
   struct LayerActs;  // views of one layer's activations (saved or scratch, per policy)
   LayerActs layer_acts(int64_t layer, int64_t T) const;
+  Tensor forward_layers(const TokenShard& shard);  // embedding and every layer; returns the last residual
   void layer_forward(int64_t layer, const LayerActs& a, Tensor x_in, Tensor x_out, Tensor positions,
                      bool run_attention);
   void layer_backward(int64_t layer, const LayerActs& a, Tensor x_in, Tensor d_residual, Tensor positions);
