@@ -109,7 +109,7 @@ TEST(TrainerConfig, ResolvedYamlRoundTrips) {
   TrainConfig back = load(text);
   EXPECT_EQ(resolved_yaml(back), text);
   EXPECT_EQ(config_hash(back), config_hash(c));
-  EXPECT_TRUE(config_diff(c, back).empty());
+  EXPECT_TRUE(config_changes(c, back).empty());
   EXPECT_EQ(back.model.head_dim, 16);
   EXPECT_EQ(back.optim.no_decay, c.optim.no_decay);
   EXPECT_DOUBLE_EQ(back.optim.min_lr, 1e-4);
@@ -395,7 +395,7 @@ const std::vector<KeyChange>& key_changes() {
       {"optim.grad_clip", {"optim.grad_clip=0.5"}, refused},
       {"optim.no_decay", {"optim.no_decay=[norm]"}, refused},
       {"parallel.sp_size", {"parallel.sp_size=4"}, refused},
-      {"parallel.layout", {"parallel.layout=zigzag", "attention.schedule=distflash"}, refused},
+      {"parallel.layout", {"parallel.layout=zigzag", "attention.schedule=zigzag"}, refused},
       {"parallel.timeout_s", {"parallel.timeout_s=5"}, allowed},
       {"attention.schedule", {"attention.schedule=ring"}, allowed},
       {"attention.causal", {"attention.causal=false"}, refused},
@@ -405,7 +405,7 @@ const std::vector<KeyChange>& key_changes() {
       {"eval.every", {"eval.every=3"}, allowed},
       {"eval.batches", {"eval.batches=0"}, allowed},
       {"eval.position_buckets", {"eval.position_buckets=4"}, allowed},
-      {"logging.run_dir", {"logging.run_dir=runs/other"}, allowed},
+      {"logging.run_dir", {"logging.run_dir=runs/other", "checkpoint.dir=runs/custom/checkpoints"}, allowed},
       {"logging.log_every", {"logging.log_every=1"}, allowed},
       {"logging.plot", {"logging.plot=true"}, allowed},
   };
