@@ -156,7 +156,9 @@ Range above(double lo) { return {lo, kInf, true, false}; }
 Range unit_interval_open() { return {0.0, 1.0, false, true}; }  // [0, 1)
 
 // OnResume without a default constructor, so that leaving .resume out of a table entry is a
-// compile error ("could not convert '<brace-enclosed initializer list>()'"), not a silent default.
+// compile error, not a silent default (GCC: "could not convert '{{"model", "vocab_size", ...}}' from
+// '<brace-enclosed initializer list>' to 'const std::vector<KeySpec>'": look for the entry that
+// lacks .resume).
 struct ResumeRule {
   constexpr ResumeRule(OnResume v) : value(v) {}  // NOLINT: implicit, so entries read .resume = OnResume::x
   OnResume value;
@@ -233,7 +235,8 @@ const std::vector<KeySpec>& key_table() {
        .aliases = {"num_heads", "num_attention_heads", "n_head", "heads"}, .resume = OnResume::refused},
       {.section = "model", .key = "n_kv_heads", .default_value = m.n_kv_heads,
        .meaning = "key/value heads (GQA; 1 = MQA); must divide n_heads", .bind = LT_CONFIG_FIELD(model.n_kv_heads),
-       .range = at_least(1), .aliases = {"num_key_value_heads", "num_kv_heads", "n_kv_head", "kv_heads", "num_query_groups"},
+       .range = at_least(1),
+       .aliases = {"num_key_value_heads", "num_kv_heads", "n_kv_head", "kv_heads", "num_query_groups"},
        .resume = OnResume::refused},
       {.section = "model", .key = "head_dim", .default_value = int64_t{0},
        .meaning = "size of one head; 0 = dim / n_heads (resolved when loading)", .bind = LT_CONFIG_FIELD(model.head_dim),
@@ -290,7 +293,8 @@ const std::vector<KeySpec>& key_table() {
 
       // train
       {.section = "train", .key = "device", .default_value = std::string("auto"),
-       .meaning = "auto = cuda when a GPU is present (and dtype allows), else cpu", .bind = LT_CONFIG_FIELD(train.device),
+       .meaning = "auto = cuda when a GPU is present (and dtype allows), else cpu",
+       .bind = LT_CONFIG_FIELD(train.device),
        .resume = OnResume::refused},
       {.section = "train", .key = "dtype", .default_value = std::string("auto"),
        .meaning = "f32 or f64 on cpu; bf16 mixed precision on cuda; auto = bf16 on cuda, f32 on cpu",
@@ -302,7 +306,8 @@ const std::vector<KeySpec>& key_table() {
        .resume = OnResume::allowed},
       {.section = "train", .key = "batch_size", .default_value = int64_t{1},
        .meaning = "sequences per data-parallel rank per micro-step", .bind = LT_CONFIG_FIELD(train.batch_size),
-       .range = at_least(1), .aliases = {"micro_batch_size", "local_batch_size", "batch", "per_device_train_batch_size"},
+       .range = at_least(1),
+       .aliases = {"micro_batch_size", "local_batch_size", "batch", "per_device_train_batch_size"},
        .resume = OnResume::refused},
       {.section = "train", .key = "grad_accum", .default_value = int64_t{1},
        .meaning = "micro-steps whose gradients are summed per optimizer step", .bind = LT_CONFIG_FIELD(train.grad_accum),
@@ -354,7 +359,8 @@ const std::vector<KeySpec>& key_table() {
        .resume = OnResume::allowed},
       {.section = "optim", .key = "grad_clip", .default_value = 1.0,
        .meaning = "clip the global gradient norm to this; 0 = no clipping", .bind = LT_CONFIG_FIELD(optim.grad_clip),
-       .range = at_least(0), .aliases = {"max_grad_norm", "clip_grad", "gradient_clipping", "max_norm", "clip_grad_norm"},
+       .range = at_least(0),
+       .aliases = {"max_grad_norm", "clip_grad", "gradient_clipping", "max_norm", "clip_grad_norm"},
        .resume = OnResume::refused},
       {.section = "optim", .key = "no_decay", .default_value = std::vector<std::string>{"norm", "embed_tokens"},
        .meaning = "parameters whose Hugging Face name contains one of these get no weight decay",

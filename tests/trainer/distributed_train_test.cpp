@@ -40,8 +40,9 @@ int launch(int nproc, const std::string& args) {
 
 // The same with the launcher's output (every rank's lines, stdout and stderr) in `output`.
 int launch_capture(int nproc, const std::string& args, std::string& output) {
-  const std::string cmd = fmt::format("{} --nproc-per-node {} --master-addr 127.0.0.1 --master-port {} -- {} {} 2>&1",
-                                      LONGTRAIN_RUN_BINARY, nproc, parallel::net::pick_free_port(), LONGTRAIN_BINARY, args);
+  const std::string cmd =
+      fmt::format("{} --nproc-per-node {} --master-addr 127.0.0.1 --master-port {} -- {} {} 2>&1", LONGTRAIN_RUN_BINARY,
+                  nproc, parallel::net::pick_free_port(), LONGTRAIN_BINARY, args);
   FILE* pipe = popen(cmd.c_str(), "r");
   if (!pipe) {
     ADD_FAILURE() << "cannot run " << cmd;
@@ -252,7 +253,8 @@ TEST_F(DistributedTrainTest, SequenceParallelRunResumesWithMoreStepsAndRefusesAN
   std::string refused = args + " --resume auto --set train.steps=10 --set parallel.sp_size=1 --set "
                                "parallel.layout=contiguous --set attention.schedule=ring --set model.n_layers=3";
   EXPECT_NE(launch_capture(2, refused, out), 0) << out;
-  for (const char* named : {"parallel.sp_size: 2 -> 1", "parallel.layout: zigzag -> contiguous", "model.n_layers: 2 -> 3"})
+  for (const char* named :
+       {"parallel.sp_size: 2 -> 1", "parallel.layout: zigzag -> contiguous", "model.n_layers: 2 -> 3"})
     EXPECT_NE(out.find(named), std::string::npos) << named << "\n" << out;
   EXPECT_NE(out.find("cannot resume from " + (run / "checkpoints/step_8").string()), std::string::npos) << out;
   EXPECT_EQ(out.find("train.steps: 8 -> 10"), std::string::npos) << "an allowed change named as refused\n" << out;

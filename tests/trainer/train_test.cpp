@@ -55,8 +55,8 @@ TEST_F(TrainTest, ResumeIsBitExact) {
   // Only the run directory moved (and the checkpoint directory under it): the log says so, and
   // nothing else changed.
   size_t changes = 0;
-  for (size_t at = log.find("changed on resume: "); at != std::string::npos; at = log.find("changed on resume: ", at + 1))
-    ++changes;
+  const std::string changed = "changed on resume: ";
+  for (size_t at = log.find(changed); at != std::string::npos; at = log.find(changed, at + 1)) ++changes;
   EXPECT_EQ(changes, 2u) << log;
   EXPECT_NE(log.find("changed on resume: checkpoint.dir: "), std::string::npos) << log;
   EXPECT_NE(log.find("changed on resume: logging.run_dir: "), std::string::npos) << log;
@@ -232,10 +232,11 @@ TEST_F(TrainTest, ResumeOnNewDataStartsItFromItsBeginning) {
   EXPECT_EQ(state.at("loader").at("epoch").get<int64_t>(), 0);
   const std::string log = read_file(root_ / "runs/newdata/train.log");
   EXPECT_NE(log.find("changed on resume: data.train: "), std::string::npos) << log;
-  EXPECT_NE(log.find("new data: data.train changed from " + (root_ / "shards").string() + " to " + other.string() +
-                     "; the loader starts it from its beginning (epoch 0, window 0 of its order) with the run's seed 3"),
-            std::string::npos)
-      << log;
+  const std::string said = "new data: data.train changed from " + (root_ / "shards").string() + " to " +
+                           other.string() +
+                           "; the loader starts it from its beginning (epoch 0, window 0 of its order) with the "
+                           "run's seed 3";
+  EXPECT_NE(log.find(said), std::string::npos) << log;
 }
 TEST_F(TrainTest, NonFiniteGradientsAreSkippedWithoutAnUpdate) {
   TrainConfig c = config("nan_skip", {"train.on_nonfinite=skip", "eval.batches=0"});
