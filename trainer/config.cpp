@@ -43,6 +43,7 @@ constexpr std::array<std::string_view, 4> kDTypeNames = {"auto", "f32", "f64", "
 constexpr std::array<std::string_view, 2> kNonFiniteNames = {"skip", "stop"};
 constexpr std::array<std::string_view, 3> kLrScheduleNames = {"cosine", "linear", "constant"};
 constexpr std::array<std::string_view, 4> kAttentionNames = {"ring", "zigzag", "distflash", "burst"};
+constexpr std::array<std::string_view, 2> kOnResumeNames = {"refused", "allowed"};
 }  // namespace
 
 std::string_view enum_name(DeviceChoice v) { return kDeviceNames.at(static_cast<size_t>(v)); }
@@ -50,6 +51,7 @@ std::string_view enum_name(DTypeChoice v) { return kDTypeNames.at(static_cast<si
 std::string_view enum_name(NonFinitePolicy v) { return kNonFiniteNames.at(static_cast<size_t>(v)); }
 std::string_view enum_name(LrSchedule v) { return kLrScheduleNames.at(static_cast<size_t>(v)); }
 std::string_view enum_name(AttentionSchedule v) { return kAttentionNames.at(static_cast<size_t>(v)); }
+std::string_view enum_name(OnResume v) { return kOnResumeNames.at(static_cast<size_t>(v)); }
 
 namespace {
 
@@ -153,6 +155,15 @@ Range at_least(double lo) { return {lo, kInf, false, false}; }
 Range above(double lo) { return {lo, kInf, true, false}; }
 Range unit_interval_open() { return {0.0, 1.0, false, true}; }  // [0, 1)
 
+// OnResume without a default constructor, so that leaving .resume out of a table entry is a
+// compile error, not a silent default (GCC: "could not convert '{{"model", "vocab_size", ...}}' from
+// '<brace-enclosed initializer list>' to 'const std::vector<KeySpec>'": look for the entry that
+// lacks .resume).
+struct ResumeRule {
+  constexpr ResumeRule(OnResume v) : value(v) {}  // NOLINT: implicit, so entries read .resume = OnResume::x
+  OnResume value;
+};
+
 struct KeySpec {
   std::string_view section;
   std::string_view key;
@@ -164,6 +175,10 @@ struct KeySpec {
   std::vector<std::string_view> aliases = {};  // what other trainers call it, for did-you-mean
   bool hashed = true;                          // part of config_hash (see config.h for why not)
   bool required = false;                       // no default: the file or --set must give it
+  bool path = false;                           // a file or directory: compared on resume as a path
+  // What a resumed run may do with this key (config.h, OnResume). It has no default on purpose: a
+  // key added to the table without saying whether a resume may change it does not compile.
+  ResumeRule resume;
 
   std::string name() const { return fmt::format("{}.{}", section, key); }
   Type type() const {
@@ -207,180 +222,216 @@ const std::vector<KeySpec>& key_table() {
       // model
       {.section = "model", .key = "vocab_size", .default_value = m.vocab_size,
        .meaning = "tokens in the vocabulary (must cover the tokenizer's)", .bind = LT_CONFIG_FIELD(model.vocab_size),
-       .range = at_least(1), .aliases = {"n_vocab", "vocab", "padded_vocab_size"}},
+       .range = at_least(1), .aliases = {"n_vocab", "vocab", "padded_vocab_size"}, .resume = OnResume::refused},
       {.section = "model", .key = "dim", .default_value = m.dim, .meaning = "hidden size C",
        .bind = LT_CONFIG_FIELD(model.dim), .range = at_least(1),
-       .aliases = {"hidden_size", "d_model", "n_embd", "hidden_dim", "embed_dim", "model_dim"}},
+       .aliases = {"hidden_size", "d_model", "n_embd", "hidden_dim", "embed_dim", "model_dim"},
+       .resume = OnResume::refused},
       {.section = "model", .key = "n_layers", .default_value = m.n_layers, .meaning = "transformer layers",
        .bind = LT_CONFIG_FIELD(model.n_layers), .range = at_least(1),
-       .aliases = {"num_layers", "num_hidden_layers", "n_layer", "layers", "depth"}},
+       .aliases = {"num_layers", "num_hidden_layers", "n_layer", "layers", "depth"}, .resume = OnResume::refused},
       {.section = "model", .key = "n_heads", .default_value = m.n_heads, .meaning = "query heads",
        .bind = LT_CONFIG_FIELD(model.n_heads), .range = at_least(1),
-       .aliases = {"num_heads", "num_attention_heads", "n_head", "heads"}},
+       .aliases = {"num_heads", "num_attention_heads", "n_head", "heads"}, .resume = OnResume::refused},
       {.section = "model", .key = "n_kv_heads", .default_value = m.n_kv_heads,
        .meaning = "key/value heads (GQA; 1 = MQA); must divide n_heads", .bind = LT_CONFIG_FIELD(model.n_kv_heads),
-       .range = at_least(1), .aliases = {"num_key_value_heads", "num_kv_heads", "n_kv_head", "kv_heads", "num_query_groups"}},
+       .range = at_least(1),
+       .aliases = {"num_key_value_heads", "num_kv_heads", "n_kv_head", "kv_heads", "num_query_groups"},
+       .resume = OnResume::refused},
       {.section = "model", .key = "head_dim", .default_value = int64_t{0},
        .meaning = "size of one head; 0 = dim / n_heads (resolved when loading)", .bind = LT_CONFIG_FIELD(model.head_dim),
-       .range = at_least(0), .aliases = {"kv_channels", "head_size", "d_head"}},
+       .range = at_least(0), .aliases = {"kv_channels", "head_size", "d_head"}, .resume = OnResume::refused},
       {.section = "model", .key = "ffn_dim", .default_value = m.ffn_dim, .meaning = "SwiGLU hidden size F",
        .bind = LT_CONFIG_FIELD(model.ffn_dim), .range = at_least(1),
-       .aliases = {"intermediate_size", "ffn_hidden_size", "hidden_dim_ffn", "mlp_dim", "d_ff"}},
+       .aliases = {"intermediate_size", "ffn_hidden_size", "hidden_dim_ffn", "mlp_dim", "d_ff"},
+       .resume = OnResume::refused},
       {.section = "model", .key = "rope_theta", .default_value = m.rope_theta, .meaning = "RoPE base frequency",
-       .bind = LT_CONFIG_FIELD(model.rope_theta), .range = above(0), .aliases = {"rotary_base", "rope_base", "theta"}},
+       .bind = LT_CONFIG_FIELD(model.rope_theta), .range = above(0), .aliases = {"rotary_base", "rope_base", "theta"},
+       .resume = OnResume::refused},
       {.section = "model", .key = "norm_eps", .default_value = m.norm_eps, .meaning = "RMSNorm epsilon",
        .bind = LT_CONFIG_FIELD(model.norm_eps), .range = above(0),
-       .aliases = {"rms_norm_eps", "layernorm_epsilon", "eps", "norm_epsilon"}},
+       .aliases = {"rms_norm_eps", "layernorm_epsilon", "eps", "norm_epsilon"}, .resume = OnResume::refused},
       {.section = "model", .key = "tie_embeddings", .default_value = m.tie_embeddings,
        .meaning = "LM head shares the token embedding matrix", .bind = LT_CONFIG_FIELD(model.tie_embeddings),
-       .aliases = {"tie_word_embeddings", "tied_embeddings", "share_embeddings"}},
+       .aliases = {"tie_word_embeddings", "tied_embeddings", "share_embeddings"}, .resume = OnResume::refused},
       {.section = "model", .key = "max_seq_len", .default_value = m.max_seq_len,
        .meaning = "longest sequence the model is meant for; data.seq_len must not exceed it",
        .bind = LT_CONFIG_FIELD(model.max_seq_len), .range = at_least(1),
-       .aliases = {"max_position_embeddings", "n_positions", "max_seq_length", "context_length"}},
+       .aliases = {"max_position_embeddings", "n_positions", "max_seq_length", "context_length"},
+       .resume = OnResume::refused},
       {.section = "model", .key = "checkpoint", .default_value = std::string("remat_aware"),
        .meaning = "activation checkpointing per layer: none, full (recompute all), remat_aware (keep attention output)",
        .bind = LT_CONFIG_FIELD(model.checkpoint),
-       .aliases = {"activation_checkpointing", "recompute", "gradient_checkpointing", "recompute_granularity", "ac"}},
+       .aliases = {"activation_checkpointing", "recompute", "gradient_checkpointing", "recompute_granularity", "ac"},
+       .resume = OnResume::allowed},
       {.section = "model", .key = "init_std", .default_value = 0.02,
        .meaning = "standard deviation of the normal init of weight matrices", .bind = LT_CONFIG_FIELD(model.init_std),
-       .range = above(0), .aliases = {"initializer_range", "init_method_std", "std"}},
+       .range = above(0), .aliases = {"initializer_range", "init_method_std", "std"}, .resume = OnResume::refused},
 
       // data
       {.section = "data", .key = "train", .default_value = std::string(),
        .meaning = "directory of token shards written by `longtrain prepare`", .bind = LT_CONFIG_FIELD(data.train),
        .default_note = "(required)", .aliases = {"train_dir", "train_data", "path", "data_path", "dataset", "train_path"},
-       .required = true},
+       .required = true, .path = true, .resume = OnResume::allowed},
       {.section = "data", .key = "val", .default_value = std::string(),
        .meaning = "validation shard directory; empty = the train directory's validation split",
        .bind = LT_CONFIG_FIELD(data.val), .aliases = {"val_dir", "valid", "validation", "val_data", "eval_data"},
-       .hashed = false},
+       .hashed = false, .path = true, .resume = OnResume::allowed},
       {.section = "data", .key = "tokenizer", .default_value = std::string(),
        .meaning = "SentencePiece .model (for generate and to check vocab_size); empty = none",
        .bind = LT_CONFIG_FIELD(data.tokenizer), .aliases = {"tokenizer_path", "tokenizer_model", "spm"},
-       .hashed = false},
+       .hashed = false, .path = true, .resume = OnResume::refused},
       {.section = "data", .key = "seq_len", .default_value = int64_t{1024},
        .meaning = "tokens per sequence, split over parallel.sp_size ranks", .bind = LT_CONFIG_FIELD(data.seq_len),
        .range = at_least(1),
-       .aliases = {"seq_length", "sequence_length", "block_size", "context_len", "max_seq_len", "seqlen"}},
+       .aliases = {"seq_length", "sequence_length", "block_size", "context_len", "max_seq_len", "seqlen"},
+       .resume = OnResume::refused},
       {.section = "data", .key = "prefetch", .default_value = int64_t{2},
        .meaning = "batches the loader thread prepares ahead; 0 = load on demand", .bind = LT_CONFIG_FIELD(data.prefetch),
-       .range = at_least(0), .aliases = {"prefetch_factor", "num_workers"}, .hashed = false},
+       .range = at_least(0), .aliases = {"prefetch_factor", "num_workers"}, .hashed = false,
+       .resume = OnResume::allowed},
 
       // train
       {.section = "train", .key = "device", .default_value = std::string("auto"),
-       .meaning = "auto = cuda when a GPU is present (and dtype allows), else cpu", .bind = LT_CONFIG_FIELD(train.device)},
+       .meaning = "auto = cuda when a GPU is present (and dtype allows), else cpu",
+       .bind = LT_CONFIG_FIELD(train.device),
+       .resume = OnResume::refused},
       {.section = "train", .key = "dtype", .default_value = std::string("auto"),
        .meaning = "f32 or f64 on cpu; bf16 mixed precision on cuda; auto = bf16 on cuda, f32 on cpu",
-       .bind = LT_CONFIG_FIELD(train.dtype), .aliases = {"precision", "mixed_precision", "dtype_param"}},
+       .bind = LT_CONFIG_FIELD(train.dtype), .aliases = {"precision", "mixed_precision", "dtype_param"},
+       .resume = OnResume::refused},
       {.section = "train", .key = "steps", .default_value = int64_t{1000},
        .meaning = "optimizer steps of the whole run (the lr schedule ends here)", .bind = LT_CONFIG_FIELD(train.steps),
-       .range = at_least(1), .aliases = {"max_steps", "train_iters", "num_steps", "total_steps", "iters", "max_iters"}},
+       .range = at_least(1), .aliases = {"max_steps", "train_iters", "num_steps", "total_steps", "iters", "max_iters"},
+       .resume = OnResume::allowed},
       {.section = "train", .key = "batch_size", .default_value = int64_t{1},
        .meaning = "sequences per data-parallel rank per micro-step", .bind = LT_CONFIG_FIELD(train.batch_size),
-       .range = at_least(1), .aliases = {"micro_batch_size", "local_batch_size", "batch", "per_device_train_batch_size"}},
+       .range = at_least(1),
+       .aliases = {"micro_batch_size", "local_batch_size", "batch", "per_device_train_batch_size"},
+       .resume = OnResume::refused},
       {.section = "train", .key = "grad_accum", .default_value = int64_t{1},
        .meaning = "micro-steps whose gradients are summed per optimizer step", .bind = LT_CONFIG_FIELD(train.grad_accum),
-       .range = at_least(1), .aliases = {"gradient_accumulation_steps", "grad_accum_steps", "accumulation_steps"}},
+       .range = at_least(1), .aliases = {"gradient_accumulation_steps", "grad_accum_steps", "accumulation_steps"},
+       .resume = OnResume::refused},
       {.section = "train", .key = "seed", .default_value = int64_t{1234},
        .meaning = "seed of initialization and data order", .bind = LT_CONFIG_FIELD(train.seed), .range = at_least(0),
-       .aliases = {"random_seed", "rng_seed"}},
+       .aliases = {"random_seed", "rng_seed"}, .resume = OnResume::refused},
       {.section = "train", .key = "on_nonfinite", .default_value = std::string("skip"),
        .meaning = "a step with a NaN/Inf loss or gradient: skip its update, or stop the run",
-       .bind = LT_CONFIG_FIELD(train.on_nonfinite), .aliases = {"nan_policy", "on_nan"}, .hashed = false},
+       .bind = LT_CONFIG_FIELD(train.on_nonfinite), .aliases = {"nan_policy", "on_nan"}, .hashed = false,
+       .resume = OnResume::allowed},
       {.section = "train", .key = "max_nonfinite_skips", .default_value = int64_t{3},
        .meaning = "non-finite steps skipped in a row before the run stops anyway",
        .bind = LT_CONFIG_FIELD(train.max_nonfinite_skips), .range = at_least(1), .aliases = {"max_skips", "max_nan_skips"},
-       .hashed = false},
+       .hashed = false, .resume = OnResume::allowed},
       {.section = "train", .key = "threads", .default_value = int64_t{0}, .meaning = "CPU threads; 0 = all cores",
        .bind = LT_CONFIG_FIELD(train.threads), .range = at_least(0), .aliases = {"num_threads", "omp_num_threads"},
-       .hashed = false},
+       .hashed = false, .resume = OnResume::allowed},
 
       // optim
       {.section = "optim", .key = "lr", .default_value = 3e-4, .meaning = "peak learning rate, reached at the end of warmup",
        .bind = LT_CONFIG_FIELD(optim.lr), .range = at_least(0),
-       .aliases = {"learning_rate", "max_lr", "peak_lr", "lr_max", "base_lr"}},
+       .aliases = {"learning_rate", "max_lr", "peak_lr", "lr_max", "base_lr"}, .resume = OnResume::allowed},
       {.section = "optim", .key = "min_lr", .default_value = 0.0,
        .meaning = "learning rate at train.steps (cosine and linear decay to it); <= lr", .bind = LT_CONFIG_FIELD(optim.min_lr),
-       .range = at_least(0), .aliases = {"lr_min", "final_lr", "end_lr", "min_learning_rate"}},
+       .range = at_least(0), .aliases = {"lr_min", "final_lr", "end_lr", "min_learning_rate"},
+       .resume = OnResume::allowed},
       {.section = "optim", .key = "weight_decay", .default_value = 0.1,
        .meaning = "decoupled (AdamW) weight decay, applied as lr * weight_decay * w",
-       .bind = LT_CONFIG_FIELD(optim.weight_decay), .range = at_least(0), .aliases = {"wd", "decay"}},
+       .bind = LT_CONFIG_FIELD(optim.weight_decay), .range = at_least(0), .aliases = {"wd", "decay"},
+       .resume = OnResume::refused},
       {.section = "optim", .key = "beta1", .default_value = 0.9, .meaning = "Adam first-moment decay",
-       .bind = LT_CONFIG_FIELD(optim.beta1), .range = unit_interval_open(), .aliases = {"adam_beta1", "b1", "momentum"}},
+       .bind = LT_CONFIG_FIELD(optim.beta1), .range = unit_interval_open(), .aliases = {"adam_beta1", "b1", "momentum"},
+       .resume = OnResume::refused},
       {.section = "optim", .key = "beta2", .default_value = 0.95, .meaning = "Adam second-moment decay",
-       .bind = LT_CONFIG_FIELD(optim.beta2), .range = unit_interval_open(), .aliases = {"adam_beta2", "b2"}},
+       .bind = LT_CONFIG_FIELD(optim.beta2), .range = unit_interval_open(), .aliases = {"adam_beta2", "b2"},
+       .resume = OnResume::refused},
       {.section = "optim", .key = "eps", .default_value = 1e-8, .meaning = "Adam denominator epsilon",
-       .bind = LT_CONFIG_FIELD(optim.eps), .range = above(0), .aliases = {"adam_eps", "epsilon", "adam_epsilon"}},
+       .bind = LT_CONFIG_FIELD(optim.eps), .range = above(0), .aliases = {"adam_eps", "epsilon", "adam_epsilon"},
+       .resume = OnResume::refused},
       {.section = "optim", .key = "warmup_steps", .default_value = int64_t{100},
        .meaning = "steps of linear warmup from 0 to lr; <= train.steps", .bind = LT_CONFIG_FIELD(optim.warmup_steps),
-       .range = at_least(0), .aliases = {"warmup", "lr_warmup_steps", "warmup_iters", "num_warmup_steps"}},
+       .range = at_least(0), .aliases = {"warmup", "lr_warmup_steps", "warmup_iters", "num_warmup_steps"},
+       .resume = OnResume::allowed},
       {.section = "optim", .key = "schedule", .default_value = std::string("cosine"),
        .meaning = "learning-rate decay after warmup, down to min_lr at train.steps", .bind = LT_CONFIG_FIELD(optim.schedule),
-       .aliases = {"lr_schedule", "lr_scheduler", "scheduler", "lr_decay_style", "decay_style"}},
+       .aliases = {"lr_schedule", "lr_scheduler", "scheduler", "lr_decay_style", "decay_style"},
+       .resume = OnResume::allowed},
       {.section = "optim", .key = "grad_clip", .default_value = 1.0,
        .meaning = "clip the global gradient norm to this; 0 = no clipping", .bind = LT_CONFIG_FIELD(optim.grad_clip),
-       .range = at_least(0), .aliases = {"max_grad_norm", "clip_grad", "gradient_clipping", "max_norm", "clip_grad_norm"}},
+       .range = at_least(0),
+       .aliases = {"max_grad_norm", "clip_grad", "gradient_clipping", "max_norm", "clip_grad_norm"},
+       .resume = OnResume::refused},
       {.section = "optim", .key = "no_decay", .default_value = std::vector<std::string>{"norm", "embed_tokens"},
        .meaning = "parameters whose Hugging Face name contains one of these get no weight decay",
-       .bind = LT_CONFIG_FIELD(optim.no_decay), .aliases = {"no_weight_decay", "exclude_from_weight_decay"}},
+       .bind = LT_CONFIG_FIELD(optim.no_decay), .aliases = {"no_weight_decay", "exclude_from_weight_decay"},
+       .resume = OnResume::refused},
 
       // parallel
       {.section = "parallel", .key = "sp_size", .default_value = int64_t{1},
        .meaning = "ranks that share one sequence (sequence/context parallelism); must divide the world size",
        .bind = LT_CONFIG_FIELD(parallel.sp_size), .range = at_least(1),
-       .aliases = {"context_parallel_size", "cp_size", "cp", "sp", "sequence_parallel_size", "context_parallel_degree"}},
+       .aliases = {"context_parallel_size", "cp_size", "cp", "sp", "sequence_parallel_size", "context_parallel_degree"},
+       .resume = OnResume::refused},
       {.section = "parallel", .key = "layout", .default_value = std::string("zigzag"),
        .meaning = "token split: contiguous (rank r: chunk r) or zigzag (rank r: chunks r and 2P-1-r)",
-       .bind = LT_CONFIG_FIELD(parallel.layout), .aliases = {"sharding", "seq_layout", "load_balance"}},
+       .bind = LT_CONFIG_FIELD(parallel.layout), .aliases = {"sharding", "seq_layout", "load_balance"},
+       .resume = OnResume::refused},
       {.section = "parallel", .key = "timeout_s", .default_value = 600.0,
        .meaning = "seconds a collective may block before the run fails naming it", .bind = LT_CONFIG_FIELD(parallel.timeout_s),
-       .range = above(0), .aliases = {"timeout", "nccl_timeout", "comm_timeout"}, .hashed = false},
+       .range = above(0), .aliases = {"timeout", "nccl_timeout", "comm_timeout"}, .hashed = false,
+       .resume = OnResume::allowed},
 
       // attention
       {.section = "attention", .key = "schedule", .default_value = std::string("zigzag"),
        .meaning = "ring (contiguous baseline), zigzag (needs layout zigzag), distflash (needs contiguous), burst",
-       .bind = LT_CONFIG_FIELD(attention.schedule), .aliases = {"algorithm", "impl", "cp_algorithm", "rotate_method"}},
+       .bind = LT_CONFIG_FIELD(attention.schedule), .aliases = {"algorithm", "impl", "cp_algorithm", "rotate_method"},
+       .resume = OnResume::allowed},
       {.section = "attention", .key = "causal", .default_value = true, .meaning = "causal mask (language modelling)",
-       .bind = LT_CONFIG_FIELD(attention.causal), .aliases = {"is_causal", "mask"}},
+       .bind = LT_CONFIG_FIELD(attention.causal), .aliases = {"is_causal", "mask"}, .resume = OnResume::refused},
 
       // checkpoint
       {.section = "checkpoint", .key = "every", .default_value = int64_t{500},
        .meaning = "steps between checkpoints; 0 = only at the end", .bind = LT_CONFIG_FIELD(checkpoint.every),
        .range = at_least(0), .aliases = {"interval", "save_every", "save_interval", "save_steps", "checkpoint_every"},
-       .hashed = false},
+       .hashed = false, .resume = OnResume::allowed},
       {.section = "checkpoint", .key = "keep_last", .default_value = int64_t{3},
        .meaning = "newest complete checkpoints kept; 0 = keep all", .bind = LT_CONFIG_FIELD(checkpoint.keep_last),
-       .range = at_least(0), .aliases = {"keep", "keep_latest_k", "save_total_limit", "max_to_keep"}, .hashed = false},
+       .range = at_least(0), .aliases = {"keep", "keep_latest_k", "save_total_limit", "max_to_keep"}, .hashed = false,
+       .resume = OnResume::allowed},
       {.section = "checkpoint", .key = "dir", .default_value = std::string(),
        .meaning = "where step_N/ directories go; empty = <logging.run_dir>/checkpoints",
        .bind = LT_CONFIG_FIELD(checkpoint.dir), .default_note = "<run_dir>/checkpoints",
-       .aliases = {"path", "folder", "save_dir", "output_dir", "checkpoint_dir"}, .hashed = false},
+       .aliases = {"path", "folder", "save_dir", "output_dir", "checkpoint_dir"}, .hashed = false,
+       .path = true, .resume = OnResume::allowed},
 
       // eval
       {.section = "eval", .key = "every", .default_value = int64_t{200},
        .meaning = "steps between evaluations; 0 = only at the end", .bind = LT_CONFIG_FIELD(eval.every),
        .range = at_least(0), .aliases = {"interval", "eval_every", "eval_interval", "eval_steps", "val_every"},
-       .hashed = false},
+       .hashed = false, .resume = OnResume::allowed},
       {.section = "eval", .key = "batches", .default_value = int64_t{16},
        .meaning = "validation batches per evaluation; 0 = no evaluation", .bind = LT_CONFIG_FIELD(eval.batches),
-       .range = at_least(0), .aliases = {"eval_iters", "eval_batches", "steps", "val_batches"}, .hashed = false},
+       .range = at_least(0), .aliases = {"eval_iters", "eval_batches", "steps", "val_batches"}, .hashed = false,
+       .resume = OnResume::allowed},
       {.section = "eval", .key = "position_buckets", .default_value = int64_t{8},
        .meaning = "validation loss is also reported per bucket of token positions; <= data.seq_len",
        .bind = LT_CONFIG_FIELD(eval.position_buckets), .range = at_least(1), .aliases = {"buckets", "position_bins"},
-       .hashed = false},
+       .hashed = false, .resume = OnResume::allowed},
 
       // logging
       {.section = "logging", .key = "run_dir", .default_value = std::string(),
        .meaning = "run directory (config, metrics.jsonl, plots); empty = runs/<config file stem>",
        .bind = LT_CONFIG_FIELD(logging.run_dir), .default_note = "runs/<config file stem>",
-       .aliases = {"output_dir", "out_dir", "dir", "log_dir", "run_name"}, .hashed = false},
+       .aliases = {"output_dir", "out_dir", "dir", "log_dir", "run_name"}, .hashed = false,
+       .path = true, .resume = OnResume::allowed},
       {.section = "logging", .key = "log_every", .default_value = int64_t{10},
        .meaning = "steps between console lines and metrics.jsonl records", .bind = LT_CONFIG_FIELD(logging.log_every),
-       .range = at_least(1), .aliases = {"log_interval", "logging_steps", "every", "print_every"}, .hashed = false},
+       .range = at_least(1), .aliases = {"log_interval", "logging_steps", "every", "print_every"}, .hashed = false,
+       .resume = OnResume::allowed},
       {.section = "logging", .key = "plot", .default_value = true,
        .meaning = "keep a loss-curve SVG in the run directory up to date", .bind = LT_CONFIG_FIELD(logging.plot),
-       .aliases = {"plots", "loss_plot", "svg"}, .hashed = false},
+       .aliases = {"plots", "loss_plot", "svg"}, .hashed = false, .resume = OnResume::allowed},
   };
   return keys;
 }
@@ -940,20 +991,45 @@ std::string config_hash(const TrainConfig& c) {
   return fmt::format("{:016x}", h);
 }
 
-std::vector<std::string> config_diff(const TrainConfig& before, const TrainConfig& after) {
-  std::vector<std::string> out;
+std::string ConfigChange::text() const { return fmt::format("{}: {} -> {}", key, before, after); }
+
+namespace {
+namespace fs = std::filesystem;
+
+// "runs/x", "./runs/x/" and its absolute form are one directory; "" stays "" (unset).
+std::string path_identity(const std::string& p) {
+  if (p.empty()) return p;
+  std::error_code ec;
+  fs::path abs = fs::weakly_canonical(fs::absolute(p), ec);
+  if (ec) return fs::path(p).lexically_normal().string();
+  std::string s = abs.lexically_normal().string();
+  while (s.size() > 1 && s.back() == '/') s.pop_back();
+  return s;
+}
+}  // namespace
+
+std::vector<ConfigChange> config_changes(const TrainConfig& before, const TrainConfig& after) {
+  std::vector<ConfigChange> out;
   for (const KeySpec& s : key_table()) {
-    if (!s.hashed) continue;
-    std::string a = yaml_text(s, s.bind.get(before)), b = yaml_text(s, s.bind.get(after));
-    if (a != b) out.push_back(fmt::format("{}: {} -> {}", s.name(), a, b));
+    const Value a = s.bind.get(before), b = s.bind.get(after);
+    std::string ta = yaml_text(s, a), tb = yaml_text(s, b);
+    if (ta == tb) continue;
+    if (s.path && path_identity(std::get<std::string>(a)) == path_identity(std::get<std::string>(b))) continue;
+    out.push_back({s.name(), std::move(ta), std::move(tb), s.resume.value});
   }
   return out;
+}
+
+OnResume on_resume(std::string_view key) {
+  for (const KeySpec& s : key_table())
+    if (s.name() == key) return s.resume.value;
+  throw Error(fmt::format("unknown config key {} (see `longtrain schema`)", key));
 }
 
 std::string schema_text() {
   struct Row {
     std::string key, type, def;
-    std::string_view meaning;
+    std::string_view resume, meaning;
   };
   std::map<std::string_view, std::vector<Row>> rows;
   size_t wk = 0, wt = 0, wd = 0;
@@ -969,7 +1045,7 @@ std::string schema_text() {
     }
     if (!s.range.unbounded()) type += " " + s.range.text();
     std::string def = s.default_note.empty() ? yaml_text(s, s.default_value) : std::string(s.default_note);
-    rows[s.section].push_back({std::string(s.key), type, def, s.meaning});
+    rows[s.section].push_back({std::string(s.key), type, def, enum_name(s.resume.value), s.meaning});
     wk = std::max(wk, s.key.size());
     wt = std::max(wt, type.size());
     wd = std::max(wd, def.size());
@@ -977,13 +1053,35 @@ std::string schema_text() {
   std::string out =
       "longtrain config keys. In the YAML file each key goes inside its section:\n"
       "  optim:\n    lr: 3e-4\n"
-      "On the command line: --set optim.lr=3e-4 (repeatable; values are YAML, lists as [a, b]).\n";
-  out += fmt::format("\n  {:<{}}  {:<{}}  {:<{}}  {}\n", "key", wk, "type", wt, "default", wd, "meaning");
+      "On the command line: --set optim.lr=3e-4 (repeatable; values are YAML, lists as [a, b]).\n"
+      "The resume column says whether `--resume` may continue a checkpoint with another value (see the end).\n";
+  out += fmt::format("\n  {:<{}}  {:<{}}  {:<{}}  {:<7}  {}\n", "key", wk, "type", wt, "default", wd, "resume",
+                     "meaning");
   for (const SectionSpec& sec : section_table()) {
     out += fmt::format("\n{}: {}\n", sec.name, sec.meaning);
     for (const Row& r : rows[sec.name])
-      out += fmt::format("  {:<{}}  {:<{}}  {:<{}}  {}\n", r.key, wk, r.type, wt, r.def, wd, r.meaning);
+      out += fmt::format("  {:<{}}  {:<{}}  {:<{}}  {:<7}  {}\n", r.key, wk, r.type, wt, r.def, wd, r.resume,
+                         r.meaning);
   }
+  out +=
+      "\nChanging keys on resume (--resume auto|DIR with another config or --set):\n"
+      "  refused  the key is part of what the checkpoint means (model shape, tokenizer, sequence length, batch,\n"
+      "           seed, optimizer hyperparameters, data-/sequence-parallel layout): the resume is an error that\n"
+      "           names each such key with its old and new value. Start a new run directory instead.\n"
+      "  allowed  the resume goes on with the new value and the log names each change (old -> new).\n"
+      "  The learning-rate schedule, when train.steps, optim.lr, optim.min_lr, optim.warmup_steps or\n"
+      "  optim.schedule changed: it is re-shaped from the resume step R (optimizer steps taken) and the lr\n"
+      "  L the old schedule gave step R, so step R+1 continues from L without a jump:\n"
+      "    while R < warmup_steps: linear from L at R to lr at warmup_steps, then the decay below from lr;\n"
+      "    decay (cosine/linear) from L at R to min_lr at train.steps: lr(s) = min_lr + (L - min_lr)*f(p),\n"
+      "      p = (s - R)/(train.steps - R), f = (1 + cos(pi*p))/2 (cosine) or 1 - p (linear);\n"
+      "    constant: linear from L at R to lr at train.steps (constant when lr did not change).\n"
+      "  So more steps after a finished cosine run go on at min_lr; lower optim.min_lr to decay further.\n"
+      "  optim.lr only matters while warmup remains (or under constant). The re-shaped schedule is kept in\n"
+      "  each later checkpoint, so resuming again without changes follows it exactly.\n"
+      "  New data (data.train changed): the loader starts the new data from its beginning (epoch 0) with the\n"
+      "  run's train.seed; the position reached in the old data is not used. train.steps must be at least\n"
+      "  the checkpoint's step.\n";
   return out;
 }
 

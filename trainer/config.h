@@ -3,8 +3,10 @@
 // One table in config.cpp lists every key (section.key, type, default, allowed range or values,
 // meaning). It drives everything here: parsing, validation, the schema printout (schema_text), the
 // resolved config written into the run directory (resolved_yaml) and the config hash kept in
-// checkpoints (config_hash). A default is written once, in that table; the model's shape defaults
-// are LlamaConfig's own.
+// checkpoints (config_hash) and what a resume may change (OnResume, config_changes). A default is
+// written once, in that table; the model's shape defaults are LlamaConfig's own. A new key must say
+// in its table entry whether a resume may change it (.resume = OnResume::refused or ::allowed): an
+// entry without it does not compile, and tests/trainer/config_test.cpp lists every key's class.
 //
 // load_config reads and checks everything before any work is done: it never creates a file or a
 // directory, so a caller that loads first and creates the run directory afterwards leaves nothing
@@ -33,12 +35,27 @@ enum class NonFinitePolicy { skip, stop };
 enum class LrSchedule { cosine, linear, constant };
 enum class AttentionSchedule { ring, zigzag, distflash, burst };
 
+// Whether `--resume` may continue a checkpoint with a different value of a key. Every key of the
+// table has one (a key without it does not compile); `longtrain schema` shows it.
+//   refused: the value is part of what the saved state means: the model's shape and numerics, the
+//            tokenizer, the sequence length and the batch the loader's position counts in, the
+//            seed, the optimizer's hyperparameters that its moments were accumulated with, and the
+//            data- and sequence-parallel layout (the optimizer shards are cut for it). A resume
+//            that changes one is an error naming each such key with its old and new value.
+//   allowed: train.steps and the learning-rate schedule (re-shaped without a jump, see
+//            optimizer.h), checkpoint.*, eval.*, logging.*, what to do with non-finite steps,
+//            threads, timeouts, the activation-checkpoint policy and attention schedule (the same
+//            function), and data.train (new data: the loader starts it from its beginning). The
+//            trainer logs each change as old -> new.
+enum class OnResume { refused, allowed };
+
 // The names used in YAML ("auto", "bf16", "cosine", "distflash", ...).
 std::string_view enum_name(DeviceChoice v);
 std::string_view enum_name(DTypeChoice v);
 std::string_view enum_name(NonFinitePolicy v);
 std::string_view enum_name(LrSchedule v);
 std::string_view enum_name(AttentionSchedule v);
+std::string_view enum_name(OnResume v);  // "refused", "allowed"
 
 // The model section is a LlamaConfig (so it passes straight to LlamaModel) plus what the trainer
 // decides about the model. head_dim is already resolved (0 in the file means dim / n_heads).
@@ -135,18 +152,31 @@ void resolve_device(TrainConfig& config, bool cuda_available);
 std::string resolved_yaml(const TrainConfig& config);
 
 // 16 hex digits: FNV-1a 64 of "section.key=value" lines of every key that changes what training
-// computes. Excluded, because a resumed run may change them without changing a single number of the
-// training trajectory: logging.*, checkpoint.*, eval.*, data.val, data.tokenizer, data.prefetch,
-// train.threads, train.on_nonfinite, train.max_nonfinite_skips and parallel.timeout_s. train.steps is
-// included: the cosine and linear schedules reach min_lr at train.steps, so changing it changes the
-// learning rate of every later step.
+// computes (recorded in checkpoints; what a resume may change is OnResume's business, not the
+// hash's). Excluded, because they do not change a single number of the training trajectory:
+// logging.*, checkpoint.*, eval.*, data.val, data.tokenizer, data.prefetch, train.threads,
+// train.on_nonfinite, train.max_nonfinite_skips and parallel.timeout_s. train.steps is included:
+// the cosine and linear schedules reach min_lr at train.steps.
 std::string config_hash(const TrainConfig& config);
 
-// The hashed keys whose values differ, as "optim.lr: 0.0003 -> 0.0001", in table order: what a
-// resume that finds a different config_hash reports.
-std::vector<std::string> config_diff(const TrainConfig& before, const TrainConfig& after);
+// One key whose value differs between two configs.
+struct ConfigChange {
+  std::string key;            // "section.key"
+  std::string before, after;  // the values as YAML text ("0.001", "\"data/a\"", "[norm]")
+  OnResume on_resume = OnResume::refused;
+  std::string text() const;   // "optim.lr: 0.001 -> 0.002"
+};
 
-// Every key grouped by section: name, type with its range or allowed values, default and meaning.
+// Every key whose value differs, in table order: what a resume from a checkpoint trained with
+// `before` must refuse or log. Keys that name a file or directory (data.*, checkpoint.dir,
+// logging.run_dir) compare as paths from the current directory: "runs/x" and "./runs/x/" are the same.
+std::vector<ConfigChange> config_changes(const TrainConfig& before, const TrainConfig& after);
+
+// The class of "section.key"; an error for an unknown key.
+OnResume on_resume(std::string_view key);
+
+// Every key grouped by section: name, type with its range or allowed values, default, whether a
+// resume may change it (OnResume) and meaning; then the rules for changes on resume.
 std::string schema_text();
 
 // "section.key" of every key in table order (for tests and shell completion).

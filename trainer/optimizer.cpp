@@ -8,7 +8,33 @@
 
 namespace longtrain::trainer {
 
+namespace {
+
+double decay_factor(LrSchedule schedule, double progress) {
+  return schedule == LrSchedule::cosine ? 0.5 * (1.0 + std::cos(std::numbers::pi * progress)) : 1.0 - progress;
+}
+
+double restarted_learning_rate(const AdamWConfig& c, const LrRestart& r, int64_t step) {
+  if (step <= r.step) return r.lr;
+  if (r.step < c.warmup_steps && step <= c.warmup_steps)
+    return r.lr + (c.lr - r.lr) * static_cast<double>(step - r.step) / static_cast<double>(c.warmup_steps - r.step);
+  // The decay starts where warmup ended (at lr) or, past warmup, at the restart (at L).
+  const bool warmed = r.step < c.warmup_steps;
+  const int64_t start = warmed ? c.warmup_steps : r.step;
+  const double from = warmed ? c.lr : r.lr;
+  const double to = c.schedule == LrSchedule::constant ? c.lr : c.min_lr;
+  const double progress = std::clamp(static_cast<double>(step - start) /
+                                         static_cast<double>(std::max<int64_t>(1, c.total_steps - start)),
+                                     0.0, 1.0);
+  // constant glides linearly to lr (a no-op when lr did not change, or when warmup remained).
+  return to + (from - to) * decay_factor(c.schedule == LrSchedule::constant ? LrSchedule::linear : c.schedule,
+                                         progress);
+}
+
+}  // namespace
+
 double learning_rate(const AdamWConfig& c, int64_t step) {
+  if (c.restart) return restarted_learning_rate(c, *c.restart, step);
   if (c.warmup_steps > 0 && step <= c.warmup_steps)
     return c.lr * static_cast<double>(step) / static_cast<double>(c.warmup_steps);
   if (c.schedule == LrSchedule::constant) return c.lr;

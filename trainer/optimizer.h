@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -14,6 +15,14 @@
 #include "trainer/config.h"
 
 namespace longtrain::trainer {
+
+// Where a resume with a changed schedule (train.steps, lr, min_lr, warmup_steps or schedule) took
+// over: after optimizer step `step` the run goes on from `lr`, the learning rate the schedule it
+// had until then gave that step, so the rate never jumps at a resume.
+struct LrRestart {
+  int64_t step = 0;
+  double lr = 0.0;
+};
 
 struct AdamWConfig {
   double lr = 3e-4;
@@ -27,9 +36,17 @@ struct AdamWConfig {
   LrSchedule schedule = LrSchedule::cosine;
   double grad_clip = 1.0;      // max global L2 norm; 0 = no clipping
   std::vector<std::string> no_decay = {"norm", "embed_tokens"};  // name substrings without decay
+  std::optional<LrRestart> restart;  // set by a resume that changed the schedule, kept in checkpoints
 };
 
-// The learning rate of optimizer step `step` (1-based).
+// The learning rate of optimizer step `step` (1-based). Without a restart: linear warmup from 0 to
+// lr over warmup_steps, then cosine or linear decay to min_lr at total_steps (or constant lr).
+// With a restart (R, L), for steps after R (the rule `longtrain schema` and the README state):
+//   while R < warmup_steps: linear from L at R to lr at warmup_steps, then the decay from lr;
+//   cosine / linear: from L at max(R, warmup_steps) (lr there when warmup remained) to min_lr at
+//                    total_steps, p = (s - start) / (total_steps - start);
+//   constant: linear from L at R to lr at total_steps.
+// Both are continuous at R: the value there is L.
 double learning_rate(const AdamWConfig& c, int64_t step);
 
 // sqrt(Σ g²) over the whole arena (NaN/Inf when any gradient is).

@@ -285,6 +285,8 @@ void save_checkpoint(const TrainConfig& c, const model::LlamaModel& model, AdamW
                   {"world_size", ranks.world_size},
                   {"loader", loader.state()},
                   {"config_hash", config_hash(c)}};
+    if (const std::optional<LrRestart>& r = opt.config().restart)
+      state["lr_restart"] = {{"step", r->step}, {"lr", r->lr}};
     write_file_atomically(tmp / kTrainerState, state.dump(2) + "\n");
     write_file_atomically(tmp / kConfigFile, resolved_yaml(c));
     if (!c.data.tokenizer.empty() && fs::exists(c.data.tokenizer))
@@ -304,18 +306,77 @@ void save_checkpoint(const TrainConfig& c, const model::LlamaModel& model, AdamW
   }
 }
 
-// Restores model, optimizer, loader and counters from `dir`; the config must hash the same.
-RunState restore_checkpoint(const fs::path& dir, const TrainConfig& c, model::LlamaModel& model, AdamW& opt,
-                            data::Loader& loader, const Ranks& ranks) {
-  json state = json::parse(read_text(dir / kTrainerState));
-  const std::string saved_hash = state.at("config_hash").get<std::string>();
-  if (saved_hash != config_hash(c)) {
-    std::string diff;
-    for (const std::string& d : config_diff(load_config((dir / kConfigFile).string()), c)) diff += "\n  " + d;
-    LT_FAIL("cannot resume from {}: the config differs from the one it was trained with:{}\nresume with the "
-            "original values (or start a new run directory)",
-            dir.string(), diff);
+// What resuming from a checkpoint with this run's config means, settled before anything is
+// created on disk: the checkpoint's config, what changed (refused keys are an error here), the
+// learning-rate restart and whether the loader keeps its position.
+struct ResumePlan {
+  fs::path dir;
+  json state;                         // trainer_state.json
+  TrainConfig saved;                  // the checkpoint's config.yaml
+  std::vector<ConfigChange> changes;  // every one allowed
+  std::optional<LrRestart> restart;   // the one this run's optimizer uses
+  bool schedule_changed = false;
+  bool new_data = false;              // data.train changed: the loader starts the new data afresh
+  int64_t step = 0, optimizer_steps = 0;
+};
+
+// The keys whose change re-shapes the learning-rate schedule (optimizer.h, learning_rate).
+bool changes_lr_schedule(const std::string& key) {
+  for (const char* k : {"train.steps", "optim.lr", "optim.min_lr", "optim.warmup_steps", "optim.schedule"})
+    if (key == k) return true;
+  return false;
+}
+
+std::optional<LrRestart> restart_from_state(const json& state) {
+  if (!state.contains("lr_restart")) return std::nullopt;
+  const json& r = state.at("lr_restart");
+  return LrRestart{r.at("step").get<int64_t>(), r.at("lr").get<double>()};
+}
+
+ResumePlan plan_resume(const fs::path& dir, const TrainConfig& c) {
+  ResumePlan p;
+  p.dir = dir;
+  p.state = json::parse(read_text(dir / kTrainerState));
+  p.step = p.state.at("step").get<int64_t>();
+  p.optimizer_steps = p.state.at("optimizer_steps").get<int64_t>();
+  const fs::path saved_path = dir / kConfigFile;
+  if (!fs::exists(saved_path))
+    throw Error(fmt::format("cannot resume from {}: it has no {} (the config it was trained with)", dir.string(),
+                            kConfigFile));
+  p.saved = load_config(saved_path.string());
+  std::string refused;
+  for (ConfigChange& change : config_changes(p.saved, c)) {
+    if (change.on_resume == OnResume::refused) {
+      refused += "\n  " + change.text();
+      continue;
+    }
+    p.schedule_changed = p.schedule_changed || changes_lr_schedule(change.key);
+    p.new_data = p.new_data || change.key == "data.train";
+    p.changes.push_back(std::move(change));
   }
+  // User errors without a source location: they name the checkpoint, each key and what to do.
+  if (!refused.empty())
+    throw Error(fmt::format("cannot resume from {}: these keys are part of what the checkpoint means and a resume "
+                            "cannot change them (`longtrain schema` shows which keys can):{}\nresume with the values "
+                            "it was trained with, or start a new run directory",
+                            dir.string(), refused));
+  if (c.train.steps < p.step)
+    throw Error(fmt::format("cannot resume from {}: train.steps ({}) is below its step {}: set train.steps to {} or "
+                            "more",
+                            dir.string(), c.train.steps, p.step, p.step));
+  // The restart of the old schedule carries on unless the schedule changed now; then the new one
+  // starts at the lr the old one (with its own restart, if any) gave the last step taken.
+  AdamWConfig old = adamw_config(p.saved);
+  old.restart = restart_from_state(p.state);
+  p.restart = old.restart;
+  if (p.schedule_changed) p.restart = LrRestart{p.optimizer_steps, learning_rate(old, p.optimizer_steps)};
+  return p;
+}
+
+// Restores model, optimizer, loader (unless the data is new) and counters from the plan's checkpoint.
+RunState restore_checkpoint(const ResumePlan& plan, model::LlamaModel& model, AdamW& opt, data::Loader& loader,
+                            const Ranks& ranks) {
+  const fs::path& dir = plan.dir;
   load_optimizer_shard(dir, opt, ranks);
   if (model.params().device() == Device::cpu) {
     model::load_safetensors((dir / "model.safetensors").string(), model.params());
@@ -324,14 +385,34 @@ RunState restore_checkpoint(const fs::path& dir, const TrainConfig& c, model::Ll
     model::load_safetensors((dir / "model.safetensors").string(), params);
     copy_arena(model.params(), params);
   }
-  opt.set_steps_taken(state.at("optimizer_steps").get<int64_t>());
-  loader.restore(state.at("loader").get<data::LoaderState>());
+  opt.set_steps_taken(plan.optimizer_steps);
+  if (!plan.new_data) loader.restore(plan.state.at("loader").get<data::LoaderState>());
   RunState rs;
-  rs.step = state.at("step").get<int64_t>();
-  rs.consecutive_skips = state.at("consecutive_skips").get<int64_t>();
-  rs.skipped_total = state.at("skipped_total").get<int64_t>();
-  rs.tokens_seen = state.at("tokens_seen").get<int64_t>();
+  rs.step = plan.step;
+  rs.consecutive_skips = plan.state.at("consecutive_skips").get<int64_t>();
+  rs.skipped_total = plan.state.at("skipped_total").get<int64_t>();
+  rs.tokens_seen = plan.state.at("tokens_seen").get<int64_t>();
   return rs;
+}
+
+// The log lines of a resume: each allowed change, the re-shaped schedule, the restarted loader.
+void log_resume(spdlog::logger& log, const ResumePlan& plan, const TrainConfig& c, const AdamWConfig& a) {
+  log.info("resumed from {} at step {}", plan.dir.string(), plan.step);
+  for (const ConfigChange& change : plan.changes) log.info("  changed on resume: {}", change.text());
+  if (plan.schedule_changed) {
+    const LrRestart& r = *a.restart;
+    const bool warm = r.step < a.warmup_steps;
+    const std::string end = a.schedule == LrSchedule::constant ? fmt::format("lr {:.6g}", a.lr)
+                                                               : fmt::format("min_lr {:.6g}", a.min_lr);
+    log.info("  lr schedule re-shaped at optimizer step {}: from {:.6g} (the lr of that step){} to {} at step {} "
+             "({}); no jump",
+             r.step, r.lr, warm ? fmt::format(", warmup to lr {:.6g} at step {}, then", a.lr, a.warmup_steps) : "",
+             end, a.total_steps, enum_name(a.schedule));
+  }
+  if (plan.new_data)
+    log.info("  new data: data.train changed from {} to {}; the loader starts it from its beginning (epoch 0, "
+             "window 0 of its order) with the run's seed {}; the position reached in the old data is not used",
+             plan.saved.data.train, c.data.train, c.train.seed);
 }
 
 std::string human_duration(double seconds) {
@@ -450,10 +531,14 @@ TrainSummary train(TrainConfig c, const std::string& resume, const TrainHooks& h
            c.source);
   Ranks ranks = join_world(c);
   if (precision.device == Device::cpu) ops::set_cpu_threads(static_cast<int>(c.train.threads));
-  data::Loader loader(loader_options(c, "train", ranks));
-  if (c.eval.batches > 0) data::Loader probe_val(loader_options(c, "val", ranks));
+  // A resume that changes a refused key is an error before the data is opened (another vocabulary
+  // or seq_len would otherwise fail there first, without naming what changed).
   std::optional<CheckpointRef> resume_from;
   if (!resume.empty()) resume_from = resolve_resume(c.checkpoint.dir, resume);
+  std::optional<ResumePlan> resume_plan;
+  if (resume_from) resume_plan = plan_resume(resume_from->path, c);
+  data::Loader loader(loader_options(c, "train", ranks));
+  if (c.eval.batches > 0) data::Loader probe_val(loader_options(c, "val", ranks));
   // Too little memory is an error now, naming the knobs, not an allocation failure mid-setup.
   const model::MemoryPlan plan = plan_training_memory(c, ranks.world_size);
   model::check_memory_fits(plan, model::device_memory(precision.device));
@@ -479,11 +564,13 @@ TrainSummary train(TrainConfig c, const std::string& resume, const TrainHooks& h
                           ranks.world_size);
   model.initialize(static_cast<uint64_t>(c.train.seed), c.model.init_std);
   const int64_t shard = model.params().flat().numel() / ranks.world_size;
-  AdamW opt(model.params(), adamw_config(c), ranks.global_rank * shard, (ranks.global_rank + 1) * shard);
+  AdamWConfig adamw = adamw_config(c);
+  if (resume_plan) adamw.restart = resume_plan->restart;
+  AdamW opt(model.params(), adamw, ranks.global_rank * shard, (ranks.global_rank + 1) * shard);
   RunState rs;
-  if (resume_from) {
-    rs = restore_checkpoint(resume_from->path, c, model, opt, loader, ranks);
-    log->info("resumed from {} at step {}", resume_from->path.string(), rs.step);
+  if (resume_plan) {
+    rs = restore_checkpoint(*resume_plan, model, opt, loader, ranks);
+    log_resume(*log, *resume_plan, c, adamw);
   }
 
   const int64_t micro = c.train.batch_size * c.train.grad_accum;

@@ -2,6 +2,7 @@
 // defaults and --set overrides apply; every class of mistake (unknown key or section, wrong type,
 // out of range, inconsistent combination, missing file, malformed YAML) is an error whose text
 // starts with the file and line (or the --set) and names the key; loading creates nothing.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -108,7 +109,7 @@ TEST(TrainerConfig, ResolvedYamlRoundTrips) {
   TrainConfig back = load(text);
   EXPECT_EQ(resolved_yaml(back), text);
   EXPECT_EQ(config_hash(back), config_hash(c));
-  EXPECT_TRUE(config_diff(c, back).empty());
+  EXPECT_TRUE(config_changes(c, back).empty());
   EXPECT_EQ(back.model.head_dim, 16);
   EXPECT_EQ(back.optim.no_decay, c.optim.no_decay);
   EXPECT_DOUBLE_EQ(back.optim.min_lr, 1e-4);
@@ -344,8 +345,127 @@ TEST(TrainerConfig, HashCoversWhatTrainingComputes) {
   for (const char* other : {"optim.lr=2e-3", "train.steps=60", "train.seed=8", "model.dim=128", "data.seq_len=128",
                             "optim.no_decay=[norm]", "model.checkpoint=remat_aware", "data.train=other"})
     EXPECT_NE(config_hash(load(kValid, {other})), h) << other;
-  EXPECT_EQ(config_diff(c, load(kValid, {"optim.lr=2e-3", "logging.log_every=1"})),
-            (std::vector<std::string>{"optim.lr: 0.001 -> 0.002"}));
+}
+
+// Every key, a valid change of it from kValid, and the class a resume must give it. The list has
+// to cover every key of the table: a key added without a line here fails the test below.
+struct KeyChange {
+  const char* key;
+  std::vector<std::string> sets;  // applied to kValid; only `key` may come out changed
+  OnResume expected;
+};
+const std::vector<KeyChange>& key_changes() {
+  constexpr OnResume refused = OnResume::refused, allowed = OnResume::allowed;
+  static const std::vector<KeyChange> changes = {
+      {"model.vocab_size", {"model.vocab_size=1024"}, refused},
+      {"model.dim", {"model.dim=128", "model.head_dim=16"}, refused},  // head_dim kept: it resolves from dim
+      {"model.n_layers", {"model.n_layers=3"}, refused},
+      {"model.n_heads", {"model.n_heads=8", "model.head_dim=16"}, refused},
+      {"model.n_kv_heads", {"model.n_kv_heads=4"}, refused},
+      {"model.head_dim", {"model.head_dim=32"}, refused},
+      {"model.ffn_dim", {"model.ffn_dim=192"}, refused},
+      {"model.rope_theta", {"model.rope_theta=500000"}, refused},
+      {"model.norm_eps", {"model.norm_eps=1e-3"}, refused},
+      {"model.tie_embeddings", {"model.tie_embeddings=true"}, refused},
+      {"model.max_seq_len", {"model.max_seq_len=1024"}, refused},
+      {"model.checkpoint", {"model.checkpoint=none"}, allowed},
+      {"model.init_std", {"model.init_std=0.01"}, refused},
+      {"data.train", {"data.train=data/other"}, allowed},
+      {"data.val", {"data.val=data/val"}, allowed},
+      {"data.tokenizer", {"data.tokenizer=tok.model"}, refused},
+      {"data.seq_len", {"data.seq_len=128"}, refused},
+      {"data.prefetch", {"data.prefetch=4"}, allowed},
+      {"train.device", {"train.device=auto"}, refused},
+      {"train.dtype", {"train.dtype=f32"}, refused},
+      {"train.steps", {"train.steps=60"}, allowed},
+      {"train.batch_size", {"train.batch_size=2"}, refused},
+      {"train.grad_accum", {"train.grad_accum=2"}, refused},
+      {"train.seed", {"train.seed=8"}, refused},
+      {"train.on_nonfinite", {"train.on_nonfinite=stop"}, allowed},
+      {"train.max_nonfinite_skips", {"train.max_nonfinite_skips=5"}, allowed},
+      {"train.threads", {"train.threads=3"}, allowed},
+      {"optim.lr", {"optim.lr=2e-3"}, allowed},
+      {"optim.min_lr", {"optim.min_lr=0"}, allowed},
+      {"optim.weight_decay", {"optim.weight_decay=0.01"}, refused},
+      {"optim.beta1", {"optim.beta1=0.8"}, refused},
+      {"optim.beta2", {"optim.beta2=0.99"}, refused},
+      {"optim.eps", {"optim.eps=1e-6"}, refused},
+      {"optim.warmup_steps", {"optim.warmup_steps=10"}, allowed},
+      {"optim.schedule", {"optim.schedule=linear"}, allowed},
+      {"optim.grad_clip", {"optim.grad_clip=0.5"}, refused},
+      {"optim.no_decay", {"optim.no_decay=[norm]"}, refused},
+      {"parallel.sp_size", {"parallel.sp_size=4"}, refused},
+      {"parallel.layout", {"parallel.layout=zigzag", "attention.schedule=zigzag"}, refused},
+      {"parallel.timeout_s", {"parallel.timeout_s=5"}, allowed},
+      {"attention.schedule", {"attention.schedule=ring"}, allowed},
+      {"attention.causal", {"attention.causal=false"}, refused},
+      {"checkpoint.every", {"checkpoint.every=7"}, allowed},
+      {"checkpoint.keep_last", {"checkpoint.keep_last=9"}, allowed},
+      {"checkpoint.dir", {"checkpoint.dir=ck"}, allowed},
+      {"eval.every", {"eval.every=3"}, allowed},
+      {"eval.batches", {"eval.batches=0"}, allowed},
+      {"eval.position_buckets", {"eval.position_buckets=4"}, allowed},
+      {"logging.run_dir", {"logging.run_dir=runs/other", "checkpoint.dir=runs/custom/checkpoints"}, allowed},
+      {"logging.log_every", {"logging.log_every=1"}, allowed},
+      {"logging.plot", {"logging.plot=true"}, allowed},
+  };
+  return changes;
+}
+
+TEST(TrainerConfig, EveryKeyHasAResumeClassShownInTheSchema) {
+  const std::vector<std::string> keys = config_keys();
+  std::vector<std::string> listed;
+  for (const KeyChange& k : key_changes()) listed.push_back(k.key);
+  EXPECT_EQ(listed, keys) << "key_changes() must list every config key in table order, with its class";
+  const std::string schema = schema_text();
+  for (const KeyChange& k : key_changes()) {
+    EXPECT_EQ(on_resume(k.key), k.expected) << k.key;
+    // The key's row in its section shows the class in the resume column.
+    const std::string full = k.key, section = full.substr(0, full.find('.')), key = full.substr(full.find('.') + 1);
+    const size_t block = schema.find("\n" + section + ": ");
+    ASSERT_NE(block, std::string::npos) << section;
+    const size_t row = schema.find("\n  " + key + " ", block);
+    ASSERT_NE(row, std::string::npos) << full;
+    const std::string line = schema.substr(row + 1, schema.find('\n', row + 1) - row - 1);
+    const std::string other = k.expected == OnResume::refused ? " allowed " : " refused ";
+    EXPECT_TRUE(contains(line, fmt::format(" {} ", enum_name(k.expected)))) << line;
+    EXPECT_FALSE(contains(line, other)) << line;
+  }
+  EXPECT_THROW(on_resume("optim.learning_rate"), Error);
+  // The rules for changes on resume are part of the schema text.
+  EXPECT_TRUE(contains(schema, "Changing keys on resume"));
+  EXPECT_TRUE(contains(schema, "lr(s) = min_lr + (L - min_lr)*f(p)"));
+  EXPECT_TRUE(contains(schema, "from its beginning (epoch 0) with the\n  run's train.seed"));
+}
+
+TEST(TrainerConfig, ConfigChangesNameEachKeyWithOldAndNewValueAndItsClass) {
+  const TrainConfig base = load(kValid, {"model.head_dim=16"});
+  EXPECT_TRUE(config_changes(base, base).empty());
+  for (const KeyChange& k : key_changes()) {
+    std::vector<std::string> sets = {"model.head_dim=16"};
+    sets.insert(sets.end(), k.sets.begin(), k.sets.end());
+    const TrainConfig changed = load(kValid, sets);
+    std::vector<ConfigChange> ch = config_changes(base, changed);
+    // parallel.layout's change needs another attention schedule (distflash needs contiguous).
+    if (std::string(k.key) == "parallel.layout") {
+      ASSERT_EQ(ch.size(), 2u) << k.key;
+      EXPECT_EQ(ch[1].key, "attention.schedule");
+    } else {
+      ASSERT_EQ(ch.size(), 1u) << k.key << (ch.empty() ? "" : ": " + ch[0].text());
+    }
+    EXPECT_EQ(ch[0].key, k.key);
+    EXPECT_EQ(ch[0].on_resume, k.expected) << k.key;
+    EXPECT_NE(ch[0].before, ch[0].after) << k.key;
+    EXPECT_TRUE(starts_with(ch[0].text(), fmt::format("{}: {} -> ", k.key, ch[0].before))) << ch[0].text();
+  }
+  const std::vector<ConfigChange> lr = config_changes(base, load(kValid, {"model.head_dim=16", "optim.lr=2e-3"}));
+  ASSERT_EQ(lr.size(), 1u);
+  EXPECT_EQ(lr[0].text(), "optim.lr: 0.001 -> 0.002");
+  // One directory spelled two ways is no change; another directory is.
+  EXPECT_TRUE(config_changes(base, load(kValid, {"model.head_dim=16", "data.train=./data//tiny/"})).empty());
+  const std::string abs = (fs::current_path() / "data/tiny").string();
+  EXPECT_TRUE(config_changes(base, load(kValid, {"model.head_dim=16", "data.train=" + abs})).empty());
+  EXPECT_EQ(config_changes(base, load(kValid, {"model.head_dim=16", "data.train=data/tiny2"})).size(), 1u);
 }
 
 TEST(TrainerConfig, ResolveDevice) {

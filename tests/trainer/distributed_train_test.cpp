@@ -6,6 +6,8 @@
 
 #include <chrono>
 
+#include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <iostream>
@@ -17,6 +19,7 @@
 #include "parallel/net.h"
 #include "parallel/store.h"
 #include "train_fixture.h"
+#include "trainer/checkpoint.h"
 
 namespace longtrain::trainer {
 namespace {
@@ -39,6 +42,23 @@ int launch(int nproc, const std::string& args) {
   const std::string cmd = fmt::format("{} --nproc-per-node {} --master-addr 127.0.0.1 --master-port {} -- {} {} 2>&1",
                                       LONGTRAIN_RUN_BINARY, nproc, parallel::net::pick_free_port(), LONGTRAIN_BINARY, args);
   const int status = std::system(cmd.c_str());
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+// The same with the launcher's output (every rank's lines, stdout and stderr) in `output`.
+int launch_capture(int nproc, const std::string& args, std::string& output) {
+  const std::string cmd =
+      fmt::format("{} --nproc-per-node {} --master-addr 127.0.0.1 --master-port {} -- {} {} 2>&1", LONGTRAIN_RUN_BINARY,
+                  nproc, parallel::net::pick_free_port(), LONGTRAIN_BINARY, args);
+  FILE* pipe = popen(cmd.c_str(), "r");
+  if (!pipe) {
+    ADD_FAILURE() << "cannot run " << cmd;
+    return -1;
+  }
+  char buf[4096];
+  output.clear();
+  while (size_t n = fread(buf, 1, sizeof buf, pipe)) output.append(buf, n);
+  const int status = pclose(pipe);
   return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
 }
 
@@ -325,6 +345,54 @@ TEST_F(DistributedTrainTest, SequenceParallelSizeWithoutEnoughProcessesIsAClearE
     EXPECT_NE(std::string(e.what()).find("longtrain-run --nproc-per-node 2"), std::string::npos) << e.what();
   }
   EXPECT_FALSE(fs::exists(root_ / "runs/sp_alone"));
+}
+
+// The run: sequence parallel over 2 ranks through longtrain-run, resumed in its own run
+// directory with more steps (accepted, logged, the lr following the rule, checkpoints at the new
+// steps), then with a new parallel layout and model shape (refused, naming each key).
+TEST_F(DistributedTrainTest, SequenceParallelRunResumesWithMoreStepsAndRefusesANewLayout) {
+  std::string args = "train " + write_config("sp_resume").string();
+  for (const char* s : {"train.steps=4", "checkpoint.every=2", "checkpoint.keep_last=0", "eval.batches=0",
+                        "train.batch_size=1", "parallel.sp_size=2"})
+    args += std::string(" --set ") + s;
+  std::string out;
+  ASSERT_EQ(launch_capture(2, args, out), 0) << out;
+  const fs::path run = root_ / "runs/sp_resume";
+  const std::vector<test::LoggedStep> first = test::logged_steps(run);
+  ASSERT_EQ(first.size(), 4u);
+
+  ASSERT_EQ(launch_capture(2, args + " --resume auto --set train.steps=8", out), 0) << out;
+  const std::vector<test::LoggedStep> all = test::logged_steps(run);  // metrics.jsonl of both launches
+  ASSERT_EQ(all.size(), 8u);
+  // Step 4 ended the cosine at min_lr (3e-4): the rule goes on from there to min_lr at step 8.
+  const double L = first.back().lr;
+  EXPECT_NEAR(L, 3e-4, 1e-15);
+  for (size_t i = 4; i < 8; ++i) {
+    EXPECT_EQ(all[i].step, static_cast<int64_t>(i + 1));
+    const double want = 3e-4 + (L - 3e-4) * 0.5 * (1.0 + std::cos(M_PI * static_cast<double>(i + 1 - 4) / 4.0));
+    EXPECT_NEAR(all[i].lr, want, 1e-12 * want) << "step " << i + 1;
+    EXPECT_TRUE(std::isfinite(all[i].loss)) << "step " << i + 1;
+  }
+  const std::string log = test::read_file(run / "train.log");
+  EXPECT_NE(log.find("changed on resume: train.steps: 4 -> 8"), std::string::npos) << log;
+  for (int step : {6, 8}) {
+    const fs::path dir = run / fmt::format("checkpoints/step_{}", step);
+    EXPECT_EQ(verify_checkpoint(dir), "") << "step " << step;
+    EXPECT_TRUE(fs::exists(dir / "optimizer.rank1.safetensors")) << "step " << step;
+  }
+
+  // Another data-/sequence-parallel layout and model shape: refused through the launcher, every key
+  // named by the ranks with its old and new value; the run directory keeps its checkpoints.
+  std::string refused = args + " --resume auto --set train.steps=10 --set parallel.sp_size=1 --set "
+                               "parallel.layout=contiguous --set attention.schedule=ring --set model.n_layers=3";
+  EXPECT_NE(launch_capture(2, refused, out), 0) << out;
+  for (const char* named :
+       {"parallel.sp_size: 2 -> 1", "parallel.layout: zigzag -> contiguous", "model.n_layers: 2 -> 3"})
+    EXPECT_NE(out.find(named), std::string::npos) << named << "\n" << out;
+  EXPECT_NE(out.find("cannot resume from " + (run / "checkpoints/step_8").string()), std::string::npos) << out;
+  EXPECT_EQ(out.find("train.steps: 8 -> 10"), std::string::npos) << "an allowed change named as refused\n" << out;
+  EXPECT_EQ(list_complete_checkpoints(run / "checkpoints").size(), 4u);
+  EXPECT_EQ(test::logged_steps(run).size(), 8u);
 }
 
 }  // namespace

@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 #include <random>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -26,6 +27,22 @@ namespace fs = std::filesystem;
 
 // A missing file is an error (test_util.h), so "" is never compared with "".
 using ::longtrain::test::read_file;
+
+// The steps a run recorded in its metrics.jsonl (skipped and eval records left out).
+struct LoggedStep {
+  int64_t step = 0;
+  double loss = 0.0, lr = 0.0;
+};
+inline std::vector<LoggedStep> logged_steps(const fs::path& run_dir) {
+  std::vector<LoggedStep> out;
+  std::istringstream in(read_file(run_dir / "metrics.jsonl"));
+  for (std::string line; std::getline(in, line);) {
+    const nlohmann::json j = nlohmann::json::parse(line);
+    if (j.contains("loss"))
+      out.push_back({j.at("step").get<int64_t>(), j.at("loss").get<double>(), j.at("lr").get<double>()});
+  }
+  return out;
+}
 
 // A corpus with structure a small model can learn: sentences from a tiny grammar.
 inline std::string synthetic_document(std::mt19937& rng) {
@@ -101,6 +118,26 @@ class TrainTest : public ::testing::Test {
     data::prepare_corpus(po);
   }
   static void TearDownTestSuite() { fs::remove_all(root_); }
+
+  // Shards of another corpus from the same grammar (another seed), with the suite's tokenizer: new
+  // data for a resumed run. Returns the shard directory.
+  static fs::path prepare_other_corpus(const std::string& name, unsigned seed) {
+    std::mt19937 rng(seed);
+    const fs::path corpus = root_ / (name + ".jsonl");
+    {
+      std::ofstream out(corpus);
+      for (int d = 0; d < 300; ++d) out << "{\"text\": \"" << synthetic_document(rng) << "\"}\n";
+    }
+    data::PrepareOptions po;
+    po.tokenizer = (root_ / "tok.model").string();
+    po.inputs = {corpus.string()};
+    po.output = (root_ / name).string();
+    po.val_fraction = 0.1;
+    po.threads = 1;
+    po.progress = false;
+    data::prepare_corpus(po);
+    return root_ / name;
+  }
 
   // A small model on the synthetic corpus; `extra` is appended YAML (later keys win via --set).
   static fs::path write_config(const std::string& name, const std::string& extra = "") {

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <functional>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -26,6 +27,8 @@ namespace {
 
 using test::TrainTest;
 using test::read_file;
+using test::LoggedStep;
+using test::logged_steps;
 namespace fs = std::filesystem;
 
 TEST_F(TrainTest, ResumeIsBitExact) {
@@ -44,6 +47,27 @@ TEST_F(TrainTest, ResumeIsBitExact) {
   for (size_t i = 0; i < 4; ++i) EXPECT_EQ(resumed.losses[i], whole.losses[4 + i]) << "step " << 5 + i;
   // Model, optimizer shard, loader state and counters: the resumed run ends where the whole one did.
   test::expect_same_checkpoint(root_ / "runs/whole/checkpoints/step_8", fs::path(c.checkpoint.dir) / "step_8", 1);
+  // Model, optimizer shard and trainer state (loader position, counters) at step 8, bit for bit.
+  const fs::path a = root_ / "runs/whole/checkpoints/step_8", b = fs::path(c.checkpoint.dir) / "step_8";
+  for (const char* file : {"model.safetensors", "optimizer.rank0.safetensors"})
+    EXPECT_TRUE(read_file(a / file) == read_file(b / file)) << file << " differs";
+  const nlohmann::json sa = nlohmann::json::parse(read_file(a / "trainer_state.json")),
+                       sb = nlohmann::json::parse(read_file(b / "trainer_state.json"));
+  EXPECT_EQ(sa, sb);
+  EXPECT_EQ(sb.at("loader").at("cursor").get<int64_t>(), 8 * 4);  // 8 steps of 2 x 2 windows
+  EXPECT_FALSE(sb.contains("lr_restart"));  // nothing changed: the schedule is the original one
+  const std::string log = read_file(root_ / "runs/resumed/train.log");
+  EXPECT_NE(log.find("resumed from"), std::string::npos);
+  // Only the run directory moved (and the checkpoint directory under it): the log says so, and
+  // nothing else changed.
+  size_t changes = 0;
+  const std::string changed = "changed on resume: ";
+  for (size_t at = log.find(changed); at != std::string::npos; at = log.find(changed, at + 1)) ++changes;
+  EXPECT_EQ(changes, 2u) << log;
+  EXPECT_NE(log.find("changed on resume: checkpoint.dir: "), std::string::npos) << log;
+  EXPECT_NE(log.find("changed on resume: logging.run_dir: "), std::string::npos) << log;
+  EXPECT_EQ(log.find("re-shaped"), std::string::npos) << log;
+  EXPECT_EQ(log.find("new data"), std::string::npos) << log;
   // The loss went down over the run, and the run left its log, metrics and loss curve.
   EXPECT_LT(whole.losses.back(), whole.losses.front());
   EXPECT_TRUE(fs::exists(root_ / "runs/whole/metrics.jsonl"));
@@ -51,14 +75,112 @@ TEST_F(TrainTest, ResumeIsBitExact) {
   EXPECT_NE(read_file(root_ / "runs/whole/config.yaml").find("seq_len: 32"), std::string::npos);
 }
 
-TEST_F(TrainTest, ResumeWithAChangedConfigIsRefusedNamingTheKey) {
-  train(config("changed", {"train.steps=4", "checkpoint.every=2", "eval.batches=0"}));
-  TrainConfig c = config("changed", {"train.steps=4", "checkpoint.every=2", "eval.batches=0", "optim.lr=0.01"});
+// The schedule rule of the README, written out here independently of optimizer.cpp: the fixture's
+// run (lr 3e-3 after 2 warmup steps, cosine to 3e-4 at step 8) resumed from step 4 with new
+// values. L is the original schedule's lr of step 4.
+double cosine_factor(double p) { return 0.5 * (1.0 + std::cos(M_PI * p)); }
+double fixture_lr(int64_t s) {
+  if (s <= 2) return 3e-3 * static_cast<double>(s) / 2.0;
+  return 3e-4 + (3e-3 - 3e-4) * cosine_factor(static_cast<double>(s - 2) / 6.0);
+}
+
+TEST_F(TrainTest, ResumeWithAChangedScheduleFollowsTheRuleStepByStep) {
+  const std::vector<std::string> base = {"eval.batches=0", "checkpoint.every=4", "checkpoint.keep_last=0"};
+  TrainSummary first = train(config("sched_first", base));
+  ASSERT_EQ(first.losses.size(), 8u);
+  const std::vector<LoggedStep> original = logged_steps(root_ / "runs/sched_first");
+  ASSERT_EQ(original.size(), 8u);
+  for (const LoggedStep& s : original) EXPECT_NEAR(s.lr, fixture_lr(s.step), 1e-15) << "step " << s.step;
+  const double L = fixture_lr(4);
+
+  struct Case {
+    const char* name;
+    std::vector<std::string> sets;
+    int64_t end;
+    std::function<double(int64_t)> lr;  // the rule for steps 5..end
+  };
+  const Case cases[] = {
+      // More steps: cosine from L at 4 to min_lr at 12.
+      {"sched_more", {"train.steps=12", "checkpoint.every=2"}, 12,
+       [&](int64_t s) { return 3e-4 + (L - 3e-4) * cosine_factor(static_cast<double>(s - 4) / 8.0); }},
+      // New min_lr and schedule: linear from L at 4 to 1e-4 at 10.
+      {"sched_linear", {"train.steps=10", "optim.min_lr=1e-4", "optim.schedule=linear"}, 10,
+       [&](int64_t s) { return 1e-4 + (L - 1e-4) * (1.0 - static_cast<double>(s - 4) / 6.0); }},
+      // Warmup that still has steps to go: linear from L at 4 to the new lr at 6, then cosine.
+      {"sched_warmup", {"train.steps=10", "optim.warmup_steps=6", "optim.lr=4e-3"}, 10,
+       [&](int64_t s) {
+         if (s <= 6) return L + (4e-3 - L) * static_cast<double>(s - 4) / 2.0;
+         return 3e-4 + (4e-3 - 3e-4) * cosine_factor(static_cast<double>(s - 6) / 4.0);
+       }},
+      // constant: linear from L at 4 to the new lr at 10.
+      {"sched_constant", {"train.steps=10", "optim.schedule=constant", "optim.lr=1e-3"}, 10,
+       [&](int64_t s) { return L + (1e-3 - L) * static_cast<double>(s - 4) / 6.0; }},
+  };
+  for (const Case& k : cases) {
+    SCOPED_TRACE(k.name);
+    std::vector<std::string> sets = base;
+    sets.insert(sets.end(), k.sets.begin(), k.sets.end());
+    TrainConfig c = config(k.name, sets);
+    fs::create_directories(c.checkpoint.dir);
+    fs::copy(root_ / "runs/sched_first/checkpoints/step_4", fs::path(c.checkpoint.dir) / "step_4",
+             fs::copy_options::recursive);
+    TrainSummary s = train(c, "auto");
+    EXPECT_EQ(s.first_step, 5);
+    EXPECT_EQ(s.last_step, k.end);
+    const std::vector<LoggedStep> steps = logged_steps(root_ / "runs" / k.name);
+    ASSERT_EQ(steps.size(), static_cast<size_t>(k.end - 4));
+    double worst = 0;
+    for (size_t i = 0; i < steps.size(); ++i) {
+      EXPECT_EQ(steps[i].step, static_cast<int64_t>(5 + i));
+      const double want = k.lr(steps[i].step);
+      EXPECT_NEAR(steps[i].lr, want, 1e-12 * want) << "step " << steps[i].step;
+      EXPECT_TRUE(std::isfinite(steps[i].loss)) << "step " << steps[i].step;
+      worst = std::max(worst, std::abs(steps[i].lr - want) / want);
+    }
+    // No jump: the first resumed step's lr is as close to L as one step of the new schedule allows.
+    EXPECT_LT(std::abs(steps[0].lr - L), std::abs(k.lr(6) - k.lr(5)) + 1e-12);
+    ::testing::Test::RecordProperty(std::string(k.name) + "_worst_relative_lr_error", fmt::format("{:.1e}", worst));
+    // The log names each change and the re-shaped schedule.
+    const std::string log = read_file(root_ / "runs" / k.name / "train.log");
+    EXPECT_NE(log.find("lr schedule re-shaped at optimizer step 4"), std::string::npos) << log;
+    for (const std::string& set : k.sets) {
+      const std::string key = set.substr(0, set.find('='));
+      EXPECT_NE(log.find("changed on resume: " + key + ": "), std::string::npos) << key << "\n" << log;
+    }
+  }
+
+  // More steps trains on to the new end, writes checkpoints at the new steps, and lowers the loss.
+  const fs::path more = root_ / "runs/sched_more";
+  EXPECT_NE(read_file(more / "train.log").find("changed on resume: train.steps: 8 -> 12"), std::string::npos);
+  EXPECT_NE(read_file(more / "train.log").find("changed on resume: checkpoint.every: 4 -> 2"), std::string::npos);
+  for (int step : {6, 8, 10, 12})
+    EXPECT_EQ(verify_checkpoint(more / fmt::format("checkpoints/step_{}", step)), "") << "step " << step;
+  const std::vector<LoggedStep> more_steps = logged_steps(more);
+  EXPECT_LT(more_steps.back().loss, original.front().loss);
+  // The re-shaped schedule is part of the checkpoint: resuming step 8 again, unchanged, follows it
+  // and gives the same steps 9..12 bit for bit.
+  TrainConfig again = config("sched_again", {"eval.batches=0", "checkpoint.every=2", "checkpoint.keep_last=0",
+                                             "train.steps=12"});
+  fs::create_directories(again.checkpoint.dir);
+  fs::copy(more / "checkpoints/step_8", fs::path(again.checkpoint.dir) / "step_8", fs::copy_options::recursive);
+  train(again, "auto");
+  const std::vector<LoggedStep> again_steps = logged_steps(root_ / "runs/sched_again");
+  ASSERT_EQ(again_steps.size(), 4u);
+  for (size_t i = 0; i < 4; ++i) {
+    EXPECT_EQ(again_steps[i].lr, more_steps[4 + i].lr) << "step " << again_steps[i].step;
+    EXPECT_EQ(again_steps[i].loss, more_steps[4 + i].loss) << "step " << again_steps[i].step;
+  }
+  EXPECT_TRUE(read_file(more / "checkpoints/step_12/model.safetensors") ==
+              read_file(root_ / "runs/sched_again/checkpoints/step_12/model.safetensors"));
+  EXPECT_EQ(read_file(root_ / "runs/sched_again/train.log").find("re-shaped"), std::string::npos);
+
+  // Fewer steps than the checkpoint has taken is an error naming both.
   try {
-    train(c, "auto");
+    train(config("sched_fewer", {"eval.batches=0", "train.steps=3", "optim.warmup_steps=1"}),
+          (root_ / "runs/sched_first/checkpoints/step_4").string());
     FAIL() << "expected an error";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("optim.lr"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("train.steps (3) is below its step 4"), std::string::npos) << e.what();
   }
 }
 
@@ -93,6 +215,66 @@ TEST_F(TrainTest, SigtermFinishesTheStepCheckpointsAndResumesBitExactly) {
   EXPECT_EQ(now.sa_handler, SIG_DFL);
 }
 
+// New data on resume: the loader starts the new shards from their beginning with the run's seed,
+// so the first resumed step trains on the new data's first windows (not on the old position).
+TEST_F(TrainTest, ResumeOnNewDataStartsItFromItsBeginning) {
+  const fs::path other = prepare_other_corpus("other_shards", 11);
+  const std::vector<std::string> base = {"eval.batches=0", "checkpoint.every=0", "train.steps=4"};
+  train(config("newdata", base));
+  const fs::path step4 = root_ / "runs/newdata/checkpoints/step_4";
+  const nlohmann::json saved = nlohmann::json::parse(read_file(step4 / "trainer_state.json"));
+  ASSERT_EQ(saved.at("loader").at("cursor").get<int64_t>(), 16);
+
+  // The loss of step 5 as it must be: the step-4 model on the first 4 windows of a fresh loader over
+  // the new data with seed 3, and (to show the test tells them apart) at the old position 16..19.
+  LoadedModel m = load_model_from_checkpoint(step4);
+  data::LoaderOptions o;
+  o.shard_dir = other.string();
+  o.seq_len = 32;
+  o.seed = 3;
+  o.prefetch = 0;
+  o.vocab_size = 320;
+  data::Loader fresh(o);
+  auto step_loss = [&](int64_t first_window) {
+    double sum = 0, count = 0;
+    for (int64_t w = first_window; w < first_window + 4; ++w) {
+      data::Batch b = fresh.make_batch(0, w);
+      const int64_t n = static_cast<int64_t>(b.tokens.size());
+      model::LossSum l = m.model->forward({Tensor(b.tokens.data(), DType::i32, {n}),
+                                           Tensor(b.labels.data(), DType::i32, {n}),
+                                           Tensor(b.positions.data(), DType::i32, {n})});
+      sum += l.sum;
+      count += static_cast<double>(l.count);
+    }
+    return sum / count;
+  };
+  const double from_start = step_loss(0), from_old_position = step_loss(16);
+
+  std::vector<std::string> sets = {"eval.batches=0", "checkpoint.every=0", "train.steps=6",
+                                   "data.train=" + other.string()};
+  TrainConfig c = config("newdata", sets);
+  TrainSummary s = train(c, "auto");
+  ASSERT_EQ(s.first_step, 5);
+  ASSERT_EQ(s.losses.size(), 2u);
+  EXPECT_NEAR(s.losses[0], from_start, 1e-5 * from_start);
+  EXPECT_GT(std::abs(s.losses[0] - from_old_position), 1e-3) << "the old position gives the same loss";
+  EXPECT_TRUE(std::isfinite(s.losses[1]));
+  ::testing::Test::RecordProperty("step5_loss", fmt::format("{:.6f}", s.losses[0]));
+  ::testing::Test::RecordProperty("fresh_stream_loss", fmt::format("{:.6f}", from_start));
+  ::testing::Test::RecordProperty("old_position_loss", fmt::format("{:.6f}", from_old_position));
+  // Two steps into the new data: its loader stands at window 8 of epoch 0.
+  const nlohmann::json state =
+      nlohmann::json::parse(read_file(root_ / "runs/newdata/checkpoints/step_6/trainer_state.json"));
+  EXPECT_EQ(state.at("loader").at("cursor").get<int64_t>(), 8);
+  EXPECT_EQ(state.at("loader").at("epoch").get<int64_t>(), 0);
+  const std::string log = read_file(root_ / "runs/newdata/train.log");
+  EXPECT_NE(log.find("changed on resume: data.train: "), std::string::npos) << log;
+  const std::string said = "new data: data.train changed from " + (root_ / "shards").string() + " to " +
+                           other.string() +
+                           "; the loader starts it from its beginning (epoch 0, window 0 of its order) with the "
+                           "run's seed 3";
+  EXPECT_NE(log.find(said), std::string::npos) << log;
+}
 TEST_F(TrainTest, NonFiniteGradientsAreSkippedWithoutAnUpdate) {
   TrainConfig c = config("nan_skip", {"train.on_nonfinite=skip", "eval.batches=0"});
   std::vector<float> before_step3;
@@ -370,6 +552,78 @@ TEST_F(TrainTest, BadConfigsExitNonZeroAndCreateNoRunDirectory) {
     EXPECT_FALSE(fs::exists(root_ / "runs" / cases[i].name)) << cases[i].name << " created its run directory";
     expect_no_source_location(out);
   }
+}
+
+// Through the real CLI: a resume that changes keys a checkpoint cannot take exits 1 naming every
+// one with its old and new value (all refused keys but train.device, which needs a GPU here, and
+// parallel.sp_size, which needs several processes: the launcher test has it), and changes nothing
+// on disk: the run directory's config and checkpoints stay as they were.
+TEST_F(TrainTest, ResumeThroughTheCliRefusesEveryChangedKeyThatTheCheckpointCannotTake) {
+  const std::vector<std::string> base = {"train.steps=2", "checkpoint.every=0", "eval.batches=0"};
+  train(config("refused", base));
+  fs::copy_file(root_ / "tok.model", root_ / "tok2.model", fs::copy_options::overwrite_existing);
+  const fs::path run = root_ / "runs/refused";
+  const std::string config_before = read_file(run / "config.yaml");
+  const auto quoted = [](const fs::path& p) { return nlohmann::json(p.string()).dump(); };
+  const std::vector<std::pair<std::string, std::string>> refused = {
+      {"model.vocab_size=384", "model.vocab_size: 320 -> 384"},
+      {"model.dim=48", "model.dim: 32 -> 48"},
+      {"model.n_layers=3", "model.n_layers: 2 -> 3"},
+      {"model.n_heads=6", "model.n_heads: 4 -> 6"},
+      {"model.n_kv_heads=3", "model.n_kv_heads: 2 -> 3"},
+      {"model.head_dim=12", "model.head_dim: 8 -> 12"},
+      {"model.ffn_dim=96", "model.ffn_dim: 64 -> 96"},
+      {"model.rope_theta=500000", "model.rope_theta: 10000.0 -> 500000.0"},
+      {"model.norm_eps=0.001", "model.norm_eps: 1e-05 -> 0.001"},
+      {"model.tie_embeddings=true", "model.tie_embeddings: false -> true"},
+      {"model.max_seq_len=128", "model.max_seq_len: 64 -> 128"},
+      {"model.init_std=0.01", "model.init_std: 0.02 -> 0.01"},
+      {"data.tokenizer=" + (root_ / "tok2.model").string(),
+       "data.tokenizer: " + quoted(root_ / "tok.model") + " -> " + quoted(root_ / "tok2.model")},
+      {"data.seq_len=48", "data.seq_len: 32 -> 48"},
+      {"train.dtype=f64", "train.dtype: f32 -> f64"},
+      {"train.batch_size=1", "train.batch_size: 2 -> 1"},
+      {"train.grad_accum=1", "train.grad_accum: 2 -> 1"},
+      {"train.seed=4", "train.seed: 3 -> 4"},
+      {"optim.weight_decay=0.05", "optim.weight_decay: 0.1 -> 0.05"},
+      {"optim.beta1=0.8", "optim.beta1: 0.9 -> 0.8"},
+      {"optim.beta2=0.99", "optim.beta2: 0.95 -> 0.99"},
+      {"optim.eps=1e-6", "optim.eps: 1e-08 -> 1e-06"},
+      {"optim.grad_clip=0.5", "optim.grad_clip: 1.0 -> 0.5"},
+      {"optim.no_decay=[norm]", "optim.no_decay: [\"norm\", \"embed_tokens\"] -> [\"norm\"]"},
+      {"parallel.layout=contiguous", "parallel.layout: zigzag -> contiguous"},
+      {"attention.causal=false", "attention.causal: true -> false"},
+  };
+  std::string args = "train " + write_config("refused").string() + " --resume auto";
+  for (const std::string& set : base) args += " --set " + set;
+  // Allowed ones alongside (attention.schedule because zigzag needs the zigzag layout) are not named.
+  for (const char* set : {"train.steps=4", "attention.schedule=ring", "logging.log_every=1"})
+    args += std::string(" --set ") + set;
+  for (const auto& [set, named] : refused) args += " --set '" + set + "'";
+  std::string out;
+  EXPECT_EQ(run_cli(args, out), 1) << out;
+  EXPECT_NE(out.find("longtrain: error: cannot resume from " + (run / "checkpoints/step_2").string() +
+                     ": these keys are part of what the checkpoint means"),
+            std::string::npos)
+      << out;
+  for (const auto& [set, named] : refused)
+    EXPECT_NE(out.find("\n  " + named + "\n"), std::string::npos) << named << "\n" << out;
+  for (const char* key : {"train.steps", "attention.schedule", "logging.log_every"})
+    EXPECT_EQ(out.find(key), std::string::npos) << key << " is allowed on resume\n" << out;
+  EXPECT_EQ(out.find(".cpp"), std::string::npos) << "a source location in a user-facing error\n" << out;
+  EXPECT_EQ(read_file(run / "config.yaml"), config_before);
+  EXPECT_EQ(list_complete_checkpoints(run / "checkpoints").size(), 1u);
+
+  // One refused key alone is named alone; the same resume without it goes on.
+  std::string one = "train " + write_config("refused").string() + " --resume auto";
+  for (const std::string& set : base) one += " --set " + set;
+  one += " --set train.steps=4";
+  EXPECT_EQ(run_cli(one + " --set train.seed=9", out), 1) << out;
+  EXPECT_NE(out.find("\n  train.seed: 3 -> 9\n"), std::string::npos) << out;
+  EXPECT_EQ(out.find("model."), std::string::npos) << out;
+  EXPECT_EQ(run_cli(one, out), 0) << out;
+  EXPECT_NE(out.find("changed on resume: train.steps: 2 -> 4"), std::string::npos) << out;
+  EXPECT_EQ(verify_checkpoint(run / "checkpoints/step_4"), "");
 }
 
 }  // namespace
