@@ -17,6 +17,7 @@
 #include <iterator>
 #include <optional>
 #include <random>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -141,6 +142,31 @@ template <class... Out>
   (read_one(outs), ...);
   if (!failure.empty()) return ::testing::AssertionFailure() << failure;
   return ::testing::AssertionSuccess();
+}
+
+// One "CASE <name> <error> <tolerance>" line of a worker's report.
+struct CaseLine {
+  std::string name;
+  double error = 0, tolerance = 0;
+};
+
+// Every CASE line of a worker's output `text`; a malformed or non-finite one fails the test (naming
+// `who`, e.g. the rank) instead of reading as a zero error.
+inline std::vector<CaseLine> case_lines(const std::string& text, const std::string& who) {
+  std::vector<CaseLine> out;
+  std::istringstream in(text);
+  for (std::string line; std::getline(in, line);) {
+    std::istringstream ls(line);
+    std::string word;
+    if (!(ls >> word) || word != "CASE") continue;
+    CaseLine c;
+    const bool named = static_cast<bool>(ls >> c.name);
+    const ::testing::AssertionResult read = named ? read_fields(ls, c.error, c.tolerance)
+                                                  : ::testing::AssertionFailure() << "no case name";
+    EXPECT_TRUE(read) << who << ": malformed line: " << line;
+    if (read) out.push_back(std::move(c));
+  }
+  return out;
 }
 
 // The whole content of the file at `path`. A file that is missing or cannot be read is an error: a

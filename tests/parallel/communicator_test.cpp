@@ -298,21 +298,13 @@ void expect_cases(const std::vector<test::RankOutcome>& outcomes, int min_cases)
   std::map<std::string, double> worst;
   for (size_t r = 0; r < outcomes.size(); ++r) {
     ASSERT_TRUE(outcomes[r].exited(0)) << "rank " << r << ":\n" << outcomes[r].text;
-    std::istringstream in(outcomes[r].text);
-    int cases = 0;
-    for (std::string line; std::getline(in, line);) {
-      std::istringstream ls(line);
-      std::string word, name;
-      double err = 0, tol = 0;
-      if (!(ls >> word) || word != "CASE") continue;
-      ls >> name;
-      EXPECT_TRUE(test::read_fields(ls, err, tol)) << "rank " << r << ": malformed line: " << line;
-      ++cases;
-      EXPECT_LE(err, tol) << "rank " << r << ": " << name;
-      const std::string kind = name.substr(0, name.find('/', name.find('/') + 1));
-      worst[kind] = std::max(worst[kind], err);
+    const std::vector<test::CaseLine> cases = test::case_lines(outcomes[r].text, "rank " + std::to_string(r));
+    for (const test::CaseLine& c : cases) {
+      EXPECT_LE(c.error, c.tolerance) << "rank " << r << ": " << c.name;
+      const std::string kind = c.name.substr(0, c.name.find('/', c.name.find('/') + 1));
+      worst[kind] = std::max(worst[kind], c.error);
     }
-    EXPECT_GE(cases, min_cases) << "rank " << r << " reported too few cases:\n" << outcomes[r].text;
+    EXPECT_GE(static_cast<int>(cases.size()), min_cases) << "rank " << r << " reported too few cases:\n" << outcomes[r].text;
   }
   for (const auto& [kind, err] : worst) std::cout << "  worst " << kind << ": " << err << "\n";
 }

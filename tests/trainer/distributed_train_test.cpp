@@ -62,7 +62,32 @@ int launch_capture(int nproc, const std::string& args, std::string& output) {
   return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
 }
 
-class DistributedTrainTest : public TrainTest {};
+class DistributedTrainTest : public TrainTest {
+ protected:
+  // `longtrain train` arguments for run `name` with `sets` as --set overrides.
+  static std::string train_args(const std::string& name, const std::vector<std::string>& sets) {
+    std::string args = "train " + write_config(name).string();
+    for (const std::string& s : sets) args += " --set " + s;
+    return args;
+  }
+  // The same as an argv for longtrain-run over `nproc` ranks (for a launcher the test signals).
+  static std::vector<std::string> launcher_argv(int nproc, const std::string& name,
+                                                const std::vector<std::string>& sets) {
+    std::vector<std::string> argv = {LONGTRAIN_RUN_BINARY, "--nproc-per-node", std::to_string(nproc),
+                                     "--master-addr", "127.0.0.1", "--master-port",
+                                     std::to_string(parallel::net::pick_free_port()), "--", LONGTRAIN_BINARY, "train",
+                                     write_config(name).string()};
+    for (const std::string& s : sets) argv.insert(argv.end(), {"--set", s});
+    return argv;
+  }
+  // Waits until run `run` logged `steps` losses (or the launcher ended, or 60 s passed).
+  static void wait_for_steps(const fs::path& run, size_t steps, pid_t launcher) {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    while (logged_losses(run).size() < steps && std::chrono::steady_clock::now() < deadline) {
+      if (::longtrain::test::wait_for_exit(launcher, std::chrono::milliseconds(10))) break;
+    }
+  }
+};
 
 TEST_F(DistributedTrainTest, DataParallelEqualsOneRankWithTheWholeBatch) {
   const std::vector<std::string> common = {"train.steps=10", "eval.batches=0", "checkpoint.every=0",
@@ -245,27 +270,11 @@ TEST_F(DistributedTrainTest, SigtermThroughTheLauncherCheckpointsAndResumesBitEx
                                          "train.batch_size=1", "train.grad_accum=1", "parallel.sp_size=2",
                                          "parallel.layout=zigzag", "attention.schedule=zigzag",
                                          "logging.log_every=1000"};
-  auto argv_for = [&](const std::string& name, int port) {
-    std::vector<std::string> argv = {LONGTRAIN_RUN_BINARY, "--nproc-per-node", "4", "--master-addr", "127.0.0.1",
-                                     "--master-port", std::to_string(port), "--", LONGTRAIN_BINARY, "train",
-                                     write_config(name).string()};
-    for (const std::string& s : sets) argv.insert(argv.end(), {"--set", s});
-    return argv;
-  };
-  auto args_for = [&](const std::string& name) {
-    std::string args = "train " + write_config(name).string();
-    for (const std::string& s : sets) args += " --set " + s;
-    return args;
-  };
   const fs::path run = root_ / "runs/preempted";
-  const pid_t launcher = ::longtrain::test::spawn(argv_for("preempted", parallel::net::pick_free_port()), {},
+  const pid_t launcher = ::longtrain::test::spawn(launcher_argv(4, "preempted", sets), {},
                                                   (root_ / "preempted.out").string(),
                                                   (root_ / "preempted.err").string());
-  // Wait for a few steps, then preempt.
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-  while (logged_losses(run).size() < 3 && std::chrono::steady_clock::now() < deadline) {
-    if (::longtrain::test::wait_for_exit(launcher, std::chrono::milliseconds(10))) break;
-  }
+  wait_for_steps(run, 3, launcher);  // a few steps, then preempt
   ASSERT_GE(logged_losses(run).size(), 3u) << test::read_file(root_ / "preempted.err");
   ASSERT_EQ(::kill(launcher, SIGTERM), 0);
   const std::optional<int> status = ::longtrain::test::wait_for_exit(launcher, std::chrono::seconds(60));
@@ -280,8 +289,8 @@ TEST_F(DistributedTrainTest, SigtermThroughTheLauncherCheckpointsAndResumesBitEx
   EXPECT_TRUE(fs::exists(ckpt / "MANIFEST.json")) << ckpt << "\n" << err;
   for (int r = 0; r < 4; ++r) EXPECT_TRUE(fs::exists(ckpt / fmt::format("optimizer.rank{}.safetensors", r))) << r;
 
-  ASSERT_EQ(launch(4, args_for("preempted") + " --resume auto"), 0);
-  ASSERT_EQ(launch(4, args_for("unpreempted")), 0);
+  ASSERT_EQ(launch(4, train_args("preempted", sets) + " --resume auto"), 0);
+  ASSERT_EQ(launch(4, train_args("unpreempted", sets)), 0);
   const std::vector<double> whole = logged_losses(root_ / "runs/unpreempted"), parts = logged_losses(run);
   ASSERT_EQ(parts.size(), whole.size());
   for (size_t i = 0; i < whole.size(); ++i) EXPECT_EQ(parts[i], whole[i]) << "step " << i + 1;
@@ -296,19 +305,10 @@ TEST_F(DistributedTrainTest, ARankKilledMidRunStopsTheJobAndResumeIsBitExact) {
                                          "train.batch_size=1", "train.grad_accum=1", "parallel.sp_size=2",
                                          "parallel.layout=zigzag", "attention.schedule=zigzag",
                                          "logging.log_every=1000"};
-  std::vector<std::string> argv = {LONGTRAIN_RUN_BINARY, "--nproc-per-node", "4", "--master-addr", "127.0.0.1",
-                                   "--master-port", std::to_string(parallel::net::pick_free_port()), "--",
-                                   LONGTRAIN_BINARY, "train", write_config("killed").string()};
-  for (const std::string& s : sets) argv.insert(argv.end(), {"--set", s});
-  std::string args = "train " + write_config("killed").string();
-  for (const std::string& s : sets) args += " --set " + s;
   const fs::path run = root_ / "runs/killed";
-  const pid_t launcher = ::longtrain::test::spawn(argv, {}, (root_ / "killed.out").string(),
-                                                  (root_ / "killed.err").string());
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-  while (logged_losses(run).size() < 15 && std::chrono::steady_clock::now() < deadline) {
-    if (::longtrain::test::wait_for_exit(launcher, std::chrono::milliseconds(10))) break;
-  }
+  const pid_t launcher = ::longtrain::test::spawn(launcher_argv(4, "killed", sets), {},
+                                                  (root_ / "killed.out").string(), (root_ / "killed.err").string());
+  wait_for_steps(run, 15, launcher);  // past the checkpoint of step 10
   ASSERT_GE(logged_losses(run).size(), 15u) << test::read_file(root_ / "killed.err");
   // The ranks are the launcher's children; kill the third.
   std::vector<pid_t> ranks;
@@ -330,10 +330,8 @@ TEST_F(DistributedTrainTest, ARankKilledMidRunStopsTheJobAndResumeIsBitExact) {
   for (pid_t p : ranks) EXPECT_FALSE(::longtrain::test::pid_alive(p)) << "rank pid " << p << " survived";
   ASSERT_LT(logged_losses(run).size(), 120u) << "the run ended before the kill";
 
-  ASSERT_EQ(launch(4, args + " --resume auto"), 0);
-  std::string reference = "train " + write_config("not_killed").string();
-  for (const std::string& s : sets) reference += " --set " + s;
-  ASSERT_EQ(launch(4, reference), 0);
+  ASSERT_EQ(launch(4, train_args("killed", sets) + " --resume auto"), 0);
+  ASSERT_EQ(launch(4, train_args("not_killed", sets)), 0);
   test::expect_same_checkpoint(root_ / "runs/not_killed/checkpoints/step_120", run / "checkpoints/step_120", 4);
 }
 

@@ -225,19 +225,9 @@ TEST_P(BucketedReduction, DuringBackwardEqualsOneReduceScatterAfterIt) {
   auto out = test::run_ranks(p, [&](int r) { return bucketed_against_whole(r, p, port); }, 60s);
   for (int r = 0; r < p; ++r) {
     ASSERT_TRUE(out[r].exited(0)) << "rank " << r << ":\n" << out[r].text;
-    std::istringstream in(out[r].text);
-    int cases = 0;
-    for (std::string line; std::getline(in, line);) {
-      std::istringstream ls(line);
-      std::string word, name;
-      double err = 0, tol = 0;
-      if (!(ls >> word) || word != "CASE") continue;
-      ls >> name;
-      EXPECT_TRUE(test::read_fields(ls, err, tol)) << "rank " << r << ": malformed line: " << line;
-      ++cases;
-      EXPECT_LE(err, tol) << "rank " << r << ": " << name;
-    }
-    EXPECT_EQ(cases, 3) << "rank " << r << ":\n" << out[r].text;
+    const std::vector<test::CaseLine> cases = test::case_lines(out[r].text, "rank " + std::to_string(r));
+    for (const test::CaseLine& c : cases) EXPECT_LE(c.error, c.tolerance) << "rank " << r << ": " << c.name;
+    EXPECT_EQ(cases.size(), 3u) << "rank " << r << ":\n" << out[r].text;
   }
 }
 
