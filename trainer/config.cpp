@@ -938,8 +938,46 @@ std::string read_config_file(const std::string& path) {
 // ---------------------------------------------------------------------------------------------------
 // Public API.
 
+namespace {
+
+// The byte offset of the first byte that is not part of a well-formed UTF-8 sequence, or npos. YAML
+// is UTF-8 text; yaml-cpp passes other bytes through, and the config's JSON forms (its hash, the
+// resolved copy) cannot hold them.
+size_t invalid_utf8_at(std::string_view s) {
+  size_t i = 0;
+  while (i < s.size()) {
+    const auto c = static_cast<unsigned char>(s[i]);
+    size_t n = c < 0x80 ? 1 : (c >> 5) == 0x6 ? 2 : (c >> 4) == 0xe ? 3 : (c >> 3) == 0x1e ? 4 : 0;
+    if (n == 0 || i + n > s.size() || (n == 2 && c < 0xc2)) return i;
+    for (size_t k = 1; k < n; ++k)
+      if ((static_cast<unsigned char>(s[i + k]) >> 6) != 0x2) return i;
+    const auto c1 = n > 1 ? static_cast<unsigned char>(s[i + 1]) : 0;
+    // Overlong forms, UTF-16 surrogates and code points past U+10FFFF.
+    if ((n == 3 && c == 0xe0 && c1 < 0xa0) || (n == 3 && c == 0xed && c1 >= 0xa0) ||
+        (n == 4 && c == 0xf0 && c1 < 0x90) || (n == 4 && (c > 0xf4 || (c == 0xf4 && c1 >= 0x90))))
+      return i;
+    i += n;
+  }
+  return std::string_view::npos;
+}
+
+// `where` is the file (the line is added) or the --set override.
+void check_utf8(std::string_view text, const std::string& where, bool is_file) {
+  const size_t at = invalid_utf8_at(text);
+  if (at == std::string_view::npos) return;
+  const int64_t line = 1 + std::count(text.begin(), text.begin() + static_cast<std::ptrdiff_t>(at), '\n');
+  throw Error(fmt::format("{}{}: byte 0x{:02x} is not UTF-8 text (a config holds UTF-8 only; paths with other "
+                          "bytes cannot be given here)",
+                          where, is_file ? fmt::format(":{}", line) : std::string(),
+                          static_cast<unsigned char>(text[at])));
+}
+
+}  // namespace
+
 TrainConfig config_from_yaml_string(const std::string& yaml, const std::vector<std::string>& overrides,
                                     const std::string& source_name) {
+  check_utf8(yaml, source_name, true);
+  for (const std::string& o : overrides) check_utf8(o, "--set " + o.substr(0, o.find('=')), false);
   Loader loader(source_name);
   loader.apply_document(yaml);
   for (const std::string& o : overrides) loader.apply_override(o);
