@@ -150,9 +150,14 @@ nlohmann::json read_manifest(const std::string& dir) {
   } catch (const nlohmann::json::exception& e) {
     LT_FAIL("'{}' is not valid JSON: {}", path, e.what());
   }
-  LT_CHECK(m.is_object() && m.value("format", "") == "longtrain-shards",
+  // Checked by type before any value is read: json::value() throws its own exception when a field
+  // holds another type (found by the shards fuzz target).
+  LT_CHECK(m.is_object() && m.contains("format") && m["format"].is_string() &&
+               m["format"].get<std::string>() == "longtrain-shards",
            "'{}' is not a longtrain shard manifest (\"format\" must be \"longtrain-shards\")", path);
-  const int version = m.value("version", -1);
+  LT_CHECK(m.contains("version") && m["version"].is_number_integer(),
+           "'{}' has no integer \"version\": not a manifest this build can read; prepare the shards again", path);
+  const int64_t version = m["version"].get<int64_t>();
   LT_CHECK(version == kManifestVersion,
            "'{}' has manifest version {}, this build reads version {}: prepare the shards again", path,
            version, kManifestVersion);
