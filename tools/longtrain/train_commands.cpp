@@ -1,6 +1,7 @@
 // `longtrain train`, `longtrain eval`, `longtrain generate` and `longtrain schema`.
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -13,6 +14,7 @@
 #include "runtime/device.h"
 #include "tools/longtrain/commands.h"
 #include "trainer/config.h"
+#include "trainer/passkey.h"
 #include "trainer/trainer.h"
 
 namespace longtrain::cli {
@@ -86,10 +88,39 @@ void add_train_commands(CLI::App& app) {
                     "max_position_embeddings); may exceed the training length");
     cmd->add_option("--device", *device, "cpu (f32, default) or cuda (bf16 mixed precision)")
         ->check(CLI::IsMember({"cpu", "cuda"}));
+    auto passkey = std::make_shared<bool>(false);
+    auto pk = std::make_shared<trainer::PasskeyOptions>();
+    auto out_dir = std::make_shared<std::string>("passkey");
+    auto tokenizer_path = std::make_shared<std::string>();
+    cmd->add_flag("--passkey", *passkey,
+                  "Passkey retrieval instead of the loss: the length x depth grid of exact-match accuracy");
+    cmd->add_option("--lengths", pk->lengths, "Passkey prompt lengths in tokens, e.g. 4096,16384")->delimiter(',');
+    cmd->add_option("--depths", pk->depths, "Passkey depths in [0, 1] (default 0,0.25,0.5,0.75,1)")->delimiter(',');
+    cmd->add_option("--trials", pk->trials, "Passkey keys per cell (default 5)");
+    cmd->add_option("--seed", pk->seed, "Seed of the passkey keys (default 0)");
+    cmd->add_option("--out", *out_dir, "Directory for passkey.json and passkey.svg (default ./passkey)");
+    cmd->add_option("--tokenizer", *tokenizer_path, "SentencePiece model (default: the directory's tokenizer.model)");
     cmd->callback([=] {
       const Device dev = *device == "cuda" ? Device::cuda : Device::cpu;
       LT_CHECK(dev == Device::cpu || cuda_available(), "eval --device cuda: no CUDA device is usable here");
       LT_CHECK(*seq_len >= 0, "eval --seq-len must be positive, got {}", *seq_len);
+      if (*passkey) {
+        trainer::LoadedModel m = trainer::load_model_from_checkpoint(*dir, 1, dev);
+        std::string tok = !tokenizer_path->empty() ? *tokenizer_path : (fs::path(*dir) / "tokenizer.model").string();
+        if (!fs::exists(tok)) tok = m.config.data.tokenizer;
+        LT_CHECK(!tok.empty() && fs::exists(tok),
+                 "eval --passkey: no tokenizer: {} has no tokenizer.model and the config names none; pass --tokenizer",
+                 *dir);
+        data::Tokenizer tokenizer(tok);
+        const std::vector<trainer::PasskeyCell> cells = trainer::passkey_eval(*m.model, tokenizer, *pk);
+        fmt::print("passkey retrieval, {} (step {}): correct / trials\n{}", *dir, m.step, trainer::passkey_table(cells));
+        fs::create_directories(*out_dir);
+        std::ofstream(fs::path(*out_dir) / "passkey.json") << trainer::passkey_json(cells);
+        std::ofstream(fs::path(*out_dir) / "passkey.svg") << trainer::passkey_svg(cells, "passkey retrieval: " + *dir);
+        LT_CHECK(fs::file_size(fs::path(*out_dir) / "passkey.svg") > 0, "eval --passkey: writing {} failed", *out_dir);
+        fmt::print("wrote {}/passkey.json and {}/passkey.svg\n", *out_dir, *out_dir);
+        return;
+      }
       trainer::LoadedModel m = trainer::load_model_from_checkpoint(*dir, *seq_len, dev);
       trainer::TrainConfig& c = m.config;
       if (*seq_len > 0) {
