@@ -14,6 +14,8 @@
 #pragma once
 
 #include <cstdint>
+#include <utility>
+#include <vector>
 
 #include "runtime/tensor.h"
 
@@ -34,14 +36,22 @@ void rmsnorm_forward(Tensor y, Tensor rstd, Tensor x, Tensor w, double eps);
 void rmsnorm_backward(Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w, Tensor rstd);
 
 // ---- rope (Hugging Face rotate-half convention) ----------------------------------------------
-// For head dim D and i < D/2: inv_freq[i] = theta^(-2i/D), angle = positions[t] * inv_freq[i];
-// (x[i], x[i + D/2]) <- (x[i] cos - x[i + D/2] sin, x[i + D/2] cos + x[i] sin).
-// In place on a [T, H, D] view (e.g. the Q or K part of the fused QKV output). Positions are global.
+// For head dim D and i < D/2: angle = positions[t] * inv_freq[i], c = a·cos(angle), s = a·sin(angle)
+// with a the attention factor; (x[i], x[i + D/2]) <- (x[i] c - x[i + D/2] s, x[i + D/2] c + x[i] s).
+// inv_freq is the table given (RoPE scaling: model/rope_scaling.h computes it as transformers does)
+// or, when empty, theta^(-2i/D). In place on a [T, H, D] view (e.g. the Q or K part of the fused QKV
+// output). Positions are global.
+constexpr int64_t kMaxRopeHalfDim = 256;  // inv_freq entries a table may hold: head_dim <= 512
 struct RopeParams {
-  double theta = 10000.0;
+  double theta;
+  std::vector<double> inv_freq;  // D/2 entries, or empty for theta^(-2i/D)
+  double attention_factor;       // scales cos and sin (yarn), so q·k logits scale by its square
+
+  RopeParams(double theta_ = 10000.0, std::vector<double> inv_freq_ = {}, double attention_factor_ = 1.0)
+      : theta(theta_), inv_freq(std::move(inv_freq_)), attention_factor(attention_factor_) {}
 };
 void rope_forward(Tensor x, Tensor positions, const RopeParams& p);
-// The transpose: rotates the gradient by -angle, in place.
+// The transpose: rotates the gradient by -angle and scales it by the attention factor, in place.
 void rope_backward(Tensor dx, Tensor positions, const RopeParams& p);
 
 // ---- swiglu --------------------------------------------------------------------------------

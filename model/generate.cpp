@@ -88,14 +88,18 @@ std::vector<float> decode_tokens(const LlamaModel& model, KvCache& cache, const 
 
   Tensor x = ws.get("x"), nrm = ws.get("n"), rstd = ws.get("rstd"), qkv = ws.get("qkv"), o = ws.get("o"),
          lse = ws.get("lse"), proj = ws.get("proj"), gate_up = ws.get("gate_up"), s = ws.get("s");
+  // The run's length is the cache's capacity (prompt + new tokens): what rope_scaling dynamic is
+  // computed for (model/rope_scaling.h).
+  RopeTable table = c.rope(cache.capacity());
+  const ops::RopeParams rope{c.rope_theta, std::move(table.inv_freq), table.attention_factor};
   ops::embedding_forward(x, ws.get("tokens"), p.embed);
   for (int64_t l = 0; l < c.n_layers; ++l) {
     const LayerParams& lp = p.layers[l];
     ops::rmsnorm_forward(nrm, rstd, x, lp.input_norm, c.norm_eps);
     ops::linear_forward(qkv, nrm, lp.qkv);
     const auto [q, k, v] = split_qkv(qkv, c);
-    ops::rope_forward(q, ws.get("positions"), {c.rope_theta});
-    ops::rope_forward(k, ws.get("positions"), {c.rope_theta});
+    ops::rope_forward(q, ws.get("positions"), rope);
+    ops::rope_forward(k, ws.get("positions"), rope);
     Tensor kc = cache.keys(l), vc = cache.values(l);
     copy_rows(kc.narrow(past, n), k);
     copy_rows(vc.narrow(past, n), v);

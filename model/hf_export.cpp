@@ -1,5 +1,6 @@
 #include "model/hf_export.h"
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -7,6 +8,7 @@
 #include <sstream>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
 #include "model/parameters.h"
@@ -82,22 +84,58 @@ std::string shape_string(const std::vector<int64_t>& shape) {
   return s + "]";
 }
 
-// rope_scaling (transformers 4.x) or rope_parameters (5.x): only the plain RoPE is representable.
+// rope_scaling (transformers 4.x) or rope_parameters (5.x, which also carries rope_theta) into
+// `scaling`, with transformers' read-time rules for what the object leaves out (see parse_hf_config).
 // Returns rope_theta when the object carries one.
-std::optional<double> check_rope_object(const json& rope, const char* key, const std::string& source) {
+std::optional<double> read_rope_object(const json& rope, const char* key, const std::string& source,
+                                       RopeScaling& scaling) {
   LT_CHECK(rope.is_object(), "{}: key '{}' must be an object or null, got {}", source, key, rope.dump());
   std::string type = "default";
   for (const char* type_key : {"rope_type", "type"})  // "type" is the legacy spelling
     if (rope.contains(type_key) && rope.at(type_key).is_string()) type = rope.at(type_key).get<std::string>();
-  LT_CHECK(type == "default",
-           "{}: {} of type '{}' is not supported: longtrain's LlamaConfig has plain RoPE only (rope_theta); remove "
-           "the scaling from config.json if you mean to train without it",
-           source, key, type);
-  if (rope.contains("rope_theta")) {
-    LT_CHECK(rope.at("rope_theta").is_number(), "{}: {}.rope_theta must be a number", source, key);
-    return rope.at("rope_theta").get<double>();
+  const auto& types = rope_scaling_types();
+  LT_CHECK(std::find(types.begin(), types.end(), type) != types.end(),
+           "{}: {} of type '{}' is not supported: longtrain computes RoPE scaling {}; remove or change it in "
+           "config.json",
+           source, key, type, fmt::join(types, ", "));
+  scaling = RopeScaling{};
+  scaling.type = type;
+  std::optional<double> theta;
+  for (auto it = rope.begin(); it != rope.end(); ++it) {
+    const std::string& field = it.key();
+    const json& v = it.value();
+    if (field == "rope_type" || field == "type") continue;
+    if (v.is_null()) continue;  // transformers reads null as "not given"
+    auto number = [&]() {
+      LT_CHECK(v.is_number(), "{}: {}.{} must be a number, got {}", source, key, field, v.dump());
+      return v.get<double>();
+    };
+    if (field == "rope_theta") theta = number();
+    else if (field == "factor") scaling.factor = number();
+    else if (field == "original_max_position_embeddings") {
+      LT_CHECK(v.is_number_integer(), "{}: {}.{} must be an integer, got {}", source, key, field, v.dump());
+      scaling.original_max_position_embeddings = v.get<int64_t>();
+    } else if (field == "low_freq_factor") scaling.low_freq_factor = number();
+    else if (field == "high_freq_factor") scaling.high_freq_factor = number();
+    else if (field == "beta_fast") scaling.beta_fast = number();
+    else if (field == "beta_slow") scaling.beta_slow = number();
+    else if (field == "attention_factor") scaling.attention_factor = number();
+    else if (field == "mscale") scaling.mscale = number();
+    else if (field == "mscale_all_dim") scaling.mscale_all_dim = number();
+    else if (field == "truncate") {
+      LT_CHECK(v.is_boolean(), "{}: {}.truncate must be true or false, got {}", source, key, v.dump());
+      scaling.truncate = v.get<bool>();
+    } else if (field == "partial_rotary_factor") {
+      LT_CHECK(v.is_number() && v.get<double>() == 1.0,
+               "{}: {}.partial_rotary_factor {} is not supported: longtrain rotates the whole head", source, key,
+               v.dump());
+    } else {
+      LT_FAIL("{}: {}.{} is not a field longtrain knows for RoPE scaling {} (it would be ignored, and the model "
+              "would compute something else); remove it",
+              source, key, field, type);
+    }
   }
-  return std::nullopt;
+  return theta;
 }
 
 }  // namespace
@@ -128,7 +166,28 @@ std::string hf_config_json(const HfLlamaConfig& config) {
   j["max_position_embeddings"] = m.max_seq_len;
   j["rms_norm_eps"] = m.norm_eps;
   j["rope_theta"] = m.rope_theta;
-  j["rope_scaling"] = nullptr;
+  if (m.rope_scaling.is_default()) {
+    j["rope_scaling"] = nullptr;
+  } else {
+    // transformers 4.x's form, which 5.x also reads. Only the fields given are written, so transformers
+    // applies the same defaults we did.
+    const RopeScaling& r = m.rope_scaling;
+    ordered_json rs;
+    rs["rope_type"] = r.type;
+    rs["factor"] = r.factor;
+    if (r.original_max_position_embeddings) rs["original_max_position_embeddings"] = r.original_max_position_embeddings;
+    if (r.low_freq_factor != 0.0) rs["low_freq_factor"] = r.low_freq_factor;
+    if (r.high_freq_factor != 0.0) rs["high_freq_factor"] = r.high_freq_factor;
+    if (r.beta_fast != 0.0) rs["beta_fast"] = r.beta_fast;
+    if (r.beta_slow != 0.0) rs["beta_slow"] = r.beta_slow;
+    if (r.attention_factor != 0.0) rs["attention_factor"] = r.attention_factor;
+    if (r.mscale != 0.0) rs["mscale"] = r.mscale;
+    if (r.mscale_all_dim != 0.0) rs["mscale_all_dim"] = r.mscale_all_dim;
+    if (r.type == "yarn" && !r.truncate) rs["truncate"] = false;
+    j["rope_scaling"] = rs;
+    // transformers' dynamic reads its original length from max_position_embeddings.
+    if (r.type == "dynamic") j["max_position_embeddings"] = r.original_max_position_embeddings;
+  }
   j["tie_word_embeddings"] = m.tie_embeddings;
   j["attention_bias"] = false;
   j["attention_dropout"] = 0.0;
@@ -188,13 +247,23 @@ HfLlamaConfig parse_hf_config(const std::string& text, const std::string& source
   }
   m.norm_eps = k.number("rms_norm_eps", kHfRmsNormEps);
   m.rope_theta = k.number("rope_theta", kHfRopeTheta);
-  if (k.present("rope_scaling")) check_rope_object(j.at("rope_scaling"), "rope_scaling", source);
-  if (k.present("rope_parameters")) {
-    std::optional<double> theta = check_rope_object(j.at("rope_parameters"), "rope_parameters", source);
-    if (theta) m.rope_theta = *theta;
-  }
   m.tie_embeddings = k.boolean("tie_word_embeddings", false);
   m.max_seq_len = k.integer("max_position_embeddings", kHfMaxPositions);
+  // 5.x's rope_parameters wins over a legacy rope_scaling left beside it, as in transformers.
+  const char* rope_key = k.present("rope_parameters") ? "rope_parameters" : k.present("rope_scaling") ? "rope_scaling" : nullptr;
+  if (rope_key) {
+    std::optional<double> theta = read_rope_object(j.at(rope_key), rope_key, source, m.rope_scaling);
+    if (theta) m.rope_theta = *theta;
+    RopeScaling& r = m.rope_scaling;
+    // What transformers fills in at read time: dynamic's original length is always
+    // max_position_embeddings; yarn's defaults to it, and yarn without a factor takes the ratio.
+    if (r.type == "dynamic") r.original_max_position_embeddings = m.max_seq_len;
+    if (r.type == "yarn" && r.original_max_position_embeddings == 0) r.original_max_position_embeddings = m.max_seq_len;
+    if (r.type == "yarn" && r.factor == 0.0 && r.original_max_position_embeddings > 0)
+      r.factor = static_cast<double>(m.max_seq_len) / static_cast<double>(r.original_max_position_embeddings);
+    LT_CHECK(r.type != "llama3" || r.original_max_position_embeddings > 0,
+             "{}: {} llama3 needs original_max_position_embeddings (Llama 3.1: 8192)", source, rope_key);
+  }
 
   // transformers >= 4.56 writes "dtype"; older versions "torch_dtype".
   out.torch_dtype = k.string("dtype", k.string("torch_dtype", "float32"));
@@ -297,6 +366,44 @@ std::vector<std::string> hf_weight_files(const std::string& dir) {
 SafetensorsLoadReport load_hf_weights(const std::string& dir, const Arena& params, ExtraTensors extra,
                                       DTypeConversion conversion) {
   return load_safetensors(hf_weight_files(dir), params, extra, conversion);
+}
+
+}  // namespace longtrain::model
+
+namespace longtrain::model {
+
+SafetensorsLoadReport init_from_hf_directory(const std::string& dir, const LlamaConfig& config, const Arena& params,
+                                             int threads, std::function<void(uint64_t, uint64_t)> progress) {
+  const std::string json_path = (fs::path(dir) / "config.json").string();
+  const LlamaConfig hf = read_hf_config(json_path).model;
+  auto same = [&](const char* key, const char* hf_key, auto ours, auto theirs) {
+    LT_CHECK(ours == theirs,
+             "model.init_from '{}': model.{} is {} but config.json has {} = {}; the weights cannot be loaded into "
+             "another shape",
+             dir, key, ours, hf_key, theirs);
+  };
+  same("vocab_size", "vocab_size", config.vocab_size, hf.vocab_size);
+  same("dim", "hidden_size", config.dim, hf.dim);
+  same("n_layers", "num_hidden_layers", config.n_layers, hf.n_layers);
+  same("n_heads", "num_attention_heads", config.n_heads, hf.n_heads);
+  same("n_kv_heads", "num_key_value_heads", config.n_kv_heads, hf.n_kv_heads);
+  same("head_dim", "head_dim", config.head_dim, hf.head_dim);
+  same("ffn_dim", "intermediate_size", config.ffn_dim, hf.ffn_dim);
+  same("tie_embeddings", "tie_word_embeddings", config.tie_embeddings, hf.tie_embeddings);
+  SafetensorsLoadOptions options;
+  options.extra = ExtraTensors::ignore;
+  options.conversion = DTypeConversion::rounding;
+  options.threads = threads;
+  options.progress = std::move(progress);
+  try {
+    return load_safetensors(hf_weight_files(dir), params, options);
+  } catch (const Error& e) {
+    // The inner message's own source location would only repeat ours.
+    std::string inner = e.what();
+    if (size_t colon = inner.find(": "); colon != std::string::npos && inner.find(".cpp:") < colon)
+      inner = inner.substr(colon + 2);
+    LT_FAIL("model.init_from '{}': {}", dir, inner);
+  }
 }
 
 }  // namespace longtrain::model

@@ -14,10 +14,22 @@
 // Reading follows transformers' rules for absent keys: num_key_value_heads absent or null means
 // n_heads (MHA), head_dim absent or null means hidden_size / num_attention_heads, and the other keys
 // take LlamaConfig's defaults in transformers. What longtrain's model cannot represent is an error,
-// never silently dropped: rope_scaling other than null/"default", hidden_act other than "silu",
-// attention_bias or mlp_bias true, a model_type other than "llama".
+// never silently dropped: a rope_type other than default, linear, dynamic, yarn and llama3 (or a
+// field longtrain does not know), hidden_act other than "silu", attention_bias or mlp_bias true, a
+// model_type other than "llama".
+//
+// RoPE scaling: read from rope_parameters (transformers 5.x, rope_theta inside) or rope_scaling (4.x;
+// "type" is its legacy spelling of rope_type), with transformers' read-time rules: dynamic's
+// original length is max_position_embeddings; yarn's original length defaults to it, and a yarn
+// without factor takes max_position_embeddings / original_max_position_embeddings. Written as 4.x's
+// rope_scaling object (5.x reads it too) with the fields that are set, beside rope_theta; for dynamic,
+// max_position_embeddings is written as the original length, because that is what transformers'
+// dynamic rescales from. Caveat: transformers 4.46 to 4.5x compute yarn's factor as
+// max_position_embeddings / original_max_position_embeddings whenever the latter is given, so an
+// export with yarn computes the same in those versions only when max_seq_len = factor · original.
 #pragma once
 
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -65,5 +77,17 @@ std::vector<std::string> hf_weight_files(const std::string& dir);
 SafetensorsLoadReport load_hf_weights(const std::string& dir, const Arena& params,
                                       ExtraTensors extra = ExtraTensors::ignore,
                                       DTypeConversion conversion = DTypeConversion::exact);
+
+// model.init_from: reads `dir`'s weights (f32, bf16 or f16, one file or the shards of
+// model.safetensors.index.json) into an allocated host parameter arena of `config`'s model,
+// converting to the arena's dtype (rounding to nearest even where it narrows), with `threads`
+// threads and `progress` as load_safetensors takes them. `dir`'s config.json must describe the same
+// shape as `config` (an error names the key and both values; max_seq_len, rope_theta and the RoPE
+// scaling may differ). Every tensor the model needs must be there (the error names the missing
+// ones and the directory); tensors it does not use (rotary_emb.inv_freq, a tied model's lm_head)
+// are ignored and reported.
+SafetensorsLoadReport init_from_hf_directory(const std::string& dir, const LlamaConfig& config, const Arena& params,
+                                             int threads = 0,
+                                             std::function<void(uint64_t, uint64_t)> progress = nullptr);
 
 }  // namespace longtrain::model

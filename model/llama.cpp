@@ -87,6 +87,8 @@ LlamaModel::LlamaModel(const LlamaConfig& config, Precision precision, Checkpoin
     attention_ = std::make_unique<attn::LocalSequenceAttention>(
         /*causal=*/true, 1.0 / std::sqrt(static_cast<double>(config_.head_dim)));
 
+  set_rope_length(config_.max_seq_len);
+
   add_parameter_entries(params_, config_, precision_.param);
   add_parameter_entries(grads_, config_, precision_.param);
   LT_CHECK(flat_shards >= 1, "flat_shards must be at least 1 (got {})", flat_shards);
@@ -121,6 +123,12 @@ LlamaModel::LlamaModel(const LlamaConfig& config, Precision precision, Checkpoin
 
 void LlamaModel::zero_grads() { zero(grads_.flat()); }
 
+void LlamaModel::set_rope_length(int64_t seq_len) {
+  LT_CHECK(seq_len > 0, "the RoPE sequence length must be positive, got {}", seq_len);
+  RopeTable table = config_.rope(seq_len);
+  rope_ = ops::RopeParams{config_.rope_theta, std::move(table.inv_freq), table.attention_factor};
+}
+
 LlamaModel::LayerActs LlamaModel::layer_acts(int64_t l, int64_t T) const {
   auto get = [&](const char* name) {
     Tensor t = keeps_activation(policy_, name) ? acts_.get(fmt::format("layers.{}.{}", l, name))
@@ -146,7 +154,7 @@ void LlamaModel::layer_forward(int64_t l, const LayerActs& a, Tensor x_in, Tenso
                                bool run_attention) {
   const LayerParams& p = p_.layers[l];
   const int64_t T = x_in.size(0), D = config_.head_dim, Hq = config_.n_heads;
-  const ops::RopeParams rope{config_.rope_theta};
+  const ops::RopeParams& rope = rope_;
   Tensor proj = acts_.get("proj").narrow(0, T);
 
   ops::rmsnorm_forward(a.n1, a.rstd1, x_in, p.input_norm, config_.norm_eps);
@@ -175,7 +183,7 @@ void LlamaModel::layer_backward(int64_t l, const LayerActs& a, Tensor x_in, Tens
   const LayerParams& p = p_.layers[l];
   const LayerParams& g = g_.layers[l];
   const int64_t T = x_in.size(0), D = config_.head_dim, Hq = config_.n_heads;
-  const ops::RopeParams rope{config_.rope_theta};
+  const ops::RopeParams& rope = rope_;
   Tensor d_norm = acts_.get("d_norm").narrow(0, T), d_s = acts_.get("d_s").narrow(0, T),
          d_gate_up = acts_.get("d_gate_up").narrow(0, T), d_o = acts_.get("d_o").narrow(0, T),
          d_qkv = acts_.get("d_qkv").narrow(0, T);

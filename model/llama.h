@@ -123,6 +123,13 @@ class LlamaModel {
   // Hugging Face transformers). The layers are the ones forward() runs.
   void forward_logits(const TokenShard& shard, Tensor logits);
 
+  // RoPE for runs over sequences of `seq_len` tokens (the whole sequence, before sequence-parallel
+  // sharding). Only rope_scaling dynamic depends on it (model/rope_scaling.h says why it is fixed
+  // per run); the model starts at config().max_seq_len. The trainer sets data.seq_len, eval its
+  // --seq-len.
+  void set_rope_length(int64_t seq_len);
+  const ops::RopeParams& rope() const { return rope_; }
+
   // Bytes of each arena, for the memory plan.
   size_t activation_bytes() const { return acts_.bytes(); }
 
@@ -147,6 +154,7 @@ class LlamaModel {
   CheckpointPolicy policy_;
   int64_t max_tokens_;
   std::unique_ptr<attn::SequenceAttention> attention_;
+  ops::RopeParams rope_;
   Arena params_, grads_, acts_;
   ModelParams p_, g_;
   // gradient_ranges_: [0] the head, [1 + L - 1 - l] layer l, [L + 1] the embedding.

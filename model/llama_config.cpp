@@ -23,6 +23,7 @@ void LlamaConfig::validate() const {
   LT_CHECK(head_dim % 2 == 0, "model.head_dim ({}) must be even: RoPE rotates pairs of dimensions", head_dim);
   LT_CHECK(rope_theta > 0.0, "model.rope_theta must be positive (got {})", rope_theta);
   LT_CHECK(norm_eps > 0.0, "model.norm_eps must be positive (got {})", norm_eps);
+  validate_rope_scaling(rope_scaling);
 }
 
 int64_t LlamaConfig::num_parameters() const {

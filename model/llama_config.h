@@ -5,6 +5,8 @@
 #include <cstdint>
 #include <string>
 
+#include "model/rope_scaling.h"
+
 namespace longtrain::model {
 
 struct LlamaConfig {
@@ -16,12 +18,17 @@ struct LlamaConfig {
   int64_t head_dim = 32;     // D; usually dim / n_heads
   int64_t ffn_dim = 688;     // F, the SwiGLU hidden size
   double rope_theta = 10000.0;
+  RopeScaling rope_scaling;  // transformers' rope_scaling / rope_parameters (model/rope_scaling.h)
   double norm_eps = 1e-5;
   bool tie_embeddings = false;
   int64_t max_seq_len = 4096;
 
   // Throws longtrain::Error naming the `model.<key>` that is wrong and why.
   void validate() const;
+
+  // RoPE's inverse frequencies and attention factor for a run over sequences of `seq_len` tokens
+  // (only rope_scaling dynamic depends on it).
+  RopeTable rope(int64_t seq_len) const { return rope_table(rope_scaling, rope_theta, head_dim, seq_len); }
 
   int64_t qkv_dim() const { return (n_heads + 2 * n_kv_heads) * head_dim; }
   int64_t num_parameters() const;

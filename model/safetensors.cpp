@@ -6,6 +6,10 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <exception>
+#include <mutex>
+#include <thread>
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
@@ -551,6 +555,16 @@ SafetensorsLoadReport load_safetensors(const std::string& path, const Arena& are
 
 SafetensorsLoadReport load_safetensors(const std::vector<std::string>& paths, const Arena& arena, ExtraTensors extra,
                                        DTypeConversion conversion) {
+  SafetensorsLoadOptions options;
+  options.extra = extra;
+  options.conversion = conversion;
+  return load_safetensors(paths, arena, options);
+}
+
+SafetensorsLoadReport load_safetensors(const std::vector<std::string>& paths, const Arena& arena,
+                                       const SafetensorsLoadOptions& options) {
+  const ExtraTensors extra = options.extra;
+  const DTypeConversion conversion = options.conversion;
   LT_CHECK(!paths.empty(), "load_safetensors: no file given for arena '{}'", arena.kind());
   std::string files = paths.size() == 1 ? fmt::format("'{}'", paths[0]) : fmt::format("'{}' (and {} more)", paths[0], paths.size() - 1);
   LT_CHECK(arena.allocated(), "loading {}: arena '{}' is not allocated", files, arena.kind());
@@ -608,10 +622,59 @@ SafetensorsLoadReport load_safetensors(const std::vector<std::string>& paths, co
     LT_FAIL("cannot load arena '{}' from safetensors {}: {} problem(s):{}", arena.kind(), files, problems.size(), text);
   }
 
+  // Everything checked: convert in pieces of up to 4M elements spread over the threads, straight
+  // from the mapped files (the page cache is read once, by whichever thread converts the piece).
+  struct Piece {
+    const std::byte* src;
+    Elem from;
+    std::byte* dst;
+    Elem to;
+    int64_t n;
+    uint64_t bytes;  // read from the file
+  };
+  constexpr int64_t kPieceElements = int64_t{1} << 22;
+  std::vector<Piece> pieces;
+  uint64_t total_bytes = 0;
   for (size_t i = 0; i < arena.table().size(); ++i) {
     const std::string& name = arena.table()[i].name;
-    opened[owner.at(name)].read(name, arena.at(i), conversion);
+    const SafetensorsTensor& t = *opened[owner.at(name)].find(name);
+    const Tensor dst = arena.at(i);
+    const Elem from = *elem_of_file(t.dtype), to = elem_of(dst.dtype);
+    for (int64_t b = 0; b < t.numel; b += kPieceElements) {
+      const int64_t n = std::min(kPieceElements, t.numel - b);
+      const uint64_t bytes = static_cast<uint64_t>(n) * elem_size(from);
+      pieces.push_back({t.data + static_cast<size_t>(b) * elem_size(from), from,
+                        static_cast<std::byte*>(dst.data) + static_cast<size_t>(b) * elem_size(to), to, n, bytes});
+      total_bytes += bytes;
+    }
   }
+  const int threads = static_cast<int>(std::clamp<size_t>(
+      options.threads > 0 ? static_cast<size_t>(options.threads) : std::max(1u, std::thread::hardware_concurrency()),
+      1, std::max<size_t>(1, pieces.size())));
+  std::atomic<size_t> next{0};
+  std::mutex progress_mutex;
+  uint64_t done_bytes = 0;
+  std::exception_ptr failure;
+  auto work = [&] {
+    try {
+      for (size_t k = next++; k < pieces.size(); k = next++) {
+        const Piece& p = pieces[k];
+        convert(p.src, p.from, p.dst, p.to, p.n);
+        std::lock_guard<std::mutex> lock(progress_mutex);
+        done_bytes += p.bytes;
+        if (options.progress) options.progress(done_bytes, total_bytes);
+      }
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(progress_mutex);
+      if (!failure) failure = std::current_exception();
+      next = pieces.size();
+    }
+  };
+  std::vector<std::thread> pool;
+  for (int t = 1; t < threads; ++t) pool.emplace_back(work);
+  work();
+  for (std::thread& t : pool) t.join();
+  if (failure) std::rethrow_exception(failure);
   return report;
 }
 

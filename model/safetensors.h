@@ -21,6 +21,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <optional>
 #include <string>
@@ -133,5 +134,18 @@ SafetensorsLoadReport load_safetensors(const std::string& path, const Arena& are
 SafetensorsLoadReport load_safetensors(const std::vector<std::string>& paths, const Arena& arena,
                                        ExtraTensors extra = ExtraTensors::error,
                                        DTypeConversion conversion = DTypeConversion::exact);
+
+struct SafetensorsLoadOptions {
+  ExtraTensors extra = ExtraTensors::error;
+  DTypeConversion conversion = DTypeConversion::exact;
+  int threads = 1;  // threads converting from the mapped files; 0 = one per core
+  // Called after each converted piece (up to 4M elements) with the bytes read so far and in all, under
+  // a lock (so it may log), from whichever thread converted it.
+  std::function<void(uint64_t done_bytes, uint64_t total_bytes)> progress;
+};
+// Everything is checked before anything is converted, as above; then the tensors are converted in
+// pieces by `threads` threads straight from the memory-mapped files.
+SafetensorsLoadReport load_safetensors(const std::vector<std::string>& paths, const Arena& arena,
+                                       const SafetensorsLoadOptions& options);
 
 }  // namespace longtrain::model

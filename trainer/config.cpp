@@ -29,6 +29,7 @@
 #include <yaml-cpp/yaml.h>
 #pragma GCC diagnostic pop
 
+#include "model/hf_export.h"
 #include "runtime/error.h"
 
 namespace longtrain::trainer {
@@ -248,6 +249,52 @@ const std::vector<KeySpec>& key_table() {
       {.section = "model", .key = "rope_theta", .default_value = m.rope_theta, .meaning = "RoPE base frequency",
        .bind = LT_CONFIG_FIELD(model.rope_theta), .range = above(0), .aliases = {"rotary_base", "rope_base", "theta"},
        .resume = OnResume::refused},
+      {.section = "model", .key = "rope_scaling", .default_value = m.rope_scaling.type,
+       .meaning = "RoPE scaling, transformers' rope_type; its fields are the rope_* keys (or write rope_scaling: "
+                  "{rope_type: yarn, factor: 8, ...} as in config.json)",
+       .bind = Binding{[](const TrainConfig& c) { return to_value(c.model.rope_scaling.type); },
+                       [](TrainConfig& c, const Value& v) { from_value(v, c.model.rope_scaling.type); },
+                       []() {
+                         std::vector<std::string_view> names;
+                         for (const std::string& t : model::rope_scaling_types()) names.push_back(t);
+                         return names;
+                       }},
+       .aliases = {"rope_type", "rope_scaling_type", "position_interpolation"}, .resume = OnResume::refused},
+      {.section = "model", .key = "rope_factor", .default_value = m.rope_scaling.factor,
+       .meaning = "RoPE scaling factor (context extension ratio, >= 1); 0 = not given",
+       .bind = LT_CONFIG_FIELD(model.rope_scaling.factor), .range = at_least(0), .aliases = {"rope_scaling_factor"}, .resume = OnResume::refused},
+      {.section = "model", .key = "rope_original_max_position_embeddings",
+       .default_value = m.rope_scaling.original_max_position_embeddings,
+       .meaning = "context length the model was pretrained at (dynamic, yarn, llama3); 0 = not given",
+       .bind = LT_CONFIG_FIELD(model.rope_scaling.original_max_position_embeddings), .range = at_least(0),
+       .aliases = {"original_max_position_embeddings", "rope_original_max_seq_len"}, .resume = OnResume::refused},
+      {.section = "model", .key = "rope_low_freq_factor", .default_value = m.rope_scaling.low_freq_factor,
+       .meaning = "llama3: wavelengths above original / this are divided by factor (Llama 3.1: 1)",
+       .bind = LT_CONFIG_FIELD(model.rope_scaling.low_freq_factor), .range = at_least(0),
+       .aliases = {"low_freq_factor"}, .resume = OnResume::refused},
+      {.section = "model", .key = "rope_high_freq_factor", .default_value = m.rope_scaling.high_freq_factor,
+       .meaning = "llama3: wavelengths below original / this are kept (Llama 3.1: 4)",
+       .bind = LT_CONFIG_FIELD(model.rope_scaling.high_freq_factor), .range = at_least(0),
+       .aliases = {"high_freq_factor"}, .resume = OnResume::refused},
+      {.section = "model", .key = "rope_beta_fast", .default_value = m.rope_scaling.beta_fast,
+       .meaning = "yarn: rotations that end the extrapolated band; 0 = 32", .bind = LT_CONFIG_FIELD(model.rope_scaling.beta_fast),
+       .range = at_least(0), .aliases = {"beta_fast"}, .resume = OnResume::refused},
+      {.section = "model", .key = "rope_beta_slow", .default_value = m.rope_scaling.beta_slow,
+       .meaning = "yarn: rotations that start the interpolated band; 0 = 1", .bind = LT_CONFIG_FIELD(model.rope_scaling.beta_slow),
+       .range = at_least(0), .aliases = {"beta_slow"}, .resume = OnResume::refused},
+      {.section = "model", .key = "rope_attention_factor", .default_value = m.rope_scaling.attention_factor,
+       .meaning = "yarn: scale of cos and sin; 0 = 0.1 ln(factor) + 1 (or from mscale)",
+       .bind = LT_CONFIG_FIELD(model.rope_scaling.attention_factor), .range = at_least(0),
+       .aliases = {"attention_factor", "mscale_factor"}, .resume = OnResume::refused},
+      {.section = "model", .key = "rope_mscale", .default_value = m.rope_scaling.mscale,
+       .meaning = "yarn: with rope_mscale_all_dim, attention factor m(mscale) / m(mscale_all_dim); 0 = not given",
+       .bind = LT_CONFIG_FIELD(model.rope_scaling.mscale), .range = at_least(0), .aliases = {"mscale"}, .resume = OnResume::refused},
+      {.section = "model", .key = "rope_mscale_all_dim", .default_value = m.rope_scaling.mscale_all_dim,
+       .meaning = "yarn: see rope_mscale; 0 = not given", .bind = LT_CONFIG_FIELD(model.rope_scaling.mscale_all_dim),
+       .range = at_least(0), .aliases = {"mscale_all_dim"}, .resume = OnResume::refused},
+      {.section = "model", .key = "rope_truncate", .default_value = m.rope_scaling.truncate,
+       .meaning = "yarn: round the band edges to whole dimensions", .bind = LT_CONFIG_FIELD(model.rope_scaling.truncate),
+       .aliases = {"truncate"}, .resume = OnResume::refused},
       {.section = "model", .key = "norm_eps", .default_value = m.norm_eps, .meaning = "RMSNorm epsilon",
        .bind = LT_CONFIG_FIELD(model.norm_eps), .range = above(0),
        .aliases = {"rms_norm_eps", "layernorm_epsilon", "eps", "norm_epsilon"}, .resume = OnResume::refused},
@@ -267,6 +314,13 @@ const std::vector<KeySpec>& key_table() {
       {.section = "model", .key = "init_std", .default_value = 0.02,
        .meaning = "standard deviation of the normal init of weight matrices", .bind = LT_CONFIG_FIELD(model.init_std),
        .range = above(0), .aliases = {"initializer_range", "init_method_std", "std"}, .resume = OnResume::refused},
+      {.section = "model", .key = "init_from", .default_value = std::string(),
+       .meaning = "Hugging Face Llama directory (config.json, safetensors) whose weights start the run; its config.json "
+                  "gives the shape; empty = random init",
+       .bind = LT_CONFIG_FIELD(model.init_from),
+       .aliases = {"pretrained", "from_pretrained", "model_name_or_path", "load", "init_checkpoint", "hf_model"},
+       // Read only when a run starts fresh: a resume takes the weights from its checkpoint.
+       .resume = OnResume::allowed},
 
       // data
       {.section = "data", .key = "train", .default_value = std::string(),
@@ -714,6 +768,8 @@ class Loader {
   // Throws `message` located at the first of `keys` that the user set (a --set before a file line),
   // noting where the other keys' values came from.
   [[noreturn]] void fail(const std::vector<std::string>& keys, const std::string& message) const;
+  void apply_rope_mapping(const YAML::Node& body, int line);
+  void apply_init_from();
   void check_ranges() const;
   void resolve_derived();
   void check_model() const;
@@ -774,6 +830,10 @@ void Loader::apply_document(const std::string& text) {
         throw Error(fmt::format("{}:{}: expected a key name in section {}, got {}", source_, key_line, section,
                                 describe(kv->first)));
       const std::string key = kv->first.Scalar();
+      if (section == "model" && key == "rope_scaling" && kv->second.IsMap()) {
+        apply_rope_mapping(kv->second, key_line);
+        continue;
+      }
       const KeySpec* spec = find_key(section, key);
       if (!spec) throw Error(fmt::format("{}:{}: {}", source_, key_line, unknown_key_message(section, key)));
       if (auto seen = origins_.find(spec->name()); seen != origins_.end())
@@ -782,6 +842,28 @@ void Loader::apply_document(const std::string& text) {
       given_[spec->name()] = convert(*spec, kv->second, fmt::format("{}:{}", source_, key_line));
       origins_[spec->name()] = Origin{Origin::from_file, key_line, {}};
     }
+  }
+}
+
+// rope_scaling written as in config.json, {rope_type: yarn, factor: 8, ...}: each field is the key
+// model.rope_<field> (rope_type, or its legacy spelling type, is model.rope_scaling itself).
+void Loader::apply_rope_mapping(const YAML::Node& body, int line) {
+  for (auto kv = body.begin(); kv != body.end(); ++kv) {
+    const int field_line = kv->first.Mark().line + 1 > 0 ? kv->first.Mark().line + 1 : line;
+    const std::string field = kv->first.IsScalar() ? kv->first.Scalar() : std::string();
+    const std::string key = field == "rope_type" || field == "type" ? "rope_scaling" : "rope_" + field;
+    const KeySpec* spec = field.empty() ? nullptr : find_key("model", key);
+    if (!spec || key == "rope_theta")
+      throw Error(fmt::format("{}:{}: model.rope_scaling has no field '{}'; its fields are rope_type, factor, "
+                              "original_max_position_embeddings, low_freq_factor, high_freq_factor, beta_fast, "
+                              "beta_slow, attention_factor, mscale, mscale_all_dim, truncate (rope_theta is "
+                              "model.rope_theta)",
+                              source_, field_line, field));
+    if (auto seen = origins_.find(spec->name()); seen != origins_.end())
+      throw Error(fmt::format("{}:{}: {} is given twice (first at line {})", source_, field_line, spec->name(),
+                              seen->second.line));
+    given_[spec->name()] = convert(*spec, kv->second, fmt::format("{}:{}", source_, field_line));
+    origins_[spec->name()] = Origin{Origin::from_file, field_line, {}};
   }
 }
 
@@ -910,11 +992,69 @@ void Loader::check_combinations() const {
                      c.eval.position_buckets, S));
 }
 
+// model.init_from: the shape comes from the directory's config.json. A shape key the config gives
+// must agree with it; max_seq_len, rope_theta and the RoPE scaling are what a user changes to extend
+// the context, so the config's win (and the directory's are taken when the config gives none).
+void Loader::apply_init_from() {
+  ModelSection& m = config_.model;
+  if (m.init_from.empty()) return;
+  namespace fs = std::filesystem;
+  const fs::path dir(m.init_from);
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec))
+    fail({"model.init_from"}, fmt::format("model.init_from '{}' is not a directory; it must be a Hugging Face Llama "
+                                          "directory (config.json and model.safetensors or its shards)",
+                                          m.init_from));
+  const fs::path json_path = dir / "config.json";
+  if (!fs::is_regular_file(json_path, ec))
+    fail({"model.init_from"},
+         fmt::format("model.init_from '{}' has no config.json: it must be a Hugging Face Llama directory", m.init_from));
+  model::HfLlamaConfig hf;
+  try {
+    hf = model::read_hf_config(json_path.string());
+  } catch (const Error& e) {
+    fail({"model.init_from"},
+         fmt::format("model.init_from: {}", std::regex_replace(std::string(e.what()), std::regex("^\\S+:[0-9]+: "), "")));
+  }
+  const model::LlamaConfig& h = hf.model;
+  const std::string file = json_path.string();
+  auto given = [&](const std::string& key) { return origins_.count(key) > 0; };
+  auto shape = [&](const char* key, const char* hf_key, auto& ours, auto theirs) {
+    const std::string name = fmt::format("model.{}", key);
+    const bool zero_head_dim = std::string_view(key) == "head_dim" && ours == std::remove_reference_t<decltype(ours)>{};
+    if (given(name) && !zero_head_dim && ours != theirs)
+      fail({name, "model.init_from"},
+           fmt::format("{} is {} but model.init_from's {} has {} = {}: the model's shape comes from the Hugging Face "
+                       "directory; remove {} from the config or make it match",
+                       name, ours, file, hf_key, theirs, name));
+    ours = theirs;
+  };
+  shape("vocab_size", "vocab_size", m.vocab_size, h.vocab_size);
+  shape("dim", "hidden_size", m.dim, h.dim);
+  shape("n_layers", "num_hidden_layers", m.n_layers, h.n_layers);
+  shape("n_heads", "num_attention_heads", m.n_heads, h.n_heads);
+  shape("n_kv_heads", "num_key_value_heads", m.n_kv_heads, h.n_kv_heads);
+  shape("head_dim", "head_dim", m.head_dim, h.head_dim);
+  shape("ffn_dim", "intermediate_size", m.ffn_dim, h.ffn_dim);
+  shape("norm_eps", "rms_norm_eps", m.norm_eps, h.norm_eps);
+  shape("tie_embeddings", "tie_word_embeddings", m.tie_embeddings, h.tie_embeddings);
+  if (!given("model.max_seq_len")) m.max_seq_len = h.max_seq_len;
+  if (!given("model.rope_theta")) m.rope_theta = h.rope_theta;
+  bool rope_given = false;
+  for (const KeySpec& spec : key_table())
+    rope_given = rope_given || (spec.section == "model" && spec.key.starts_with("rope_") && spec.key != "rope_theta" &&
+                                given(spec.name()));
+  if (!rope_given) m.rope_scaling = h.rope_scaling;
+  if (!given("data.tokenizer") && fs::is_regular_file(dir / "tokenizer.model", ec))
+    config_.data.tokenizer = (dir / "tokenizer.model").string();
+}
+
 TrainConfig Loader::finish() {
   for (const KeySpec& s : key_table()) {
     auto it = given_.find(s.name());
     s.bind.set(config_, it != given_.end() ? it->second : s.default_value);
   }
+  apply_init_from();
   check_ranges();
   resolve_derived();
   check_model();

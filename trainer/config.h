@@ -61,7 +61,8 @@ std::string_view enum_name(OnResume v);  // "refused", "allowed"
 // decides about the model. head_dim is already resolved (0 in the file means dim / n_heads).
 struct ModelSection : model::LlamaConfig {
   model::CheckpointPolicy checkpoint{};
-  double init_std{};  // std of the normal initialization of weight matrices
+  double init_std{};      // std of the normal initialization of weight matrices
+  std::string init_from;  // a Hugging Face Llama directory whose weights start the run; "" = random init
 };
 
 struct DataSection {
@@ -135,7 +136,9 @@ struct TrainConfig {
 };
 
 // Reads `path`, applies `overrides` ("section.key=value", the value parsed as a YAML scalar or flow
-// list, e.g. "optim.no_decay=[norm]"), fills defaults and validates. Touches no file but `path`.
+// list, e.g. "optim.no_decay=[norm]"), fills defaults and validates. Touches no file but `path` (and
+// reads model.init_from's config.json: the shape comes from it, and a model key the config gives that
+// contradicts it is an error naming both values; data.tokenizer defaults to its tokenizer.model).
 TrainConfig load_config(const std::string& path, const std::vector<std::string>& overrides = {});
 
 // The same from YAML text; `source_name` stands for the file in messages and in the default run_dir.

@@ -6,9 +6,11 @@
 #include <chrono>
 #include <cmath>
 #include <fstream>
+#include <optional>
 #include <span>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 #include <spdlog/sinks/basic_file_sink.h>
 #include <spdlog/sinks/stdout_color_sinks.h>
@@ -524,6 +526,31 @@ model::MemoryPlan plan_training_memory(const TrainConfig& c, int world_size) {
   return model::plan_memory(c.model, precision_for(c), c.model.checkpoint, tokens, world_size, sp);
 }
 
+// model.init_from's weights into the model, converted to its precision, with progress on the log.
+static void load_init_from(const TrainConfig& c, model::LlamaModel& model, bool log_progress) {
+  const auto start = std::chrono::steady_clock::now();
+  int last_tenth = -1;
+  auto progress = [&](uint64_t done, uint64_t total) {
+    const int tenth = total ? static_cast<int>(10 * done / total) : 10;
+    if (!log_progress || tenth == last_tenth) return;
+    last_tenth = tenth;
+    spdlog::info("model.init_from: {:.0f}% of {:.2f} GiB read", 10.0 * tenth, static_cast<double>(total) / 1073741824.0);
+  };
+  const Arena& params = model.params();
+  std::optional<Arena> host;
+  if (params.device() != Device::cpu) host.emplace(host_mirror(params, false));
+  const int threads = params.device() == Device::cpu && c.train.threads > 0 ? static_cast<int>(c.train.threads) : 0;
+  model::SafetensorsLoadReport report =
+      model::init_from_hf_directory(c.model.init_from, c.model, host ? *host : params, threads, progress);
+  if (host) copy_arena(params, *host);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  if (log_progress)
+    spdlog::info("model.init_from: loaded {} ({} parameters) in {:.2f} s{}", c.model.init_from,
+                 c.model.num_parameters(), seconds,
+                 report.ignored.empty() ? "" : fmt::format("; ignored {} tensor(s) the model does not use: {}",
+                                                           report.ignored.size(), fmt::join(report.ignored, ", ")));
+}
+
 TrainSummary train(TrainConfig c, const std::string& resume, const TrainHooks& hooks) {
   // 1. Everything that can be wrong is checked before anything is created on disk.
   const model::Precision precision = precision_for(c);
@@ -539,6 +566,13 @@ TrainSummary train(TrainConfig c, const std::string& resume, const TrainHooks& h
   if (resume_from) resume_plan = plan_resume(resume_from->path, c);
   data::Loader loader(loader_options(c, "train", ranks));
   if (c.eval.batches > 0) data::Loader probe_val(loader_options(c, "val", ranks));
+  if (!c.model.init_from.empty() && !resume_from) {
+    try {
+      model::hf_weight_files(c.model.init_from);  // the weights are there (headers validated)
+    } catch (const Error& e) {
+      LT_FAIL("model.init_from '{}': {}", c.model.init_from, e.what());
+    }
+  }
   // Too little memory is an error now, naming the knobs, not an allocation failure mid-setup.
   const model::MemoryPlan plan = plan_training_memory(c, ranks.world_size);
   model::check_memory_fits(plan, model::device_memory(precision.device));
@@ -563,6 +597,11 @@ TrainSummary train(TrainConfig c, const std::string& resume, const TrainHooks& h
   model::LlamaModel model(c.model, precision, c.model.checkpoint, loader.local_len(), make_attention(c, ranks),
                           ranks.world_size);
   model.initialize(static_cast<uint64_t>(c.train.seed), c.model.init_std);
+  model.set_rope_length(c.data.seq_len);  // what rope_scaling dynamic is computed for
+  // model.init_from starts a new run from a Hugging Face directory's weights (step 0, fresh
+  // optimizer). A resumed run continues from its own checkpoint and never reads them again.
+  // Every rank reads the directory itself (memory-mapped, converted by all cores); no broadcast.
+  if (!c.model.init_from.empty() && !resume_from) load_init_from(c, model, ranks.main);
   const int64_t shard = model.params().flat().numel() / ranks.world_size;
   AdamWConfig adamw = adamw_config(c);
   if (resume_plan) adamw.restart = resume_plan->restart;
@@ -788,22 +827,47 @@ TrainSummary train(TrainConfig c, const std::string& resume, const TrainHooks& h
   return summary;
 }
 
-LoadedModel load_model_from_checkpoint(const fs::path& dir, int64_t max_tokens) {
+LoadedModel load_model_from_checkpoint(const fs::path& dir, int64_t max_tokens, Device device) {
   LT_CHECK(fs::is_directory(dir), "checkpoint {} is not a directory", dir.string());
-  std::string problem = verify_checkpoint(dir);
-  LT_CHECK(problem.empty(), "checkpoint {} is incomplete or damaged: {}", dir.string(), problem);
   LoadedModel out;
-  out.config = load_config((dir / kConfigFile).string());
-  out.config.train.device = DeviceChoice::cpu;
-  if (out.config.train.dtype == DTypeChoice::auto_select || out.config.train.dtype == DTypeChoice::bf16)
-    out.config.train.dtype = DTypeChoice::f32;
+  const bool ours = fs::exists(dir / kCheckpointManifest) || fs::exists(dir / kConfigFile);
+  if (ours) {
+    std::string problem = verify_checkpoint(dir);
+    LT_CHECK(problem.empty(), "checkpoint {} is incomplete or damaged: {}", dir.string(), problem);
+    // The resolved config names every shape key; its model.init_from is history, not read again
+    // (the directory may be gone).
+    out.config = load_config((dir / kConfigFile).string(), {"model.init_from="});
+    json state = json::parse(read_text(dir / kTrainerState));
+    out.step = state.at("step").get<int64_t>();
+  } else {
+    // A plain Hugging Face Llama directory (config.json + safetensors): the config is the defaults with
+    // the directory's model, evaluated at its max_position_embeddings unless the caller says otherwise.
+    LT_CHECK(fs::is_regular_file(dir / "config.json"),
+             "{} is neither a longtrain checkpoint (no {}) nor a Hugging Face directory (no config.json)",
+             dir.string(), kCheckpointManifest);
+    const model::HfLlamaConfig hf = model::read_hf_config((dir / "config.json").string());
+    const std::string yaml =
+        fmt::format("model:\n  init_from: {}\ndata:\n  train: {}\n  seq_len: {}\neval:\n  position_buckets: {}\n",
+                    json(dir.string()).dump(), json(dir.string()).dump(), hf.model.max_seq_len,
+                    std::min<int64_t>(8, hf.model.max_seq_len));
+    out.config = config_from_yaml_string(yaml, {}, (dir / "config.json").string());
+    out.config.data.train.clear();  // no data of its own: eval needs --data
+  }
+  out.config.train.device = device == Device::cuda ? DeviceChoice::cuda : DeviceChoice::cpu;
+  out.config.train.dtype = device == Device::cuda ? DTypeChoice::bf16 : DTypeChoice::f32;
   const int64_t T = max_tokens > 0 ? max_tokens : out.config.data.seq_len;
   out.model = std::make_unique<model::LlamaModel>(out.config.model, precision_for(out.config),
                                                   model::CheckpointPolicy::none, T);
-  model::load_safetensors((dir / "model.safetensors").string(), out.model->params(), model::ExtraTensors::error,
-                          model::DTypeConversion::exact);
-  json state = json::parse(read_text(dir / kTrainerState));
-  out.step = state.at("step").get<int64_t>();
+  out.model->set_rope_length(T);
+  const Arena& params = out.model->params();
+  std::optional<Arena> host;
+  if (params.device() != Device::cpu) host.emplace(host_mirror(params, false));
+  if (ours)
+    model::load_safetensors((dir / "model.safetensors").string(), host ? *host : params, model::ExtraTensors::error,
+                            device == Device::cuda ? model::DTypeConversion::rounding : model::DTypeConversion::exact);
+  else
+    model::init_from_hf_directory(dir.string(), out.config.model, host ? *host : params);
+  if (host) copy_arena(params, *host);
   return out;
 }
 

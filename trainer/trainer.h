@@ -78,13 +78,18 @@ struct TrainSummary {
 // load_config and resolve_device; nothing is created on disk before every input has been checked.
 TrainSummary train(TrainConfig config, const std::string& resume = "", const TrainHooks& hooks = {});
 
-// A model restored from a checkpoint directory (its config.yaml and model.safetensors), for eval
-// and generate; sized for `max_tokens` tokens per forward (0: data.seq_len).
+// A model restored for eval and generate from a checkpoint directory (its config.yaml and
+// model.safetensors; step from trainer_state.json) or from any Hugging Face Llama directory
+// (config.json and safetensors, no MANIFEST.json; step 0, data.seq_len = its max_position_embeddings,
+// data.train empty, data.tokenizer its tokenizer.model when there is one). Sized for `max_tokens`
+// tokens per forward (0: data.seq_len), with RoPE computed for that length (rope_scaling dynamic).
+// device cpu: f32; cuda: bf16 mixed precision.
 struct LoadedModel {
   TrainConfig config;
   std::unique_ptr<model::LlamaModel> model;
   int64_t step = 0;
 };
-LoadedModel load_model_from_checkpoint(const std::filesystem::path& dir, int64_t max_tokens = 0);
+LoadedModel load_model_from_checkpoint(const std::filesystem::path& dir, int64_t max_tokens = 0,
+                                       Device device = Device::cpu);
 
 }  // namespace longtrain::trainer

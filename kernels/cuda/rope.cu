@@ -1,6 +1,9 @@
 // Rotary position embedding on CUDA, in place on a strided [T, H, D] view (rotate-half convention).
-// The angle pos · theta^(-2i/D) is formed and reduced in double precision: at positions of 10^5 to
+// The angle pos · inv_freq[i] is formed and reduced in double precision: at positions of 10^5 to
 // 10^6 an fp32 angle is off by tenths of a radian, which would make long-context RoPE wrong.
+// The inverse frequencies (RoPE scaling's table, or theta^(-2i/D)) are computed on the host in double
+// and passed by value as a kernel argument (D/2 <= 256 doubles: 2 KiB of the 4 KiB argument space),
+// so a call needs no device buffer and no copy. cos and sin are scaled by the attention factor.
 // One thread owns one (token, i) pair and rotates it in every head, so each sin/cos is computed once.
 #include <cmath>
 
@@ -13,18 +16,22 @@ using namespace longtrain::cuda_util;
 
 namespace {
 
+struct InvFreqTable {
+  double v[kMaxRopeHalfDim];
+};
+
 // sign = +1: forward rotation by +angle; sign = -1: the transpose (rotation by -angle).
 template <class T>
 __global__ void rope_kernel(T* x, int64_t t_stride, int64_t h_stride, const int32_t* positions, int64_t pos_stride,
-                            int64_t n_tokens, int64_t n_heads, int half, double log_theta, float sign) {
+                            int64_t n_tokens, int64_t n_heads, int half, InvFreqTable inv_freq, double attention_factor,
+                            float sign) {
   const int64_t t = blockIdx.x * (int64_t)blockDim.y + threadIdx.y;
   if (t >= n_tokens) return;
   const double pos = static_cast<double>(positions[t * pos_stride]);
   for (int i = threadIdx.x; i < half; i += blockDim.x) {
-    const double inv_freq = exp(-log_theta * (2.0 * i) / (2.0 * half));  // theta^(-2i/D)
     double s, c;
-    sincos(pos * inv_freq, &s, &c);
-    const float cf = static_cast<float>(c), sf = sign * static_cast<float>(s);
+    sincos(pos * inv_freq.v[i], &s, &c);
+    const float cf = static_cast<float>(attention_factor * c), sf = sign * static_cast<float>(attention_factor * s);
     T* base = x + t * t_stride + i;
     for (int64_t h = 0; h < n_heads; ++h) {
       T* p = base + h * h_stride;
@@ -46,8 +53,16 @@ void rope(const char* op, Tensor x, Tensor positions, const RopeParams& p, float
            positions.describe(), x.describe());
   LT_CHECK(D % 2 == 0, "{}: head dim {} must be even", op, D);
   LT_CHECK(p.theta > 0.0, "{}: rope theta must be positive, got {}", op, p.theta);
+  LT_CHECK(D / 2 <= kMaxRopeHalfDim, "{}: head dim {} is above the {} RoPE supports", op, D, 2 * kMaxRopeHalfDim);
+  LT_CHECK(p.inv_freq.empty() || static_cast<int64_t>(p.inv_freq.size()) == D / 2,
+           "{}: the inverse-frequency table has {} entries; head dim {} needs {}", op, p.inv_freq.size(), D, D / 2);
+  LT_CHECK(std::isfinite(p.attention_factor) && p.attention_factor > 0.0,
+           "{}: the RoPE attention factor must be finite and > 0, got {}", op, p.attention_factor);
   if (T == 0) return;
   const int half = static_cast<int>(D / 2);
+  InvFreqTable table{};
+  for (int i = 0; i < half; ++i)
+    table.v[i] = p.inv_freq.empty() ? std::pow(p.theta, -2.0 * i / static_cast<double>(D)) : p.inv_freq[i];
   const int tx = half >= 128 ? 128 : (half >= 64 ? 64 : 32);
   const dim3 block(tx, 256 / tx);
   const unsigned grid = static_cast<unsigned>((T + block.y - 1) / block.y);
@@ -55,7 +70,7 @@ void rope(const char* op, Tensor x, Tensor positions, const RopeParams& p, float
     using T_ = typename decltype(tag)::type;
     rope_kernel<T_><<<grid, block, 0, cuda_stream()>>>(static_cast<T_*>(x.data), x.stride[0], x.stride[1],
                                                        static_cast<const int32_t*>(positions.data), positions.stride[0],
-                                                       T, H, half, std::log(p.theta), sign);
+                                                       T, H, half, table, p.attention_factor, sign);
   });
   LT_CUDA_LAUNCH_CHECK("rope_kernel");
 }

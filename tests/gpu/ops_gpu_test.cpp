@@ -6,6 +6,7 @@
 // bf16 (the training dtype) and f32, and skips without a GPU.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdint>
 #include <functional>
 #include <random>
@@ -148,6 +149,33 @@ TEST_P(GpuOps, RopeOnStridedQkvViewAtLongPositions) {
   ops::rope_backward(head_view(back_h, Hq * D, Hkv, D), pos_h, p);
   ops::rope_backward(head_view(qkv_d, Hq * D, Hkv, D), pos_d, p);
   expect_close("rope_backward (K view of QKV)", dt, download(qkv_d), back_h.values);
+}
+
+// RoPE scaling's inputs: a scaled inverse-frequency table (here yarn-like: the slow half divided by 4)
+// and an attention factor on cos and sin, forward and backward, against the CPU reference.
+TEST_P(GpuOps, RopeWithScaledTableAndAttentionFactor) {
+  LT_REQUIRE_GPU();
+  const DType dt = GetParam();
+  const int64_t T = 29, H = 2, D = 128;
+  const auto x = random_values(T * H * D, 23, dt);
+  const auto positions = random_ints(T, 24, 0, 1 << 17);
+  std::vector<double> inv(D / 2);
+  for (int64_t i = 0; i < D / 2; ++i) inv[i] = std::pow(1e6, -2.0 * i / D) / (i < D / 4 ? 1.0 : 4.0);
+  const ops::RopeParams p{1e6, inv, 1.1386294361119891};
+
+  HostTensor<double> x_h = host_tensor({T, H, D}, x);
+  HostTensor<int32_t> pos_h = host_ints({T}, positions);
+  DeviceTensor x_d(dt, {T, H, D}), pos_d(DType::i32, {T});
+  upload(x_d, x);
+  upload_ints(pos_d, positions);
+  ops::rope_forward(x_h, pos_h, p);
+  ops::rope_forward(x_d, pos_d, p);
+  expect_close("rope_forward with a scaled table and attention factor", dt, download(x_d), x_h.values);
+  const auto rotated = download(x_d);
+  HostTensor<double> back_h = host_tensor({T, H, D}, rotated);
+  ops::rope_backward(back_h, pos_h, p);
+  ops::rope_backward(x_d, pos_d, p);
+  expect_close("rope_backward with a scaled table and attention factor", dt, download(x_d), back_h.values);
 }
 
 TEST_P(GpuOps, SwigluForwardBackward) {

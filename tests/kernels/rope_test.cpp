@@ -157,6 +157,54 @@ TEST(Rope, GradientMatchesFiniteDifferences) {
   EXPECT_LT(err, test::kGradientTolerance);
 }
 
+// A scaled table (RoPE scaling) and an attention factor: angle = position · inv_freq[i], and cos and
+// sin are both multiplied by the factor; backward is the transpose, checked by finite differences.
+std::vector<double> scaled_table() {
+  std::vector<double> inv(kHeadDim / 2);
+  for (int64_t i = 0; i < kHeadDim / 2; ++i) inv[i] = std::pow(kTheta, -2.0 * i / kHeadDim) / (1.0 + i);
+  return inv;
+}
+
+TYPED_TEST(RopeTest, ScaledTableAndAttentionFactor) {
+  using T = TypeParam;
+  HostTensor<T> x({kTokens, kHeads, kHeadDim});
+  test::fill_uniform(x, 21);
+  HostTensor<int32_t> positions = random_positions(22, 0, 100000);
+  const std::vector<double> inv = scaled_table();
+  const double a = 1.1386;
+  std::vector<double> ref = test::as_double(x);
+  for (int64_t t = 0; t < kTokens; ++t)
+    for (int64_t h = 0; h < kHeads; ++h)
+      for (int64_t i = 0; i < kHeadDim / 2; ++i) {
+        const double angle = positions[t] * inv[i];
+        const size_t p = (t * kHeads + h) * kHeadDim + i, q = p + kHeadDim / 2;
+        const double x1 = ref[p], x2 = ref[q];
+        ref[p] = a * (x1 * std::cos(angle) - x2 * std::sin(angle));
+        ref[q] = a * (x2 * std::cos(angle) + x1 * std::sin(angle));
+      }
+  ops::rope_forward(x, positions, {kTheta, inv, a});
+  test::expect_close("rope with a scaled table and attention factor", x.values, ref);
+}
+
+TEST(Rope, ScaledGradientMatchesFiniteDifferences) {
+  HostTensor<double> x({kTokens, kHeads, kHeadDim}), y({kTokens, kHeads, kHeadDim}), g({kTokens, kHeads, kHeadDim});
+  test::fill_uniform(x, 23);
+  test::fill_uniform(g, 24);
+  HostTensor<int32_t> positions = random_positions(25, 0, 65536);
+  const ops::RopeParams p{kTheta, scaled_table(), 1.25};
+  auto loss = [&] {
+    y = x;
+    ops::rope_forward(y, positions, p);
+    return test::weighted_sum(g, y);
+  };
+  const auto numeric = test::finite_difference(x.values, loss);
+  HostTensor<double> dx = g;
+  ops::rope_backward(dx, positions, p);
+  const double err = test::relative_error(dx.values, numeric);
+  test::report_error("scaled rope dx vs finite differences", err);
+  EXPECT_LT(err, test::kGradientTolerance);
+}
+
 TEST(Rope, Errors) {
   HostTensor<int32_t> positions = random_positions(14, 0, 100);
   HostTensor<float> odd({kTokens, kHeads, 7}), x({kTokens, kHeads, kHeadDim}), flat({kTokens, kHeads * kHeadDim});
@@ -169,6 +217,9 @@ TEST(Rope, Errors) {
   test::expect_error([&] { ops::rope_backward(x, short_positions, {}); },
                      {"rope_backward", "positions must be i32 [T] with T = 37", "i32[36]"});
   test::expect_error([&] { ops::rope_forward(x, float_positions, {}); }, {"positions must be i32", "f32[37]"});
+  test::expect_error([&] { ops::rope_forward(x, positions, {kTheta, {1.0, 0.5}}); },
+                     {"inverse-frequency table has 2 entries", "head_dim 6 needs 3"});
+  test::expect_error([&] { ops::rope_forward(x, positions, {kTheta, {}, 0.0}); }, {"attention factor", "> 0"});
   positions[4] = -1;
   test::expect_error([&] { ops::rope_forward(x, positions, {}); }, {"position -1 at token index 4"});
 }

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -70,6 +71,7 @@ void expect_same_model(const LlamaConfig& a, const LlamaConfig& b) {
   EXPECT_EQ(a.head_dim, b.head_dim);
   EXPECT_EQ(a.ffn_dim, b.ffn_dim);
   EXPECT_EQ(a.rope_theta, b.rope_theta);
+  EXPECT_EQ(a.rope_scaling, b.rope_scaling);
   EXPECT_EQ(a.norm_eps, b.norm_eps);
   EXPECT_EQ(a.tie_embeddings, b.tie_embeddings);
   EXPECT_EQ(a.max_seq_len, b.max_seq_len);
@@ -173,20 +175,89 @@ TEST_F(HfExportTest, ReadsPublishedLlamaConfigs) {
   EXPECT_EQ(v.torch_dtype, "bfloat16");
 }
 
+// Every rope_type in both of transformers' forms, and written back so that reading the export gives
+// the same scaling.
+TEST_F(HfExportTest, RopeScalingReadInBothFormsAndWrittenBack) {
+  const std::string head = R"({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4,
+    "num_hidden_layers": 2, "intermediate_size": 172, "vocab_size": 100, "max_position_embeddings": 131072, )";
+  // Llama 3.1's config.json (4.x form).
+  HfLlamaConfig l3 = parse_hf_config(head + R"("rope_theta": 500000.0, "rope_scaling": {"factor": 8.0,
+    "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
+    "rope_type": "llama3"}})", "llama3.1");
+  EXPECT_EQ(l3.model.rope_scaling.type, "llama3");
+  EXPECT_EQ(l3.model.rope_scaling.factor, 8.0);
+  EXPECT_EQ(l3.model.rope_scaling.low_freq_factor, 1.0);
+  EXPECT_EQ(l3.model.rope_scaling.high_freq_factor, 4.0);
+  EXPECT_EQ(l3.model.rope_scaling.original_max_position_embeddings, 8192);
+  EXPECT_EQ(l3.model.rope_theta, 500000.0);
+  // The same in 5.x's form: rope_theta inside rope_parameters.
+  HfLlamaConfig l3v5 = parse_hf_config(head + R"("rope_parameters": {"rope_theta": 500000.0, "factor": 8.0,
+    "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
+    "rope_type": "llama3"}})", "llama3.1 v5");
+  EXPECT_EQ(l3v5.model.rope_scaling, l3.model.rope_scaling);
+  EXPECT_EQ(l3v5.model.rope_theta, 500000.0);
+
+  // yarn: the original length defaults to max_position_embeddings; every field is read.
+  HfLlamaConfig y = parse_hf_config(head + R"("rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+    "beta_fast": 16, "beta_slow": 2, "mscale": 0.707, "mscale_all_dim": 1.0, "truncate": false}})", "yarn");
+  EXPECT_EQ(y.model.rope_scaling.original_max_position_embeddings, 131072);
+  EXPECT_EQ(y.model.rope_scaling.beta_fast, 16.0);
+  EXPECT_EQ(y.model.rope_scaling.beta_slow, 2.0);
+  EXPECT_EQ(y.model.rope_scaling.mscale, 0.707);
+  EXPECT_EQ(y.model.rope_scaling.mscale_all_dim, 1.0);
+  EXPECT_FALSE(y.model.rope_scaling.truncate);
+  // dynamic: transformers rescales from max_position_embeddings, whatever the object says.
+  HfLlamaConfig d = parse_hf_config(head + R"("rope_scaling": {"type": "dynamic", "factor": 2.0,
+    "original_max_position_embeddings": 4096}})", "dynamic");
+  EXPECT_EQ(d.model.rope_scaling.original_max_position_embeddings, 131072);
+
+  for (const HfLlamaConfig* c : {&l3, &y, &d}) {
+    SCOPED_TRACE(c->model.rope_scaling.type);
+    const std::string text = hf_config_json(*c);
+    json j = json::parse(text);
+    ASSERT_TRUE(j["rope_scaling"].is_object()) << text;
+    EXPECT_EQ(j["rope_scaling"]["rope_type"], c->model.rope_scaling.type);
+    HfLlamaConfig back = parse_hf_config(text, "export");
+    EXPECT_EQ(back.model.rope_scaling, c->model.rope_scaling);
+    EXPECT_EQ(back.model.rope_theta, c->model.rope_theta);
+  }
+  // dynamic's export puts its original length where transformers reads it.
+  LlamaConfig trained = d.model;
+  trained.max_seq_len = 262144;
+  trained.rope_scaling.original_max_position_embeddings = 8192;
+  HfLlamaConfig trained_hf;
+  trained_hf.model = trained;
+  json dj = json::parse(hf_config_json(trained_hf));
+  EXPECT_EQ(dj["max_position_embeddings"], 8192);
+  EXPECT_EQ(dj["rope_scaling"]["original_max_position_embeddings"], 8192);
+}
+
 TEST_F(HfExportTest, RejectsWhatLongtrainCannotRepresent) {
   auto with = [](const std::string& extra) {
     return R"({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2,
       "intermediate_size": 172, "vocab_size": 100)" + extra + "}";
   };
-  // Llama 3.1's rope scaling: silently dropping it would change the model.
+  // A rope scaling longtrain does not compute, or a field it does not know: dropping either silently
+  // would change the model.
   std::string msg = error_of([&] {
-    parse_hf_config(with(R"(, "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192, "rope_type": "llama3"})"), "llama3.1 config.json");
+    parse_hf_config(with(R"(, "rope_scaling": {"factor": 8.0, "long_factor": [1.0], "short_factor": [1.0],
+        "original_max_position_embeddings": 8192, "rope_type": "longrope"})"), "phi3 config.json");
   });
-  EXPECT_NE(msg.find("llama3.1 config.json"), std::string::npos) << msg;
-  EXPECT_NE(msg.find("rope_scaling of type 'llama3' is not supported"), std::string::npos) << msg;
-  msg = error_of([&] { parse_hf_config(with(R"(, "rope_scaling": {"type": "linear", "factor": 2.0})"), "c"); });
-  EXPECT_NE(msg.find("'linear'"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("phi3 config.json"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("rope_scaling of type 'longrope' is not supported"), std::string::npos) << msg;
+  msg = error_of([&] {
+    parse_hf_config(with(R"(, "rope_scaling": {"type": "linear", "factor": 2.0, "ramp": 3})"), "c");
+  });
+  EXPECT_NE(msg.find("rope_scaling.ramp is not a field longtrain knows"), std::string::npos) << msg;
+  msg = error_of([&] { parse_hf_config(with(R"(, "rope_scaling": {"type": "linear"})"), "lin.json"); });
+  EXPECT_NE(msg.find("lin.json"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("needs model.rope_factor"), std::string::npos) << msg;
+  msg = error_of([&] {
+    parse_hf_config(with(R"(, "rope_scaling": {"rope_type": "llama3", "factor": 8, "low_freq_factor": 1,
+        "high_freq_factor": 4})"), "l3.json");
+  });
+  EXPECT_NE(msg.find("l3.json: rope_scaling llama3 needs original_max_position_embeddings"), std::string::npos)
+      << msg;
   msg = error_of([&] { parse_hf_config(with(R"(, "hidden_act": "gelu")"), "c"); });
   EXPECT_NE(msg.find("hidden_act 'gelu'"), std::string::npos) << msg;
   msg = error_of([&] { parse_hf_config(with(R"(, "attention_bias": true)"), "c"); });
@@ -322,6 +393,134 @@ TEST_F(HfExportTest, LoadsShardedCheckpointThroughTheIndex) {
 
   msg = error_of([&] { load_hf_weights(path("nothing_here"), loaded); });
   EXPECT_NE(msg.find("neither model.safetensors nor model.safetensors.index.json"), std::string::npos) << msg;
+}
+
+// An f16 number exactly: v must be a normal f16 value (the test picks such values).
+uint16_t exact_half(float v) {
+  if (v == 0.0f) return std::signbit(v) ? 0x8000 : 0;
+  int e = 0;
+  const float m = std::frexp(std::fabs(v), &e);  // |v| = m · 2^e, m in [0.5, 1)
+  const auto mantissa = static_cast<uint16_t>(std::lround((m * 2.0f - 1.0f) * 1024.0f));
+  return static_cast<uint16_t>((v < 0 ? 0x8000 : 0) | ((e - 1 + 15) << 10) | mantissa);
+}
+
+// A safetensors file of F16 tensors, written byte by byte as another writer would.
+void write_f16_safetensors(const std::string& file, const Arena& values) {
+  json header = json::object();
+  std::vector<unsigned char> data;
+  for (size_t i = 0; i < values.table().size(); ++i) {
+    const ArenaEntry& e = values.table()[i];
+    const size_t begin = data.size();
+    const float* v = values.at(i).ptr<float>();
+    for (int64_t k = 0; k < e.numel; ++k) {
+      const uint16_t h = exact_half(v[k]);
+      data.push_back(static_cast<unsigned char>(h & 0xff));
+      data.push_back(static_cast<unsigned char>(h >> 8));
+    }
+    header[e.name] = {{"dtype", "F16"}, {"shape", e.shape}, {"data_offsets", {begin, data.size()}}};
+  }
+  const std::string text = header.dump();
+  std::ofstream out(file, std::ios::binary);
+  for (int b = 0; b < 8; ++b) out.put(static_cast<char>(static_cast<uint64_t>(text.size()) >> (8 * b)));
+  out << text;
+  out.write(reinterpret_cast<const char*>(data.data()), static_cast<std::streamsize>(data.size()));
+}
+
+// model.init_from, then export, then model.init_from again is the identity: for f32, bf16 and f16
+// directories, tied and untied, with a RoPE scaling that must survive config.json.
+TEST_F(HfExportTest, InitFromExportInitFromIsTheIdentity) {
+  for (bool tied : {false, true}) {
+    SCOPED_TRACE(tied ? "tied" : "untied");
+    HfLlamaConfig c;
+    c.model = small_config();
+    c.model.tie_embeddings = tied;
+    c.model.rope_scaling.type = "yarn";
+    c.model.rope_scaling.factor = 4;
+    c.model.rope_scaling.original_max_position_embeddings = 16384;
+    auto arena = [&](const char* name) {
+      Arena a(name, Device::cpu);
+      add_parameter_entries(a, c.model, DType::f32);
+      a.allocate();
+      return a;
+    };
+    Arena a = arena("a"), b = arena("b"), d = arena("d");
+    initialize_parameters(a, tied ? 17 : 18);
+    auto expect_equal = [&](const Arena& x, const Arena& y, const char* what) {
+      for (size_t i = 0; i < x.table().size(); ++i)
+        ASSERT_EQ(std::memcmp(x.at(i).data, y.at(i).data, x.at(i).nbytes()), 0) << what << ": " << x.table()[i].name;
+    };
+
+    export_hf_directory(path("f32"), c, a);
+    init_from_hf_directory(path("f32"), c.model, b, /*threads=*/2);
+    expect_equal(a, b, "f32 directory");
+    export_hf_directory(path("f32_again"), read_hf_config(path("f32/config.json")), b);
+    init_from_hf_directory(path("f32_again"), c.model, d, 1);
+    expect_equal(a, d, "f32 directory re-exported");
+    expect_same_model(read_hf_config(path("f32_again/config.json")).model, c.model);
+
+    // bf16 storage: the first load rounds the f32 weights once; from then on it is the identity.
+    export_hf_directory(path("bf16"), c, a, DType::bf16);
+    init_from_hf_directory(path("bf16"), c.model, b);
+    const float w = a.get("model.norm.weight").ptr<float>()[3], wb = b.get("model.norm.weight").ptr<float>()[3];
+    EXPECT_EQ(wb, static_cast<float>(bf16(w)));
+    export_hf_directory(path("bf16_again"), c, b, DType::bf16);
+    init_from_hf_directory(path("bf16_again"), c.model, d);
+    expect_equal(b, d, "bf16 directory re-exported");
+
+    // f16 storage (what many published Llama checkpoints hold): values that f16 holds exactly.
+    for (size_t i = 0; i < a.table().size(); ++i) {
+      float* v = a.at(i).ptr<float>();
+      for (int64_t k = 0; k < a.table()[i].numel; ++k) v[k] = static_cast<float>((k * 37 + i) % 1023 + 1) / 1024.0f;
+    }
+    fs::create_directories(path("f16"));
+    write_f16_safetensors(path("f16/model.safetensors"), a);
+    write_hf_config(path("f16/config.json"), c);
+    init_from_hf_directory(path("f16"), c.model, b);
+    expect_equal(a, b, "f16 directory");
+  }
+}
+
+TEST_F(HfExportTest, InitFromErrorsNameTheTensorKeyAndDirectory) {
+  HfLlamaConfig c;
+  c.model = small_config();
+  Arena a("params", Device::cpu);
+  add_parameter_entries(a, c.model, DType::f32);
+  a.allocate();
+  initialize_parameters(a, 4);
+  // A directory missing one tensor the model needs.
+  std::vector<NamedTensor> all_but_one;
+  for (size_t i = 0; i < a.table().size(); ++i)
+    if (a.table()[i].name != "model.layers.2.mlp.down_proj.weight") all_but_one.push_back({a.table()[i].name, a.at(i)});
+  fs::create_directories(path("missing"));
+  save_safetensors(path("missing/model.safetensors"), all_but_one);
+  write_hf_config(path("missing/config.json"), c);
+  std::string msg = error_of([&] { init_from_hf_directory(path("missing"), c.model, a); });
+  EXPECT_NE(msg.find("model.init_from '" + path("missing") + "'"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("1 tensor(s) of arena 'params' are missing: model.layers.2.mlp.down_proj.weight"),
+            std::string::npos)
+      << msg;
+
+  // A config.json of another shape.
+  export_hf_directory(path("other"), c, a);
+  LlamaConfig wider = c.model;
+  wider.ffn_dim = 140;
+  msg = error_of([&] { init_from_hf_directory(path("other"), wider, a); });
+  EXPECT_NE(msg.find("model.ffn_dim is 140 but config.json has intermediate_size = 131"), std::string::npos) << msg;
+  // A tensor of another shape (config.json edited by hand).
+  HfLlamaConfig edited = c;
+  edited.model.vocab_size = 102;
+  write_hf_config(path("other/config.json"), edited);
+  LlamaConfig v102 = c.model;
+  v102.vocab_size = 102;
+  Arena big("params", Device::cpu);
+  add_parameter_entries(big, v102, DType::f32);
+  big.allocate();
+  msg = error_of([&] { init_from_hf_directory(path("other"), v102, big); });
+  EXPECT_NE(msg.find("model.embed_tokens.weight"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("[102, 48]"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("[101, 48]"), std::string::npos) << msg;
+  msg = error_of([&] { init_from_hf_directory(path("absent"), c.model, a); });
+  EXPECT_NE(msg.find("absent/config.json"), std::string::npos) << msg;
 }
 
 }  // namespace

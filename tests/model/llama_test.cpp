@@ -99,6 +99,49 @@ TEST(LlamaModel, GradientsMatchFiniteDifferencesMqaFullCheckpoint) {
   check_gradients(c, CheckpointPolicy::full);
 }
 
+// Every RoPE scaling on: the scaled table and yarn's attention factor reach forward and backward
+// alike. head_dim 8 and an original length of 16 put the shard's positions (101..119) well past it,
+// and yarn's and llama3's bands inside the 4 frequency pairs.
+RopeScaling scaling_for_test(const std::string& type) {
+  RopeScaling s;
+  s.type = type;
+  if (type == "default") return s;
+  s.factor = 4;
+  if (type == "linear") return s;
+  s.original_max_position_embeddings = 16;
+  if (type == "llama3") {
+    s.low_freq_factor = 1;
+    s.high_freq_factor = 4;
+  }
+  if (type == "yarn") {
+    s.beta_fast = 8;
+    s.beta_slow = 0.5;
+  }
+  return s;
+}
+
+TEST(LlamaModel, GradientsMatchFiniteDifferencesWithEachRopeScaling) {
+  for (const std::string type : {"linear", "dynamic", "yarn", "llama3"}) {
+    SCOPED_TRACE("rope_scaling " + type);
+    LlamaConfig c = tiny_config();
+    c.n_layers = 1;
+    c.n_heads = 2;
+    c.n_kv_heads = 1;
+    c.head_dim = 8;
+    c.vocab_size = 20;  // small embedding and MLP: the differences are spent on attention's inputs
+    c.ffn_dim = 8;
+    c.rope_scaling = scaling_for_test(type);
+    const RopeTable table = c.rope(c.max_seq_len);
+    // The scaling does change the table (and yarn the attention factor), or this would test nothing.
+    ASSERT_EQ(table.inv_freq.size(), 4u);
+    EXPECT_NE(table.inv_freq.back(), std::pow(c.rope_theta, -6.0 / 8)) << type;
+    if (type == "yarn") {
+      EXPECT_GT(table.attention_factor, 1.1);
+    }
+    check_gradients(c, CheckpointPolicy::remat_aware);
+  }
+}
+
 // Gradients (float) are bit-identical under the three policies; remat_aware runs attention forward
 // once per layer per step, full twice, none once.
 TEST(LlamaModel, CheckpointPoliciesGiveBitIdenticalGradients) {

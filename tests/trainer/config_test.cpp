@@ -2,6 +2,7 @@
 // defaults and --set overrides apply; every class of mistake (unknown key or section, wrong type,
 // out of range, inconsistent combination, missing file, malformed YAML) is an error whose text
 // starts with the file and line (or the --set) and names the key; loading creates nothing.
+#include <algorithm>
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
@@ -365,11 +366,25 @@ TEST(TrainerConfig, HashCoversWhatTrainingComputes) {
 // to cover every key of the table: a key added without a line here fails the test below.
 struct KeyChange {
   const char* key;
-  std::vector<std::string> sets;  // applied to kValid; only `key` may come out changed
+  std::vector<std::string> sets;  // applied to kValid; `key` and `also` come out changed, nothing else
   OnResume expected;
+  std::vector<std::string> also = {};  // keys a valid change of `key` must change too
 };
 const std::vector<KeyChange>& key_changes() {
   constexpr OnResume refused = OnResume::refused, allowed = OnResume::allowed;
+  // RoPE scaling fields are valid only with a type that uses them, and with all of its fields.
+  static const std::vector<std::string> kLlama3 = {
+      "model.rope_scaling=llama3", "model.rope_factor=8", "model.rope_low_freq_factor=1",
+      "model.rope_high_freq_factor=4", "model.rope_original_max_position_embeddings=32"};
+  static const std::vector<std::string> kLlama3Keys = {
+      "model.rope_scaling", "model.rope_factor", "model.rope_original_max_position_embeddings",
+      "model.rope_low_freq_factor", "model.rope_high_freq_factor"};
+  static const std::vector<std::string> kYarnKeys = {"model.rope_scaling", "model.rope_factor",
+                                                     "model.rope_original_max_position_embeddings"};
+  auto yarn_with = [](const std::string& field) {
+    return std::vector<std::string>{"model.rope_scaling=yarn", "model.rope_factor=4",
+                                    "model.rope_original_max_position_embeddings=32", field};
+  };
   static const std::vector<KeyChange> changes = {
       {"model.vocab_size", {"model.vocab_size=1024"}, refused},
       {"model.dim", {"model.dim=128", "model.head_dim=16"}, refused},  // head_dim kept: it resolves from dim
@@ -379,11 +394,26 @@ const std::vector<KeyChange>& key_changes() {
       {"model.head_dim", {"model.head_dim=32"}, refused},
       {"model.ffn_dim", {"model.ffn_dim=192"}, refused},
       {"model.rope_theta", {"model.rope_theta=500000"}, refused},
+      {"model.rope_scaling", {"model.rope_scaling=linear", "model.rope_factor=2"}, refused, {"model.rope_factor"}},
+      {"model.rope_factor", {"model.rope_scaling=linear", "model.rope_factor=2"}, refused, {"model.rope_scaling"}},
+      {"model.rope_original_max_position_embeddings",
+       {"model.rope_scaling=dynamic", "model.rope_factor=2", "model.rope_original_max_position_embeddings=32"},
+       refused, {"model.rope_scaling", "model.rope_factor"}},
+      {"model.rope_low_freq_factor", kLlama3, refused, kLlama3Keys},
+      {"model.rope_high_freq_factor", kLlama3, refused, kLlama3Keys},
+      {"model.rope_beta_fast", yarn_with("model.rope_beta_fast=16"), refused, kYarnKeys},
+      {"model.rope_beta_slow", yarn_with("model.rope_beta_slow=2"), refused, kYarnKeys},
+      {"model.rope_attention_factor", yarn_with("model.rope_attention_factor=1.2"), refused, kYarnKeys},
+      {"model.rope_mscale", yarn_with("model.rope_mscale=1"), refused, kYarnKeys},
+      {"model.rope_mscale_all_dim", yarn_with("model.rope_mscale_all_dim=1"), refused, kYarnKeys},
+      {"model.rope_truncate", yarn_with("model.rope_truncate=false"), refused, kYarnKeys},
       {"model.norm_eps", {"model.norm_eps=1e-3"}, refused},
       {"model.tie_embeddings", {"model.tie_embeddings=true"}, refused},
       {"model.max_seq_len", {"model.max_seq_len=1024"}, refused},
       {"model.checkpoint", {"model.checkpoint=none"}, allowed},
       {"model.init_std", {"model.init_std=0.01"}, refused},
+      // Needs a Hugging Face directory whose config.json is kValid's shape (tests/trainer/init_from_test.cpp).
+      {"model.init_from", {}, allowed},
       {"data.train", {"data.train=data/other"}, allowed},
       {"data.val", {"data.val=data/val"}, allowed},
       {"data.tokenizer", {"data.tokenizer=tok.model"}, refused},
@@ -456,21 +486,26 @@ TEST(TrainerConfig, ConfigChangesNameEachKeyWithOldAndNewValueAndItsClass) {
   const TrainConfig base = load(kValid, {"model.head_dim=16"});
   EXPECT_TRUE(config_changes(base, base).empty());
   for (const KeyChange& k : key_changes()) {
+    if (k.sets.empty()) continue;  // no change possible from kValid alone (model.init_from)
     std::vector<std::string> sets = {"model.head_dim=16"};
     sets.insert(sets.end(), k.sets.begin(), k.sets.end());
     const TrainConfig changed = load(kValid, sets);
-    std::vector<ConfigChange> ch = config_changes(base, changed);
+    std::vector<ConfigChange> all = config_changes(base, changed);
     // parallel.layout's change needs another attention schedule (distflash needs contiguous).
-    if (std::string(k.key) == "parallel.layout") {
-      ASSERT_EQ(ch.size(), 2u) << k.key;
-      EXPECT_EQ(ch[1].key, "attention.schedule");
-    } else {
-      ASSERT_EQ(ch.size(), 1u) << k.key << (ch.empty() ? "" : ": " + ch[0].text());
-    }
-    EXPECT_EQ(ch[0].key, k.key);
-    EXPECT_EQ(ch[0].on_resume, k.expected) << k.key;
-    EXPECT_NE(ch[0].before, ch[0].after) << k.key;
-    EXPECT_TRUE(starts_with(ch[0].text(), fmt::format("{}: {} -> ", k.key, ch[0].before))) << ch[0].text();
+    std::vector<std::string> also = k.also;
+    if (std::string(k.key) == "parallel.layout") also = {"attention.schedule"};
+    std::vector<std::string> want = {k.key}, got;
+    want.insert(want.end(), also.begin(), also.end());
+    for (const ConfigChange& c : all) got.push_back(c.key);
+    std::sort(want.begin(), want.end());
+    want.erase(std::unique(want.begin(), want.end()), want.end());
+    std::sort(got.begin(), got.end());
+    ASSERT_EQ(got, want) << k.key;
+    const auto own = std::find_if(all.begin(), all.end(), [&](const ConfigChange& c) { return c.key == k.key; });
+    ASSERT_NE(own, all.end()) << k.key;
+    EXPECT_EQ(own->on_resume, k.expected) << k.key;
+    EXPECT_NE(own->before, own->after) << k.key;
+    EXPECT_TRUE(starts_with(own->text(), fmt::format("{}: {} -> ", k.key, own->before))) << own->text();
   }
   const std::vector<ConfigChange> lr = config_changes(base, load(kValid, {"model.head_dim=16", "optim.lr=2e-3"}));
   ASSERT_EQ(lr.size(), 1u);
@@ -501,7 +536,7 @@ TEST(TrainerConfig, ResolveDevice) {
 TEST(TrainerConfig, SchemaMentionsEveryKeyInItsSection) {
   const std::string schema = schema_text();
   const std::vector<std::string> keys = config_keys();
-  EXPECT_EQ(keys.size(), 51u);
+  EXPECT_EQ(keys.size(), 63u);
   for (const std::string& full : keys) {
     const std::string section = full.substr(0, full.find('.')), key = full.substr(full.find('.') + 1);
     const size_t at = schema.find("\n" + section + ": ");
@@ -512,6 +547,7 @@ TEST(TrainerConfig, SchemaMentionsEveryKeyInItsSection) {
   }
   // Types, ranges, defaults and meanings are there.
   EXPECT_TRUE(contains(schema, "none|full|remat_aware"));
+  EXPECT_TRUE(contains(schema, "default|linear|dynamic|yarn|llama3"));
   EXPECT_TRUE(contains(schema, "in [0, 1)"));
   EXPECT_TRUE(contains(schema, "0.0003"));
   EXPECT_TRUE(contains(schema, "[\"norm\", \"embed_tokens\"]"));

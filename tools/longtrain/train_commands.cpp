@@ -1,6 +1,7 @@
 // `longtrain train`, `longtrain eval`, `longtrain generate` and `longtrain schema`.
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -14,6 +15,7 @@
 #include "runtime/device.h"
 #include "tools/longtrain/commands.h"
 #include "trainer/config.h"
+#include "trainer/passkey.h"
 #include "trainer/trainer.h"
 
 namespace longtrain::cli {
@@ -66,20 +68,73 @@ void add_train_commands(CLI::App& app) {
     cmd->callback([] { fmt::print("{}", trainer::schema_text()); });
   }
   {
-    auto* cmd = app.add_subcommand("eval", "Validation loss, perplexity and loss by position of a checkpoint");
+    auto* cmd = app.add_subcommand(
+        "eval", "Validation loss, perplexity and loss by position of a checkpoint or a Hugging Face Llama directory");
     auto dir = std::make_shared<std::string>();
     auto data_dir = std::make_shared<std::string>();
     auto batches = std::make_shared<int64_t>(0);
     auto buckets = std::make_shared<int64_t>(0);
-    cmd->add_option("--checkpoint", *dir, "Checkpoint directory (…/checkpoints/step_N)")->required();
-    cmd->add_option("--data", *data_dir, "Prepared data directory (default: the config's data.val or data.train)");
+    auto seq_len = std::make_shared<int64_t>(0);
+    auto device = std::make_shared<std::string>("cpu");
+    cmd->add_option("--checkpoint", *dir,
+                    "Checkpoint directory (…/checkpoints/step_N) or a Hugging Face Llama directory (config.json, "
+                    "safetensors)")
+        ->required();
+    cmd->add_option("--data", *data_dir,
+                    "Prepared data directory (default: the config's data.val or data.train; required for a Hugging "
+                    "Face directory)");
     cmd->add_option("--batches", *batches, "Validation windows to evaluate (default: the config's eval.batches; 0 = all)");
     cmd->add_option("--buckets", *buckets, "Position buckets (default: the config's eval.position_buckets)");
+    cmd->add_option("--seq-len", *seq_len,
+                    "Tokens per window (default: the run's data.seq_len; a Hugging Face directory's "
+                    "max_position_embeddings); may exceed the training length");
+    cmd->add_option("--device", *device, "cpu (f32, default) or cuda (bf16 mixed precision)")
+        ->check(CLI::IsMember({"cpu", "cuda"}));
+    auto passkey = std::make_shared<bool>(false);
+    auto pk = std::make_shared<trainer::PasskeyOptions>();
+    auto out_dir = std::make_shared<std::string>("passkey");
+    auto tokenizer_path = std::make_shared<std::string>();
+    cmd->add_flag("--passkey", *passkey,
+                  "Passkey retrieval instead of the loss: the length x depth grid of exact-match accuracy");
+    cmd->add_option("--lengths", pk->lengths, "Passkey prompt lengths in tokens, e.g. 4096,16384")->delimiter(',');
+    cmd->add_option("--depths", pk->depths, "Passkey depths in [0, 1] (default 0,0.25,0.5,0.75,1)")->delimiter(',');
+    cmd->add_option("--trials", pk->trials, "Passkey keys per cell (default 5)");
+    cmd->add_option("--seed", pk->seed, "Seed of the passkey keys (default 0)");
+    cmd->add_option("--out", *out_dir, "Directory for passkey.json and passkey.svg (default ./passkey)");
+    cmd->add_option("--tokenizer", *tokenizer_path, "SentencePiece model (default: the directory's tokenizer.model)");
     cmd->callback([=] {
-      trainer::LoadedModel m = trainer::load_model_from_checkpoint(*dir);
-      const trainer::TrainConfig& c = m.config;
+      const Device dev = *device == "cuda" ? Device::cuda : Device::cpu;
+      LT_CHECK(dev == Device::cpu || cuda_available(), "eval --device cuda: no CUDA device is usable here");
+      LT_CHECK(*seq_len >= 0, "eval --seq-len must be positive, got {}", *seq_len);
+      if (*passkey) {
+        trainer::LoadedModel m = trainer::load_model_from_checkpoint(*dir, 1, dev);
+        std::string tok = !tokenizer_path->empty() ? *tokenizer_path : (fs::path(*dir) / "tokenizer.model").string();
+        if (!fs::exists(tok)) tok = m.config.data.tokenizer;
+        LT_CHECK(!tok.empty() && fs::exists(tok),
+                 "eval --passkey: no tokenizer: {} has no tokenizer.model and the config names none; pass --tokenizer",
+                 *dir);
+        data::Tokenizer tokenizer(tok);
+        const std::vector<trainer::PasskeyCell> cells = trainer::passkey_eval(*m.model, tokenizer, *pk);
+        fmt::print("passkey retrieval, {} (step {}): correct / trials\n{}", *dir, m.step, trainer::passkey_table(cells));
+        fs::create_directories(*out_dir);
+        std::ofstream(fs::path(*out_dir) / "passkey.json") << trainer::passkey_json(cells);
+        std::ofstream(fs::path(*out_dir) / "passkey.svg") << trainer::passkey_svg(cells, "passkey retrieval: " + *dir);
+        LT_CHECK(fs::file_size(fs::path(*out_dir) / "passkey.svg") > 0, "eval --passkey: writing {} failed", *out_dir);
+        fmt::print("wrote {}/passkey.json and {}/passkey.svg\n", *out_dir, *out_dir);
+        return;
+      }
+      trainer::LoadedModel m = trainer::load_model_from_checkpoint(*dir, *seq_len, dev);
+      trainer::TrainConfig& c = m.config;
+      if (*seq_len > 0) {
+        if (*seq_len > c.model.max_seq_len)
+          fmt::print("note: --seq-len {} is beyond the model's max_seq_len {} (extrapolation)\n", *seq_len,
+                     c.model.max_seq_len);
+        c.data.seq_len = *seq_len;
+      }
       data::LoaderOptions o;
       o.shard_dir = !data_dir->empty() ? *data_dir : (!c.data.val.empty() ? c.data.val : c.data.train);
+      LT_CHECK(!o.shard_dir.empty(), "eval: {} is a Hugging Face directory with no data of its own: pass --data DIR "
+               "(a directory made by `longtrain prepare`)", *dir);
       o.split = "val";
       o.seq_len = c.data.seq_len;
       o.prefetch = 0;
@@ -91,28 +146,32 @@ void add_train_commands(CLI::App& app) {
       fmt::print("checkpoint {} (step {})\nvalidation loss {:.4f}, perplexity {:.2f}, {} tokens\n", *dir, m.step,
                  e.loss, e.perplexity, e.tokens);
       const int64_t S = c.data.seq_len, B = static_cast<int64_t>(e.bucket_loss.size());
-      data::Loader train_split([&] {
-        data::LoaderOptions t = o;
-        t.shard_dir = c.data.train;
-        t.split = "train";
-        return t;
-      }());
-      trainer::UnigramBaseline u = trainer::unigram_baseline(train_split.corpus(), loader.corpus());
-      fmt::print("unigram baseline: train entropy {:.4f} nats/token, validation cross-entropy {:.4f}\n",
-                 u.train_entropy, u.val_cross_entropy);
+      if (!c.data.train.empty()) {
+        data::Loader train_split([&] {
+          data::LoaderOptions t = o;
+          t.shard_dir = c.data.train;
+          t.split = "train";
+          return t;
+        }());
+        trainer::UnigramBaseline u = trainer::unigram_baseline(train_split.corpus(), loader.corpus());
+        fmt::print("unigram baseline: train entropy {:.4f} nats/token, validation cross-entropy {:.4f}\n",
+                   u.train_entropy, u.val_cross_entropy);
+      }
       for (int64_t b = 0; b < B; ++b)
         fmt::print("  positions {:>6}-{:<6} loss {:.4f} ({} tokens)\n", b * S / B, (b + 1) * S / B - 1,
                    e.bucket_loss[static_cast<size_t>(b)], e.bucket_tokens[static_cast<size_t>(b)]);
     });
   }
   {
-    auto* cmd = app.add_subcommand("generate", "Sample text from a checkpoint");
+    auto* cmd = app.add_subcommand("generate", "Sample text from a checkpoint or a Hugging Face Llama directory");
     auto dir = std::make_shared<std::string>();
     auto prompt = std::make_shared<std::string>();
     auto tokenizer_path = std::make_shared<std::string>();
     auto max_new = std::make_shared<int64_t>(100);
     auto sp = std::make_shared<model::SamplingParams>();
-    cmd->add_option("--checkpoint", *dir, "Checkpoint directory (…/checkpoints/step_N)")->required();
+    cmd->add_option("--checkpoint", *dir,
+                    "Checkpoint directory (…/checkpoints/step_N) or a Hugging Face Llama directory")
+        ->required();
     cmd->add_option("--prompt", *prompt, "Text to continue")->required();
     cmd->add_option("--tokenizer", *tokenizer_path, "SentencePiece model (default: the checkpoint's tokenizer.model)");
     cmd->add_option("--max-new-tokens", *max_new, "Tokens to sample (default 100)");

@@ -1,0 +1,214 @@
+#include "trainer/passkey.h"
+
+#include <algorithm>
+#include <cmath>
+#include <memory>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "model/generate.h"
+#include "runtime/error.h"
+
+namespace longtrain::trainer {
+
+namespace {
+
+constexpr const char* kTask =
+    "There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. I will quiz you "
+    "about the important information there.";
+constexpr const char* kFiller = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.";
+constexpr const char* kQuestion = "What is the pass key? The pass key is";
+
+std::string fillers(int64_t n) {
+  std::string out;
+  for (int64_t i = 0; i < n; ++i) out += (i ? " " : "") + std::string(kFiller);
+  return out;
+}
+
+// The prompt text with `before` fillers ahead of the key sentence and `after` behind it; `head` gets
+// the text up to the key sentence.
+std::string prompt_text(int64_t before, int64_t after, int64_t key, std::string* head = nullptr) {
+  std::string text = std::string(kTask) + "\n";
+  if (before > 0) text += fillers(before) + "\n";
+  if (head) *head = text;
+  text += fmt::format("The pass key is {0}. Remember it. {0} is the pass key.\n", key);
+  if (after > 0) text += fillers(after) + "\n";
+  return text + kQuestion;
+}
+
+uint64_t splitmix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+}  // namespace
+
+PasskeyPrompt build_passkey_prompt(const data::Tokenizer& tok, int64_t length, double depth, int64_t key) {
+  LT_CHECK(depth >= 0.0 && depth <= 1.0, "passkey: depth {} must be in [0, 1]", depth);
+  LT_CHECK(key > 0, "passkey: the key must be a positive integer, got {}", key);
+  const int64_t bos = tok.bos_id() >= 0 ? 1 : 0;
+  auto split = [&](int64_t n) {
+    const auto before = static_cast<int64_t>(std::llround(depth * static_cast<double>(n)));
+    return std::pair{before, n - before};
+  };
+  const std::string answer_text = fmt::format(" {}", key);
+  auto tokens_for = [&](int64_t n) {
+    auto [before, after] = split(n);
+    return bos + static_cast<int64_t>(tok.encode(prompt_text(before, after, key) + answer_text).size());
+  };
+  // The largest filler count whose prompt and answer fit in `length` tokens (the count grows with n).
+  const int64_t per_filler = std::max<int64_t>(1, tokens_for(1) - tokens_for(0));
+  int64_t lo = 0, hi = length / per_filler + 2;
+  LT_CHECK(tokens_for(1) <= length, "passkey: --lengths {} is too short: one filler and the question take {} tokens",
+           length, tokens_for(1));
+  lo = 1;
+  while (tokens_for(hi) <= length) hi *= 2;
+  while (hi - lo > 1) {  // tokens_for(lo) fits, tokens_for(hi) does not
+    const int64_t mid = lo + (hi - lo) / 2;
+    (tokens_for(mid) <= length ? lo : hi) = mid;
+  }
+
+  PasskeyPrompt p;
+  p.fillers = lo;
+  auto [before, after] = split(lo);
+  std::string head;
+  const std::string text = prompt_text(before, after, key, &head);
+  if (bos) p.prompt.push_back(tok.bos_id());
+  const std::vector<int32_t> prompt = tok.encode(text), full = tok.encode(text + answer_text);
+  p.prompt.insert(p.prompt.end(), prompt.begin(), prompt.end());
+  p.key_token = bos + static_cast<int64_t>(tok.encode(head).size());
+  // The answer's tokens as they follow the prompt in the whole text (SentencePiece joins " N" with
+  // nothing before it, so the prompt's tokens are a prefix).
+  LT_CHECK(full.size() > prompt.size() && std::equal(prompt.begin(), prompt.end(), full.begin()),
+           "passkey: the tokenizer splits the prompt differently when the key follows it; cannot score exactly");
+  p.answer.assign(full.begin() + static_cast<std::ptrdiff_t>(prompt.size()), full.end());
+  return p;
+}
+
+bool passkey_correct(const PasskeyPrompt& p, const NextTokenLogits& append_and_predict) {
+  std::vector<float> logits = append_and_predict(p.prompt);
+  for (size_t k = 0; k < p.answer.size(); ++k) {
+    LT_CHECK(!logits.empty(), "passkey: empty logits");
+    for (float v : logits) LT_CHECK(std::isfinite(v), "passkey: the model's logits are not finite");
+    const auto best = static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+    if (best != p.answer[k]) return false;
+    if (k + 1 < p.answer.size()) logits = append_and_predict({p.answer[k]});
+  }
+  return true;
+}
+
+std::vector<PasskeyCell> passkey_eval(const data::Tokenizer& tokenizer, const PasskeyOptions& o,
+                                      const std::function<NextTokenLogits(int64_t)>& new_scorer) {
+  LT_CHECK(!o.lengths.empty(), "passkey: no lengths given (--lengths 4096,16384,...)");
+  LT_CHECK(!o.depths.empty(), "passkey: no depths given (--depths 0,0.25,0.5,0.75,1)");
+  LT_CHECK(o.trials > 0, "passkey: --trials must be positive, got {}", o.trials);
+  std::vector<PasskeyCell> cells;
+  for (size_t li = 0; li < o.lengths.size(); ++li) {
+    for (size_t di = 0; di < o.depths.size(); ++di) {
+      PasskeyCell cell{o.lengths[li], o.depths[di], o.trials, 0};
+      for (int64_t t = 0; t < o.trials; ++t) {
+        const uint64_t r = splitmix64(o.seed ^ splitmix64((li << 40) ^ (di << 20) ^ static_cast<uint64_t>(t)));
+        const int64_t key = static_cast<int64_t>(r % 50000) + 1;
+        const PasskeyPrompt p = build_passkey_prompt(tokenizer, o.lengths[li], o.depths[di], key);
+        cell.correct += passkey_correct(p, new_scorer(static_cast<int64_t>(p.prompt.size() + p.answer.size())));
+      }
+      cells.push_back(cell);
+    }
+  }
+  return cells;
+}
+
+std::vector<PasskeyCell> passkey_eval(const data::Tokenizer& tokenizer, const PasskeyOptions& o,
+                                      const NextTokenLogits& logits_after) {
+  return passkey_eval(tokenizer, o, std::function<NextTokenLogits(int64_t)>([&](int64_t) { return logits_after; }));
+}
+
+std::vector<PasskeyCell> passkey_eval(const model::LlamaModel& model, const data::Tokenizer& tokenizer,
+                                      const PasskeyOptions& o) {
+  LT_CHECK(tokenizer.vocab_size() == model.config().vocab_size,
+           "passkey: the tokenizer has {} pieces but the model's vocabulary is {}", tokenizer.vocab_size(),
+           model.config().vocab_size);
+  // One KV cache per trial, sized for its prompt and answer (the length RoPE scaling dynamic is
+  // computed for); each call appends the tokens and predicts the next.
+  return passkey_eval(tokenizer, o, std::function<NextTokenLogits(int64_t)>([&](int64_t capacity) {
+                        auto cache = std::make_shared<model::KvCache>(model.config(), model.precision(), capacity);
+                        return NextTokenLogits([&model, cache](const std::vector<int32_t>& tokens) {
+                          return model::decode_tokens(model, *cache, tokens);
+                        });
+                      }));
+}
+
+std::string passkey_table(const std::vector<PasskeyCell>& cells) {
+  std::vector<double> depths;
+  std::vector<int64_t> lengths;
+  for (const PasskeyCell& c : cells) {
+    if (std::find(depths.begin(), depths.end(), c.depth) == depths.end()) depths.push_back(c.depth);
+    if (std::find(lengths.begin(), lengths.end(), c.length) == lengths.end()) lengths.push_back(c.length);
+  }
+  std::string out = fmt::format("{:>9}", "length");
+  for (double d : depths) out += fmt::format("  depth {:<5}", d);
+  out += "\n";
+  for (int64_t L : lengths) {
+    out += fmt::format("{:>9}", L);
+    for (double d : depths)
+      for (const PasskeyCell& c : cells)
+        if (c.length == L && c.depth == d) out += fmt::format("  {:>4}/{:<6}", c.correct, c.trials);
+    out += "\n";
+  }
+  return out;
+}
+
+std::string passkey_json(const std::vector<PasskeyCell>& cells) {
+  nlohmann::ordered_json j;
+  j["cells"] = nlohmann::ordered_json::array();
+  for (const PasskeyCell& c : cells)
+    j["cells"].push_back(
+        {{"length", c.length}, {"depth", c.depth}, {"trials", c.trials}, {"correct", c.correct}, {"accuracy", c.accuracy()}});
+  return j.dump(2) + "\n";
+}
+
+std::string passkey_svg(const std::vector<PasskeyCell>& cells, const std::string& title) {
+  std::vector<double> depths;
+  std::vector<int64_t> lengths;
+  for (const PasskeyCell& c : cells) {
+    if (std::find(depths.begin(), depths.end(), c.depth) == depths.end()) depths.push_back(c.depth);
+    if (std::find(lengths.begin(), lengths.end(), c.length) == lengths.end()) lengths.push_back(c.length);
+  }
+  const int cw = 70, ch = 34, left = 90, top = 50;
+  const int w = left + cw * static_cast<int>(depths.size()) + 20, h = top + ch * static_cast<int>(lengths.size()) + 50;
+  std::string svg = fmt::format(
+      "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{}\" height=\"{}\" font-family=\"sans-serif\" "
+      "font-size=\"12\">\n<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
+      "<text x=\"{}\" y=\"20\" font-size=\"14\">{}</text>\n",
+      w, h, left, title);
+  for (size_t r = 0; r < lengths.size(); ++r) {
+    const int y = top + ch * static_cast<int>(r);
+    svg += fmt::format("<text x=\"{}\" y=\"{}\" text-anchor=\"end\">{}</text>\n", left - 8, y + ch / 2 + 4, lengths[r]);
+    for (size_t col = 0; col < depths.size(); ++col)
+      for (const PasskeyCell& c : cells) {
+        if (c.length != lengths[r] || c.depth != depths[col]) continue;
+        const double a = c.accuracy();
+        const int x = left + cw * static_cast<int>(col);
+        svg += fmt::format("<rect x=\"{}\" y=\"{}\" width=\"{}\" height=\"{}\" fill=\"rgb({},{},80)\" "
+                           "stroke=\"white\"><title>length {} depth {}: {}/{}</title></rect>\n",
+                           x, y, cw, ch, static_cast<int>(220 * (1 - a) + 30), static_cast<int>(190 * a + 40), c.length,
+                           c.depth, c.correct, c.trials);
+        svg += fmt::format("<text x=\"{}\" y=\"{}\" text-anchor=\"middle\" fill=\"white\">{:.0f}%</text>\n",
+                           x + cw / 2, y + ch / 2 + 4, 100 * a);
+      }
+  }
+  const int y = top + ch * static_cast<int>(lengths.size()) + 16;
+  for (size_t col = 0; col < depths.size(); ++col)
+    svg += fmt::format("<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">{}</text>\n",
+                       left + cw * static_cast<int>(col) + cw / 2, y, depths[col]);
+  svg += fmt::format("<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">depth of the key</text>\n",
+                     left + cw * static_cast<int>(depths.size()) / 2, y + 18);
+  svg += fmt::format("<text x=\"14\" y=\"{}\" transform=\"rotate(-90 14 {})\" text-anchor=\"middle\">tokens</text>\n",
+                     top + ch * static_cast<int>(lengths.size()) / 2, top + ch * static_cast<int>(lengths.size()) / 2);
+  return svg + "</svg>\n";
+}
+
+}  // namespace longtrain::trainer
