@@ -2,6 +2,7 @@
 // clipping, no-decay patterns, bf16 parameters with f32 master weights, and the flat-range ops.
 #include <cmath>
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include "kernels/ops.h"
@@ -37,6 +38,40 @@ TEST(LearningRate, WarmupThenCosineLinearOrConstant) {
   EXPECT_NEAR(learning_rate(c, 4), 1e-3 + 0.75 * 9e-3, 1e-15);
   c.schedule = LrSchedule::constant;
   EXPECT_DOUBLE_EQ(learning_rate(c, 9), 1e-2);
+}
+
+// A schedule re-shaped at a resume (restart R, L) starts at L and ends where its schedule ends, for
+// every schedule and restart point (inside warmup, after it, at the end); no step divides by zero.
+TEST(LearningRate, ARestartStartsAtItsLrAndEndsAtTheSchedulesEnd) {
+  for (LrSchedule schedule : {LrSchedule::cosine, LrSchedule::linear, LrSchedule::constant}) {
+    for (int64_t R : {0, 1, 2, 5, 10}) {
+      AdamWConfig c = base_config();  // lr 1e-2, min_lr 1e-3, warmup 2, 10 steps
+      c.schedule = schedule;
+      c.total_steps = 10;
+      c.restart = LrRestart{R, 4e-3};
+      SCOPED_TRACE(fmt::format("{} R={}", enum_name(schedule), R));
+      EXPECT_EQ(learning_rate(c, R), 4e-3);
+      const double end = schedule == LrSchedule::constant ? c.lr : c.min_lr;
+      EXPECT_NEAR(learning_rate(c, 10), R < 10 ? end : 4e-3, 1e-15);
+      for (int64_t s = R + 1; s <= 10; ++s) EXPECT_TRUE(std::isfinite(learning_rate(c, s))) << s;
+      if (R == 10) continue;
+      // No jump: step R+1 moves from L by at most the steepest slope of its piece (warmup: linear
+      // to lr by step 2; cosine: (pi/2)·range per whole decay; linear and constant: range / steps).
+      const double first = std::abs(learning_rate(c, R + 1) - 4e-3);
+      const double slope = R < c.warmup_steps ? std::abs(c.lr - 4e-3) / static_cast<double>(c.warmup_steps - R)
+                                              : std::abs(end - 4e-3) * M_PI / 2 / static_cast<double>(10 - R);
+      EXPECT_LE(first, slope + 1e-15);
+    }
+  }
+  // After warmup the restart decays from L: halfway through, cosine gives the middle.
+  AdamWConfig c = base_config();
+  c.total_steps = 10;
+  c.restart = LrRestart{4, 4e-3};
+  EXPECT_NEAR(learning_rate(c, 7), 1e-3 + 0.5 * 3e-3, 1e-15);
+  // Inside warmup it first climbs linearly to lr at warmup_steps.
+  c.warmup_steps = 6;
+  EXPECT_NEAR(learning_rate(c, 5), 4e-3 + 0.5 * 6e-3, 1e-15);
+  EXPECT_NEAR(learning_rate(c, 6), 1e-2, 1e-15);
 }
 
 // PyTorch's AdamW, one parameter tensor, in double.
