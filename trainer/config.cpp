@@ -1080,13 +1080,17 @@ std::string read_config_file(const std::string& path) {
 
 namespace {
 
-// The byte offset of the first byte that is not part of a well-formed UTF-8 sequence, or npos. YAML
+// The byte offset of the first byte that is not part of a well-formed UTF-8 sequence (or is a control
+// character), or npos. YAML
 // is UTF-8 text; yaml-cpp passes other bytes through, and the config's JSON forms (its hash, the
 // resolved copy) cannot hold them.
 size_t invalid_utf8_at(std::string_view s) {
   size_t i = 0;
   while (i < s.size()) {
     const auto c = static_cast<unsigned char>(s[i]);
+    // YAML text is printable: control characters other than tab and line breaks are not allowed
+    // (yaml-cpp would let a NUL through and turn what follows into bytes that are not UTF-8).
+    if ((c < 0x20 && c != '\t' && c != '\n' && c != '\r') || c == 0x7f) return i;
     size_t n = c < 0x80 ? 1 : (c >> 5) == 0x6 ? 2 : (c >> 4) == 0xe ? 3 : (c >> 3) == 0x1e ? 4 : 0;
     if (n == 0 || i + n > s.size() || (n == 2 && c < 0xc2)) return i;
     for (size_t k = 1; k < n; ++k)
@@ -1106,8 +1110,8 @@ void check_utf8(std::string_view text, const std::string& where, bool is_file) {
   const size_t at = invalid_utf8_at(text);
   if (at == std::string_view::npos) return;
   const int64_t line = 1 + std::count(text.begin(), text.begin() + static_cast<std::ptrdiff_t>(at), '\n');
-  throw Error(fmt::format("{}{}: byte 0x{:02x} is not UTF-8 text (a config holds UTF-8 only; paths with other "
-                          "bytes cannot be given here)",
+  throw Error(fmt::format("{}{}: byte 0x{:02x} is not printable UTF-8 text (a config holds UTF-8 without control "
+                          "characters; paths with other bytes cannot be given here)",
                           where, is_file ? fmt::format(":{}", line) : std::string(),
                           static_cast<unsigned char>(text[at])));
 }

@@ -145,11 +145,13 @@ TEST(TrainerConfig, LoadsFromFileAndCreatesNothing) {
 // they escaped as a JSON exception from the config hash) are refused, naming the line or override.
 TEST(TrainerConfig, TextThatIsNotUtf8IsRefusedNamingWhere) {
   const std::string bad = "\x98\xf5";
-  EXPECT_TRUE(contains(load_error("model:\n  dim: 32\ndata:\n  train: d" + bad + "\n"), ":4: byte 0x98 is not UTF-8"));
+  EXPECT_TRUE(contains(load_error("model:\n  dim: 32\ndata:\n  train: d" + bad + "\n"), ":4: byte 0x98 is not printable UTF-8"));
   EXPECT_TRUE(contains(load_error("model:\n  dim: 32\n", {"data.train=x" + bad}), "--set data.train: byte 0x98"));
+  // Control characters too: a NUL in a plain scalar made yaml-cpp return bytes that are not UTF-8.
+  EXPECT_TRUE(contains(load_error(std::string("data:\n  train: d\0_x\n", 17)), ":2: byte 0x00 is not printable"));
   for (const std::string& seq : {std::string("\xc0\xaf"), std::string("\xed\xa0\x80"), std::string("\xf4\x90\x80\x80"),
                                  std::string("\xe2\x82")})  // overlong, surrogate, past U+10FFFF, cut short
-    EXPECT_TRUE(contains(load_error("data:\n  train: d" + seq + "\n"), "is not UTF-8")) << seq.size();
+    EXPECT_TRUE(contains(load_error("data:\n  train: d" + seq + "\n"), "is not printable UTF-8")) << seq.size();
   // Well-formed multi-byte text stays accepted.
   EXPECT_EQ(load("data:\n  train: d\xc3\xa9j\xc3\xa0-vu-\xe2\x82\xac-\xf0\x9f\x98\x80\n").data.train,
             "d\xc3\xa9j\xc3\xa0-vu-\xe2\x82\xac-\xf0\x9f\x98\x80");
