@@ -3,6 +3,9 @@
 // both values; data.tokenizer defaults to its tokenizer.model; --resume continues from the run's own
 // checkpoint and never reads the directory's weights again; eval loads a plain HF directory.
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
 
 #include "model/hf_export.h"
 #include "model/safetensors.h"
@@ -154,6 +157,42 @@ TEST_F(InitFromTest, RunStartsAtStepZeroFromTheWeightsAndResumeNeverRereadsThem)
 
 // eval and generate's loader takes a plain HF directory (no MANIFEST.json) as well as a checkpoint,
 // at any length.
+// One of our own checkpoints is a Hugging Face directory too: init_from takes its weights only, and the
+// new run starts at step 0 with a fresh optimizer and a fresh loader (a new run from an old one).
+TEST_F(InitFromTest, OwnCheckpointStartsANewRunFromItsWeightsOnly) {
+  TrainSummary old = train(config("old_run", {"train.steps=6", "checkpoint.every=0", "eval.batches=0"}));
+  ASSERT_TRUE(old.last_checkpoint);
+  const fs::path ckpt = *old.last_checkpoint;  // .../step_6 with MANIFEST, optimizer shard, trainer state
+  ASSERT_TRUE(fs::exists(ckpt / "optimizer.rank0.safetensors"));
+
+  // During step 1 (before its update) the weights are the checkpoint's, bit for bit.
+  TrainHooks hooks;
+  std::vector<float> at_step1;
+  hooks.after_backward = [&](int64_t step, model::LlamaModel& m) {
+    if (step != 1 || !at_step1.empty()) return;
+    const Tensor p = m.params().flat();
+    at_step1.assign(p.ptr<float>(), p.ptr<float>() + p.numel());
+  };
+  TrainConfig c = config("from_own", {"train.steps=2", "checkpoint.every=0", "eval.batches=0",
+                                      "model.init_from=" + ckpt.string()});
+  TrainSummary fresh = train(c, "", hooks);
+  EXPECT_EQ(fresh.first_step, 1) << "init_from starts a new run at step 0";
+  EXPECT_EQ(fresh.losses.size(), 2u);
+  const LoadedModel source = load_model_from_checkpoint(ckpt);
+  const Tensor sp = source.model->params().flat();
+  ASSERT_EQ(at_step1.size(), static_cast<size_t>(sp.numel()));
+  EXPECT_TRUE(std::equal(at_step1.begin(), at_step1.end(), sp.ptr<float>())) << "the weights are not the checkpoint's";
+  // Its first loss is the old model's loss on the new run's first batch, far below a random start's.
+  TrainSummary random = train(config("random_start", {"train.steps=2", "checkpoint.every=0", "eval.batches=0"}));
+  EXPECT_LT(fresh.losses[0], random.losses[0] - 0.3) << fresh.losses[0] << " vs " << random.losses[0];
+  // The new run's state is its own: step 2, a loader at its start plus two steps, a fresh optimizer.
+  const nlohmann::json state =
+      nlohmann::json::parse(read_file(*fresh.last_checkpoint / "trainer_state.json"));
+  EXPECT_EQ(state.at("step").get<int64_t>(), 2);
+  EXPECT_EQ(state.at("optimizer_steps").get<int64_t>(), 2);
+  EXPECT_EQ(state.at("loader").at("cursor").get<int64_t>(), 2 * 4);
+}
+
 TEST_F(InitFromTest, EvalLoadsAPlainHuggingFaceDirectory) {
   const fs::path dir = hf_directory();
   ASSERT_FALSE(fs::exists(dir / "MANIFEST.json"));
