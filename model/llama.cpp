@@ -267,7 +267,6 @@ LossSum LlamaModel::forward(const TokenShard& shard, Tensor losses) {
 }
 
 void LlamaModel::forward_logits(const TokenShard& shard, Tensor logits) {
-  LT_CHECK(precision_.device == Device::cpu, "forward_logits runs on the CPU only; this model is on the GPU");
   const int64_t T = shard.tokens.numel();
   LT_CHECK(logits.device == Device::cpu && logits.dtype == precision_.act && logits.ndim == 2 &&
                logits.size(0) == T && logits.size(1) == config_.vocab_size && logits.is_contiguous(),
@@ -276,7 +275,17 @@ void LlamaModel::forward_logits(const TokenShard& shard, Tensor logits) {
   Tensor x_final = forward_layers(shard);
   Tensor normed = acts_.get("final_norm").narrow(0, T), rstd = acts_.get("final_rstd").narrow(0, T);
   ops::rmsnorm_forward(normed, rstd, x_final, p_.final_norm, config_.norm_eps);
-  ops::linear_forward(logits, normed, p_.lm_head);
+  if (precision_.device == Device::cpu) {
+    ops::linear_forward(logits, normed, p_.lm_head);
+    return;
+  }
+  // On the GPU the head writes a device buffer of its own (the activation arena has no [T, V] tensor:
+  // training never materialises the logits), copied to the host afterwards.
+  Arena out("logits", precision_.device);
+  out.add("logits", {T, config_.vocab_size}, precision_.act);
+  out.allocate();
+  ops::linear_forward(out.get("logits"), normed, p_.lm_head);
+  copy(logits, out.get("logits"));
 }
 
 }  // namespace longtrain::model

@@ -118,9 +118,10 @@ class LlamaModel {
   LossSum forward(const TokenShard& shard, Tensor losses = {});
 
   // Forward only, to the full logits [T, vocab_size] (act dtype, contiguous, on the host): what the
-  // fused, chunked head never materialises. CPU only and meant for short shards: it is how the model
-  // is compared with other implementations (tests/model/hf_parity_test.cpp checks it against
-  // Hugging Face transformers). The layers are the ones forward() runs.
+  // fused, chunked head never materialises. Meant for short shards: it is how the model is compared
+  // with other implementations (tests/model/hf_parity_test.cpp on the CPU and
+  // tests/gpu/hf_parity_gpu_test.cpp on the GPU check it against Hugging Face transformers). The
+  // layers are the ones forward() runs; the shard's tensors live on the model's device.
   void forward_logits(const TokenShard& shard, Tensor logits);
 
   // RoPE for runs over sequences of `seq_len` tokens (the whole sequence, before sequence-parallel

@@ -27,9 +27,11 @@ bool is_norm_weight(const std::string& name) {
 }  // namespace
 
 // The shapes the parity test must cover: GQA with an untied LM head, tied embeddings with MHA, and
-// MQA with a rope_theta and norm_eps that differ from both libraries' defaults. head_dim is
-// dim / n_heads in all of them: transformers 4.40 (the newest release that runs on Debian's
-// torch 1.13 without the tokenizers package) has no separate head_dim.
+// MQA with a rope_theta and norm_eps that differ from both libraries' defaults; then each RoPE
+// scaling type run over 4x its original context (128 tokens against an original 32; dynamic's
+// original is max_position_embeddings, written as 32), two of them with a head_dim (32) other than
+// dim / n_heads (16). The first three keep head_dim = dim / n_heads, as when transformers 4.40 made
+// their goldens.
 std::vector<HfParityFixture> hf_parity_fixtures() {
   std::vector<HfParityFixture> f;
   {
@@ -49,6 +51,37 @@ std::vector<HfParityFixture> hf_parity_fixtures() {
     c.vocab_size = 96, c.dim = 64, c.n_layers = 3, c.n_heads = 4, c.n_kv_heads = 1, c.head_dim = 16;
     c.ffn_dim = 112, c.rope_theta = 500000.0, c.norm_eps = 1e-4, c.tie_embeddings = false, c.max_seq_len = 256;
     f.push_back({"mqa_theta_eps", c, 1403, 0.15, 56});
+  }
+  // RoPE scaling: the GQA shape, 128 tokens = 4x the original context of 32.
+  auto scaled = [](int64_t head_dim, double theta, RopeScaling s) {
+    LlamaConfig c;
+    c.vocab_size = 128, c.dim = 64, c.n_layers = 2, c.n_heads = 4, c.n_kv_heads = 2, c.head_dim = head_dim;
+    c.ffn_dim = 128, c.rope_theta = theta, c.norm_eps = 1e-5, c.tie_embeddings = false, c.max_seq_len = 128;
+    c.rope_scaling = s;
+    return c;
+  };
+  {
+    RopeScaling s;
+    s.type = "linear", s.factor = 4.0;
+    f.push_back({"rope_linear", scaled(16, 10000.0, s), 1404, 0.15, 128});
+  }
+  {
+    RopeScaling s;
+    s.type = "dynamic", s.factor = 4.0, s.original_max_position_embeddings = 32;
+    f.push_back({"rope_dynamic", scaled(16, 10000.0, s), 1405, 0.15, 128});
+  }
+  {
+    // Llama 3.1's low/high frequency factors at a small original context; theta 500000 as Llama 3's.
+    RopeScaling s;
+    s.type = "llama3", s.factor = 8.0, s.original_max_position_embeddings = 32;
+    s.low_freq_factor = 1.0, s.high_freq_factor = 4.0;
+    f.push_back({"rope_llama3", scaled(32, 500000.0, s), 1406, 0.15, 128});
+  }
+  {
+    // yarn with its derived attention factor (0.1 ln 4 + 1), head_dim 32 so the ramp spans dims.
+    RopeScaling s;
+    s.type = "yarn", s.factor = 4.0, s.original_max_position_embeddings = 32;
+    f.push_back({"rope_yarn", scaled(32, 10000.0, s), 1407, 0.15, 128});
   }
   return f;
 }

@@ -1,7 +1,7 @@
 // Hugging Face parity: longtrain's f32 CPU forward against transformers' LlamaForCausalLM on the same
 // checkpoints. Each fixture in tests/fixtures/hf_parity/ is a small longtrain model written by our own
 // exporter (GQA with an untied head, tied embeddings with MHA, MQA with non-default rope_theta and
-// norm_eps); golden.safetensors beside it holds transformers' logits and per-token losses for the
+// norm_eps, and each rope_scaling type over 4x its original context); golden.safetensors beside it holds transformers' logits and per-token losses for the
 // committed token sequence (make_goldens.py; README.md there says how they were made).
 //
 // The model is loaded with longtrain's Hugging Face reader, run by the training forward (the fused,
@@ -139,6 +139,7 @@ TEST_P(HfParityTest, ForwardMatchesTransformers) {
   const std::vector<double> golden_losses = golden_tensor(golden, "losses", {T - 1}, DType::f32);
 
   LlamaModel model(c, Precision::cpu(DType::f32), CheckpointPolicy::none, T);
+  model.set_rope_length(T);  // rope_scaling dynamic: the table for this length, as transformers' forward
   const SafetensorsLoadReport report = load_hf_weights(dir.string(), model.params());
   EXPECT_TRUE(report.ignored.empty()) << "our own export carries tensors the model lacks";
 
