@@ -1,5 +1,6 @@
 #include "model/llama.h"
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -286,6 +287,47 @@ void LlamaModel::forward_logits(const TokenShard& shard, Tensor logits) {
   out.allocate();
   ops::linear_forward(out.get("logits"), normed, p_.lm_head);
   copy(logits, out.get("logits"));
+}
+
+std::vector<int32_t> LlamaModel::argmax_at(const TokenShard& shard, const std::vector<int64_t>& rows) {
+  const int64_t T = shard.tokens.numel(), C = config_.dim, V = config_.vocab_size;
+  for (int64_t r : rows) LT_CHECK(r >= 0 && r < T, "argmax_at: row {} is outside the shard's {} tokens", r, T);
+  Tensor x_final = forward_layers(shard);  // collective under sequence parallelism: every rank calls it
+  std::vector<int32_t> out;
+  if (rows.empty()) return out;
+  const auto n = static_cast<int64_t>(rows.size());
+  // Only the asked rows go through the final norm and the LM head: at long lengths the full logits
+  // would be T x V, far more than the model's own activations.
+  Arena a("argmax rows", precision_.device);
+  a.add("x", {n, C}, precision_.act);
+  a.add("normed", {n, C}, precision_.act);
+  a.add("rstd", {n}, precision_.stat);
+  a.add("logits", {n, V}, precision_.act);
+  a.allocate();
+  for (int64_t i = 0; i < n; ++i) copy(a.get("x").narrow(i, 1), x_final.narrow(rows[static_cast<size_t>(i)], 1));
+  ops::rmsnorm_forward(a.get("normed"), a.get("rstd"), a.get("x"), p_.final_norm, config_.norm_eps);
+  ops::linear_forward(a.get("logits"), a.get("normed"), p_.lm_head);
+  std::vector<double> logits(static_cast<size_t>(n * V));
+  {
+    const Tensor src = a.get("logits");
+    if (precision_.act == DType::f64) {
+      copy(Tensor(logits.data(), DType::f64, {n * V}), src.reshape({n * V}));
+    } else if (precision_.act == DType::f32) {
+      std::vector<float> h(logits.size());
+      copy(Tensor(h.data(), DType::f32, {n * V}), src.reshape({n * V}));
+      std::copy(h.begin(), h.end(), logits.begin());
+    } else {
+      std::vector<bf16> h(logits.size());
+      copy(Tensor(h.data(), DType::bf16, {n * V}), src.reshape({n * V}));
+      std::transform(h.begin(), h.end(), logits.begin(), [](bf16 b) { return static_cast<double>(static_cast<float>(b)); });
+    }
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    const double* row = logits.data() + i * V;
+    for (int64_t v = 0; v < V; ++v) LT_CHECK(std::isfinite(row[v]), "the model's logits are not finite (row {})", rows[i]);
+    out.push_back(static_cast<int32_t>(std::max_element(row, row + V) - row));
+  }
+  return out;
 }
 
 }  // namespace longtrain::model

@@ -124,6 +124,12 @@ class LlamaModel {
   // layers are the ones forward() runs; the shard's tensors live on the model's device.
   void forward_logits(const TokenShard& shard, Tensor logits);
 
+  // Forward only, then the greedy next token (the argmax of the logits) at the shard's local `rows`,
+  // which alone pass through the final norm and the LM head. Under sequence parallelism every rank of
+  // the group calls it for the same sequence (the layers are collective), each with its own rows,
+  // possibly none. How passkey retrieval scores a whole prompt in one forward pass.
+  std::vector<int32_t> argmax_at(const TokenShard& shard, const std::vector<int64_t>& rows);
+
   // RoPE for runs over sequences of `seq_len` tokens (the whole sequence, before sequence-parallel
   // sharding). Only rope_scaling dynamic depends on it (model/rope_scaling.h says why it is fixed
   // per run); the model starts at config().max_seq_len. The trainer sets data.seq_len, eval its

@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "model/generate.h"
+#include "runtime/device.h"
 #include "runtime/error.h"
 
 namespace longtrain::trainer {
@@ -100,8 +101,10 @@ bool passkey_correct(const PasskeyPrompt& p, const NextTokenLogits& append_and_p
   return true;
 }
 
-std::vector<PasskeyCell> passkey_eval(const data::Tokenizer& tokenizer, const PasskeyOptions& o,
-                                      const std::function<NextTokenLogits(int64_t)>& new_scorer) {
+// The grid, lengths outer and depths inner: every trial's prompt goes to `score`, whose true answers
+// are counted.
+static std::vector<PasskeyCell> for_each_trial(const data::Tokenizer& tokenizer, const PasskeyOptions& o,
+                                               const std::function<bool(const PasskeyPrompt&)>& score) {
   LT_CHECK(!o.lengths.empty(), "passkey: no lengths given (--lengths 4096,16384,...)");
   LT_CHECK(!o.depths.empty(), "passkey: no depths given (--depths 0,0.25,0.5,0.75,1)");
   LT_CHECK(o.trials > 0, "passkey: --trials must be positive, got {}", o.trials);
@@ -112,13 +115,19 @@ std::vector<PasskeyCell> passkey_eval(const data::Tokenizer& tokenizer, const Pa
       for (int64_t t = 0; t < o.trials; ++t) {
         const uint64_t r = splitmix64(o.seed ^ splitmix64((li << 40) ^ (di << 20) ^ static_cast<uint64_t>(t)));
         const int64_t key = static_cast<int64_t>(r % 50000) + 1;
-        const PasskeyPrompt p = build_passkey_prompt(tokenizer, o.lengths[li], o.depths[di], key);
-        cell.correct += passkey_correct(p, new_scorer(static_cast<int64_t>(p.prompt.size() + p.answer.size())));
+        cell.correct += score(build_passkey_prompt(tokenizer, o.lengths[li], o.depths[di], key));
       }
       cells.push_back(cell);
     }
   }
   return cells;
+}
+
+std::vector<PasskeyCell> passkey_eval(const data::Tokenizer& tokenizer, const PasskeyOptions& o,
+                                      const std::function<NextTokenLogits(int64_t)>& new_scorer) {
+  return for_each_trial(tokenizer, o, [&](const PasskeyPrompt& p) {
+    return passkey_correct(p, new_scorer(static_cast<int64_t>(p.prompt.size() + p.answer.size())));
+  });
 }
 
 std::vector<PasskeyCell> passkey_eval(const data::Tokenizer& tokenizer, const PasskeyOptions& o,
@@ -139,6 +148,86 @@ std::vector<PasskeyCell> passkey_eval(const model::LlamaModel& model, const data
                           return model::decode_tokens(model, *cache, tokens);
                         });
                       }));
+}
+
+int64_t passkey_forward_length(int64_t length, SeqLayout layout, int sp_size) {
+  const int64_t chunks = layout_chunk_count(layout, sp_size);
+  return (length + chunks - 1) / chunks * chunks;
+}
+
+std::vector<PasskeyCell> passkey_eval_forward(model::LlamaModel& model, const data::Tokenizer& tokenizer,
+                                              const PasskeyOptions& o, const PasskeyRanks& r) {
+  LT_CHECK(tokenizer.vocab_size() == model.config().vocab_size,
+           "passkey: the tokenizer has {} pieces but the model's vocabulary is {}", tokenizer.vocab_size(),
+           model.config().vocab_size);
+  const Device device = model.precision().device;
+  // Per trial, in grid order: the answer tokens this rank found wrong, and those it scored.
+  std::vector<double> misses, scored;
+  std::vector<int64_t> answer_len;
+  int64_t trial = 0;
+  const std::vector<PasskeyCell> grid = for_each_trial(tokenizer, o, [&](const PasskeyPrompt& p) {
+    const int64_t mine = trial++;
+    const auto n = static_cast<int64_t>(p.prompt.size() + p.answer.size());
+    misses.push_back(0.0), scored.push_back(0.0);
+    answer_len.push_back(static_cast<int64_t>(p.answer.size()));
+    if (mine % r.dp_size != r.dp_rank) return false;  // another data-parallel group's trial
+    // Length n rounded up for the layout; the padding (token 0) comes after the answer.
+    const int64_t S = passkey_forward_length(n, r.layout, r.sp_size);
+    std::vector<int32_t> seq(p.prompt);
+    seq.insert(seq.end(), p.answer.begin(), p.answer.end());
+    seq.resize(static_cast<size_t>(S), 0);
+    const int64_t T = S / r.sp_size;
+    std::vector<int32_t> tokens(T), labels(T, model::LlamaModel::kIgnoreIndex), positions(T);
+    std::vector<int64_t> rows;
+    std::vector<int32_t> expected;
+    const auto first = static_cast<int64_t>(p.prompt.size()) - 1;  // predicts answer[0]
+    for (int64_t i = 0; i < T; ++i) {
+      const int64_t g = layout_global_index(r.layout, S, r.sp_size, r.sp_rank, i);
+      tokens[i] = seq[static_cast<size_t>(g)];
+      positions[i] = static_cast<int32_t>(g);
+      if (g >= first && g < first + static_cast<int64_t>(p.answer.size())) {
+        rows.push_back(i);
+        expected.push_back(p.answer[static_cast<size_t>(g - first)]);
+      }
+    }
+    model.set_rope_length(n);  // rope_scaling dynamic: as transformers over n tokens
+    std::vector<int32_t> got;
+    if (device == Device::cpu) {
+      got = model.argmax_at({Tensor(tokens.data(), DType::i32, {T}),
+                             Tensor(labels.data(), DType::i32, {T}),
+                             Tensor(positions.data(), DType::i32, {T})},
+                            rows);
+    } else {
+      Arena staging("passkey tokens", device);
+      for (const char* name : {"tokens", "labels", "positions"}) staging.add(name, {T}, DType::i32);
+      staging.allocate();
+      copy(staging.get("tokens"), Tensor(tokens.data(), DType::i32, {T}));
+      copy(staging.get("labels"), Tensor(labels.data(), DType::i32, {T}));
+      copy(staging.get("positions"), Tensor(positions.data(), DType::i32, {T}));
+      got = model.argmax_at({staging.get("tokens"), staging.get("labels"), staging.get("positions")},
+                            rows);
+    }
+    for (size_t k = 0; k < rows.size(); ++k) misses.back() += got[k] != expected[k];
+    scored.back() = static_cast<double>(rows.size());
+    return false;  // counted below, once every rank's rows are in
+  });
+  // One reduction: each trial was run by one data-parallel group, whose ranks together scored every
+  // answer token once.
+  if (r.world && !misses.empty()) {
+    parallel::all_reduce_host_values(*r.world, misses.data(), static_cast<int64_t>(misses.size()));
+    parallel::all_reduce_host_values(*r.world, scored.data(), static_cast<int64_t>(scored.size()));
+  }
+  std::vector<PasskeyCell> cells = grid;
+  size_t t = 0;
+  for (PasskeyCell& cell : cells) {
+    cell.correct = 0;
+    for (int64_t k = 0; k < cell.trials; ++k, ++t) {
+      LT_CHECK(scored[t] == static_cast<double>(answer_len[t]),
+               "passkey: trial {} scored {} answer tokens of {} over the ranks", t, scored[t], answer_len[t]);
+      cell.correct += misses[t] == 0.0;
+    }
+  }
+  return cells;
 }
 
 std::string passkey_table(const std::vector<PasskeyCell>& cells) {

@@ -20,6 +20,8 @@
 
 #include "data/tokenizer.h"
 #include "model/llama.h"
+#include "parallel/communicator.h"
+#include "parallel/layout.h"
 
 namespace longtrain::trainer {
 
@@ -56,12 +58,35 @@ struct PasskeyOptions {
 };
 
 // The grid, lengths outer and depths inner, each cell `trials` keys: with `model` decoding through a
-// fresh KV cache per trial (model/generate.h; one process, not sequence parallel), or with one
-// `append_and_predict` for every trial (each trial starts with a call that passes its whole prompt).
+// fresh KV cache per trial (model/generate.h; one process, not sequence parallel: the cross-check of
+// passkey_eval_forward), or with one `append_and_predict` for every trial (each trial starts with a
+// call that passes its whole prompt).
 std::vector<PasskeyCell> passkey_eval(const model::LlamaModel& model, const data::Tokenizer& tokenizer,
                                       const PasskeyOptions& options);
 std::vector<PasskeyCell> passkey_eval(const data::Tokenizer& tokenizer, const PasskeyOptions& options,
                                       const NextTokenLogits& append_and_predict);
+
+// Where a one-forward passkey evaluation runs: this rank's place in the job (a single process is
+// the default) and the layout its sequence-parallel group shards a sequence in.
+struct PasskeyRanks {
+  SeqLayout layout = SeqLayout::contiguous;
+  int sp_rank = 0, sp_size = 1, dp_rank = 0, dp_size = 1;
+  parallel::Communicator* world = nullptr;  // every rank of the job; null in a single process
+};
+
+// The tokens a trial of `length` runs over: `length` rounded up to what the layout splits over
+// `sp_size` ranks (the padding follows the answer, so causal attention never lets it be seen).
+int64_t passkey_forward_length(int64_t length, SeqLayout layout, int sp_size);
+
+// The grid by one forward pass per trial, the way the scoring asks and the way that works
+// under sequence parallelism: the prompt and the true answer (teacher forcing), padded to
+// passkey_forward_length, sharded over the group as the loader shards a window (global positions for
+// RoPE); every rank of the group runs the forward and takes the argmax at the answer rows it holds.
+// Data-parallel groups take every dp_size-th trial; the counts meet in one reduction over `world`
+// at the end, so every rank returns the same grid. `model` must hold
+// passkey_forward_length(max length) / sp_size tokens and run causal attention.
+std::vector<PasskeyCell> passkey_eval_forward(model::LlamaModel& model, const data::Tokenizer& tokenizer,
+                                              const PasskeyOptions& options, const PasskeyRanks& ranks = {});
 
 // The length × depth grid as text, as JSON ({"cells": [{length, depth, trials, correct, accuracy}]}),
 // and as an SVG heatmap (accuracy 0 red to 1 green, one row per length, one column per depth).

@@ -827,16 +827,34 @@ TrainSummary train(TrainConfig c, const std::string& resume, const TrainHooks& h
   return summary;
 }
 
-LoadedModel load_model_from_checkpoint(const fs::path& dir, int64_t max_tokens, Device device) {
+parallel::Communicator* LoadedModel::world() const { return dist ? &dist->world() : nullptr; }
+
+data::LoaderOptions eval_loader_options(const LoadedModel& m, const std::string& shard_dir) {
+  Ranks r;
+  r.dp_rank = m.dp_rank, r.dp_size = m.dp_size, r.sp_rank = m.sp_rank, r.sp_size = m.sp_size;
+  data::LoaderOptions o = loader_options(m.config, "val", r);
+  o.shard_dir = shard_dir;
+  return o;
+}
+
+LoadedModel load_model_from_checkpoint(const fs::path& dir, int64_t max_tokens, Device device,
+                                       const std::vector<std::string>& overrides, int64_t sp_size) {
   LT_CHECK(fs::is_directory(dir), "checkpoint {} is not a directory", dir.string());
   LoadedModel out;
   const bool ours = fs::exists(dir / kCheckpointManifest) || fs::exists(dir / kConfigFile);
+  // The config with `extra` overrides on top of the caller's.
+  std::function<TrainConfig(const std::vector<std::string>&)> load;
   if (ours) {
     std::string problem = verify_checkpoint(dir);
     LT_CHECK(problem.empty(), "checkpoint {} is incomplete or damaged: {}", dir.string(), problem);
     // The resolved config names every shape key; its model.init_from is history, not read again
     // (the directory may be gone).
-    out.config = load_config((dir / kConfigFile).string(), {"model.init_from="});
+    load = [&](const std::vector<std::string>& extra) {
+      std::vector<std::string> o = {"model.init_from="};
+      o.insert(o.end(), overrides.begin(), overrides.end());
+      o.insert(o.end(), extra.begin(), extra.end());
+      return load_config((dir / kConfigFile).string(), o);
+    };
     json state = json::parse(read_text(dir / kTrainerState));
     out.step = state.at("step").get<int64_t>();
   } else {
@@ -850,15 +868,42 @@ LoadedModel load_model_from_checkpoint(const fs::path& dir, int64_t max_tokens, 
         fmt::format("model:\n  init_from: {}\ndata:\n  train: {}\n  seq_len: {}\neval:\n  position_buckets: {}\n",
                     json(dir.string()).dump(), json(dir.string()).dump(), hf.model.max_seq_len,
                     std::min<int64_t>(8, hf.model.max_seq_len));
-    out.config = config_from_yaml_string(yaml, {}, (dir / "config.json").string());
-    out.config.data.train.clear();  // no data of its own: eval needs --data
+    load = [&, yaml](const std::vector<std::string>& extra) {
+      std::vector<std::string> o = overrides;
+      o.insert(o.end(), extra.begin(), extra.end());
+      TrainConfig c = config_from_yaml_string(yaml, o, (dir / "config.json").string());
+      c.data.train.clear();  // no data of its own: eval needs --data
+      return c;
+    };
+  }
+  out.config = load({});
+  const int64_t T = max_tokens > 0 ? max_tokens : out.config.data.seq_len;
+  // The job: one process is one rank whatever the checkpoint was trained on. Under longtrain-run the
+  // ranks form groups of sp_size (0: all of them), and the config is validated again for the run as it
+  // will happen (T tokens over the group, which may exceed the trained length: extrapolation); the
+  // trained max_seq_len is kept for the caller.
+  const int world_size = parallel::world_from_env().world_size;
+  if (world_size == 1) {
+    LT_CHECK(sp_size <= 1, "sequence parallelism over {} ranks needs that many processes: run under longtrain-run",
+             sp_size);
+    out.config.parallel.sp_size = 1;
+  } else {
+    const int64_t trained_max = out.config.model.max_seq_len;
+    out.config = load({fmt::format("parallel.sp_size={}", sp_size > 0 ? sp_size : world_size),
+                       fmt::format("data.seq_len={}", T), fmt::format("model.max_seq_len={}", std::max(trained_max, T))});
+    out.config.model.max_seq_len = trained_max;
   }
   out.config.train.device = device == Device::cuda ? DeviceChoice::cuda : DeviceChoice::cpu;
   out.config.train.dtype = device == Device::cuda ? DTypeChoice::bf16 : DTypeChoice::f32;
-  const int64_t T = max_tokens > 0 ? max_tokens : out.config.data.seq_len;
+  Ranks ranks = join_world(out.config);
+  if (ranks.sp_size > 1) check_layout(out.config.parallel.layout, T, ranks.sp_size);
   out.model = std::make_unique<model::LlamaModel>(out.config.model, precision_for(out.config),
-                                                  model::CheckpointPolicy::none, T);
+                                                  model::CheckpointPolicy::none, T / ranks.sp_size,
+                                                  make_attention(out.config, ranks));
   out.model->set_rope_length(T);
+  out.dp_rank = ranks.dp_rank, out.dp_size = ranks.dp_size, out.sp_rank = ranks.sp_rank, out.sp_size = ranks.sp_size;
+  out.main = ranks.main;
+  out.dist = std::move(ranks.dist);
   const Arena& params = out.model->params();
   std::optional<Arena> host;
   if (params.device() != Device::cpu) host.emplace(host_mirror(params, false));

@@ -21,6 +21,7 @@
 #include "model/llama.h"
 #include "model/memory_plan.h"
 #include "parallel/communicator.h"
+#include "parallel/distributed.h"
 #include "trainer/config.h"
 #include "trainer/optimizer.h"
 
@@ -84,12 +85,29 @@ TrainSummary train(TrainConfig config, const std::string& resume = "", const Tra
 // data.train empty, data.tokenizer its tokenizer.model when there is one). Sized for `max_tokens`
 // tokens per forward (0: data.seq_len), with RoPE computed for that length (rope_scaling dynamic).
 // device cpu: f32; cuda: bf16 mixed precision.
+//
+// `overrides` ("section.key=value" as load_config takes them) change the config, e.g.
+// attention.schedule or parallel.layout. Under longtrain-run (WORLD_SIZE > 1 in the environment)
+// every process calls it: the job is split into sequence-parallel groups of `sp_size` ranks (0: all of
+// them; the rest is data parallel; a single process is always sp_size 1), each rank's model holds
+// max_tokens / sp_size tokens of a forward, and the attention runs the configured schedule over the
+// group, as in training.
 struct LoadedModel {
   TrainConfig config;
+  // Declared before the model, whose attention uses its communicators: destroyed after it.
+  std::shared_ptr<parallel::Distributed> dist;  // the job's communicators; null in a single process
   std::unique_ptr<model::LlamaModel> model;
   int64_t step = 0;
+  int dp_rank = 0, dp_size = 1, sp_rank = 0, sp_size = 1;
+  bool main = true;  // global rank 0: the one that prints and writes
+  parallel::Communicator* world() const;  // null in a single process
 };
 LoadedModel load_model_from_checkpoint(const std::filesystem::path& dir, int64_t max_tokens = 0,
-                                       Device device = Device::cpu);
+                                       Device device = Device::cpu, const std::vector<std::string>& overrides = {},
+                                       int64_t sp_size = 0);
+
+// The loader options eval uses for `loaded`'s validation data in `shard_dir`: the val split at
+// data.seq_len, this rank's data- and sequence-parallel share in the config's layout.
+data::LoaderOptions eval_loader_options(const LoadedModel& loaded, const std::string& shard_dir);
 
 }  // namespace longtrain::trainer

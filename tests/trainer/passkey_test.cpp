@@ -1,11 +1,13 @@
 // Passkey retrieval: the prompt fits its length with the key at its depth, scoring is exact match of
-// every answer token under teacher forcing, the grid/JSON/SVG report what was scored, and the model
-// path runs through the KV cache.
+// every answer token under teacher forcing, the grid/JSON/SVG report what was scored, the model path
+// runs through the KV cache, and the one-forward path (passkey_eval_forward, what eval --passkey
+// runs, also under sequence parallelism) scores exactly as the KV cache does.
 #include <regex>
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "passkey_model.h"
 #include "trainer/passkey.h"
 #include "train_fixture.h"
 
@@ -153,6 +155,89 @@ TEST_F(PasskeyTest, ModelPathRunsThroughTheKvCache) {
     EXPECT_GE(cell.correct, 0);
     EXPECT_LE(cell.correct, 2);
   }
+}
+
+// The prompt and answer of the grid's only trial (one length, one depth, one trial), as the scorer
+// sees them: recorded from the first call of a KV-path scorer, the answer read back from the key.
+std::pair<std::vector<int32_t>, std::vector<int32_t>> only_trial(const data::Tokenizer& tok, const PasskeyOptions& o) {
+  std::vector<int32_t> prompt;
+  passkey_eval(tok, o, [&](const std::vector<int32_t>& tokens) {
+    if (prompt.empty()) prompt = tokens;
+    return std::vector<float>(static_cast<size_t>(tok.vocab_size()), 0.0f);  // argmax 0: a miss, one call
+  });
+  const std::string text = tok.decode(std::vector<int32_t>(prompt.begin() + (tok.bos_id() >= 0), prompt.end()));
+  std::smatch m;
+  EXPECT_TRUE(std::regex_search(text, m, std::regex("The pass key is ([0-9]+)\\.")));
+  const std::vector<int32_t> head = tok.encode(text), full = tok.encode(text + " " + m[1].str());
+  return {prompt, std::vector<int32_t>(full.begin() + static_cast<std::ptrdiff_t>(head.size()), full.end())};
+}
+
+// A model that knows the key finds it on both paths; the same model with one answer token mapped
+// wrong finds it on neither; a random model gets the same grid on both paths.
+TEST_F(PasskeyTest, OneForwardScoresAsTheKvCacheDoes) {
+  const data::Tokenizer& tok = tokenizer();
+  PasskeyOptions o;
+  o.lengths = {300};
+  o.depths = {0.5};
+  o.trials = 1;
+  std::map<int32_t, int32_t> f;
+  std::pair<std::vector<int32_t>, std::vector<int32_t>> trial;
+  for (o.seed = 0;; ++o.seed) {  // a key whose tokens make the mapping a function
+    ASSERT_LT(o.seed, 50u) << "no key with a consistent mapping";
+    trial = only_trial(tok, o);
+    if (trial.second.size() >= 2 && key_mapping(trial.first, trial.second, f)) break;
+  }
+  model::LlamaModel m(key_mapping_config(tok.vocab_size(), 512), model::Precision::cpu(DType::f32),
+                      model::CheckpointPolicy::none, 512);
+  set_key_mapping_weights(m, f);
+  EXPECT_EQ(passkey_eval(m, tok, o).at(0).correct, 1) << "the KV cache path misses a key the model knows";
+  EXPECT_EQ(passkey_eval_forward(m, tok, o).at(0).correct, 1) << "the forward path misses a key the model knows";
+  for (size_t wrong = 0; wrong < trial.second.size(); ++wrong) {  // each answer token in turn mapped wrong
+    std::map<int32_t, int32_t> g = f;
+    const int32_t from = wrong == 0 ? trial.first.back() : trial.second[wrong - 1];
+    g[from] = (g[from] + 1) % static_cast<int32_t>(tok.vocab_size());
+    set_key_mapping_weights(m, g);
+    EXPECT_EQ(passkey_eval(m, tok, o).at(0).correct, 0) << "answer token " << wrong;
+    EXPECT_EQ(passkey_eval_forward(m, tok, o).at(0).correct, 0) << "answer token " << wrong;
+  }
+
+  model::LlamaConfig c = key_mapping_config(tok.vocab_size(), 512);
+  c.dim = 32, c.n_heads = 2, c.n_kv_heads = 1, c.head_dim = 16, c.ffn_dim = 48;
+  model::LlamaModel random(c, model::Precision::cpu(DType::f32), model::CheckpointPolicy::none, 512);
+  random.initialize(7, 0.3);
+  PasskeyOptions grid;
+  grid.lengths = {300, 500};
+  grid.depths = {0.0, 1.0};
+  grid.trials = 2;
+  const std::vector<PasskeyCell> kv = passkey_eval(random, tok, grid), fwd = passkey_eval_forward(random, tok, grid);
+  ASSERT_EQ(kv.size(), fwd.size());
+  for (size_t i = 0; i < kv.size(); ++i) {
+    EXPECT_EQ(fwd[i].correct, kv[i].correct) << "cell " << i;
+    EXPECT_EQ(fwd[i].trials, kv[i].trials) << "cell " << i;
+  }
+}
+
+// argmax_at's rows are the argmax of the full logits at those rows.
+TEST_F(PasskeyTest, ArgmaxAtIsTheArgmaxOfTheLogits) {
+  model::LlamaConfig c = key_mapping_config(97, 64);
+  c.dim = 32, c.n_heads = 2, c.n_kv_heads = 1, c.head_dim = 16, c.ffn_dim = 48;
+  model::LlamaModel m(c, model::Precision::cpu(DType::f32), model::CheckpointPolicy::none, 40);
+  m.initialize(11, 0.3);
+  const int64_t T = 40;
+  std::vector<int32_t> tokens(T), labels(T, model::LlamaModel::kIgnoreIndex), positions(T);
+  for (int64_t t = 0; t < T; ++t) tokens[t] = static_cast<int32_t>((t * 37 + 5) % 97), positions[t] = static_cast<int32_t>(t);
+  const model::TokenShard shard{Tensor(tokens.data(), DType::i32, {T}), Tensor(labels.data(), DType::i32, {T}),
+                                Tensor(positions.data(), DType::i32, {T})};
+  std::vector<float> logits(static_cast<size_t>(T * 97));
+  m.forward_logits(shard, Tensor(logits.data(), DType::f32, {T, 97}));
+  const std::vector<int64_t> rows = {0, 7, 39, 7};
+  const std::vector<int32_t> got = m.argmax_at(shard, rows);
+  ASSERT_EQ(got.size(), rows.size());
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const float* row = logits.data() + rows[i] * 97;
+    EXPECT_EQ(got[i], std::max_element(row, row + 97) - row) << "row " << rows[i];
+  }
+  EXPECT_TRUE(m.argmax_at(shard, {}).empty());
 }
 
 }  // namespace

@@ -1,4 +1,5 @@
 // `longtrain train`, `longtrain eval`, `longtrain generate` and `longtrain schema`.
+#include <algorithm>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -7,10 +8,13 @@
 
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 
 #include "data/loader.h"
 #include "data/tokenizer.h"
 #include "model/generate.h"
+#include "parallel/distributed.h"
+#include "parallel/layout.h"
 #include "parallel/store.h"
 #include "runtime/device.h"
 #include "tools/longtrain/commands.h"
@@ -101,20 +105,50 @@ void add_train_commands(CLI::App& app) {
     cmd->add_option("--trials", pk->trials, "Passkey keys per cell (default 5)");
     cmd->add_option("--seed", pk->seed, "Seed of the passkey keys (default 0)");
     cmd->add_option("--out", *out_dir, "Directory for passkey.json and passkey.svg (default ./passkey)");
+    auto json_out = std::make_shared<std::string>();
+    cmd->add_option("--json", *json_out, "Also write the loss, tokens and bucket losses to this JSON file");
     cmd->add_option("--tokenizer", *tokenizer_path, "SentencePiece model (default: the directory's tokenizer.model)");
+    auto sp_size = std::make_shared<int64_t>(0);
+    auto schedule = std::make_shared<std::string>();
+    auto layout = std::make_shared<std::string>();
+    cmd->add_option("--sp-size", *sp_size,
+                    "Under longtrain-run: ranks per sequence-parallel group (default: every rank; the rest is data "
+                    "parallel)");
+    cmd->add_option("--schedule", *schedule, "Under longtrain-run: the attention schedule (default: the checkpoint's)");
+    cmd->add_option("--layout", *layout, "Under longtrain-run: contiguous or zigzag (default: the checkpoint's)");
     cmd->callback([=] {
       const Device dev = *device == "cuda" ? Device::cuda : Device::cpu;
       LT_CHECK(dev == Device::cpu || cuda_available(), "eval --device cuda: no CUDA device is usable here");
       LT_CHECK(*seq_len >= 0, "eval --seq-len must be positive, got {}", *seq_len);
+      // The job: one process, or every rank of longtrain-run (sequence-parallel groups of --sp-size).
+      const int world_size = parallel::world_from_env().world_size;
+      LT_CHECK(*sp_size >= 0, "eval --sp-size must be positive, got {}", *sp_size);
+      LT_CHECK(world_size > 1 || *sp_size <= 1,
+               "eval --sp-size {} needs that many processes: run it as `longtrain-run --nproc-per-node {} longtrain "
+               "eval ...`", *sp_size, *sp_size);
+      std::vector<std::string> overrides;
+      if (!schedule->empty()) overrides.push_back("attention.schedule=" + *schedule);
+      if (!layout->empty()) overrides.push_back("parallel.layout=" + *layout);
       if (*passkey) {
-        trainer::LoadedModel m = trainer::load_model_from_checkpoint(*dir, 1, dev);
+        LT_CHECK(!pk->lengths.empty(), "eval --passkey: no lengths given (--lengths 4096,16384,...)");
+        // Sized for the longest trial, rounded so that any layout splits it over the job's ranks.
+        const int64_t longest = *std::max_element(pk->lengths.begin(), pk->lengths.end());
+        const int64_t T = trainer::passkey_forward_length(longest, SeqLayout::zigzag, world_size);
+        trainer::LoadedModel m = trainer::load_model_from_checkpoint(*dir, T, dev, overrides, *sp_size);
+        LT_CHECK(m.config.attention.causal, "eval --passkey needs causal attention; {} has attention.causal false",
+                 *dir);
         std::string tok = !tokenizer_path->empty() ? *tokenizer_path : (fs::path(*dir) / "tokenizer.model").string();
         if (!fs::exists(tok)) tok = m.config.data.tokenizer;
         LT_CHECK(!tok.empty() && fs::exists(tok),
                  "eval --passkey: no tokenizer: {} has no tokenizer.model and the config names none; pass --tokenizer",
                  *dir);
         data::Tokenizer tokenizer(tok);
-        const std::vector<trainer::PasskeyCell> cells = trainer::passkey_eval(*m.model, tokenizer, *pk);
+        trainer::PasskeyRanks ranks;
+        ranks.layout = m.config.parallel.layout;
+        ranks.sp_rank = m.sp_rank, ranks.sp_size = m.sp_size, ranks.dp_rank = m.dp_rank, ranks.dp_size = m.dp_size;
+        ranks.world = m.world();
+        const std::vector<trainer::PasskeyCell> cells = trainer::passkey_eval_forward(*m.model, tokenizer, *pk, ranks);
+        if (!m.main) return;
         fmt::print("passkey retrieval, {} (step {}): correct / trials\n{}", *dir, m.step, trainer::passkey_table(cells));
         fs::create_directories(*out_dir);
         std::ofstream(fs::path(*out_dir) / "passkey.json") << trainer::passkey_json(cells);
@@ -123,26 +157,29 @@ void add_train_commands(CLI::App& app) {
         fmt::print("wrote {}/passkey.json and {}/passkey.svg\n", *out_dir, *out_dir);
         return;
       }
-      trainer::LoadedModel m = trainer::load_model_from_checkpoint(*dir, *seq_len, dev);
+      trainer::LoadedModel m = trainer::load_model_from_checkpoint(*dir, *seq_len, dev, overrides, *sp_size);
       trainer::TrainConfig& c = m.config;
       if (*seq_len > 0) {
-        if (*seq_len > c.model.max_seq_len)
+        if (*seq_len > c.model.max_seq_len && m.main)
           fmt::print("note: --seq-len {} is beyond the model's max_seq_len {} (extrapolation)\n", *seq_len,
                      c.model.max_seq_len);
         c.data.seq_len = *seq_len;
       }
-      data::LoaderOptions o;
-      o.shard_dir = !data_dir->empty() ? *data_dir : (!c.data.val.empty() ? c.data.val : c.data.train);
-      LT_CHECK(!o.shard_dir.empty(), "eval: {} is a Hugging Face directory with no data of its own: pass --data DIR "
+      const std::string shard_dir = !data_dir->empty() ? *data_dir : (!c.data.val.empty() ? c.data.val : c.data.train);
+      LT_CHECK(!shard_dir.empty(), "eval: {} is a Hugging Face directory with no data of its own: pass --data DIR "
                "(a directory made by `longtrain prepare`)", *dir);
-      o.split = "val";
-      o.seq_len = c.data.seq_len;
-      o.prefetch = 0;
-      o.vocab_size = c.model.vocab_size;
+      // This rank's share of the validation windows: its data-parallel rank's windows, its
+      // sequence-parallel rank's tokens of each; `evaluate` sums the ranks' losses.
+      data::LoaderOptions o = trainer::eval_loader_options(m, shard_dir);
       data::Loader loader(o);
       const int64_t n = *batches > 0 ? *batches : c.eval.batches;
       trainer::EvalResult e =
-          trainer::evaluate(*m.model, loader, n, *buckets > 0 ? *buckets : c.eval.position_buckets);
+          trainer::evaluate(*m.model, loader, n, *buckets > 0 ? *buckets : c.eval.position_buckets, m.world());
+      if (!m.main) return;
+      if (m.dist)
+        fmt::print("{} ranks: data parallel {} x sequence parallel {} (attention {}, layout {})\n",
+                   m.dp_size * m.sp_size, m.dp_size, m.sp_size, trainer::enum_name(c.attention.schedule),
+                   layout_name(c.parallel.layout));
       fmt::print("checkpoint {} (step {})\nvalidation loss {:.4f}, perplexity {:.2f}, {} tokens\n", *dir, m.step,
                  e.loss, e.perplexity, e.tokens);
       const int64_t S = c.data.seq_len, B = static_cast<int64_t>(e.bucket_loss.size());
@@ -160,6 +197,24 @@ void add_train_commands(CLI::App& app) {
       for (int64_t b = 0; b < B; ++b)
         fmt::print("  positions {:>6}-{:<6} loss {:.4f} ({} tokens)\n", b * S / B, (b + 1) * S / B - 1,
                    e.bucket_loss[static_cast<size_t>(b)], e.bucket_tokens[static_cast<size_t>(b)]);
+      if (!json_out->empty()) {
+        nlohmann::ordered_json j;
+        j["checkpoint"] = *dir;
+        j["step"] = m.step;
+        j["seq_len"] = S;
+        j["loss"] = e.loss;
+        j["perplexity"] = e.perplexity;
+        j["tokens"] = e.tokens;
+        j["buckets"] = nlohmann::ordered_json::array();
+        for (int64_t b = 0; b < B; ++b)
+          j["buckets"].push_back({{"first", b * S / B}, {"last", (b + 1) * S / B - 1},
+                                  {"loss", e.bucket_loss[static_cast<size_t>(b)]},
+                                  {"tokens", e.bucket_tokens[static_cast<size_t>(b)]}});
+        std::ofstream f(*json_out);
+        f << j.dump(1) << "\n";
+        f.close();
+        LT_CHECK(f.good(), "eval --json: could not write {}", *json_out);
+      }
     });
   }
   {
@@ -178,8 +233,15 @@ void add_train_commands(CLI::App& app) {
     cmd->add_option("--temperature", sp->temperature, "Sampling temperature; 0 = greedy (default 0.8)");
     cmd->add_option("--top-p", sp->top_p, "Nucleus sampling mass (default 0.95)");
     cmd->add_option("--seed", sp->seed, "Sampling seed (default 0)");
+    auto device = std::make_shared<std::string>("cpu");
+    cmd->add_option("--device", *device, "cpu (f32, default) or cuda (bf16 mixed precision)")
+        ->check(CLI::IsMember({"cpu", "cuda"}));
     cmd->callback([=] {
-      trainer::LoadedModel m = trainer::load_model_from_checkpoint(*dir, 1);
+      const Device dev = *device == "cuda" ? Device::cuda : Device::cpu;
+      LT_CHECK(dev == Device::cpu || cuda_available(), "generate --device cuda: no CUDA device is usable here");
+      LT_CHECK(parallel::world_from_env().world_size == 1,
+               "generate runs in one process (decoding is sequential); run it without longtrain-run");
+      trainer::LoadedModel m = trainer::load_model_from_checkpoint(*dir, 1, dev);
       // An explicit --tokenizer is used or refused, never replaced by another one.
       std::string tok = *tokenizer_path;
       if (!tok.empty()) {
