@@ -1,6 +1,7 @@
 // `longtrain eval` under longtrain-run (Gloo on this machine): the validation loss and the loss by
 // position of a sequence-parallel (and data- x sequence-parallel) evaluation equal one process's, for
-// every attention schedule; passkey retrieval scores in one forward pass per trial, so a sequence-
+// every attention schedule, on a model with yarn RoPE scaling evaluated at 2x its original context;
+// training with RoPE scaling (yarn, llama3) under every schedule equals one rank; passkey retrieval scores in one forward pass per trial, so a sequence-
 // parallel group finds a key a model knows wherever its tokens fall and misses it when the model is
 // wrong, with the same grid as one process.
 #include <sys/wait.h>
@@ -28,7 +29,7 @@ namespace fs = std::filesystem;
 
 // Runs `longtrain ARGS` in `nproc` processes (1: without the launcher) and returns its exit code;
 // `output` gets stdout and stderr of every rank.
-int run_eval(int nproc, const std::string& args, std::string& output) {
+int run_longtrain(int nproc, const std::string& args, std::string& output) {
   const std::string cmd =
       nproc == 1 ? fmt::format("{} {} 2>&1", LONGTRAIN_BINARY, args)
                  : fmt::format("{} --nproc-per-node {} --master-addr 127.0.0.1 --master-port {} -- {} {} 2>&1",
@@ -70,12 +71,17 @@ EvalOutput parse_eval(const std::string& out, const fs::path& json_path, size_t 
   return e;
 }
 
+// yarn over an original context of 32 (the fixture trains at 32 and the eval runs at 64).
+const char* const kYarn[] = {"model.rope_scaling=yarn", "model.rope_factor=2",
+                             "model.rope_original_max_position_embeddings=32"};
+
 class DistributedEvalTest : public TrainTest {
  protected:
   // A checkpoint of the fixture's small model after 8 steps (made once for the suite).
   static fs::path checkpoint() {
     static fs::path dir = [] {
-      const TrainSummary s = train(config("eval_model", {"checkpoint.every=0", "eval.batches=0"}));
+      const TrainSummary s = train(config("eval_model", {"checkpoint.every=0", "eval.batches=0", kYarn[0], kYarn[1],
+                                                         kYarn[2]}));
       return s.run_dir / "checkpoints" / "step_8";
     }();
     return dir;
@@ -88,7 +94,7 @@ TEST_F(DistributedEvalTest, SequenceParallelLossEqualsOneProcess) {
                                        checkpoint().string(), json_path.string());
   std::string out;
   fs::remove(json_path);
-  ASSERT_EQ(run_eval(1, args, out), 0) << out;
+  ASSERT_EQ(run_longtrain(1, args, out), 0) << out;
   const EvalOutput one = parse_eval(out, json_path, 4);
   EXPECT_GT(one.tokens, 0);
   std::printf("one process: loss %.9f over %lld tokens\n", one.loss, static_cast<long long>(one.tokens));
@@ -106,7 +112,7 @@ TEST_F(DistributedEvalTest, SequenceParallelLossEqualsOneProcess) {
   for (const Case& c : cases) {
     SCOPED_TRACE(fmt::format("{} processes {}", c.nproc, c.extra));
     fs::remove(json_path);
-    ASSERT_EQ(run_eval(c.nproc, args + " " + c.extra, out), 0) << out;
+    ASSERT_EQ(run_longtrain(c.nproc, args + " " + c.extra, out), 0) << out;
     EXPECT_NE(out.find(c.shape), std::string::npos) << out;
     const EvalOutput e = parse_eval(out, json_path, 4);
     EXPECT_EQ(e.tokens, one.tokens) << "another set of validation tokens";
@@ -118,11 +124,49 @@ TEST_F(DistributedEvalTest, SequenceParallelLossEqualsOneProcess) {
   }
 }
 
+// Forward and backward with RoPE scaling under every schedule: 8 training steps on 2 ranks log the
+// losses one rank logs (the scaled cos/sin follow each token's global position whatever the layout).
+TEST_F(DistributedEvalTest, TrainingWithRopeScalingUnderEveryScheduleEqualsOneRank) {
+  const std::vector<std::vector<std::string>> scalings = {
+      {kYarn[0], kYarn[1], kYarn[2]},
+      {"model.rope_scaling=llama3", "model.rope_factor=4", "model.rope_original_max_position_embeddings=16",
+       "model.rope_low_freq_factor=1", "model.rope_high_freq_factor=4"}};
+  for (const std::vector<std::string>& scaling : scalings) {
+    std::vector<std::string> common = {"train.steps=8", "eval.batches=0", "checkpoint.every=0", "train.batch_size=1",
+                                       "optim.warmup_steps=2"};
+    common.insert(common.end(), scaling.begin(), scaling.end());
+    const std::string kind = scaling[0].substr(scaling[0].find('=') + 1);
+    const TrainSummary single = train(config("rope_single_" + kind, common));
+    struct Case {
+      const char* schedule;
+      const char* layout;
+    };
+    for (const Case& k : {Case{"ring", "contiguous"}, Case{"zigzag", "zigzag"}, Case{"distflash", "contiguous"},
+                          Case{"burst", "zigzag"}}) {
+      const std::string name = fmt::format("rope_{}_{}", kind, k.schedule);
+      SCOPED_TRACE(name);
+      std::string args = "train " + write_config(name).string();
+      for (const std::string& s : common) args += " --set " + s;
+      args += fmt::format(" --set parallel.sp_size=2 --set attention.schedule={} --set parallel.layout={}", k.schedule,
+                          k.layout);
+      std::string out;
+      ASSERT_EQ(run_longtrain(2, args, out), 0) << out;
+      const std::vector<test::LoggedStep> sp = test::logged_steps(root_ / "runs" / name);
+      ASSERT_EQ(sp.size(), single.losses.size());
+      double worst = 0;
+      for (size_t i = 0; i < sp.size(); ++i)
+        worst = std::max(worst, ::longtrain::test::scalar_relative_error(sp[i].loss, single.losses[i]));
+      EXPECT_LT(worst, 1e-5);
+      std::printf("%s: worst relative loss difference over %zu steps %.2e\n", name.c_str(), sp.size(), worst);
+    }
+  }
+}
+
 TEST_F(DistributedEvalTest, SpSizeThatDoesNotFitIsAClearError) {
   std::string out;
-  EXPECT_NE(run_eval(1, fmt::format("eval --checkpoint {} --sp-size 2", checkpoint().string()), out), 0);
+  EXPECT_NE(run_longtrain(1, fmt::format("eval --checkpoint {} --sp-size 2", checkpoint().string()), out), 0);
   EXPECT_NE(out.find("--sp-size 2 needs that many processes"), std::string::npos) << out;
-  EXPECT_NE(run_eval(3, fmt::format("eval --checkpoint {} --sp-size 2 --seq-len 64", checkpoint().string()), out), 0);
+  EXPECT_NE(run_longtrain(3, fmt::format("eval --checkpoint {} --sp-size 2 --seq-len 64", checkpoint().string()), out), 0);
   EXPECT_NE(out.find("sp_size"), std::string::npos) << out;
 }
 
@@ -177,7 +221,7 @@ TEST_F(DistributedEvalTest, PasskeyInOneForwardUnderSequenceParallelism) {
                         dir.string(), o.seed, (root_ / "tok.model").string(),
                         (root_ / fmt::format("pk_{}_{}_{}", dir.filename().string(), nproc, layout)).string(),
                         nproc == 1 ? "" : std::string(layout) == "zigzag" ? " --layout zigzag" : " --layout contiguous --schedule ring");
-        ASSERT_EQ(run_eval(nproc, args, out), 0) << out;
+        ASSERT_EQ(run_longtrain(nproc, args, out), 0) << out;
         std::smatch m;
         ASSERT_TRUE(std::regex_search(out, m, std::regex("\\s300\\s+([0-9]+/[0-9]+)"))) << out;
         EXPECT_EQ(m[1].str(), expect) << out;
