@@ -71,6 +71,7 @@ struct DataSection {
   std::string tokenizer;  // SentencePiece .model; "" = none
   int64_t seq_len{};      // tokens per sequence S (the whole sequence, before sequence-parallel sharding)
   int64_t prefetch{};     // batches prepared ahead by the loader thread
+  bool document_mask{};   // per-document attention, positions and labels (data/loader.h)
 };
 
 struct TrainSection {

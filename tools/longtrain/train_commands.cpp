@@ -90,6 +90,11 @@ void add_train_commands(CLI::App& app) {
                     "max_position_embeddings); may exceed the training length");
     cmd->add_option("--device", *device, "cpu (f32, default) or cuda (bf16 mixed precision)")
         ->check(CLI::IsMember({"cpu", "cuda"}));
+    auto document_mask = std::make_shared<std::string>();
+    cmd->add_option("--document-mask", *document_mask,
+                    "true or false: evaluate with per-document attention, positions and labels (default: the run's "
+                    "data.document_mask; false for a Hugging Face directory)")
+        ->check(CLI::IsMember({"true", "false"}));
     auto passkey = std::make_shared<bool>(false);
     auto pk = std::make_shared<trainer::PasskeyOptions>();
     auto out_dir = std::make_shared<std::string>("passkey");
@@ -139,6 +144,12 @@ void add_train_commands(CLI::App& app) {
       o.seq_len = c.data.seq_len;
       o.prefetch = 0;
       o.vocab_size = c.model.vocab_size;
+      if (!document_mask->empty()) c.data.document_mask = *document_mask == "true";
+      o.document_mask = c.data.document_mask;  // eval sees the windows the way training did
+      LT_CHECK(!o.document_mask || dev == Device::cpu,
+               "eval: data.document_mask is not supported on cuda yet (document-masked attention runs on the CPU "
+               "only): pass --device cpu, or --document-mask false");
+      if (o.document_mask) fmt::print("document mask on: attention, positions and labels per document\n");
       data::Loader loader(o);
       const int64_t n = *batches > 0 ? *batches : c.eval.batches;
       trainer::EvalResult e =
