@@ -7,7 +7,7 @@
 //   - Attention, f64, every schedule and layout (merged and per-chunk calls), P = 1..4 ranks (Gloo,
 //     forked processes), causal and full, MHA and GQA: each rank's O, LSE, dQ, dK, dV equal those of
 //     attention run on each document alone, and the pairs computed over the group are exactly the
-//     pairs inside documents.
+//     pairs inside documents (and the pairs per rank are printed: how documents unbalance each schedule).
 //   - The model, f64, every schedule, P = 1..4: the loss sum and the gradients of a packed window
 //     with document masking (positions restarting per document, boundary labels ignored) equal the
 //     sums over its documents, each run alone as a sequence of its own on one rank.
@@ -418,6 +418,7 @@ std::string model_cases(int rank, int P, int port) {
 void expect_cases(const std::vector<test::RankOutcome>& out, int min_cases) {
   std::map<std::string, std::array<int64_t, 2>> pairs;  // name -> Σ ranks, expected
   std::map<std::string, double> worst;
+  std::map<std::string, std::vector<int64_t>> per_rank;  // name -> pairs of rank 0, 1, ...
   for (size_t r = 0; r < out.size(); ++r) {
     ASSERT_TRUE(out[r].exited(0)) << "rank " << r << ":\n" << out[r].text;
     std::istringstream in(out[r].text);
@@ -438,6 +439,7 @@ void expect_cases(const std::vector<test::RankOutcome>& out, int min_cases) {
         ASSERT_TRUE(test::read_fields(ls, got, want)) << "rank " << r << ": malformed line: " << line;
         pairs[name][0] += got;
         pairs[name][1] = want;
+        per_rank[name].push_back(got);
       } else {
         ADD_FAILURE() << "rank " << r << ": unexpected line: " << line;
       }
@@ -445,6 +447,21 @@ void expect_cases(const std::vector<test::RankOutcome>& out, int min_cases) {
     EXPECT_GE(cases, min_cases) << "rank " << r << " reported too few cases:\n" << out[r].text;
   }
   for (const auto& [name, v] : pairs) EXPECT_EQ(v[0], v[1]) << name << ": pairs computed over the group";
+  // How the work falls on the ranks with documents (the "mixed" set, causal, MHA), per schedule.
+  for (const auto& [name, ranks] : per_rank) {
+    if (ranks.size() < 2 || name.find("/causal/mha/mixed") == std::string::npos) continue;
+    int64_t most = 0, total = 0;
+    std::string row;
+    for (int64_t x : ranks) {
+      most = std::max(most, x);
+      total += x;
+      row += fmt::format(" {}", x);
+    }
+    std::cout << "  pairs per rank " << name << ":" << row
+              << fmt::format("  (max/mean {:.2f})", static_cast<double>(most) * static_cast<double>(ranks.size()) /
+                                                        static_cast<double>(total))
+              << "\n";
+  }
   for (const auto& [kind, err] : worst) std::cout << "  worst " << kind << ": " << err << "\n";
 }
 

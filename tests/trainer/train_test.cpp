@@ -478,6 +478,25 @@ TEST_F(TrainTest, PlanPrintsTheMemoryPlanAndTrainsNothing) {
 
 // eval and generate refuse what they cannot use, naming it: a checkpoint missing a file, a missing
 // tokenizer, a tokenizer or data whose vocabulary is not the model's.
+// `longtrain eval` follows the checkpoint's data.document_mask, and --document-mask overrides it: the
+// printed validation loss is the run's final one with the mask and another one without it.
+TEST_F(TrainTest, EvalCliFollowsTheRunsDocumentMask) {
+  TrainSummary s = train(config("cli_docmask", {"train.steps=2", "checkpoint.every=0", "eval.batches=3",
+                                                "optim.warmup_steps=1", "data.document_mask=true"}));
+  ASSERT_TRUE(s.last_checkpoint && s.final_eval);
+  const std::string masked_line = fmt::format("validation loss {:.4f}", s.final_eval->loss);
+  std::string out;
+  ASSERT_EQ(run_cli("eval --checkpoint " + s.last_checkpoint->string() + " --batches 3", out), 0) << out;
+  EXPECT_NE(out.find("document mask on"), std::string::npos) << out;
+  EXPECT_NE(out.find(masked_line), std::string::npos) << out;
+  ASSERT_EQ(run_cli("eval --checkpoint " + s.last_checkpoint->string() + " --batches 3 --document-mask false", out), 0)
+      << out;
+  EXPECT_EQ(out.find("document mask on"), std::string::npos) << out;
+  EXPECT_EQ(out.find(masked_line), std::string::npos) << out;
+  EXPECT_NE(out.find("validation loss "), std::string::npos) << out;
+  EXPECT_NE(run_cli("eval --checkpoint " + s.last_checkpoint->string() + " --document-mask maybe", out), 0) << out;
+}
+
 TEST_F(TrainTest, EvalAndGenerateErrorsNameTheProblem) {
   TrainSummary s = train(config("cli_errors", {"train.steps=2", "checkpoint.every=0", "eval.batches=1"}));
   ASSERT_TRUE(s.last_checkpoint);
