@@ -14,6 +14,14 @@
 // implies for it (the causal diagonal where the query and key pieces are the same tokens, no mask
 // where the keys are wholly earlier). A block pair that shares no document gives no call at all, so
 // it is skipped without computing; K/V are read through the same un-expanded views (GQA).
+//
+// For a fused GPU path (not written yet; the CUDA backend refuses documents): the calls that
+// document_block_calls makes of one block are already its segments. Grouped by mask, each group is
+// one batched call over packed rows: the q_start/q_len and k_start/k_len of its calls are the ragged
+// offsets and per-segment lengths (cuDNN's RAGGED_OFFSET and SEQ_LEN_Q/SEQ_LEN_KV with padding mask;
+// flash-attention's cu_seqlens_q/cu_seqlens_k), causal_diagonal segments with the causal mask (their
+// query and key rows are the same tokens, so top-left and bottom-right alignment agree), none
+// segments without one.
 #pragma once
 
 #include <cstdint>
