@@ -1,17 +1,77 @@
 #include "attention/sequence_attention.h"
 
+#include <chrono>
+
 namespace longtrain::attn {
+
+void SequenceAttention::check_documents_device(const Tensor& q) const {
+  LT_CHECK(documents_.empty() || q.device == Device::cpu,
+           "data.document_mask is not supported on cuda yet (the document-masked attention runs on the CPU only): "
+           "set data.document_mask false, or train.device cpu");
+}
+
+namespace {
+
+// Adds the host seconds of a scope to a counter.
+class WallClock {
+ public:
+  explicit WallClock(double& seconds) : seconds_(seconds), start_(std::chrono::steady_clock::now()) {}
+  ~WallClock() { seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count(); }
+
+ private:
+  double& seconds_;
+  std::chrono::steady_clock::time_point start_;
+};
+
+// The calls of one rank's whole-sequence block: one, or one per document.
+std::vector<BlockCall> local_calls(const Documents& docs, int64_t T, bool causal) {
+  check_documents(docs, T, "single-rank attention");
+  const std::vector<BlockCall> whole = {{0, T, 0, T, causal ? BlockMask::causal_diagonal : BlockMask::none}};
+  return document_block_calls(whole, docs, SeqLayout::contiguous, 1, T, 0, 0, causal);
+}
+
+}  // namespace
 
 void LocalSequenceAttention::forward(Tensor o, Tensor lse, Tensor q, Tensor k, Tensor v) {
   ++counters.forward_calls;
-  attention_block_forward(o, lse, q, k, v, causal_ ? BlockMask::causal_diagonal : BlockMask::none, scale_);
+  const WallClock wall(counters.wall_seconds), busy(counters.compute_seconds);
+  if (documents_.empty()) {
+    attention_block_forward(o, lse, q, k, v, causal_ ? BlockMask::causal_diagonal : BlockMask::none, scale_);
+    counters.pairs += BlockCall{0, q.size(0), 0, k.size(0), causal_ ? BlockMask::causal_diagonal : BlockMask::none}
+                          .pairs();
+    return;
+  }
+  check_documents_device(q);
+  // Documents partition the tokens: each one's rows of o and lse are written by its own call.
+  for (const BlockCall& c : local_calls(documents_, q.size(0), causal_)) {
+    attention_block_forward(o.narrow(0, c.q_start, c.q_len), lse.narrow(0, c.q_start, c.q_len),
+                            q.narrow(0, c.q_start, c.q_len), k.narrow(0, c.k_start, c.k_len),
+                            v.narrow(0, c.k_start, c.k_len), c.mask, scale_);
+    counters.pairs += c.pairs();
+  }
 }
 
 void LocalSequenceAttention::backward(Tensor dq, Tensor dk, Tensor dv, Tensor q, Tensor k, Tensor v, Tensor o,
                                       Tensor lse, Tensor d_o) {
   ++counters.backward_calls;
-  attention_block_backward(dq, dk, dv, q, k, v, d_o, lse, o, Tensor{},
-                           causal_ ? BlockMask::causal_diagonal : BlockMask::none, scale_, GradMode::overwrite);
+  const WallClock wall(counters.wall_seconds), busy(counters.compute_seconds);
+  if (documents_.empty()) {
+    attention_block_backward(dq, dk, dv, q, k, v, d_o, lse, o, Tensor{},
+                             causal_ ? BlockMask::causal_diagonal : BlockMask::none, scale_, GradMode::overwrite);
+    counters.pairs += BlockCall{0, q.size(0), 0, k.size(0), causal_ ? BlockMask::causal_diagonal : BlockMask::none}
+                          .pairs();
+    return;
+  }
+  check_documents_device(q);
+  // A document's query rows and key rows are the same tokens, and the documents partition them, so
+  // overwriting per document writes every element of dq, dk and dv exactly once.
+  for (const BlockCall& c : local_calls(documents_, q.size(0), causal_)) {
+    auto rows = [&](const Tensor& t) { return t.narrow(0, c.q_start, c.q_len); };
+    auto keys = [&](const Tensor& t) { return t.narrow(0, c.k_start, c.k_len); };
+    attention_block_backward(rows(dq), keys(dk), keys(dv), rows(q), keys(k), keys(v), rows(d_o), rows(lse), rows(o),
+                             Tensor{}, c.mask, scale_, GradMode::overwrite);
+    counters.pairs += c.pairs();
+  }
 }
 
 }  // namespace longtrain::attn

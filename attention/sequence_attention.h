@@ -7,7 +7,9 @@
 #pragma once
 
 #include <cstdint>
+#include <utility>
 
+#include "attention/document_mask.h"
 #include "attention/local_attention.h"
 #include "runtime/arena.h"
 
@@ -17,6 +19,14 @@ struct AttentionCounters {
   int64_t forward_calls = 0;   // SequenceAttention::forward calls (one per layer per forward)
   int64_t backward_calls = 0;
   int64_t bytes_sent = 0;      // by this rank, counted by the distributed schedules
+  // The attention work this rank did, forward and backward together: query-key pairs its block calls
+  // covered (with a document mask: only the pairs really computed), host seconds inside forward and
+  // backward, and the part of them spent in block calls (the rest is packing and waiting for
+  // transfers). On the CPU the calls are synchronous, so 1 - compute / wall is the rank's measured
+  // idle fraction; on CUDA the calls are only queued and the seconds are not the device's.
+  int64_t pairs = 0;
+  double wall_seconds = 0.0;
+  double compute_seconds = 0.0;
 };
 
 class SequenceAttention {
@@ -31,10 +41,23 @@ class SequenceAttention {
   virtual void backward(Tensor dq, Tensor dk, Tensor dv, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse,
                         Tensor d_o) = 0;
 
+  // The documents of the window the next forward/backward calls belong to (document_mask.h), in
+  // global token coordinates of the whole sequence; empty (the default) = no document mask. The model
+  // sets them once per shard, before its first layer; every rank of a group sets the same ones.
+  void set_documents(Documents documents) { documents_ = std::move(documents); }
+  const Documents& documents() const { return documents_; }
+
   AttentionCounters counters;
+
+ protected:
+  // Refuses a document mask on CUDA (not implemented there yet), naming the config key.
+  void check_documents_device(const Tensor& q) const;
+
+  Documents documents_;
 };
 
-// One rank holds the whole sequence: a single block, causal or full. Its backward hands the block
+// One rank holds the whole sequence: a single block, causal or full (with documents: one block per
+// document, each written in place). Its backward hands the block
 // backward the final O (cuDNN forms delta from it) and GradMode::overwrite, so on CUDA it is one
 // cuDNN call writing straight into the dQKV views.
 class LocalSequenceAttention final : public SequenceAttention {

@@ -1,5 +1,6 @@
 #include "data/loader.h"
 
+#include <algorithm>
 #include <bit>
 #include <limits>
 
@@ -131,6 +132,17 @@ Batch Loader::make_batch(int64_t epoch, int64_t step) const {
   }
   for (int64_t t : corpus_.document_starts(b.stream_offset, b.stream_offset + S + 1))
     b.doc_starts.push_back(static_cast<int32_t>(t - b.stream_offset));
+  b.document_mask = o_.document_mask;
+  if (o_.document_mask) {
+    // doc_starts ascends; the window start begins a document whether or not one starts there.
+    for (size_t l = 0; l < n; ++l) {
+      const int32_t g = b.positions[l];
+      const auto after = std::upper_bound(b.doc_starts.begin(), b.doc_starts.end(), g);
+      const int32_t start = after == b.doc_starts.begin() ? 0 : *(after - 1);
+      b.positions[l] = g - start;
+      if (std::binary_search(b.doc_starts.begin(), b.doc_starts.end(), g + 1)) b.labels[l] = kIgnoreLabel;
+    }
+  }
   return b;
 }
 

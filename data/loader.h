@@ -21,6 +21,16 @@
 //   positions[i] = g(i)                  (global position id within the window, for RoPE)
 // where g(i) = layout_global_index(layout, S, P, r, i).
 //
+// Document masking (LoaderOptions::document_mask, data.document_mask). The window's documents come
+// from the .idx offsets (doc_starts; a document that crosses the window start is cut there, so the
+// window's first token always starts one). Then, for each local token,
+//   positions[i] = g(i) - (start of g(i)'s document)   (restart at 0 at each document start)
+//   labels[i]    = kIgnoreLabel when g(i) + 1 starts a document (a document's last token would predict
+//                  the next document's first token; this is also the window's last label when the
+//                  token after the window starts a document)
+// and tokens are unchanged. The layout still assigns tokens by their global index g(i), and the
+// attention's document offsets (attention/document_mask.h) are in those global coordinates.
+//
 // Resume. state() is the position of the batch next() will return; restore() into a fresh loader
 // built with the same options continues with exactly that batch. A background thread keeps up to
 // `prefetch` batches ready; state() is unaffected by it.
@@ -54,7 +64,11 @@ struct LoaderOptions {
   int prefetch = 2;             // batches made ahead on a background thread; 0 makes them in next()
   std::optional<bool> shuffle;  // default: on for "train", off for "val"
   int64_t vocab_size = 0;       // > 0: the model's vocabulary, checked against the shards'
+  bool document_mask = false;   // positions restart per document, boundary-crossing labels ignored
 };
+
+// The label the loss skips (= model::LlamaModel::kIgnoreIndex; trainer.cpp checks they agree).
+inline constexpr int32_t kIgnoreLabel = -100;
 
 // Where a loader stands: everything that makes resume exact. JSON-serialisable (to_json/from_json)
 // for trainer_state.json. The rank is not part of it: every rank of a run has the same state.
@@ -82,12 +96,15 @@ struct Batch {
   int64_t stream_offset = 0;  // w * S: the window's first token in the split's stream
   int64_t seq_len = 0;        // S
   std::vector<int32_t> tokens;     // [S/P] input token ids
-  std::vector<int32_t> labels;     // [S/P] next token of the global window
-  std::vector<int32_t> positions;  // [S/P] global position ids in [0, S)
+  std::vector<int32_t> labels;     // [S/P] next token of the global window (or kIgnoreLabel, see above)
+  std::vector<int32_t> positions;  // [S/P] global position ids in [0, S); within-document with document_mask
   // Window positions p in [0, S] where a document starts (the token at p is a document's first),
   // ascending; p = S means the last label begins a new document. The same for every rank of the
   // group, so per-document masks can be built from it and `positions`.
   std::vector<int32_t> doc_starts;
+  // LoaderOptions::document_mask: positions and labels are per document (above), and the attention
+  // must keep to the documents of doc_starts.
+  bool document_mask = false;
 };
 
 class Loader {

@@ -226,6 +226,7 @@ LossSum LlamaModel::head(const TokenShard& shard, Tensor x_final, Tensor losses,
 
 LossSum LlamaModel::forward_backward(const TokenShard& shard, double grad_scale) {
   check_shard(shard);
+  attention_->set_documents(shard.documents);  // every layer's attention, forward and backward
   const int64_t T = shard.tokens.numel(), L = config_.n_layers;
   auto residual = [&](int64_t l) { return acts_.get(fmt::format("residual.{}", l)).narrow(0, T); };
 
@@ -252,6 +253,7 @@ LossSum LlamaModel::forward_backward(const TokenShard& shard, double grad_scale)
 
 Tensor LlamaModel::forward_layers(const TokenShard& shard) {
   check_shard(shard);
+  attention_->set_documents(shard.documents);  // every layer's attention, forward and backward
   const int64_t T = shard.tokens.numel(), L = config_.n_layers;
   auto residual = [&](int64_t l) { return acts_.get(fmt::format("residual.{}", l)).narrow(0, T); };
   ops::embedding_forward(residual(0), shard.tokens, p_.embed);

@@ -50,11 +50,16 @@ struct Precision {
 };
 
 // One rank's share of a batch: its tokens, their labels (the next token of the global sequence, or
-// ignore_index) and their global positions; all i32 [T] on the model's device.
+// ignore_index) and their positions for RoPE; all i32 [T] on the model's device. Without documents
+// the positions are global ids in the sequence; with them (data.document_mask) they restart at 0 at
+// each document start and `documents` holds the documents of the whole sequence in global token
+// coordinates (attention/document_mask.h): attention then stays inside each document. The same
+// documents on every rank of a sequence-parallel group.
 struct TokenShard {
   Tensor tokens;
   Tensor labels;
   Tensor positions;
+  attn::Documents documents = {};  // empty: no document mask
 };
 
 struct LossSum {

@@ -39,8 +39,9 @@ enum class AttentionSchedule { ring, zigzag, distflash, burst };
 // table has one (a key without it does not compile); `longtrain schema` shows it.
 //   refused: the value is part of what the saved state means: the model's shape and numerics, the
 //            tokenizer, the sequence length and the batch the loader's position counts in, the
-//            seed, the optimizer's hyperparameters that its moments were accumulated with, and the
-//            data- and sequence-parallel layout (the optimizer shards are cut for it). A resume
+//            seed, the optimizer's hyperparameters that its moments were accumulated with, the
+//            data- and sequence-parallel layout (the optimizer shards are cut for it), and whether
+//            documents are masked (data.document_mask: another function of the same windows). A resume
 //            that changes one is an error naming each such key with its old and new value.
 //   allowed: train.steps and the learning-rate schedule (re-shaped without a jump, see
 //            optimizer.h), checkpoint.*, eval.*, logging.*, what to do with non-finite steps,
@@ -71,6 +72,7 @@ struct DataSection {
   std::string tokenizer;  // SentencePiece .model; "" = none
   int64_t seq_len{};      // tokens per sequence S (the whole sequence, before sequence-parallel sharding)
   int64_t prefetch{};     // batches prepared ahead by the loader thread
+  bool document_mask{};   // per-document attention, positions and labels (data/loader.h)
 };
 
 struct TrainSection {

@@ -3,6 +3,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <fstream>
@@ -148,18 +149,22 @@ data::LoaderOptions loader_options(const TrainConfig& c, const std::string& spli
   o.layout = c.parallel.layout;
   o.prefetch = split == "train" ? static_cast<int>(c.data.prefetch) : 0;
   o.vocab_size = c.model.vocab_size;
+  o.document_mask = c.data.document_mask;  // training and eval alike
   return o;
 }
 
 // A batch as the model's shard: on the CPU views of the batch's vectors, on a GPU copies of them in
 // `staging` (three i32 [T] entries: tokens, labels, positions).
+// With document masking the shard also carries the window's documents (global offsets).
+static_assert(data::kIgnoreLabel == model::LlamaModel::kIgnoreIndex, "the loader's ignored label is the model's");
 model::TokenShard shard_of(data::Batch& b, const Arena* staging = nullptr) {
   const int64_t n = static_cast<int64_t>(b.tokens.size());
+  attn::Documents docs = b.document_mask ? attn::documents_from_starts(b.doc_starts, b.seq_len) : attn::Documents{};
   model::TokenShard host{Tensor(b.tokens.data(), DType::i32, {n}), Tensor(b.labels.data(), DType::i32, {n}),
-                         Tensor(b.positions.data(), DType::i32, {n})};
+                         Tensor(b.positions.data(), DType::i32, {n}), docs};
   if (!staging || staging->device() == Device::cpu) return host;
   model::TokenShard dev{staging->get("tokens").narrow(0, n), staging->get("labels").narrow(0, n),
-                        staging->get("positions").narrow(0, n)};
+                        staging->get("positions").narrow(0, n), std::move(docs)};
   copy(dev.tokens, host.tokens);
   copy(dev.labels, host.labels);
   copy(dev.positions, host.positions);
@@ -669,6 +674,7 @@ TrainSummary train(TrainConfig c, const std::string& resume, const TrainHooks& h
     // full (the recomputation re-runs attention and its communication).
     const int64_t attention_forwards_before = model.attention().counters.forward_calls;
     const int64_t attention_bytes_before = model.attention().counters.bytes_sent;
+    const attn::AttentionCounters attention_before = model.attention().counters;
     const int64_t step = rs.step + 1;
     // The loss is the mean over every valid label of the step on every rank: count them first.
     double count = 0;
@@ -715,6 +721,19 @@ TrainSummary train(TrainConfig c, const std::string& resume, const TrainHooks& h
     double sums[3] = {loss_sum, ops::sum_squares(grad_shard), stop_signals.requested() ? 1.0 : 0.0};
     ranks.sum(sums, 3);
     const bool stop_requested = sums[2] > 0;
+    // With documents the attention work per rank follows where the documents fall: every rank's
+    // pairs computed this step, and its measured idle fraction (host time inside attention not spent
+    // in block calls: waiting for a busier rank's blocks), gathered for the log (one small reduction).
+    std::vector<double> work;
+    if (c.data.document_mask) {
+      const attn::AttentionCounters& now = model.attention().counters;
+      work.assign(static_cast<size_t>(3 * ranks.world_size), 0.0);
+      const size_t me = static_cast<size_t>(3 * ranks.global_rank);
+      work[me] = static_cast<double>(now.pairs - attention_before.pairs);
+      work[me + 1] = now.compute_seconds - attention_before.compute_seconds;
+      work[me + 2] = now.wall_seconds - attention_before.wall_seconds;
+      ranks.sum(work.data(), static_cast<int64_t>(work.size()));
+    }
     const double loss = sums[0] / count;
     const double norm = std::sqrt(sums[1]);
     rs.step = step;
@@ -762,12 +781,33 @@ TrainSummary train(TrainConfig c, const std::string& resume, const TrainHooks& h
       // Everything longtrain has allocated on the training device at its most (runtime/device.h), against
       // the memory plan that was checked before the start.
       const double peak_gib = static_cast<double>(allocation_stats(precision.device).peak) / 1073741824.0;
-      record({{"step", step}, {"loss", loss}, {"lr", info.lr}, {"grad_norm", norm}, {"tokens_per_s", tok_s},
+      json attention_work;  // per global rank, with document masking
+      std::string work_text;
+      if (!work.empty()) {
+        std::vector<double> pairs, idle;
+        double max_pairs = 0, sum_pairs = 0;
+        for (size_t r = 0; r < work.size() / 3; ++r) {
+          pairs.push_back(work[3 * r]);
+          idle.push_back(work[3 * r + 2] > 0 ? std::clamp(1.0 - work[3 * r + 1] / work[3 * r + 2], 0.0, 1.0) : 0.0);
+          max_pairs = std::max(max_pairs, pairs.back());
+          sum_pairs += pairs.back();
+          work_text += fmt::format("{}{:.3g}M ({:.0f}% idle)", r ? ", " : "", pairs.back() / 1e6, 100 * idle.back());
+        }
+        // max / mean: 1 is perfect balance; the step waits for the busiest rank.
+        const double imbalance = sum_pairs > 0 ? max_pairs * static_cast<double>(pairs.size()) / sum_pairs : 1.0;
+        attention_work = {{"attention_pairs_per_rank", pairs},
+                          {"attention_idle_fraction_per_rank", idle},
+                          {"attention_imbalance", imbalance}};
+        work_text = fmt::format("query-key pairs computed per rank {} (max/mean {:.2f})", work_text, imbalance);
+      }
+      json metrics = {{"step", step}, {"loss", loss}, {"lr", info.lr}, {"grad_norm", norm}, {"tokens_per_s", tok_s},
               {"attention_forwards_per_layer", attn_fwd}, {"attention_sent_mib_per_layer", attn_mib},
               {"allocated_peak_gib", peak_gib}, {"plan_gib", static_cast<double>(plan.total()) / 1073741824.0},
               {"tflops", tok_s * flops_per_token / 1e12},
               {"tflops_per_gpu", tok_s * flops_per_token / 1e12 / ranks.world_size}, {"tokens_seen", rs.tokens_seen},
-              {"elapsed_s", elapsed}});
+              {"elapsed_s", elapsed}};
+      if (!attention_work.is_null()) metrics.update(attention_work);
+      record(metrics);
       if (step % c.logging.log_every == 0 || step == c.train.steps || step == summary.first_step) {
         clear_bar();
         // tok/s of the whole world; model TFLOP/s per rank (one GPU each on CUDA).
@@ -778,6 +818,7 @@ TrainSummary train(TrainConfig c, const std::string& resume, const TrainHooks& h
                   static_cast<double>(plan.total()) / 1073741824.0, attn_fwd,
                   ranks.sp_size > 1 ? fmt::format(", sent {:.1f} MiB/layer", attn_mib) : std::string(),
                   human_duration(eta));
+        if (!work_text.empty()) log->info("step {:>5} document-masked attention: {}", step, work_text);
         if (ranks.main && c.logging.plot) plot.save(run_dir / "loss.svg", title);
       }
       if (tty) {

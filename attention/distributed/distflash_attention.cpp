@@ -73,7 +73,9 @@ DistFlashTask distflash_task(int P, bool causal, int r, int t) {
 
 void DistFlashAttention::forward(Tensor o, Tensor lse, Tensor q, Tensor k, Tensor v) {
   ++counters.forward_calls;
+  const auto start = std::chrono::steady_clock::now();
   const int64_t T = check_call("forward", q, k, v, o, lse);
+  check_call_documents(q, T);
   const int P = sp_.size(), me = sp_.rank(), S = distflash_steps(P, causal_);
   const int64_t Hq = q.size(1), D = q.size(2);
   const DType acc = lse.dtype;
@@ -142,13 +144,15 @@ void DistFlashAttention::forward(Tensor o, Tensor lse, Tensor q, Tensor k, Tenso
     if (result_from >= 0) lse_merge(s.o_acc, lse, fwd_res_in_[0][0], fwd_res_in_[0][1]);
   }
   finish_forward(s, o);
-  counters.bytes_sent += forward_trace_.bytes_sent();
+  count_call(forward_trace_, start);
 }
 
 void DistFlashAttention::backward(Tensor dq, Tensor dk, Tensor dv, Tensor q, Tensor k, Tensor v, Tensor o,
                                   Tensor lse, Tensor d_o) {
   ++counters.backward_calls;
+  const auto start = std::chrono::steady_clock::now();
   const int64_t T = check_call("backward", q, k, v, o, lse);
+  check_call_documents(q, T);
   check_backward_tensors("distflash", dq, dk, dv, q, k, o, d_o);
   const int P = sp_.size(), me = sp_.rank(), S = distflash_steps(P, causal_);
   const int64_t Hq = q.size(1), D = q.size(2);
@@ -242,7 +246,7 @@ void DistFlashAttention::backward(Tensor dq, Tensor dk, Tensor dv, Tensor q, Ten
     }
   }
   finish_backward(s, dq, dk, dv);
-  counters.bytes_sent += backward_trace_.bytes_sent();
+  count_call(backward_trace_, start);
 }
 
 }  // namespace longtrain::attn::dist

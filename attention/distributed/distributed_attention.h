@@ -51,11 +51,17 @@
 // events (parallel/nccl_communicator.h): forward and backward return before the device is done,
 // and no call blocks the host (except burst's construction, which agrees on its topology).
 //
+// Documents (SequenceAttention::set_documents, document_mask.h): every schedule computes only the
+// parts of its blocks that lie inside one document (a pair of blocks sharing none is skipped, the
+// rest split per document with the mask each part needs), over the same transfers as without them;
+// the traces count only the pairs computed. Every rank of the group must set the same documents.
+//
 // Every rank of the group calls forward/backward for every layer in the same order with the same
 // local length T = S/P (what the loader hands out); T must split into the layout's chunks
 // (zigzag: T even). The factory validates the schedule/layout pairing before any work.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -141,7 +147,7 @@ class DistributedAttention : public SequenceAttention {
   const ScheduleTrace& last_backward() const { return backward_trace_; }
 
   // Not owned; null (the default) observes nothing.
-  void set_compute_observer(ComputeObserver* observer) { observer_ = observer; }
+  void set_compute_observer(ComputeObserver* observer) { timing_.next = observer; }
 
  protected:
   DistributedAttention(Schedule schedule, const SequenceAttentionSpec& spec);
@@ -150,10 +156,18 @@ class DistributedAttention : public SequenceAttention {
   // the layout's chunks, the output dtypes) and returns T. `op` names the call in errors.
   int64_t check_call(const char* op, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o,
                      const Tensor& lse) const;
-  // The block calls of `q_rank`'s queries against `kv_rank`'s keys, T tokens each.
+  // The block calls of `q_rank`'s queries against `kv_rank`'s keys, T tokens each; with documents
+  // (set_documents), only the parts of them inside shared documents (document_block_calls): a pair
+  // of ranks whose blocks share no document gets no call.
   std::vector<BlockCall> block_calls(int q_rank, int kv_rank, int64_t T) const {
-    return plan_block_calls(layout_, sp_.size(), T, q_rank, kv_rank, causal_, chunk_calls_);
+    return document_block_calls(plan_block_calls(layout_, sp_.size(), T, q_rank, kv_rank, causal_, chunk_calls_),
+                                documents_, layout_, sp_.size(), T, q_rank, kv_rank, causal_);
   }
+  // Checks the documents against the call (the whole sequence is T · P tokens; CPU only for now).
+  void check_call_documents(const Tensor& q, int64_t T) const;
+  // Adds a finished forward or backward call to the counters: its bytes and pairs, and (wall) the host
+  // seconds since `start`.
+  void count_call(const ScheduleTrace& trace, std::chrono::steady_clock::time_point start);
 
   Schedule schedule_;
   bool causal_;
@@ -162,7 +176,24 @@ class DistributedAttention : public SequenceAttention {
   ChunkCalls chunk_calls_;
   parallel::Communicator& sp_;
   ScheduleTrace forward_trace_, backward_trace_;
-  ComputeObserver* observer_ = nullptr;
+
+  // Times every compute step on the host into counters.compute_seconds, then passes it on to the
+  // observer set_compute_observer gave (benchmarks: CUDA events).
+  struct ComputeTiming final : ComputeObserver {
+    AttentionCounters* counters = nullptr;
+    ComputeObserver* next = nullptr;
+    std::chrono::steady_clock::time_point start;
+    void begin_compute() noexcept override {
+      start = std::chrono::steady_clock::now();
+      if (next) next->begin_compute();
+    }
+    void end_compute() noexcept override {
+      if (next) next->end_compute();
+      counters->compute_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    }
+  };
+  ComputeTiming timing_;
+  ComputeObserver* observer_ = &timing_;  // what the schedules bracket their compute steps with
 };
 
 }  // namespace longtrain::attn

@@ -47,7 +47,23 @@ DistributedAttention::DistributedAttention(Schedule schedule, const SequenceAtte
       scale_(spec.scale),
       layout_(spec.layout),
       chunk_calls_(spec.chunk_calls),
-      sp_(*spec.sp) {}
+      sp_(*spec.sp) {
+  timing_.counters = &counters;
+}
+
+void DistributedAttention::check_call_documents(const Tensor& q, int64_t T) const {
+  if (documents_.empty()) return;
+  check_documents_device(q);
+  check_documents(documents_, T * sp_.size(),
+                  fmt::format("{} attention on sequence-parallel rank {} of {} (shards of {} tokens)",
+                              schedule_name(schedule_), sp_.rank(), sp_.size(), T));
+}
+
+void DistributedAttention::count_call(const ScheduleTrace& trace, std::chrono::steady_clock::time_point start) {
+  counters.bytes_sent += trace.bytes_sent();
+  counters.pairs += trace.pairs();
+  counters.wall_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
 
 int64_t DistributedAttention::check_call(const char* op, const Tensor& q, const Tensor& k, const Tensor& v,
                                          const Tensor& o, const Tensor& lse) const {
@@ -179,8 +195,8 @@ namespace {
 // The forward of ring, zigzag and burst: K/V blocks rotate over `topo`; at each round this rank's
 // queries meet the block it holds and the partial results merge into (o, lse).
 void rotating_kv_forward(RingRotation& rotation, MessageSlots& scratch, const RingTopology& topo, SeqLayout layout,
-                         bool causal, ChunkCalls chunk_calls, double scale, Tensor o, Tensor lse, Tensor q, Tensor k,
-                         Tensor v, ScheduleTrace& trace, ComputeObserver* observer) {
+                         bool causal, ChunkCalls chunk_calls, const Documents& docs, double scale, Tensor o, Tensor lse,
+                         Tensor q, Tensor k, Tensor v, ScheduleTrace& trace, ComputeObserver* observer) {
   const int64_t T = q.size(0);
   const int P = topo.size(), me = topo.sp_rank();
   const ForwardScratch s = prepare_forward(scratch, o, lse);
@@ -189,7 +205,8 @@ void rotating_kv_forward(RingRotation& rotation, MessageSlots& scratch, const Ri
     const Tensor kk = block ? (*block)[0] : k, vv = block ? (*block)[1] : v;
     const ComputeScope scope(observer);
     int64_t pairs = 0;
-    for (const BlockCall& c : plan_block_calls(layout, P, T, me, source, causal, chunk_calls)) {
+    for (const BlockCall& c : document_block_calls(plan_block_calls(layout, P, T, me, source, causal, chunk_calls),
+                                                   docs, layout, P, T, me, source, causal)) {
       forward_call(c, s.o_acc, lse, s.o_blk, s.lse_blk, q, kk, vv, scale);
       pairs += c.pairs();
     }
@@ -217,16 +234,19 @@ std::string RingAttention::describe() const {
 
 void RingAttention::forward(Tensor o, Tensor lse, Tensor q, Tensor k, Tensor v) {
   ++counters.forward_calls;
-  check_call("forward", q, k, v, o, lse);
+  const auto start = std::chrono::steady_clock::now();
+  check_call_documents(q, check_call("forward", q, k, v, o, lse));
   rotating_kv_forward(forward_rotation_, fwd_scratch_, RingTopology::single(sp_), layout_, causal_, chunk_calls_,
-                      scale_, o, lse, q, k, v, forward_trace_, observer_);
-  counters.bytes_sent += forward_trace_.bytes_sent();
+                      documents_, scale_, o, lse, q, k, v, forward_trace_, observer_);
+  count_call(forward_trace_, start);
 }
 
 void RingAttention::backward(Tensor dq, Tensor dk, Tensor dv, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse,
                              Tensor d_o) {
   ++counters.backward_calls;
+  const auto start = std::chrono::steady_clock::now();
   const int64_t T = check_call("backward", q, k, v, o, lse);
+  check_call_documents(q, T);
   check_backward_tensors(schedule_name(schedule_).data(), dq, dk, dv, q, k, o, d_o);
   const int me = sp_.rank();
   // The query rows never leave this rank: every block reads the final O (or D) of the own rows.
@@ -254,7 +274,7 @@ void RingAttention::backward(Tensor dq, Tensor dk, Tensor dv, Tensor q, Tensor k
   backward_rotation_.run(RingTopology::single(sp_), kv_spec(k, k.dtype), kv_spec(k, lse.dtype), q.device, pack,
                          hooks, backward_trace_);
   finish_backward(s, dq, dk, dv);
-  counters.bytes_sent += backward_trace_.bytes_sent();
+  count_call(backward_trace_, start);
 }
 
 // ---- burst --------------------------------------------------------------------------------------------
@@ -313,16 +333,19 @@ std::string BurstAttention::describe() const {
 
 void BurstAttention::forward(Tensor o, Tensor lse, Tensor q, Tensor k, Tensor v) {
   ++counters.forward_calls;
-  check_call("forward", q, k, v, o, lse);
-  rotating_kv_forward(forward_rotation_, fwd_scratch_, topology_, layout_, causal_, chunk_calls_, scale_, o, lse, q, k,
-                      v, forward_trace_, observer_);
-  counters.bytes_sent += forward_trace_.bytes_sent();
+  const auto start = std::chrono::steady_clock::now();
+  check_call_documents(q, check_call("forward", q, k, v, o, lse));
+  rotating_kv_forward(forward_rotation_, fwd_scratch_, topology_, layout_, causal_, chunk_calls_, documents_, scale_, o,
+                      lse, q, k, v, forward_trace_, observer_);
+  count_call(forward_trace_, start);
 }
 
 void BurstAttention::backward(Tensor dq, Tensor dk, Tensor dv, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse,
                               Tensor d_o) {
   ++counters.backward_calls;
+  const auto start = std::chrono::steady_clock::now();
   const int64_t T = check_call("backward", q, k, v, o, lse);
+  check_call_documents(q, T);
   check_backward_tensors("burst", dq, dk, dv, q, k, o, d_o);
   const int me = sp_.rank();
   const BackwardScratch s = prepare_backward(bwd_scratch_, dq, dk, dv, o, lse, d_o, /*send_delta=*/true);
@@ -353,7 +376,7 @@ void BurstAttention::backward(Tensor dq, Tensor dk, Tensor dv, Tensor q, Tensor 
   };
   backward_rotation_.run(topology_, q_side, dq_spec, q.device, pack, hooks, backward_trace_);
   finish_backward(s, dq, dk, dv);
-  counters.bytes_sent += backward_trace_.bytes_sent();
+  count_call(backward_trace_, start);
 }
 
 }  // namespace dist

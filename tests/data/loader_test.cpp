@@ -1,5 +1,6 @@
 // data/loader.h over synthetic shards whose tokens are their stream positions (mod vocabulary), so
 // every token, label and position can be checked against where it must have come from.
+#include <algorithm>
 #include <functional>
 #include <numeric>
 #include <set>
@@ -244,6 +245,59 @@ void check_resume(const LoaderOptions& o, int k, int more, int fresh_prefetch) {
     EXPECT_EQ(b.positions, w.positions);
     EXPECT_EQ(b.doc_starts, w.doc_starts);
   }
+}
+
+// data.document_mask: against the document offsets the set was written with, every rank's positions
+// restart at each document start (a document crossing the window start counts from the window
+// start), the label from a document's last token to the next document's first is ignored (the
+// window's last label too when the token after the window starts a document), and everything else
+// is the unmasked batch. Windows of 29 tokens over documents of 5..90 tokens: documents inside a
+// window, across its start and across its end.
+TEST(Loader, DocumentMaskRestartsPositionsAndIgnoresLabelsAcrossDocuments) {
+  SyntheticSet set;
+  const int64_t S = 28;
+  int64_t ignored_total = 0, restarts_total = 0;
+  for (SeqLayout layout : {SeqLayout::contiguous, SeqLayout::zigzag}) {
+    for (int P : {1, 2}) {
+      for (int r = 0; r < P; ++r) {
+        LoaderOptions o = set.options(S);
+        o.sp_rank = r;
+        o.sp_size = P;
+        o.layout = layout;
+        o.prefetch = 0;
+        Loader plain(o);
+        o.document_mask = true;
+        Loader masked(o);
+        const std::vector<int64_t> g = layout_global_indices(layout, S, P, r);
+        for (int k = 0; k < 12; ++k) {
+          const Batch a = plain.next(), b = masked.next();
+          ASSERT_EQ(a.window, b.window);
+          EXPECT_FALSE(a.document_mask);
+          EXPECT_TRUE(b.document_mask);
+          EXPECT_EQ(a.tokens, b.tokens);
+          EXPECT_EQ(a.doc_starts, b.doc_starts);
+          for (size_t i = 0; i < g.size(); ++i) {
+            const int64_t stream = b.stream_offset + g[i];
+            // The document of the token: the last offset <= its stream position, cut at the window start.
+            const auto it = std::upper_bound(set.doc_offsets.begin(), set.doc_offsets.end(), stream);
+            const int64_t doc_start = std::max(*(it - 1), b.stream_offset);
+            const bool next_starts_document =
+                std::binary_search(set.doc_offsets.begin(), set.doc_offsets.end(), stream + 1);
+            EXPECT_EQ(a.positions[i], g[i]) << "document_mask false keeps global positions";
+            EXPECT_EQ(b.positions[i], stream - doc_start) << "window " << b.window << " token " << g[i];
+            EXPECT_EQ(a.labels[i], stream + 1);
+            EXPECT_EQ(b.labels[i], next_starts_document ? kIgnoreLabel : stream + 1)
+                << "window " << b.window << " token " << g[i];
+            ignored_total += b.labels[i] == kIgnoreLabel;
+            restarts_total += b.positions[i] == 0 && g[i] != 0;
+          }
+        }
+      }
+    }
+  }
+  // The windows really held boundaries.
+  EXPECT_GT(ignored_total, 10);
+  EXPECT_GT(restarts_total, 10);
 }
 
 TEST(Loader, ResumeContinuesWithExactlyTheNextBatch) {

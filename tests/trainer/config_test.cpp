@@ -325,6 +325,11 @@ TEST(TrainerConfig, InconsistentCombinationsAreNamed) {
             "(train.dtype bf16 or auto), or set train.device cpu (train.device: line 4)");
   EXPECT_TRUE(starts_with(load_error(head + "train:\n  device: cpu\n  dtype: bf16\n"),
                           "cfg/test.yaml:5: train.dtype bf16 needs train.device cuda"));
+  // Document masking runs on the CPU only for now: refused on cuda, naming the key.
+  EXPECT_TRUE(contains(load_error(head + "train:\n  device: cuda\n", {"data.document_mask=true"}),
+                       "data.document_mask is not supported on cuda yet"));
+  EXPECT_TRUE(load(head + "train:\n  device: cpu\n", {"data.document_mask=true"}).data.document_mask);
+  EXPECT_FALSE(load(head).data.document_mask);  // the default: today's behaviour
   // The optimizer.
   EXPECT_EQ(load_error(head + "train:\n  steps: 50\n"),
             "cfg/test.yaml:4: optim.warmup_steps (100) exceeds train.steps (50): the run would end before warmup does "
@@ -421,6 +426,7 @@ const std::vector<KeyChange>& key_changes() {
       {"data.tokenizer", {"data.tokenizer=tok.model"}, refused},
       {"data.seq_len", {"data.seq_len=128"}, refused},
       {"data.prefetch", {"data.prefetch=4"}, allowed},
+      {"data.document_mask", {"data.document_mask=true"}, refused},
       {"train.device", {"train.device=auto"}, refused},
       {"train.dtype", {"train.dtype=f32"}, refused},
       {"train.steps", {"train.steps=60"}, allowed},
@@ -533,12 +539,16 @@ TEST(TrainerConfig, ResolveDevice) {
                           "cfg/test.yaml: train.device is cuda but no CUDA device is usable here"));
   EXPECT_TRUE(starts_with(error_of([&] { resolved({"train.dtype=bf16"}, false); }),
                           "cfg/test.yaml: train.dtype bf16 needs a CUDA device"));
+  // device auto picking cuda with a document mask is refused, naming the key; the CPU keeps it.
+  EXPECT_TRUE(starts_with(error_of([&] { resolved({"data.document_mask=true"}, true); }),
+                          "cfg/test.yaml: data.document_mask is not supported on cuda yet"));
+  EXPECT_EQ(resolved({"data.document_mask=true"}, false), std::pair(DeviceChoice::cpu, DTypeChoice::f32));
 }
 
 TEST(TrainerConfig, SchemaMentionsEveryKeyInItsSection) {
   const std::string schema = schema_text();
   const std::vector<std::string> keys = config_keys();
-  EXPECT_EQ(keys.size(), 63u);
+  EXPECT_EQ(keys.size(), 64u);
   for (const std::string& full : keys) {
     const std::string section = full.substr(0, full.find('.')), key = full.substr(full.find('.') + 1);
     const size_t at = schema.find("\n" + section + ": ");

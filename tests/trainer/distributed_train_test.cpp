@@ -163,6 +163,61 @@ TEST_F(DistributedTrainTest, SequenceParallelTrainingEqualsOneRank) {
   }
 }
 
+// data.document_mask under sequence parallelism: every schedule trains what one rank trains with the
+// mask (same losses), and the step log's pairs per rank add up to the one rank's pairs (each pair
+// inside a document computed once over the group, none across documents), with an idle fraction
+// per rank and the imbalance (max / mean) they imply.
+TEST_F(DistributedTrainTest, DocumentMaskUnderSequenceParallelismEqualsOneRankAndLogsWorkPerRank) {
+  const std::vector<std::string> common = {"train.steps=4", "eval.batches=0", "checkpoint.every=0",
+                                           "train.batch_size=1", "optim.warmup_steps=1", "data.document_mask=true"};
+  TrainSummary single = train(config("dm_single", common));
+  // Per step: the one rank's pairs.
+  std::vector<double> single_pairs;
+  {
+    std::ifstream in(root_ / "runs" / "dm_single" / "metrics.jsonl");
+    for (std::string line; std::getline(in, line);) {
+      const nlohmann::json j = nlohmann::json::parse(line);
+      if (j.contains("loss")) single_pairs.push_back(j.at("attention_pairs_per_rank").at(0).get<double>());
+    }
+  }
+  ASSERT_EQ(single_pairs.size(), 4u);
+  struct Case {
+    const char* name;
+    const char* schedule;
+    const char* layout;
+  };
+  for (const Case& k : {Case{"dm_ring", "ring", "contiguous"}, Case{"dm_zigzag", "zigzag", "zigzag"},
+                        Case{"dm_distflash", "distflash", "contiguous"}, Case{"dm_burst", "burst", "zigzag"}}) {
+    std::string args = "train " + write_config(k.name).string();
+    for (const std::string& s : common) args += " --set " + s;
+    args += fmt::format(" --set parallel.sp_size=2 --set attention.schedule={} --set parallel.layout={}", k.schedule,
+                        k.layout);
+    ASSERT_EQ(launch(2, args), 0) << k.name;
+    std::ifstream in(root_ / "runs" / k.name / "metrics.jsonl");
+    size_t step = 0;
+    for (std::string line; std::getline(in, line);) {
+      const nlohmann::json j = nlohmann::json::parse(line);
+      if (!j.contains("loss")) continue;
+      ASSERT_LT(step, single.losses.size()) << k.name;
+      EXPECT_LT(std::abs(j.at("loss").get<double>() - single.losses[step]) / single.losses[step], 1e-5)
+          << k.name << " step " << step + 1;
+      const auto pairs = j.at("attention_pairs_per_rank").get<std::vector<double>>();
+      const auto idle = j.at("attention_idle_fraction_per_rank").get<std::vector<double>>();
+      ASSERT_EQ(pairs.size(), 2u) << k.name;
+      ASSERT_EQ(idle.size(), 2u) << k.name;
+      EXPECT_EQ(pairs[0] + pairs[1], single_pairs[step]) << k.name << " step " << step + 1;
+      for (double f : idle) {
+        EXPECT_GE(f, 0.0) << k.name;
+        EXPECT_LE(f, 1.0) << k.name;
+      }
+      EXPECT_DOUBLE_EQ(j.at("attention_imbalance").get<double>(), 2 * std::max(pairs[0], pairs[1]) / (pairs[0] + pairs[1]))
+          << k.name;
+      ++step;
+    }
+    EXPECT_EQ(step, single.losses.size()) << k.name;
+  }
+}
+
 // Under sequence parallelism the step log shows what recomputation costs: remat_aware runs attention
 // (and its ring transfers) once per layer, full twice, so full sends one forward's bytes more; the
 // allocated peak (schedule buffers included) matches the memory plan.

@@ -333,6 +333,81 @@ TEST_F(TrainTest, EvalOfACheckpointReproducesTheLoopsValidationLoss) {
   EXPECT_EQ(e.bucket_loss.size(), static_cast<size_t>(m.config.eval.position_buckets));
 }
 
+// data.document_mask: the step log reports the attention work this rank did (the pairs inside the
+// step's documents, forward and backward, every layer: what the loader's windows imply), with its
+// idle fraction; the run's final validation loss is what `evaluate` gives with the document mask on a
+// loader of the checkpoint, and differs from the unmasked one (eval follows the key). Without the key
+// the record has no such fields.
+TEST_F(TrainTest, DocumentMaskLogsPairsPerRankAndEvalFollowsIt) {
+  TrainSummary s = train(config("docmask", {"train.steps=2", "checkpoint.every=0", "optim.warmup_steps=1",
+                                            "data.document_mask=true", "data.prefetch=0"}));
+  ASSERT_TRUE(s.final_eval && s.last_checkpoint);
+  LoadedModel m = load_model_from_checkpoint(*s.last_checkpoint);
+  EXPECT_TRUE(m.config.data.document_mask);
+  const TrainConfig& c = m.config;
+  // The step's windows, from a loader like the run's.
+  data::LoaderOptions lo;
+  lo.shard_dir = c.data.train;
+  lo.seq_len = c.data.seq_len;
+  lo.seed = static_cast<uint64_t>(c.train.seed);
+  lo.prefetch = 0;
+  lo.document_mask = true;
+  data::Loader windows(lo);
+  const int64_t S = c.data.seq_len, micro = c.train.batch_size * c.train.grad_accum;
+  std::vector<int64_t> want;
+  int64_t boundaries = 0;
+  for (int step = 0; step < 2; ++step) {
+    int64_t pairs = 0;
+    for (int64_t i = 0; i < micro; ++i) {
+      const data::Batch b = windows.next();
+      const attn::Documents docs = attn::documents_from_starts(b.doc_starts, S);
+      boundaries += docs.count() - 1;
+      pairs += 2 * c.model.n_layers * attn::document_pairs(docs, S, true);  // forward + backward
+    }
+    want.push_back(pairs);
+  }
+  EXPECT_GT(boundaries, 0) << "the windows hold no document boundary: the test shows nothing";
+  std::istringstream in(read_file(s.run_dir / "metrics.jsonl"));
+  int steps = 0;
+  for (std::string line; std::getline(in, line);) {
+    const nlohmann::json j = nlohmann::json::parse(line);
+    if (!j.contains("loss")) continue;
+    ASSERT_TRUE(j.contains("attention_pairs_per_rank")) << line;
+    const auto pairs = j.at("attention_pairs_per_rank").get<std::vector<double>>();
+    const auto idle = j.at("attention_idle_fraction_per_rank").get<std::vector<double>>();
+    ASSERT_EQ(pairs.size(), 1u);
+    ASSERT_EQ(idle.size(), 1u);
+    EXPECT_EQ(static_cast<int64_t>(pairs[0]), want[static_cast<size_t>(steps)]) << line;
+    EXPECT_GE(idle[0], 0.0);
+    EXPECT_LE(idle[0], 1.0);
+    EXPECT_EQ(j.at("attention_imbalance").get<double>(), 1.0);
+    ++steps;
+  }
+  EXPECT_EQ(steps, 2);
+  EXPECT_NE(read_file(s.run_dir / "train.log").find("document-masked attention: query-key pairs computed per rank"),
+            std::string::npos);
+
+  data::LoaderOptions o;
+  o.shard_dir = c.data.train;
+  o.split = "val";
+  o.seq_len = S;
+  o.prefetch = 0;
+  o.document_mask = true;
+  data::Loader val(o);
+  const EvalResult masked = evaluate(*m.model, val, c.eval.batches, c.eval.position_buckets);
+  EXPECT_EQ(masked.loss, s.final_eval->loss);
+  EXPECT_EQ(masked.tokens, s.final_eval->tokens);
+  o.document_mask = false;
+  data::Loader plain_val(o);
+  const EvalResult plain = evaluate(*m.model, plain_val, c.eval.batches, c.eval.position_buckets);
+  EXPECT_GT(plain.tokens, masked.tokens) << "the boundary labels are not ignored without the mask";
+  EXPECT_NE(plain.loss, masked.loss);
+
+  train(config("no_docmask", {"train.steps=1", "checkpoint.every=0", "optim.warmup_steps=1", "eval.batches=0"}));
+  EXPECT_EQ(read_file(root_ / "runs" / "no_docmask" / "metrics.jsonl").find("attention_pairs_per_rank"),
+            std::string::npos);
+}
+
 // The step log shows how often attention ran: once per layer under remat_aware, twice under full;
 // and the most memory longtrain had allocated, which the memory plan checked before the start must
 // match (within 10%, never below what was allocated).
@@ -403,6 +478,25 @@ TEST_F(TrainTest, PlanPrintsTheMemoryPlanAndTrainsNothing) {
 
 // eval and generate refuse what they cannot use, naming it: a checkpoint missing a file, a missing
 // tokenizer, a tokenizer or data whose vocabulary is not the model's.
+// `longtrain eval` follows the checkpoint's data.document_mask, and --document-mask overrides it: the
+// printed validation loss is the run's final one with the mask and another one without it.
+TEST_F(TrainTest, EvalCliFollowsTheRunsDocumentMask) {
+  TrainSummary s = train(config("cli_docmask", {"train.steps=2", "checkpoint.every=0", "eval.batches=3",
+                                                "optim.warmup_steps=1", "data.document_mask=true"}));
+  ASSERT_TRUE(s.last_checkpoint && s.final_eval);
+  const std::string masked_line = fmt::format("validation loss {:.4f}", s.final_eval->loss);
+  std::string out;
+  ASSERT_EQ(run_cli("eval --checkpoint " + s.last_checkpoint->string() + " --batches 3", out), 0) << out;
+  EXPECT_NE(out.find("document mask on"), std::string::npos) << out;
+  EXPECT_NE(out.find(masked_line), std::string::npos) << out;
+  ASSERT_EQ(run_cli("eval --checkpoint " + s.last_checkpoint->string() + " --batches 3 --document-mask false", out), 0)
+      << out;
+  EXPECT_EQ(out.find("document mask on"), std::string::npos) << out;
+  EXPECT_EQ(out.find(masked_line), std::string::npos) << out;
+  EXPECT_NE(out.find("validation loss "), std::string::npos) << out;
+  EXPECT_NE(run_cli("eval --checkpoint " + s.last_checkpoint->string() + " --document-mask maybe", out), 0) << out;
+}
+
 TEST_F(TrainTest, EvalAndGenerateErrorsNameTheProblem) {
   TrainSummary s = train(config("cli_errors", {"train.steps=2", "checkpoint.every=0", "eval.batches=1"}));
   ASSERT_TRUE(s.last_checkpoint);

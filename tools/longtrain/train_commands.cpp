@@ -94,6 +94,11 @@ void add_train_commands(CLI::App& app) {
                     "max_position_embeddings); may exceed the training length");
     cmd->add_option("--device", *device, "cpu (f32, default) or cuda (bf16 mixed precision)")
         ->check(CLI::IsMember({"cpu", "cuda"}));
+    auto document_mask = std::make_shared<std::string>();
+    cmd->add_option("--document-mask", *document_mask,
+                    "true or false: evaluate with per-document attention, positions and labels (default: the run's "
+                    "data.document_mask; false for a Hugging Face directory)")
+        ->check(CLI::IsMember({"true", "false"}));
     auto passkey = std::make_shared<bool>(false);
     auto pk = std::make_shared<trainer::PasskeyOptions>();
     auto out_dir = std::make_shared<std::string>("passkey");
@@ -168,9 +173,16 @@ void add_train_commands(CLI::App& app) {
       const std::string shard_dir = !data_dir->empty() ? *data_dir : (!c.data.val.empty() ? c.data.val : c.data.train);
       LT_CHECK(!shard_dir.empty(), "eval: {} is a Hugging Face directory with no data of its own: pass --data DIR "
                "(a directory made by `longtrain prepare`)", *dir);
+      // The windows the way training saw them: with or without the document mask (--document-mask
+      // overrides the run's setting).
+      if (!document_mask->empty()) c.data.document_mask = *document_mask == "true";
+      LT_CHECK(!c.data.document_mask || dev == Device::cpu,
+               "eval: data.document_mask is not supported on cuda yet (document-masked attention runs on the CPU "
+               "only): pass --device cpu, or --document-mask false");
       // This rank's share of the validation windows: its data-parallel rank's windows, its
       // sequence-parallel rank's tokens of each; `evaluate` sums the ranks' losses.
       data::LoaderOptions o = trainer::eval_loader_options(m, shard_dir);
+      if (o.document_mask && m.main) fmt::print("document mask on: attention, positions and labels per document\n");
       data::Loader loader(o);
       const int64_t n = *batches > 0 ? *batches : c.eval.batches;
       trainer::EvalResult e =
