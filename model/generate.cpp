@@ -9,11 +9,14 @@
 
 namespace longtrain::model {
 
-KvCache::KvCache(const LlamaConfig& c, Precision precision, int64_t max_len)
+KvCache::KvCache(const LlamaConfig& c, Precision precision, int64_t max_len, int rank, int ranks)
     : max_len_(max_len), arena_("kv cache", precision.device) {
+  LT_CHECK(ranks >= 1 && rank >= 0 && rank < ranks, "KvCache: rank {} of {}", rank, ranks);
+  block_ = (max_len + ranks - 1) / ranks;
+  first_ = std::min<int64_t>(max_len, rank * block_);
   for (int64_t l = 0; l < c.n_layers; ++l) {
-    arena_.add(fmt::format("k.{}", l), {max_len, c.n_kv_heads, c.head_dim}, precision.act);
-    arena_.add(fmt::format("v.{}", l), {max_len, c.n_kv_heads, c.head_dim}, precision.act);
+    arena_.add(fmt::format("k.{}", l), {block_, c.n_kv_heads, c.head_dim}, precision.act);
+    arena_.add(fmt::format("v.{}", l), {block_, c.n_kv_heads, c.head_dim}, precision.act);
   }
   arena_.allocate();
 }
@@ -54,7 +57,8 @@ std::vector<float> to_host_floats(const Tensor& t) {
 
 }  // namespace
 
-std::vector<float> decode_tokens(const LlamaModel& model, KvCache& cache, const std::vector<int32_t>& tokens) {
+std::vector<float> decode_tokens(const LlamaModel& model, KvCache& cache, const std::vector<int32_t>& tokens,
+                                 parallel::Communicator* group) {
   const LlamaConfig& c = model.config();
   const Precision& pr = model.precision();
   const ModelParams& p = model.param_views();
@@ -80,6 +84,11 @@ std::vector<float> decode_tokens(const LlamaModel& model, KvCache& cache, const 
   ws.add("gate_up", {n, 2 * F}, pr.act);
   ws.add("s", {n, F}, pr.act);
   ws.add("logits", {1, c.vocab_size}, pr.stat == DType::f64 ? DType::f64 : DType::f32);
+  const int ranks = group ? group->size() : 1;
+  if (group) {  // every rank's partial (O, LSE), gathered
+    ws.add("o_all", {ranks * n, Hq, D}, pr.act);
+    ws.add("lse_all", {ranks * n, Hq}, pr.stat);
+  }
   ws.allocate();
   std::vector<int32_t> positions(static_cast<size_t>(n));
   std::iota(positions.begin(), positions.end(), static_cast<int32_t>(past));
@@ -100,16 +109,36 @@ std::vector<float> decode_tokens(const LlamaModel& model, KvCache& cache, const 
     const auto [q, k, v] = split_qkv(qkv, c);
     ops::rope_forward(q, ws.get("positions"), rope);
     ops::rope_forward(k, ws.get("positions"), rope);
+    // This rank holds positions [first, first + block): the new tokens' rows among them go to the cache.
     Tensor kc = cache.keys(l), vc = cache.values(l);
-    copy_rows(kc.narrow(past, n), k);
-    copy_rows(vc.narrow(past, n), v);
-    // New tokens attend causally among themselves and fully to the cached positions.
-    attn::attention_block_forward(o, lse, q, kc.narrow(past, n), vc.narrow(past, n),
-                                  attn::BlockMask::causal_diagonal, scale);
-    if (past > 0) {
-      attn::attention_block_forward(ws.get("o_new"), ws.get("lse_new"), q, kc.narrow(0, past), vc.narrow(0, past),
-                                    attn::BlockMask::none, scale);
-      attn::lse_merge(o, lse, ws.get("o_new"), ws.get("lse_new"));
+    const int64_t first = cache.first(), end = first + cache.block();
+    const int64_t a = std::max(past, first), b = std::min(past + n, end);  // new positions held here
+    if (a < b) {
+      copy_rows(kc.narrow(a - first, b - a), k.narrow(a - past, b - a));
+      copy_rows(vc.narrow(a - first, b - a), v.narrow(a - past, b - a));
+    }
+    // The queries against the keys held here: the earlier positions fully, the new ones causally
+    // (query row i is position past + i). Starts from the empty partial (O = 0, LSE = -inf).
+    attn::attention_block_forward(o, lse, q, kc.narrow(0, 0), vc.narrow(0, 0), attn::BlockMask::none, scale);
+    auto merge_block = [&](int64_t q0, int64_t q1, int64_t k0, int64_t k1, attn::BlockMask mask) {
+      if (q0 >= q1 || k0 >= k1) return;
+      Tensor on = ws.get("o_new").narrow(q0, q1 - q0), ln = ws.get("lse_new").narrow(q0, q1 - q0);
+      attn::attention_block_forward(on, ln, q.narrow(q0, q1 - q0), kc.narrow(k0 - first, k1 - k0),
+                                    vc.narrow(k0 - first, k1 - k0), mask, scale);
+      attn::lse_merge(o.narrow(q0, q1 - q0), lse.narrow(q0, q1 - q0), on, ln);
+    };
+    merge_block(0, n, first, std::min(past, end), attn::BlockMask::none);              // cached, earlier
+    merge_block(a - past, b - past, a, b, attn::BlockMask::causal_diagonal);           // new, diagonal
+    merge_block(b - past, n, a, b, attn::BlockMask::none);                             // new, earlier
+    if (group) {
+      // Every rank's partial, merged in rank order: the same result on every rank.
+      Tensor o_all = ws.get("o_all"), lse_all = ws.get("lse_all");
+      group->all_gather(o_all.reshape({ranks * n * Hq * D}), o.reshape({n * Hq * D}));
+      group->all_gather(lse_all.reshape({ranks * n * Hq}), lse.reshape({n * Hq}));
+      copy(o, o_all.narrow(0, n));
+      copy(lse, lse_all.narrow(0, n));
+      for (int r = 1; r < ranks; ++r)
+        attn::lse_merge(o, lse, o_all.narrow(r * n, n), lse_all.narrow(r * n, n));
     }
     ops::linear_forward(proj, o.reshape({n, Hq * D}), lp.o_proj);
     ops::add_inplace(x, proj);
@@ -171,21 +200,28 @@ int32_t sample_token(const std::vector<float>& logits, const SamplingParams& sp,
 }
 
 std::vector<int32_t> generate(const LlamaModel& model, const std::vector<int32_t>& prompt, int64_t max_new_tokens,
-                              const SamplingParams& sp, int32_t stop_token) {
+                              const SamplingParams& sp, int32_t stop_token, parallel::Communicator* group) {
   LT_CHECK(!prompt.empty(), "generate: the prompt is empty (it needs at least a BOS token)");
   const int64_t capacity = static_cast<int64_t>(prompt.size()) + max_new_tokens;
   LT_CHECK(capacity <= model.config().max_seq_len,
            "prompt ({} tokens) + {} new tokens exceed model.max_seq_len ({})", prompt.size(), max_new_tokens,
            model.config().max_seq_len);
-  KvCache cache(model.config(), model.precision(), capacity);
+  KvCache cache(model.config(), model.precision(), capacity, group ? group->rank() : 0, group ? group->size() : 1);
   uint64_t state = sp.seed;
-  std::vector<float> logits = decode_tokens(model, cache, prompt);
+  // One process: the prompt in one call. Sharded: in pieces of at most one block, so no rank holds
+  // activations for more positions than its share of the cache.
+  std::vector<float> logits;
+  const auto P = static_cast<int64_t>(prompt.size());
+  const int64_t piece = group ? cache.block() : P;
+  for (int64_t s = 0; s < P; s += piece)
+    logits = decode_tokens(model, cache, std::vector<int32_t>(prompt.begin() + s, prompt.begin() + std::min(P, s + piece)),
+                           group);
   std::vector<int32_t> out;
   for (int64_t i = 0; i < max_new_tokens; ++i) {
     int32_t tok = sample_token(logits, sp, state);
     if (tok == stop_token) break;
     out.push_back(tok);
-    if (i + 1 < max_new_tokens) logits = decode_tokens(model, cache, {tok});
+    if (i + 1 < max_new_tokens) logits = decode_tokens(model, cache, {tok}, group);
   }
   return out;
 }

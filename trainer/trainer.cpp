@@ -931,7 +931,8 @@ LoadedModel load_model_from_checkpoint(const fs::path& dir, int64_t max_tokens, 
   } else {
     const int64_t trained_max = out.config.model.max_seq_len;
     out.config = load({fmt::format("parallel.sp_size={}", sp_size > 0 ? sp_size : world_size),
-                       fmt::format("data.seq_len={}", T), fmt::format("model.max_seq_len={}", std::max(trained_max, T))});
+                       fmt::format("data.seq_len={}", T), fmt::format("model.max_seq_len={}", std::max(trained_max, T)),
+                       fmt::format("eval.position_buckets={}", std::min(out.config.eval.position_buckets, T))});
     out.config.model.max_seq_len = trained_max;
   }
   out.config.train.device = device == Device::cuda ? DeviceChoice::cuda : DeviceChoice::cpu;

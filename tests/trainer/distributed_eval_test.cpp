@@ -162,6 +162,29 @@ TEST_F(DistributedEvalTest, TrainingWithRopeScalingUnderEveryScheduleEqualsOneRa
   }
 }
 
+// generate under longtrain-run: the KV cache sharded over 2 and 3 ranks (the prompt then spans
+// several ranks' blocks) continues the prompt with the same text as one process, greedy and sampled,
+// and only rank 0 prints it.
+TEST_F(DistributedEvalTest, GenerateWithAShardedKvCacheEqualsOneProcess) {
+  for (const char* sampling : {"--temperature 0", "--temperature 0.8 --top-p 0.9 --seed 5"}) {
+    const std::string args = fmt::format(
+        "generate --checkpoint {} --prompt \"the old man finds the river. my sister likes\" --max-new-tokens 24 {}",
+        checkpoint().string(), sampling);
+    std::string one;
+    ASSERT_EQ(run_longtrain(1, args, one), 0) << one;
+    const std::string text = one.substr(0, one.find('\n'));
+    ASSERT_GT(text.size(), 20u) << one;
+    for (int nproc : {2, 3}) {
+      SCOPED_TRACE(fmt::format("{} on {} processes", sampling, nproc));
+      std::string out;
+      ASSERT_EQ(run_longtrain(nproc, args, out), 0) << out;
+      EXPECT_NE(out.find("[rank 0]: " + text + "\n"), std::string::npos) << "one process: " << text << "\n" << out;
+      for (int r = 1; r < nproc; ++r)
+        EXPECT_EQ(out.find(fmt::format("[rank {}]: {}", r, text.substr(0, 10))), std::string::npos) << out;
+    }
+  }
+}
+
 TEST_F(DistributedEvalTest, SpSizeThatDoesNotFitIsAClearError) {
   std::string out;
   EXPECT_NE(run_longtrain(1, fmt::format("eval --checkpoint {} --sp-size 2", checkpoint().string()), out), 0);

@@ -251,9 +251,12 @@ void add_train_commands(CLI::App& app) {
     cmd->callback([=] {
       const Device dev = *device == "cuda" ? Device::cuda : Device::cpu;
       LT_CHECK(dev == Device::cpu || cuda_available(), "generate --device cuda: no CUDA device is usable here");
-      LT_CHECK(parallel::world_from_env().world_size == 1,
-               "generate runs in one process (decoding is sequential); run it without longtrain-run");
-      trainer::LoadedModel m = trainer::load_model_from_checkpoint(*dir, 1, dev);
+      // Under longtrain-run all ranks form one sequence-parallel group that shards the KV cache
+      // (model/generate.h); the model itself is only used through its weights (2 tokens per rank of
+      // training activations, the least every layout splits).
+      const int world_size = parallel::world_from_env().world_size;
+      trainer::LoadedModel m = trainer::load_model_from_checkpoint(*dir, 2 * world_size, dev, {}, world_size);
+      parallel::Communicator* group = m.dist ? &m.dist->sp() : nullptr;
       // An explicit --tokenizer is used or refused, never replaced by another one.
       std::string tok = *tokenizer_path;
       if (!tok.empty()) {
@@ -274,7 +277,8 @@ void add_train_commands(CLI::App& app) {
       if (tokenizer.bos_id() >= 0) ids.push_back(tokenizer.bos_id());
       const size_t first_text_id = ids.size();
       for (int32_t id : tokenizer.encode(*prompt)) ids.push_back(id);
-      const std::vector<int32_t> out = model::generate(*m.model, ids, *max_new, *sp, tokenizer.eos_id());
+      const std::vector<int32_t> out = model::generate(*m.model, ids, *max_new, *sp, tokenizer.eos_id(), group);
+      if (!m.main) return;  // every rank generated the same tokens
       // Prompt and continuation are decoded as one sequence: SentencePiece marks a word's leading
       // space on its first piece and drops it at the start of a decode, so decoding the continuation
       // alone would glue its first word to the prompt's last one.
