@@ -38,14 +38,15 @@ enum class AttentionSchedule { ring, zigzag, distflash, burst };
 // Whether `--resume` may continue a checkpoint with a different value of a key. Every key of the
 // table has one (a key without it does not compile); `longtrain schema` shows it.
 //   refused: the value is part of what the saved state means: the model's shape and numerics, the
-//            tokenizer, the sequence length and the batch the loader's position counts in, the
-//            seed and the optimizer's hyperparameters that its moments were accumulated with. A
-//            resume that changes one is an error naming each such key with its old and new value.
+//            tokenizer, the sequence length, the seed and the optimizer's hyperparameters that its
+//            moments were accumulated with. A resume that changes one is an error naming each such
+//            key with its old and new value.
 //   elastic: the parallel layout and the batch split: parallel.sp_size, parallel.layout,
 //            train.batch_size and train.grad_accum. They may change, and so may the number of
 //            ranks, when the global batch (batch_size × grad_accum × data-parallel ranks) stays the
 //            same: the ZeRO-1 optimizer shards are re-sharded and the loader continues at the same
-//            window (trainer.h). Another global batch is an error that says which grad_accum keeps it.
+//            window (trainer/optimizer_state.h, data/loader.h; README "Elastic resume"). Another
+//            global batch is an error that says which grad_accum keeps it.
 //   allowed: train.steps and the learning-rate schedule (re-shaped without a jump, see
 //            optimizer.h), checkpoint.*, eval.*, logging.*, what to do with non-finite steps,
 //            threads, timeouts, the activation-checkpoint policy and attention schedule (the same

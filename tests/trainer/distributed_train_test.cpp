@@ -202,7 +202,7 @@ TEST_F(DistributedTrainTest, SequenceParallelStepLogShowsAttentionTrafficAndPeak
 }
 
 // ZeRO-1: each rank checkpoints its optimizer shard; resuming on the same world size continues the
-// uninterrupted run bit for bit, and another world size is refused naming both.
+// uninterrupted run bit for bit, and one process takes it over only with the same global batch.
 TEST_F(DistributedTrainTest, ShardedOptimizerResumesBitExactly) {
   auto args_for = [&](const std::string& name) {
     std::string args = "train " + write_config(name).string();
