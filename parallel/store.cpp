@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <charconv>
 #include <condition_variable>
 #include <cstdio>
 #include <cstring>
@@ -32,6 +33,9 @@ using net::Clock;
 
 constexpr int64_t kMagic = 0x316e7274676e6f6c;  // "longtrn1"
 constexpr uint32_t kMaxFrame = 1u << 30;
+// The largest world a server registers (its table has one entry per rank, allocated at the first
+// registration): far above any job, far below what a corrupted world size would ask for.
+constexpr int kMaxWorldSize = 1 << 20;
 
 enum Op : uint8_t {
   kHello = 1,
@@ -116,8 +120,16 @@ bool recv_frame(int fd, uint8_t* tag, std::string* payload, Clock::time_point de
   uint32_t len = 0;
   if (!net::read_all(fd, &len, 4, deadline)) return false;
   LT_CHECK(len >= 1 && len <= kMaxFrame, "malformed store frame of {} bytes", len);
-  std::string body(len, '\0');
-  LT_CHECK(net::read_all(fd, body.data(), len, deadline), "connection closed in the middle of a frame");
+  // The buffer grows with the bytes that arrive: a length field alone (a broken or hostile client)
+  // must not make the server allocate and clear up to kMaxFrame.
+  constexpr size_t kChunk = size_t{1} << 20;
+  std::string body;
+  for (size_t got = 0; got < len;) {
+    const size_t n = std::min<size_t>(kChunk, len - got);
+    body.resize(got + n);
+    LT_CHECK(net::read_all(fd, body.data() + got, n, deadline), "connection closed in the middle of a frame");
+    got += n;
+  }
   *tag = static_cast<uint8_t>(body[0]);
   payload->assign(body, 1, std::string::npos);
   return true;
@@ -291,8 +303,23 @@ class StoreServer {
             std::lock_guard lock(mu_);
             int64_t v = 0;
             auto it = kv_.find(key);
-            if (it != kv_.end()) v = std::stoll(it->second);
-            v += delta;
+            // A counter is a whole decimal i64; anything else, or a sum that overflows, is refused
+            // (the key keeps its value) rather than ending the connection.
+            if (it != kv_.end()) {
+              const std::string& text = it->second;
+              const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+              if (ec != std::errc() || end != text.data() + text.size()) {
+                status = kError;
+                out.str(fmt::format("add to key '{}': its value is not an integer", key));
+                break;
+              }
+            }
+            const int64_t before = v;
+            if (__builtin_add_overflow(before, delta, &v)) {
+              status = kError;
+              out.str(fmt::format("add to key '{}': {} + {} overflows a 64-bit counter", key, before, delta));
+              break;
+            }
             kv_[key] = std::to_string(v);
             cv_.notify_all();
             out.i64(v);
@@ -419,6 +446,7 @@ class StoreServer {
   std::string register_rank(int rank, int world, int64_t pid, const std::string& host) {
     std::lock_guard lock(mu_);
     if (world < 1) return fmt::format("world size {} is not positive", world);
+    if (world > kMaxWorldSize) return fmt::format("world size {} is above the largest supported, {}", world, kMaxWorldSize);
     if (world_size_ == 0) {
       world_size_ = world;
       ranks_.resize(world);

@@ -95,10 +95,13 @@ ParseResult parse_args(int argc, const char* const* argv, const EnvLookup& env_r
   if (o_port->count() == 0 && env("MASTER_PORT")) {
     if (auto v = env_int("MASTER_PORT", env("MASTER_PORT"), problem)) a.master_port = *v;
   }
-  if (!problem.empty()) return error("cannot read the Slurm/MASTER_* environment: " + problem);
+  if (!problem.empty()) return error(problem);
 
   if (a.nnodes < 1) return error(fmt::format("--nnodes {} must be at least 1", a.nnodes));
   if (a.nproc_per_node < 1) return error(fmt::format("--nproc-per-node {} must be at least 1", a.nproc_per_node));
+  if (static_cast<int64_t>(a.nnodes) * a.nproc_per_node > INT_MAX)
+    return error(fmt::format("--nnodes {} × --nproc-per-node {} ranks is more than {}", a.nnodes, a.nproc_per_node,
+                             INT_MAX));
   if (a.node_rank < 0 || a.node_rank >= a.nnodes)
     return error(fmt::format("--node-rank {} is outside [0, --nnodes {})", a.node_rank, a.nnodes));
   if (a.master_port < 1 || a.master_port > 65535)
