@@ -793,7 +793,8 @@ void TcpStore::handle_peer_failure(const std::string& reason) {
     return;
   }
   std::fflush(stdout);
-  std::fprintf(stderr, "[longtrain] rank %d stops because another rank failed: %s\n", options_.rank, reason.c_str());
+  // The reason names the rank that failed, or the store that was lost.
+  std::fprintf(stderr, "[longtrain] rank %d stops: %s\n", options_.rank, reason.c_str());
   std::fflush(stderr);
   // Rank 0 serves the store: keep it up a moment, so the other ranks can still read who failed.
   if (server_) server_->wait_for_ranks_to_finish(Clock::now() + kFailingShutdownGrace, false, options_.rank);
