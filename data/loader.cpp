@@ -230,6 +230,28 @@ LoaderState Loader::state() const {
   return s;
 }
 
+LoaderState rescale_data_parallel(const LoaderState& s, int dp_size) {
+  LT_CHECK(dp_size >= 1 && s.dp_size >= 1, "loader: data-parallel sizes must be at least 1 (got {} and {})",
+           s.dp_size, dp_size);
+  if (dp_size == s.dp_size) return s;
+  const int64_t consumed = s.cursor * s.dp_size;  // positions of the epoch's order already taken
+  LT_CHECK(consumed % dp_size == 0,
+           "loader: cannot continue on {} data-parallel ranks: the saved place is position {} of epoch {} (cursor "
+           "{} of {} ranks), not a multiple of {}; resume on {} data-parallel ranks until the epoch ends, or with a "
+           "data-parallel size that divides {}",
+           dp_size, consumed, s.epoch, s.cursor, s.dp_size, dp_size, s.dp_size, consumed);
+  LT_CHECK(s.num_windows >= dp_size,
+           "loader: cannot continue on {} data-parallel ranks: the split has only {} windows", dp_size, s.num_windows);
+  LoaderState out = s;
+  out.dp_size = dp_size;
+  out.cursor = consumed / dp_size;
+  if (out.cursor >= s.num_windows / dp_size) {  // fewer than dp_size positions left in the epoch
+    out.epoch += 1;
+    out.cursor = 0;
+  }
+  return out;
+}
+
 void Loader::restore(const LoaderState& s) {
   const auto mismatch = [&](const char* field, auto saved, auto now) {
     LT_CHECK(saved == now,

@@ -86,6 +86,15 @@ struct LoaderState {
 };
 
 void to_json(nlohmann::json& j, const LoaderState& s);
+
+// The same place for a run with `dp_size` data-parallel ranks (an elastic resume). Within an epoch
+// the ranks take the order's positions in turn, so a state of D ranks at cursor c has consumed
+// positions [0, c·D) of the epoch; D' ranks continue at cursor c·D / D' and see the same windows
+// next. c·D must be a multiple of D' (it is whenever the global batch, in sequences per step, is):
+// otherwise an error names the position. Reaching the end of the epoch for D' (fewer than D'
+// positions left: an epoch of D' ranks skips its last W mod D' positions) moves to the next epoch.
+// From then on the epochs are those of D' ranks.
+LoaderState rescale_data_parallel(const LoaderState& state, int dp_size);
 void from_json(const nlohmann::json& j, LoaderState& s);
 
 // One sequence-parallel rank's share of one window.

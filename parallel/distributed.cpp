@@ -133,6 +133,7 @@ DistributedOptions options_from_env(DistributedOptions o) {
   };
   o.timeout = seconds("LONGTRAIN_TIMEOUT_S", o.timeout);
   o.connect_timeout = seconds("LONGTRAIN_CONNECT_TIMEOUT_S", o.connect_timeout);
+  o.store_timeout = seconds("LONGTRAIN_STORE_TIMEOUT_S", o.store_timeout);
   return o;
 }
 
@@ -152,6 +153,7 @@ StoreOptions store_options(const WorldInfo& w, const DistributedOptions& o) {
   s.is_server = w.rank == 0;
   s.timeout = o.timeout;
   s.connect_timeout = o.connect_timeout;
+  s.liveness_timeout = o.store_timeout;
   s.rank = w.rank;
   s.world_size = w.world_size;
   s.on_peer_failure = o.on_peer_failure;

@@ -51,11 +51,14 @@ struct DistributedOptions {
   Backend backend = Backend::gloo;
   Millis timeout{300'000};
   Millis connect_timeout{300'000};
+  // How long the rendezvous store may stay silent before a rank calls it lost (StoreOptions).
+  Millis store_timeout{30'000};
   // See StoreOptions::on_peer_failure (empty: print and exit with kExitPeerFailure).
   std::function<void(const std::string&)> on_peer_failure;
 };
 
-// `defaults` with LONGTRAIN_TIMEOUT_S / LONGTRAIN_CONNECT_TIMEOUT_S applied (fractions allowed).
+// `defaults` with LONGTRAIN_TIMEOUT_S / LONGTRAIN_CONNECT_TIMEOUT_S / LONGTRAIN_STORE_TIMEOUT_S applied
+// (fractions allowed).
 DistributedOptions options_from_env(DistributedOptions defaults);
 
 class Distributed {

@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <charconv>
 #include <condition_variable>
 #include <cstdio>
 #include <cstring>
@@ -32,6 +33,9 @@ using net::Clock;
 
 constexpr int64_t kMagic = 0x316e7274676e6f6c;  // "longtrn1"
 constexpr uint32_t kMaxFrame = 1u << 30;
+// The largest world a server registers (its table has one entry per rank, allocated at the first
+// registration): far above any job, far below what a corrupted world size would ask for.
+constexpr int kMaxWorldSize = 1 << 20;
 
 enum Op : uint8_t {
   kHello = 1,
@@ -116,16 +120,29 @@ bool recv_frame(int fd, uint8_t* tag, std::string* payload, Clock::time_point de
   uint32_t len = 0;
   if (!net::read_all(fd, &len, 4, deadline)) return false;
   LT_CHECK(len >= 1 && len <= kMaxFrame, "malformed store frame of {} bytes", len);
-  std::string body(len, '\0');
-  LT_CHECK(net::read_all(fd, body.data(), len, deadline), "connection closed in the middle of a frame");
+  // The buffer grows with the bytes that arrive: a length field alone (a broken or hostile client)
+  // must not make the server allocate and clear up to kMaxFrame.
+  constexpr size_t kChunk = size_t{1} << 20;
+  std::string body;
+  for (size_t got = 0; got < len;) {
+    const size_t n = std::min<size_t>(kChunk, len - got);
+    body.resize(got + n);
+    LT_CHECK(net::read_all(fd, body.data() + got, n, deadline), "connection closed in the middle of a frame");
+    got += n;
+  }
   *tag = static_cast<uint8_t>(body[0]);
   payload->assign(body, 1, std::string::npos);
   return true;
 }
 
+// A negative duration, or one too long to add to the clock (a timeout from the wire can be any
+// i64), means no deadline.
 Clock::time_point deadline_after(Millis d) {
-  return d.count() < 0 ? Clock::time_point::max() : Clock::now() + d;
+  constexpr Millis kForever{int64_t{1} << 40};  // ~35 years
+  return d.count() < 0 || d >= kForever ? Clock::time_point::max() : Clock::now() + d;
 }
+
+std::string seconds_text(Millis d) { return fmt::format("{:g}", static_cast<double>(d.count()) / 1000.0); }
 
 std::string this_host() {
   char buf[256] = {};
@@ -144,7 +161,13 @@ class StoreServer {
   explicit StoreServer(int port) : listen_(net::listen_on(port)), port_(net::local_port(listen_.get())) {
     acceptor_ = std::thread([this] { accept_loop(); });
   }
+  // A server that listens nowhere: serve_connection() feeds it one connection (the fuzz target).
+  // Waits and watches then last at most `max_block`, whatever timeout the request asks for.
+  explicit StoreServer(Millis max_block) : port_(0), max_block_(max_block) {}
   ~StoreServer() { stop(); }
+
+  // Serves one connection until the client closes it (or breaks the protocol).
+  void serve_connection(int fd) { serve(fd); }
 
   int port() const { return port_; }
 
@@ -169,7 +192,7 @@ class StoreServer {
       stopping_ = true;
       cv_.notify_all();
     }
-    ::shutdown(listen_.get(), SHUT_RDWR);
+    if (listen_.valid()) ::shutdown(listen_.get(), SHUT_RDWR);
     if (acceptor_.joinable()) acceptor_.join();
     std::lock_guard lock(conns_mu_);
     for (auto& c : conns_) ::shutdown(c.fd.get(), SHUT_RDWR);
@@ -280,8 +303,23 @@ class StoreServer {
             std::lock_guard lock(mu_);
             int64_t v = 0;
             auto it = kv_.find(key);
-            if (it != kv_.end()) v = std::stoll(it->second);
-            v += delta;
+            // A counter is a whole decimal i64; anything else, or a sum that overflows, is refused
+            // (the key keeps its value) rather than ending the connection.
+            if (it != kv_.end()) {
+              const std::string& text = it->second;
+              const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+              if (ec != std::errc() || end != text.data() + text.size()) {
+                status = kError;
+                out.str(fmt::format("add to key '{}': its value is not an integer", key));
+                break;
+              }
+            }
+            const int64_t before = v;
+            if (__builtin_add_overflow(before, delta, &v)) {
+              status = kError;
+              out.str(fmt::format("add to key '{}': {} + {} overflows a 64-bit counter", key, before, delta));
+              break;
+            }
             kv_[key] = std::to_string(v);
             cv_.notify_all();
             out.i64(v);
@@ -297,7 +335,7 @@ class StoreServer {
             auto all_present = [&] {
               return std::all_of(keys.begin(), keys.end(), [&](const auto& k) { return kv_.count(k) != 0; });
             };
-            cv_.wait_until(lock, deadline_after(timeout),
+            cv_.wait_until(lock, deadline_after(capped(timeout)),
                            [&] { return all_present() || first_event_for(waiter) || stopping_; });
             if (all_present()) break;
             if (const Event* e = first_event_for(waiter)) {
@@ -356,7 +394,8 @@ class StoreServer {
             const int watcher = static_cast<int>(in.i64());
             const Millis timeout{in.i64()};
             std::unique_lock lock(mu_);
-            cv_.wait_until(lock, deadline_after(timeout), [&] { return first_event_for(watcher) || stopping_; });
+            cv_.wait_until(lock, deadline_after(capped(timeout)),
+                           [&] { return first_event_for(watcher) || stopping_; });
             if (const Event* e = first_event_for(watcher)) {
               status = kEvent;
               out.str(e->message);
@@ -385,6 +424,12 @@ class StoreServer {
     finish_connection(registered_rank);
   }
 
+  // A request's timeout (negative: none), bounded by max_block_ when that is set.
+  Millis capped(Millis timeout) const {
+    if (max_block_.count() < 0) return timeout;
+    return timeout.count() < 0 ? max_block_ : std::min(timeout, max_block_);
+  }
+
   // " (pid 123 on host-a)" for a registered rank.
   std::string where(int rank) const {
     if (rank < 0 || rank >= static_cast<int>(ranks_.size()) || !ranks_[rank].registered) return "";
@@ -401,6 +446,7 @@ class StoreServer {
   std::string register_rank(int rank, int world, int64_t pid, const std::string& host) {
     std::lock_guard lock(mu_);
     if (world < 1) return fmt::format("world size {} is not positive", world);
+    if (world > kMaxWorldSize) return fmt::format("world size {} is above the largest supported, {}", world, kMaxWorldSize);
     if (world_size_ == 0) {
       world_size_ = world;
       ranks_.resize(world);
@@ -443,6 +489,7 @@ class StoreServer {
 
   net::Fd listen_;
   int port_;
+  Millis max_block_{-1};  // no bound
   std::thread acceptor_;
 
   std::mutex mu_;
@@ -539,7 +586,7 @@ TcpStore::~TcpStore() {
   stopping_ = true;
   if (options_.rank >= 0 && !failing) {
     try {
-      request(kGoodbye, Writer().i64(options_.rank).buf, options_.timeout);
+      request(kGoodbye, Writer().i64(options_.rank).buf);
     } catch (const std::exception&) {
     }
   }
@@ -561,17 +608,19 @@ std::string TcpStore::address() const { return fmt::format("{}:{}", options_.hos
 
 std::string TcpStore::local_address() const { return local_address_; }
 
-TcpStore::Reply TcpStore::request(uint8_t op, const std::string& payload, Millis reply_within) {
+TcpStore::Reply TcpStore::request(uint8_t op, const std::string& payload, Millis server_holds) {
   std::lock_guard lock(conn_mutex_);
   Reply reply;
   try {
     send_frame(conn_.get(), op, payload);
-    // The server answers waits at their timeout; allow it some slack before calling it lost.
-    bool got = recv_frame(conn_.get(), &reply.status, &reply.payload, deadline_after(reply_within + Millis(10'000)));
+    // The server answers a wait at its timeout, anything else at once; beyond that it is lost.
+    bool got = recv_frame(conn_.get(), &reply.status, &reply.payload,
+                          deadline_after(server_holds + options_.liveness_timeout));
     LT_CHECK(got, "the connection was closed");
   } catch (const Error& e) {
-    LT_FAIL("lost the rendezvous store at {} (global rank 0, which serves it, exited or was killed?): {}",
-            address(), e.what());
+    LT_FAIL("lost the rendezvous store at {} (global rank 0, which serves it, exited or was killed, or its host is "
+            "down or unreachable; no answer within {} s counts as lost: parallel.store_timeout_s): {}",
+            address(), seconds_text(options_.liveness_timeout), e.what());
   }
   if (reply.status == kError) {
     Reader r{reply.payload};
@@ -581,7 +630,7 @@ TcpStore::Reply TcpStore::request(uint8_t op, const std::string& payload, Millis
 }
 
 void TcpStore::set(const std::string& key, std::string_view value) {
-  request(kSet, Writer().str(key).str(value).buf, options_.timeout);
+  request(kSet, Writer().str(key).str(value).buf);
 }
 
 std::string TcpStore::get(const std::string& key) { return get(key, options_.timeout); }
@@ -594,14 +643,14 @@ std::string TcpStore::get(const std::string& key, Millis timeout) {
 }
 
 std::optional<std::string> TcpStore::try_get(const std::string& key) {
-  Reply r = request(kGet, Writer().str(key).buf, options_.timeout);
+  Reply r = request(kGet, Writer().str(key).buf);
   if (r.status == kNotFound) return std::nullopt;
   Reader in{r.payload};
   return in.str();
 }
 
 int64_t TcpStore::add(const std::string& key, int64_t delta) {
-  Reply r = request(kAdd, Writer().str(key).i64(delta).buf, options_.timeout);
+  Reply r = request(kAdd, Writer().str(key).i64(delta).buf);
   Reader in{r.payload};
   return in.i64();
 }
@@ -639,13 +688,13 @@ bool TcpStore::check(const std::vector<std::string>& keys) {
   Writer w;
   w.i64(static_cast<int64_t>(keys.size()));
   for (const auto& k : keys) w.str(k);
-  Reply r = request(kCheck, w.buf, options_.timeout);
+  Reply r = request(kCheck, w.buf);
   Reader in{r.payload};
   return in.u8() != 0;
 }
 
 bool TcpStore::erase(const std::string& key) {
-  Reply r = request(kErase, Writer().str(key).buf, options_.timeout);
+  Reply r = request(kErase, Writer().str(key).buf);
   Reader in{r.payload};
   return in.u8() != 0;
 }
@@ -682,7 +731,8 @@ void TcpStore::publish_changed(net::Fd& conn) {
     send_frame(conn.get(), kSet, Writer().str(key).str(v).buf);
     uint8_t status = 0;
     std::string payload;
-    LT_CHECK(recv_frame(conn.get(), &status, &payload, deadline_after(Millis(30'000))), "store connection closed");
+    LT_CHECK(recv_frame(conn.get(), &status, &payload, deadline_after(options_.liveness_timeout)),
+             "store connection closed");
     p.last_sent = std::move(v);
     p.sent = true;
   }
@@ -694,7 +744,20 @@ void TcpStore::monitor_loop() {
       send_frame(monitor_conn_.get(), kWatch, Writer().i64(options_.rank).i64(kMonitorInterval.count()).buf);
       uint8_t status = 0;
       std::string payload;
-      bool got = recv_frame(monitor_conn_.get(), &status, &payload, deadline_after(kMonitorInterval + Millis(30'000)));
+      const auto sent = Clock::now();
+      bool got = false;
+      try {
+        got = recv_frame(monitor_conn_.get(), &status, &payload,
+                         deadline_after(kMonitorInterval + options_.liveness_timeout));
+      } catch (const Error&) {
+        if (stopping_) return;
+        if (Clock::now() - sent < options_.liveness_timeout) throw;  // closed or broken, not silent
+        handle_peer_failure(fmt::format(
+            "the rendezvous store at {} did not answer rank {} for {} s: the host of global rank 0, which serves "
+            "it, is down, hung or unreachable (the limit is parallel.store_timeout_s, or LONGTRAIN_STORE_TIMEOUT_S)",
+            address(), options_.rank, seconds_text(options_.liveness_timeout)));
+        return;
+      }
       if (stopping_) return;
       LT_CHECK(got, "connection closed");
       if (status == kEvent) {
@@ -730,11 +793,48 @@ void TcpStore::handle_peer_failure(const std::string& reason) {
     return;
   }
   std::fflush(stdout);
-  std::fprintf(stderr, "[longtrain] rank %d stops because another rank failed: %s\n", options_.rank, reason.c_str());
+  // The reason names the rank that failed, or the store that was lost.
+  std::fprintf(stderr, "[longtrain] rank %d stops: %s\n", options_.rank, reason.c_str());
   std::fflush(stderr);
   // Rank 0 serves the store: keep it up a moment, so the other ranks can still read who failed.
   if (server_) server_->wait_for_ranks_to_finish(Clock::now() + kFailingShutdownGrace, false, options_.rank);
   std::_Exit(kExitPeerFailure);
+}
+
+std::string serve_bytes_for_fuzzing(std::string_view request_bytes) {
+  int sv[2];
+  LT_CHECK(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) == 0, "socketpair failed: {}", std::strerror(errno));
+  net::Fd client(sv[0]), server_end(sv[1]);
+  std::string replies;
+  // The client writes its bytes and half-closes while another thread reads the replies, so neither
+  // side can block the other on a full socket buffer.
+  std::thread writer([&] {
+    size_t done = 0;
+    while (done < request_bytes.size()) {
+      const ssize_t w = ::send(client.get(), request_bytes.data() + done, request_bytes.size() - done, MSG_NOSIGNAL);
+      if (w < 0 && errno == EINTR) continue;
+      if (w <= 0) break;  // the server closed its end: it stopped reading
+      done += static_cast<size_t>(w);
+    }
+    ::shutdown(client.get(), SHUT_WR);
+  });
+  std::thread reader([&] {
+    char buf[4096];
+    for (;;) {
+      const ssize_t n = ::recv(client.get(), buf, sizeof buf, 0);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) break;
+      replies.append(buf, static_cast<size_t>(n));
+    }
+  });
+  {
+    StoreServer server(Millis(0));
+    server.serve_connection(server_end.get());
+  }
+  ::shutdown(server_end.get(), SHUT_RDWR);
+  writer.join();
+  reader.join();
+  return replies;
 }
 
 }  // namespace longtrain::parallel

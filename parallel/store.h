@@ -15,6 +15,10 @@
 // the server itself goes away (rank 0 died), every monitor sees its connection close. Either way
 // the rank's `on_peer_failure` handler runs; the default prints the reason and exits the process
 // with kExitPeerFailure, so the launcher of that node stops its other ranks and reports a failure.
+// When the server's host dies without closing its connections (power, kernel panic, a network
+// partition) or hangs, nothing closes: the server answers every watch within kMonitorInterval, so a
+// monitor that hears nothing for liveness_timeout calls the store lost the same way, naming its
+// address; every request that the server answers at once is bounded by liveness_timeout too.
 // A rank may also report its own failure (report_failure) before exiting, so the others learn why.
 //
 // The monitor thread also publishes, every kMonitorInterval, values registered with publish()
@@ -62,6 +66,9 @@ struct StoreOptions {
   bool is_server = false;          // global rank 0 serves the store
   Millis timeout{300'000};         // default bound of get() and wait()
   Millis connect_timeout{300'000}; // how long a client keeps retrying to reach the server
+  // How long the server may stay silent (no answer to the monitor's watch, or to a request it answers
+  // at once) before this client calls it lost: its host died, hung or became unreachable.
+  Millis liveness_timeout{30'000};
   // Liveness registration: rank >= 0 makes this client rank `rank` of a world of `world_size`
   // (the server rejects a second rank with the same number, or a different world size).
   int rank = -1;
@@ -125,7 +132,9 @@ class TcpStore {
 
  private:
   struct Reply;
-  Reply request(uint8_t op, const std::string& payload, Millis reply_within);
+  // Sends a request and waits for its reply: the server may hold it for `server_holds` (a wait), and
+  // then must answer within liveness_timeout.
+  Reply request(uint8_t op, const std::string& payload, Millis server_holds = Millis(0));
   void monitor_loop();
   void handle_peer_failure(const std::string& reason);
   void publish_changed(net::Fd& conn);
@@ -154,5 +163,11 @@ class TcpStore {
   };
   std::map<std::string, Published> published_;
 };
+
+// The store's fuzz target (tests/fuzz/fuzz_store.cpp): a fresh server serves one connection over
+// which a client sent `request_bytes` and then closed its sending side; waits and watches time out at
+// once. Returns every byte the server wrote back. Errors in the bytes end the connection, as they do
+// for a real client.
+std::string serve_bytes_for_fuzzing(std::string_view request_bytes);
 
 }  // namespace longtrain::parallel

@@ -44,7 +44,7 @@ constexpr std::array<std::string_view, 4> kDTypeNames = {"auto", "f32", "f64", "
 constexpr std::array<std::string_view, 2> kNonFiniteNames = {"skip", "stop"};
 constexpr std::array<std::string_view, 3> kLrScheduleNames = {"cosine", "linear", "constant"};
 constexpr std::array<std::string_view, 4> kAttentionNames = {"ring", "zigzag", "distflash", "burst"};
-constexpr std::array<std::string_view, 2> kOnResumeNames = {"refused", "allowed"};
+constexpr std::array<std::string_view, 3> kOnResumeNames = {"refused", "allowed", "elastic"};
 }  // namespace
 
 std::string_view enum_name(DeviceChoice v) { return kDeviceNames.at(static_cast<size_t>(v)); }
@@ -373,11 +373,11 @@ const std::vector<KeySpec>& key_table() {
        .meaning = "sequences per data-parallel rank per micro-step", .bind = LT_CONFIG_FIELD(train.batch_size),
        .range = at_least(1),
        .aliases = {"micro_batch_size", "local_batch_size", "batch", "per_device_train_batch_size"},
-       .resume = OnResume::refused},
+       .resume = OnResume::elastic},
       {.section = "train", .key = "grad_accum", .default_value = int64_t{1},
        .meaning = "micro-steps whose gradients are summed per optimizer step", .bind = LT_CONFIG_FIELD(train.grad_accum),
        .range = at_least(1), .aliases = {"gradient_accumulation_steps", "grad_accum_steps", "accumulation_steps"},
-       .resume = OnResume::refused},
+       .resume = OnResume::elastic},
       {.section = "train", .key = "seed", .default_value = int64_t{1234},
        .meaning = "seed of initialization and data order", .bind = LT_CONFIG_FIELD(train.seed), .range = at_least(0),
        .aliases = {"random_seed", "rng_seed"}, .resume = OnResume::refused},
@@ -437,15 +437,20 @@ const std::vector<KeySpec>& key_table() {
        .meaning = "ranks that share one sequence (sequence/context parallelism); must divide the world size",
        .bind = LT_CONFIG_FIELD(parallel.sp_size), .range = at_least(1),
        .aliases = {"context_parallel_size", "cp_size", "cp", "sp", "sequence_parallel_size", "context_parallel_degree"},
-       .resume = OnResume::refused},
+       .resume = OnResume::elastic},
       {.section = "parallel", .key = "layout", .default_value = std::string("zigzag"),
        .meaning = "token split: contiguous (rank r: chunk r) or zigzag (rank r: chunks r and 2P-1-r)",
        .bind = LT_CONFIG_FIELD(parallel.layout), .aliases = {"sharding", "seq_layout", "load_balance"},
-       .resume = OnResume::refused},
+       .resume = OnResume::elastic},
       {.section = "parallel", .key = "timeout_s", .default_value = 600.0,
        .meaning = "seconds a collective may block before the run fails naming it", .bind = LT_CONFIG_FIELD(parallel.timeout_s),
        .range = above(0), .aliases = {"timeout", "nccl_timeout", "comm_timeout"}, .hashed = false,
        .resume = OnResume::allowed},
+      {.section = "parallel", .key = "store_timeout_s", .default_value = 30.0,
+       .meaning = "seconds the rendezvous store (served by global rank 0) may stay silent before every rank fails "
+                  "naming it: its host died, hung or is unreachable",
+       .bind = LT_CONFIG_FIELD(parallel.store_timeout_s), .range = above(0),
+       .aliases = {"store_timeout", "rendezvous_timeout"}, .hashed = false, .resume = OnResume::allowed},
 
       // attention
       {.section = "attention", .key = "schedule", .default_value = std::string("zigzag"),
@@ -1267,10 +1272,16 @@ std::string schema_text() {
   }
   out +=
       "\nChanging keys on resume (--resume auto|DIR with another config or --set):\n"
-      "  refused  the key is part of what the checkpoint means (model shape, tokenizer, sequence length, batch,\n"
-      "           seed, optimizer hyperparameters, data-/sequence-parallel layout): the resume is an error that\n"
-      "           names each such key with its old and new value. Start a new run directory instead.\n"
+      "  refused  the key is part of what the checkpoint means (model shape, tokenizer, sequence length, seed,\n"
+      "           optimizer hyperparameters): the resume is an error that names each such key with its old and\n"
+      "           new value. Start a new run directory instead.\n"
       "  allowed  the resume goes on with the new value and the log names each change (old -> new).\n"
+      "  elastic  the parallel layout and the batch split (parallel.sp_size, parallel.layout, train.batch_size,\n"
+      "           train.grad_accum) may change, and so may the number of ranks (longtrain-run --nnodes,\n"
+      "           --nproc-per-node), when the global batch train.batch_size x train.grad_accum x data-parallel\n"
+      "           ranks stays the same: the ZeRO-1 optimizer shards are re-sharded and the loader continues at\n"
+      "           the same window; the log names the old and new world. Another global batch is an error that\n"
+      "           names the grad_accum that keeps it.\n"
       "  The learning-rate schedule, when train.steps, optim.lr, optim.min_lr, optim.warmup_steps or\n"
       "  optim.schedule changed: it is re-shaped from the resume step R (optimizer steps taken) and the lr\n"
       "  L the old schedule gave step R, so step R+1 continues from L without a jump:\n"

@@ -38,17 +38,22 @@ enum class AttentionSchedule { ring, zigzag, distflash, burst };
 // Whether `--resume` may continue a checkpoint with a different value of a key. Every key of the
 // table has one (a key without it does not compile); `longtrain schema` shows it.
 //   refused: the value is part of what the saved state means: the model's shape and numerics, the
-//            tokenizer, the sequence length and the batch the loader's position counts in, the
-//            seed, the optimizer's hyperparameters that its moments were accumulated with, the
-//            data- and sequence-parallel layout (the optimizer shards are cut for it), and whether
-//            documents are masked (data.document_mask: another function of the same windows). A resume
-//            that changes one is an error naming each such key with its old and new value.
+//            tokenizer, the sequence length, the seed, the optimizer's hyperparameters that its
+//            moments were accumulated with, and whether documents are masked (data.document_mask:
+//            another function of the same windows). A resume that changes one is an error naming
+//            each such key with its old and new value.
+//   elastic: the parallel layout and the batch split: parallel.sp_size, parallel.layout,
+//            train.batch_size and train.grad_accum. They may change, and so may the number of
+//            ranks, when the global batch (batch_size × grad_accum × data-parallel ranks) stays the
+//            same: the ZeRO-1 optimizer shards are re-sharded and the loader continues at the same
+//            window (trainer/optimizer_state.h, data/loader.h; README "Elastic resume"). Another
+//            global batch is an error that says which grad_accum keeps it.
 //   allowed: train.steps and the learning-rate schedule (re-shaped without a jump, see
 //            optimizer.h), checkpoint.*, eval.*, logging.*, what to do with non-finite steps,
 //            threads, timeouts, the activation-checkpoint policy and attention schedule (the same
 //            function), and data.train (new data: the loader starts it from its beginning). The
 //            trainer logs each change as old -> new.
-enum class OnResume { refused, allowed };
+enum class OnResume { refused, allowed, elastic };
 
 // The names used in YAML ("auto", "bf16", "cosine", "distflash", ...).
 std::string_view enum_name(DeviceChoice v);
@@ -56,7 +61,7 @@ std::string_view enum_name(DTypeChoice v);
 std::string_view enum_name(NonFinitePolicy v);
 std::string_view enum_name(LrSchedule v);
 std::string_view enum_name(AttentionSchedule v);
-std::string_view enum_name(OnResume v);  // "refused", "allowed"
+std::string_view enum_name(OnResume v);  // "refused", "allowed", "elastic"
 
 // The model section is a LlamaConfig (so it passes straight to LlamaModel) plus what the trainer
 // decides about the model. head_dim is already resolved (0 in the file means dim / n_heads).
@@ -99,6 +104,7 @@ struct ParallelSection {
   int64_t sp_size{};  // ranks sharing one sequence
   SeqLayout layout{};
   double timeout_s{};  // limit of every blocking collective
+  double store_timeout_s{};  // how long the rendezvous store may stay silent before it counts as lost
 };
 
 struct AttentionSection {
@@ -160,7 +166,8 @@ std::string resolved_yaml(const TrainConfig& config);
 // computes (recorded in checkpoints; what a resume may change is OnResume's business, not the
 // hash's). Excluded, because they do not change a single number of the training trajectory:
 // logging.*, checkpoint.*, eval.*, data.val, data.tokenizer, data.prefetch, train.threads,
-// train.on_nonfinite, train.max_nonfinite_skips and parallel.timeout_s. train.steps is included:
+// train.on_nonfinite, train.max_nonfinite_skips, parallel.timeout_s and parallel.store_timeout_s. train.steps
+// is included:
 // the cosine and linear schedules reach min_lr at train.steps.
 std::string config_hash(const TrainConfig& config);
 

@@ -26,6 +26,7 @@
 #include "runtime/device.h"
 #include "trainer/checkpoint.h"
 #include "trainer/metrics.h"
+#include "trainer/optimizer_state.h"
 #include "trainer/stop_signals.h"
 
 namespace longtrain::trainer {
@@ -110,6 +111,7 @@ Ranks join_world(const TrainConfig& c) {
   o.sp_size = r.sp_size;
   o.backend = gpu ? parallel::Backend::nccl : parallel::Backend::gloo;
   o.timeout = parallel::Millis(static_cast<int64_t>(c.parallel.timeout_s * 1000));
+  o.store_timeout = parallel::Millis(static_cast<int64_t>(c.parallel.store_timeout_s * 1000));
   r.dist = std::make_unique<parallel::Distributed>(w, parallel::options_from_env(o));
   r.world_size = w.world_size;
   r.global_rank = w.rank;
@@ -202,51 +204,6 @@ std::string read_text(const fs::path& p) {
   return std::string(std::istreambuf_iterator<char>(in), {});
 }
 
-// This rank's optimizer state file in a checkpoint: the flat shard of m, v (and the f32 master
-// weights) with the shard's place recorded, so a resume with another world size is refused clearly.
-std::string optimizer_file(int rank) { return fmt::format("optimizer.rank{}.safetensors", rank); }
-
-void save_optimizer_shard(const fs::path& path, AdamW& opt, const Ranks& ranks) {
-  std::vector<Arena> host;
-  std::vector<model::NamedTensor> tensors;
-  for (Arena* a : {&opt.m(), &opt.v(), opt.has_master() ? &opt.master() : nullptr}) {
-    if (!a) continue;
-    const Arena& h = a->device() == Device::cpu ? *a : host.emplace_back(host_mirror(*a, true));
-    tensors.push_back({h.table()[0].name, h.at(0).narrow(0, opt.shard_end() - opt.shard_begin())});
-  }
-  model::SafetensorsSaveOptions so;
-  so.metadata = {{"world_size", std::to_string(ranks.world_size)},
-                 {"rank", std::to_string(ranks.global_rank)},
-                 {"shard_begin", std::to_string(opt.shard_begin())},
-                 {"shard_end", std::to_string(opt.shard_end())}};
-  model::save_safetensors(path.string(), tensors, so);
-}
-
-void load_optimizer_shard(const fs::path& dir, AdamW& opt, const Ranks& ranks) {
-  const fs::path path = dir / optimizer_file(ranks.global_rank);
-  LT_CHECK(fs::exists(path),
-           "cannot resume from {}: it has no optimizer shard for rank {} ({}); it was written by a run with fewer "
-           "ranks: resume with the world size it was trained with",
-           dir.string(), ranks.global_rank, path.filename().string());
-  model::SafetensorsFile f(path.string());
-  auto meta = [&](const char* key) -> int64_t {
-    auto it = f.metadata().find(key);
-    LT_CHECK(it != f.metadata().end(), "{}: metadata '{}' missing", path.string(), key);
-    return std::stoll(it->second);
-  };
-  LT_CHECK(meta("world_size") == ranks.world_size && meta("shard_begin") == opt.shard_begin() &&
-               meta("shard_end") == opt.shard_end(),
-           "cannot resume from {}: its optimizer state was sharded over {} ranks and this run has {}: resume with "
-           "the world size it was trained with (longtrain-run --nnodes/--nproc-per-node)",
-           dir.string(), meta("world_size"), ranks.world_size);
-  for (Arena* a : {&opt.m(), &opt.v(), opt.has_master() ? &opt.master() : nullptr}) {
-    if (!a) continue;
-    Arena h = host_mirror(*a, false);
-    f.read(h.table()[0].name, h.at(0).narrow(0, opt.shard_end() - opt.shard_begin()));
-    copy_arena(*a, h);
-  }
-}
-
 struct RunState {
   int64_t step = 0;
   int64_t consecutive_skips = 0;
@@ -272,7 +229,7 @@ void save_checkpoint(const TrainConfig& c, const model::LlamaModel& model, AdamW
     else tmp = ranks.dist->store().get(key);
   }
   try {
-    save_optimizer_shard(tmp / optimizer_file(ranks.global_rank), opt, ranks);
+    save_optimizer_state(tmp / optimizer_state_file(ranks.global_rank), opt, ranks.world_size, ranks.global_rank);
     if (ranks.dist) ranks.dist->world().barrier();  // every shard is on disk
     if (!ranks.main) return;
     model::HfLlamaConfig hf;
@@ -325,7 +282,17 @@ struct ResumePlan {
   bool schedule_changed = false;
   bool new_data = false;              // data.train changed: the loader starts the new data afresh
   int64_t step = 0, optimizer_steps = 0;
+  // The world the checkpoint was written by; an elastic resume when it differs from this run's.
+  int saved_world = 1, saved_dp = 1, saved_sp = 1;
+  int64_t global_batch = 0;  // sequences per optimizer step, the same before and after
+  bool elastic() const { return saved_world != world || saved_dp != dp; }
+  int world = 1, dp = 1, sp = 1;
 };
+
+// "4 ranks (data parallel 2 × sequence parallel 2)".
+std::string world_text(int world, int dp, int sp) {
+  return fmt::format("{} rank{} (data parallel {} × sequence parallel {})", world, world == 1 ? "" : "s", dp, sp);
+}
 
 // The keys whose change re-shapes the learning-rate schedule (optimizer.h, learning_rate).
 bool changes_lr_schedule(const std::string& key) {
@@ -340,7 +307,7 @@ std::optional<LrRestart> restart_from_state(const json& state) {
   return LrRestart{r.at("step").get<int64_t>(), r.at("lr").get<double>()};
 }
 
-ResumePlan plan_resume(const fs::path& dir, const TrainConfig& c) {
+ResumePlan plan_resume(const fs::path& dir, const TrainConfig& c, const Ranks& ranks) {
   ResumePlan p;
   p.dir = dir;
   p.state = json::parse(read_text(dir / kTrainerState));
@@ -371,6 +338,36 @@ ResumePlan plan_resume(const fs::path& dir, const TrainConfig& c) {
     throw Error(fmt::format("cannot resume from {}: train.steps ({}) is below its step {}: set train.steps to {} or "
                             "more",
                             dir.string(), c.train.steps, p.step, p.step));
+  // Elastic: the world may change (data- and sequence-parallel sizes, and with them train.batch_size,
+  // train.grad_accum, parallel.sp_size, parallel.layout) as long as a step takes as many sequences as
+  // before, so that the loader's place and the learning-rate schedule mean what they meant.
+  p.world = ranks.world_size;
+  p.dp = ranks.dp_size;
+  p.sp = ranks.sp_size;
+  p.saved_world = p.state.contains("world_size") ? p.state.at("world_size").get<int>() : 1;
+  p.saved_sp = static_cast<int>(p.saved.parallel.sp_size);
+  if (p.saved_world < 1 || p.saved_sp < 1 || p.saved_world % p.saved_sp != 0)
+    throw Error(fmt::format("cannot resume from {}: its {} records world_size {} and its {} parallel.sp_size {}, "
+                            "which do not divide",
+                            dir.string(), kTrainerState, p.saved_world, kConfigFile, p.saved_sp));
+  p.saved_dp = p.saved_world / p.saved_sp;
+  const int64_t saved_batch = p.saved.train.batch_size * p.saved.train.grad_accum * p.saved_dp;
+  p.global_batch = c.train.batch_size * c.train.grad_accum * ranks.dp_size;
+  if (p.global_batch != saved_batch) {
+    const int64_t per_dp = c.train.batch_size * ranks.dp_size;
+    const std::string hint =
+        saved_batch % per_dp == 0
+            ? fmt::format("set train.grad_accum to {} (with train.batch_size {} on {} data-parallel ranks)",
+                          saved_batch / per_dp, c.train.batch_size, ranks.dp_size)
+            : fmt::format("choose train.batch_size × train.grad_accum × data-parallel ranks = {}", saved_batch);
+    throw Error(fmt::format("cannot resume from {}: it was trained with {} sequences per step (train.batch_size {} × "
+                            "train.grad_accum {} × {} data-parallel ranks, {}) and this run takes {} (train.batch_size "
+                            "{} × train.grad_accum {} × {} data-parallel ranks, {}); an elastic resume keeps the "
+                            "global batch: {}",
+                            dir.string(), saved_batch, p.saved.train.batch_size, p.saved.train.grad_accum, p.saved_dp,
+                            world_text(p.saved_world, p.saved_dp, p.saved_sp), p.global_batch, c.train.batch_size,
+                            c.train.grad_accum, ranks.dp_size, world_text(p.world, p.dp, p.sp), hint));
+  }
   // The restart of the old schedule carries on unless the schedule changed now; then the new one
   // starts at the lr the old one (with its own restart, if any) gave the last step taken.
   AdamWConfig old = adamw_config(p.saved);
@@ -384,7 +381,10 @@ ResumePlan plan_resume(const fs::path& dir, const TrainConfig& c) {
 RunState restore_checkpoint(const ResumePlan& plan, model::LlamaModel& model, AdamW& opt, data::Loader& loader,
                             const Ranks& ranks) {
   const fs::path& dir = plan.dir;
-  load_optimizer_shard(dir, opt, ranks);
+  const SavedOptimizerLayout saved = load_optimizer_state(dir, opt, model.params().flat().numel());
+  if (saved.world_size != plan.saved_world)
+    throw Error(fmt::format("cannot resume from {}: its optimizer shards were written by {} ranks but its {} says {}",
+                            dir.string(), saved.world_size, kTrainerState, plan.saved_world));
   if (model.params().device() == Device::cpu) {
     model::load_safetensors((dir / "model.safetensors").string(), model.params());
   } else {
@@ -393,7 +393,15 @@ RunState restore_checkpoint(const ResumePlan& plan, model::LlamaModel& model, Ad
     copy_arena(model.params(), params);
   }
   opt.set_steps_taken(plan.optimizer_steps);
-  if (!plan.new_data) loader.restore(plan.state.at("loader").get<data::LoaderState>());
+  if (!plan.new_data) {
+    // Saved by dp ranks; this run's loader continues at the same place of the epoch's order.
+    const auto state = plan.state.at("loader").get<data::LoaderState>();
+    try {
+      loader.restore(data::rescale_data_parallel(state, ranks.dp_size));
+    } catch (const Error& e) {
+      throw Error(fmt::format("cannot resume from {}: {}", dir.string(), e.what()));
+    }
+  }
   RunState rs;
   rs.step = plan.step;
   rs.consecutive_skips = plan.state.at("consecutive_skips").get<int64_t>();
@@ -402,10 +410,24 @@ RunState restore_checkpoint(const ResumePlan& plan, model::LlamaModel& model, Ad
   return rs;
 }
 
+// Where an elastic resume's loader continues, for its log line.
+std::string loader_place(const ResumePlan& plan) {
+  const auto saved = plan.state.at("loader").get<data::LoaderState>();
+  const data::LoaderState now = data::rescale_data_parallel(saved, plan.dp);
+  return fmt::format("; the loader continues at position {} of epoch {}'s order (cursor {} of {} ranks, was {} of {})",
+                     now.cursor * now.dp_size, now.epoch, now.cursor, now.dp_size, saved.cursor, saved.dp_size);
+}
+
 // The log lines of a resume: each allowed change, the re-shaped schedule, the restarted loader.
 void log_resume(spdlog::logger& log, const ResumePlan& plan, const TrainConfig& c, const AdamWConfig& a) {
   log.info("resumed from {} at step {}", plan.dir.string(), plan.step);
   for (const ConfigChange& change : plan.changes) log.info("  changed on resume: {}", change.text());
+  if (plan.elastic())
+    log.info("  elastic resume: {} -> {}; the ZeRO-1 optimizer state re-sharded from {} shard{} to {}; the global "
+             "batch stays {} sequences per step{}",
+             world_text(plan.saved_world, plan.saved_dp, plan.saved_sp), world_text(plan.world, plan.dp, plan.sp),
+             plan.saved_world, plan.saved_world == 1 ? "" : "s", plan.world, plan.global_batch,
+             plan.new_data ? "" : loader_place(plan));
   if (plan.schedule_changed) {
     const LrRestart& r = *a.restart;
     const bool warm = r.step < a.warmup_steps;
@@ -568,7 +590,7 @@ TrainSummary train(TrainConfig c, const std::string& resume, const TrainHooks& h
   std::optional<CheckpointRef> resume_from;
   if (!resume.empty()) resume_from = resolve_resume(c.checkpoint.dir, resume);
   std::optional<ResumePlan> resume_plan;
-  if (resume_from) resume_plan = plan_resume(resume_from->path, c);
+  if (resume_from) resume_plan = plan_resume(resume_from->path, c, ranks);
   data::Loader loader(loader_options(c, "train", ranks));
   if (c.eval.batches > 0) data::Loader probe_val(loader_options(c, "val", ranks));
   if (!c.model.init_from.empty() && !resume_from) {

@@ -342,6 +342,61 @@ TEST(Loader, StateSurvivesJsonAndNamesMismatches) {
   expect_error([&] { broken.get<LoaderState>(); }, {"lacks \"cursor\""});
 }
 
+// An elastic resume: a state of D ranks, rescaled for D' ranks, continues with exactly the windows
+// the D ranks would have taken next (the epoch's order positions from c·D on), until the epoch ends.
+TEST(Loader, RescaledStateContinuesAtTheSameWindowsOnAnotherDataParallelSize) {
+  SyntheticSet set;
+  const int64_t S = 16;
+  auto make = [&](int dp, int rank) {
+    LoaderOptions o = set.options(S);
+    o.dp_rank = rank;
+    o.dp_size = dp;
+    o.prefetch = 0;
+    return std::make_unique<Loader>(o);
+  };
+  int checked = 0;
+  for (auto [from, to] : std::vector<std::pair<int, int>>{{2, 1}, {1, 2}, {2, 4}, {4, 2}, {3, 1}, {1, 3}}) {
+    const int64_t cursor = 6 * std::max(from, to) / from;  // a place every size can hold
+    const LoaderState saved = [&] {
+      auto l = make(from, 0);
+      for (int64_t k = 0; k < cursor; ++k) l->next();
+      return l->state();
+    }();
+    const LoaderState now = rescale_data_parallel(saved, to);
+    EXPECT_EQ(now.dp_size, to);
+    EXPECT_EQ(now.cursor * to, saved.cursor * from) << from << " -> " << to;
+    EXPECT_EQ(now.epoch, saved.epoch);
+    // The next 12 order positions, as the new ranks take them, are the single-rank order's.
+    auto single = make(1, 0);
+    std::vector<std::unique_ptr<Loader>> ranks;
+    for (int r = 0; r < to; ++r) {
+      ranks.push_back(make(to, r));
+      ranks.back()->restore(now);
+    }
+    for (int64_t p = saved.cursor * from; p < saved.cursor * from + 12;) {
+      for (auto& l : ranks) {
+        const Batch b = l->next();
+        EXPECT_EQ(b.window, single->window_index(0, p, 0)) << from << " -> " << to << ", position " << p;
+        ++p;
+      }
+    }
+    ++checked;
+  }
+  EXPECT_EQ(checked, 6);
+  // A place the new size cannot hold is named; the last positions of an epoch move to the next one.
+  LoaderState odd = make(1, 0)->state();
+  odd.cursor = 3;
+  expect_error([&] { rescale_data_parallel(odd, 2); }, {"position 3 of epoch 0", "not a multiple of 2"});
+  // W - (W mod t) positions taken by one rank: t ranks have no step left in the epoch.
+  LoaderState end = odd;
+  int t = 2;
+  while (end.num_windows % t == 0) ++t;
+  end.cursor = end.num_windows - end.num_windows % t;
+  const LoaderState moved = rescale_data_parallel(end, t);
+  EXPECT_EQ(moved.epoch, 1) << "t=" << t;
+  EXPECT_EQ(moved.cursor, 0);
+}
+
 TEST(Loader, ValidationSplitIsReadInOrder) {
   SyntheticSet set;
   LoaderOptions o = set.options(10);

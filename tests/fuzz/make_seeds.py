@@ -58,6 +58,36 @@ v5["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 500000.0, "factor"
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 put("hf_config", "llama5x_rope_parameters", json.dumps(v5, indent=2))
 
+# store: what one client sends over its connection, after a first byte whose low bit asks the target
+# to put a valid hello first. Frames: [u32 length][u8 op][payload]; i64 little-endian; str = u32
+# length + bytes. Ops: 1 hello, 2 set, 3 get, 4 add, 5 wait, 6 check, 7 erase, 8 register, 9 goodbye,
+# 10 watch, 11 report failure.
+def frame(op, payload=b""):
+    return struct.pack("<IB", len(payload) + 1, op) + payload
+def i64(v):
+    return struct.pack("<q", v)
+def s(text):
+    b = text.encode()
+    return struct.pack("<I", len(b)) + b
+hello = frame(1, i64(0x316e7274676e6f6c))
+put("store", "session", b"\x01" + frame(2, s("a") + s("1")) + frame(3, s("a")) + frame(4, s("n") + i64(5)) +
+    frame(5, i64(10) + i64(2) + s("a") + s("n") + i64(0)) + frame(6, i64(2) + s("a") + s("b")) +
+    frame(7, s("a")) + frame(3, s("a")))
+put("store", "ranks", b"\x01" + frame(8, i64(0) + i64(2) + i64(1234) + s("host")) + frame(10, i64(0) + i64(5)) +
+    frame(11, i64(0) + s("out of memory")) + frame(5, i64(5) + i64(1) + s("k") + i64(1)) + frame(9, i64(0)))
+put("store", "explicit_hello", b"\x00" + hello + frame(3, s("missing")) + frame(99))
+put("store", "no_hello", b"\x00" + frame(2, s("a") + s("b")))
+
+# launcher_args: NUL-separated argv items after "longtrain-run"; "=NAME=VALUE" items set the environment.
+put("launcher_args", "two_nodes", "\0".join(["--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "4",
+                                             "--master-addr", "node0", "--master-port", "29500", "--log-dir", "logs",
+                                             "--grace-period", "2.5", "--", "longtrain", "train", "c.yaml"]))
+put("launcher_args", "slurm", "\0".join(["=SLURM_STEP_ID=0", "=SLURM_NTASKS=2", "=SLURM_NNODES=2",
+                                         "=SLURM_NODEID=1", "=SLURM_JOB_NODELIST=gpu[03-05,9],cpu7",
+                                         "=MASTER_PORT=29600", "--nproc_per_node", "8", "longtrain", "train"]))
+put("launcher_args", "help", "--help")
+put("launcher_args", "bad_values", "\0".join(["--nnodes", "0", "--preempt-grace", "-1", "--", "x"]))
+
 # shards: FuzzedDataProvider's order: manifest.json as a "random length string" (ended by a backslash
 # and one other byte; a backslash inside is doubled), then the .idx whose length is read from the
 # input's last two bytes, then the .bin (the rest).

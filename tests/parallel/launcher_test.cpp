@@ -268,5 +268,31 @@ TEST(Launcher, AnUnreachableMasterIsNamed) {
   EXPECT_TRUE(contains(err, "could not connect to 127.0.0.1:" + std::to_string(port))) << err;
 }
 
+// Bad flags and environment are named before any rank starts (tools/longtrain-run/args.cpp, which the
+// launcher_args fuzz target runs too).
+TEST(Launcher, BadFlagsAndEnvironmentAreNamed) {
+  test::TempDir dir;
+  const std::vector<std::pair<std::map<std::string, std::string>, std::string>> cases = {
+      {{{"MASTER_PORT", "29500x"}}, "environment variable MASTER_PORT='29500x' is not an integer"},
+      {{{"SLURM_STEP_ID", "0"}, {"SLURM_NTASKS", "2"}, {"SLURM_NNODES", "2"}, {"SLURM_NODEID", "1"},
+        {"SLURM_JOB_NODELIST", "gpu[3-"}},
+       "cannot read the Slurm node list 'gpu[3-'"},
+      {{{"SLURM_STEP_ID", "0"}, {"SLURM_NTASKS", "2"}, {"SLURM_NNODES", "2"}, {"SLURM_NODEID", "9"},
+        {"SLURM_JOB_NODELIST", "a,b"}},
+       "--node-rank 9 is outside [0, --nnodes 2)"},
+  };
+  int i = 0;
+  for (const auto& [env, message] : cases) {
+    Launch l = launch(dir, "bad" + std::to_string(i++), {"--nproc-per-node", "1"}, {"env", dir.str()}, env);
+    EXPECT_EQ(finish(l, 10s), 1) << message;
+    const std::string err = test::read_file(l.err);
+    EXPECT_TRUE(contains(err, "[longtrain-run] error: " + message)) << err;
+  }
+  Launch zero = launch(dir, "zero", {"--nnodes", "0"}, {"env", dir.str()});
+  EXPECT_EQ(finish(zero, 10s), 1);
+  EXPECT_TRUE(contains(test::read_file(zero.err), "--nnodes 0 must be at least 1")) << test::read_file(zero.err);
+  EXPECT_FALSE(std::filesystem::exists(dir.str("rank_0.txt"))) << "no rank may start";
+}
+
 }  // namespace
 }  // namespace longtrain::parallel

@@ -162,6 +162,27 @@ TEST(TcpStore, AnotherServiceOnThePortIsRecognised) {
   silent.join();
 }
 
+// What the store fuzz target found: an add that overflowed a signed 64-bit counter (undefined
+// behaviour in the server), and a registration whose world size made the server allocate a rank
+// table of 26 GB. Both are now refused to the client, naming the key or the size; the server goes on.
+TEST(TcpStore, AnOverflowingAddOrAHugeWorldIsRefusedAndTheServerGoesOn) {
+  TcpStore server(server_options());
+  TcpStore client(client_options(server.port()));
+  EXPECT_EQ(client.add("c", INT64_MAX - 1), INT64_MAX - 1);
+  std::string msg = error_of([&] { client.add("c", 2); });
+  EXPECT_NE(msg.find("add to key 'c': 9223372036854775806 + 2 overflows a 64-bit counter"), std::string::npos) << msg;
+  EXPECT_EQ(client.get("c"), std::to_string(INT64_MAX - 1));
+  client.set("text", "abc");
+  msg = error_of([&] { client.add("text", 1); });
+  EXPECT_NE(msg.find("add to key 'text': its value is not an integer"), std::string::npos) << msg;
+  StoreOptions huge = client_options(server.port());
+  huge.rank = 0;
+  huge.world_size = 1 << 29;
+  msg = error_of([&] { TcpStore rank(huge); });
+  EXPECT_NE(msg.find("world size 536870912 is above the largest supported"), std::string::npos) << msg;
+  EXPECT_EQ(client.add("c", -5), INT64_MAX - 6);  // the same connection still works
+}
+
 TEST(TcpStore, RegistrationRejectsADuplicateRankOrAnotherWorldSize) {
   StoreOptions so = server_options();
   so.rank = 0;

@@ -378,7 +378,7 @@ struct KeyChange {
   std::vector<std::string> also = {};  // keys a valid change of `key` must change too
 };
 const std::vector<KeyChange>& key_changes() {
-  constexpr OnResume refused = OnResume::refused, allowed = OnResume::allowed;
+  constexpr OnResume refused = OnResume::refused, allowed = OnResume::allowed, elastic = OnResume::elastic;
   // RoPE scaling fields are valid only with a type that uses them, and with all of its fields.
   static const std::vector<std::string> kLlama3 = {
       "model.rope_scaling=llama3", "model.rope_factor=8", "model.rope_low_freq_factor=1",
@@ -430,8 +430,8 @@ const std::vector<KeyChange>& key_changes() {
       {"train.device", {"train.device=auto"}, refused},
       {"train.dtype", {"train.dtype=f32"}, refused},
       {"train.steps", {"train.steps=60"}, allowed},
-      {"train.batch_size", {"train.batch_size=2"}, refused},
-      {"train.grad_accum", {"train.grad_accum=2"}, refused},
+      {"train.batch_size", {"train.batch_size=2"}, elastic},
+      {"train.grad_accum", {"train.grad_accum=2"}, elastic},
       {"train.seed", {"train.seed=8"}, refused},
       {"train.on_nonfinite", {"train.on_nonfinite=stop"}, allowed},
       {"train.max_nonfinite_skips", {"train.max_nonfinite_skips=5"}, allowed},
@@ -446,9 +446,10 @@ const std::vector<KeyChange>& key_changes() {
       {"optim.schedule", {"optim.schedule=linear"}, allowed},
       {"optim.grad_clip", {"optim.grad_clip=0.5"}, refused},
       {"optim.no_decay", {"optim.no_decay=[norm]"}, refused},
-      {"parallel.sp_size", {"parallel.sp_size=4"}, refused},
-      {"parallel.layout", {"parallel.layout=zigzag", "attention.schedule=zigzag"}, refused},
+      {"parallel.sp_size", {"parallel.sp_size=4"}, elastic},
+      {"parallel.layout", {"parallel.layout=zigzag", "attention.schedule=zigzag"}, elastic},
       {"parallel.timeout_s", {"parallel.timeout_s=5"}, allowed},
+      {"parallel.store_timeout_s", {"parallel.store_timeout_s=5"}, allowed},
       {"attention.schedule", {"attention.schedule=ring"}, allowed},
       {"attention.causal", {"attention.causal=false"}, refused},
       {"checkpoint.every", {"checkpoint.every=7"}, allowed},

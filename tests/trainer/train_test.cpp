@@ -676,8 +676,6 @@ TEST_F(TrainTest, ResumeThroughTheCliRefusesEveryChangedKeyThatTheCheckpointCann
        "data.tokenizer: " + quoted(root_ / "tok.model") + " -> " + quoted(root_ / "tok2.model")},
       {"data.seq_len=48", "data.seq_len: 32 -> 48"},
       {"train.dtype=f64", "train.dtype: f32 -> f64"},
-      {"train.batch_size=1", "train.batch_size: 2 -> 1"},
-      {"train.grad_accum=1", "train.grad_accum: 2 -> 1"},
       {"train.seed=4", "train.seed: 3 -> 4"},
       {"optim.weight_decay=0.05", "optim.weight_decay: 0.1 -> 0.05"},
       {"optim.beta1=0.8", "optim.beta1: 0.9 -> 0.8"},
@@ -685,13 +683,12 @@ TEST_F(TrainTest, ResumeThroughTheCliRefusesEveryChangedKeyThatTheCheckpointCann
       {"optim.eps=1e-6", "optim.eps: 1e-08 -> 1e-06"},
       {"optim.grad_clip=0.5", "optim.grad_clip: 1.0 -> 0.5"},
       {"optim.no_decay=[norm]", "optim.no_decay: [\"norm\", \"embed_tokens\"] -> [\"norm\"]"},
-      {"parallel.layout=contiguous", "parallel.layout: zigzag -> contiguous"},
       {"attention.causal=false", "attention.causal: true -> false"},
   };
   std::string args = "train " + write_config("refused").string() + " --resume auto";
   for (const std::string& set : base) args += " --set " + set;
-  // Allowed ones alongside (attention.schedule because zigzag needs the zigzag layout) are not named.
-  for (const char* set : {"train.steps=4", "attention.schedule=ring", "logging.log_every=1"})
+  // Allowed and elastic ones alongside (the batch re-split, the same global batch) are not named.
+  for (const char* set : {"train.steps=4", "logging.log_every=1", "train.batch_size=4", "train.grad_accum=1"})
     args += std::string(" --set ") + set;
   for (const auto& [set, named] : refused) args += " --set '" + set + "'";
   std::string out;
@@ -702,7 +699,7 @@ TEST_F(TrainTest, ResumeThroughTheCliRefusesEveryChangedKeyThatTheCheckpointCann
       << out;
   for (const auto& [set, named] : refused)
     EXPECT_NE(out.find("\n  " + named + "\n"), std::string::npos) << named << "\n" << out;
-  for (const char* key : {"train.steps", "attention.schedule", "logging.log_every"})
+  for (const char* key : {"train.steps", "logging.log_every", "train.batch_size", "train.grad_accum"})
     EXPECT_EQ(out.find(key), std::string::npos) << key << " is allowed on resume\n" << out;
   EXPECT_EQ(out.find(".cpp"), std::string::npos) << "a source location in a user-facing error\n" << out;
   EXPECT_EQ(read_file(run / "config.yaml"), config_before);
@@ -718,6 +715,42 @@ TEST_F(TrainTest, ResumeThroughTheCliRefusesEveryChangedKeyThatTheCheckpointCann
   EXPECT_EQ(run_cli(one, out), 0) << out;
   EXPECT_NE(out.find("changed on resume: train.steps: 2 -> 4"), std::string::npos) << out;
   EXPECT_EQ(verify_checkpoint(run / "checkpoints/step_4"), "");
+}
+
+// Elastic keys on one rank: the batch may be split otherwise (train.batch_size × train.grad_accum
+// the same: the same windows in the same order, summed in the same order), and the run continues bit
+// for bit; another global batch is refused, naming both and the grad_accum that keeps it.
+TEST_F(TrainTest, ResumeMayResplitTheBatchButMustKeepTheGlobalBatch) {
+  const std::vector<std::string> base = {"train.steps=4", "checkpoint.every=2", "checkpoint.keep_last=0",
+                                         "eval.batches=0", "train.batch_size=2", "train.grad_accum=2"};
+  const TrainSummary whole = train(config("resplit_whole", base));
+  ASSERT_EQ(whole.losses.size(), 4u);
+  const fs::path step2 = root_ / "runs/resplit_whole/checkpoints/step_2";
+
+  std::vector<std::string> resplit = base;
+  resplit.insert(resplit.end(), {"train.batch_size=4", "train.grad_accum=1"});
+  const TrainSummary resumed = train(config("resplit", resplit), step2.string());
+  ASSERT_EQ(resumed.losses.size(), 2u);
+  for (size_t i = 0; i < 2; ++i) EXPECT_EQ(resumed.losses[i], whole.losses[2 + i]) << "step " << 3 + i;
+  const std::string log = read_file(root_ / "runs/resplit/train.log");
+  EXPECT_NE(log.find("changed on resume: train.batch_size: 2 -> 4"), std::string::npos) << log;
+  EXPECT_NE(log.find("changed on resume: train.grad_accum: 2 -> 1"), std::string::npos) << log;
+
+  std::vector<std::string> smaller = base;
+  smaller.push_back("train.grad_accum=1");
+  try {
+    train(config("resplit_smaller", smaller), step2.string());
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("cannot resume from " + step2.string() + ": it was trained with 4 sequences per step "
+                        "(train.batch_size 2 × train.grad_accum 2 × 1 data-parallel ranks"),
+              std::string::npos)
+        << what;
+    EXPECT_NE(what.find("this run takes 2"), std::string::npos) << what;
+    EXPECT_NE(what.find("set train.grad_accum to 2"), std::string::npos) << what;
+  }
+  EXPECT_FALSE(fs::exists(root_ / "runs/resplit_smaller"));
 }
 
 }  // namespace

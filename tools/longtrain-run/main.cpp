@@ -49,6 +49,7 @@
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
+#include "args.h"
 #include "parallel/distributed.h"
 #include "parallel/net.h"
 #include "parallel/store.h"
@@ -62,17 +63,7 @@ namespace par = longtrain::parallel;
 // exit code before it stops the others.
 constexpr std::chrono::seconds kSettle{1};
 
-struct Args {
-  int nnodes = 1;
-  int nproc_per_node = 1;
-  int node_rank = 0;
-  std::string master_addr = "127.0.0.1";
-  int master_port = 29500;
-  std::string log_dir;
-  double grace_s = 5.0;
-  double preempt_grace_s = 120.0;
-  std::vector<std::string> command;
-};
+using longtrain::launcher::Args;
 
 void say(const std::string& line) {
   std::string s = "[longtrain-run] " + line + "\n";
@@ -455,58 +446,17 @@ class Launcher {
 }  // namespace
 
 int main(int argc, char** argv) {
-  Args a;
-  CLI::App app{"longtrain-run: start the ranks of a longtrain job on this node (torchrun's flags)"};
-  app.prefix_command();
-  auto* o_nnodes = app.add_option("--nnodes", a.nnodes, "number of nodes (launchers)");
-  app.add_option("--nproc-per-node,--nproc_per_node", a.nproc_per_node, "ranks on this node");
-  auto* o_node_rank = app.add_option("--node-rank,--node_rank", a.node_rank, "this node's rank in [0, nnodes)");
-  auto* o_addr = app.add_option("--master-addr,--master_addr", a.master_addr, "address of node 0 (rank 0 serves the store)");
-  auto* o_port = app.add_option("--master-port,--master_port", a.master_port, "port of the rendezvous store");
-  app.add_option("--log-dir,--log_dir", a.log_dir, "write DIR/rank_N.log for every rank");
-  app.add_option("--grace-period", a.grace_s, "seconds between SIGTERM and SIGKILL when stopping ranks (default 5)");
-  app.add_option("--preempt-grace", a.preempt_grace_s,
-                 "seconds the ranks get, after a forwarded SIGTERM or SIGINT, to finish their step and write a "
-                 "checkpoint before SIGKILL (default 120)");
-  app.footer("Usage: longtrain-run [flags] [--] PROGRAM [ARGS...]\n");
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    return app.exit(e);
-  }
-  a.command = app.remaining();
-  if (!a.command.empty() && a.command.front() == "--") a.command.erase(a.command.begin());
-  if (a.command.empty()) die("no program to run; usage: longtrain-run [flags] [--] PROGRAM [ARGS...]");
-
-  // Defaults from the environment: MASTER_ADDR/MASTER_PORT, then Slurm when srun started one
-  // launcher per node (SLURM_NTASKS == SLURM_NNODES inside a job step).
-  try {
-    const char* ntasks = env("SLURM_NTASKS");
-    const char* nnodes = env("SLURM_NNODES") ? env("SLURM_NNODES") : env("SLURM_JOB_NUM_NODES");
-    const bool slurm_per_node = env("SLURM_STEP_ID") && ntasks && nnodes && std::string(ntasks) == nnodes;
-    if (o_nnodes->count() == 0 && slurm_per_node) a.nnodes = std::stoi(nnodes);
-    if (o_node_rank->count() == 0 && slurm_per_node && env("SLURM_NODEID")) a.node_rank = std::stoi(env("SLURM_NODEID"));
-    if (o_addr->count() == 0) {
-      if (env("MASTER_ADDR")) {
-        a.master_addr = env("MASTER_ADDR");
-      } else if (slurm_per_node && (env("SLURM_JOB_NODELIST") || env("SLURM_NODELIST"))) {
-        a.master_addr = par::first_host_of_nodelist(env("SLURM_JOB_NODELIST") ? env("SLURM_JOB_NODELIST")
-                                                                               : env("SLURM_NODELIST"));
-      }
+  longtrain::launcher::ParseResult parsed = longtrain::launcher::parse_args(argc, argv, env);
+  if (!parsed.out.empty()) std::fputs(parsed.out.c_str(), stdout);
+  if (!parsed.args) {
+    if (parsed.err.rfind("error: ", 0) == 0) {
+      say(parsed.err);  // our own checks: "[longtrain-run] error: ..."
+    } else {
+      std::fputs(parsed.err.c_str(), stderr);  // CLI11's message (a bad flag)
     }
-    if (o_port->count() == 0 && env("MASTER_PORT")) a.master_port = std::stoi(env("MASTER_PORT"));
-  } catch (const std::exception& e) {
-    die(fmt::format("cannot read the Slurm/MASTER_* environment: {}", e.what()));
+    return parsed.exit_code;
   }
-
-  if (a.nnodes < 1) die(fmt::format("--nnodes {} must be at least 1", a.nnodes));
-  if (a.nproc_per_node < 1) die(fmt::format("--nproc-per-node {} must be at least 1", a.nproc_per_node));
-  if (a.node_rank < 0 || a.node_rank >= a.nnodes) {
-    die(fmt::format("--node-rank {} is outside [0, --nnodes {})", a.node_rank, a.nnodes));
-  }
-  if (a.master_port < 1 || a.master_port > 65535) die(fmt::format("--master-port {} is outside [1, 65535]", a.master_port));
-  if (!(a.grace_s >= 0)) die(fmt::format("--grace-period {} must be >= 0", a.grace_s));
-  if (!(a.preempt_grace_s >= 0)) die(fmt::format("--preempt-grace {} must be >= 0", a.preempt_grace_s));
+  Args a = std::move(*parsed.args);
 
   if (a.node_rank == 0) {
     // Rank 0 will serve the store here; a busy port would only surface as a rank failure later.
