@@ -66,8 +66,8 @@ struct ModelSection : model::LlamaConfig {
 };
 
 struct DataSection {
-  std::string train;      // directory written by `longtrain prepare`
-  std::string val;        // "" = the train directory's validation split
+  std::string train;      // a data source spec (data/mixture.h): shard set, Megatron dataset or mixture
+  std::string val;        // "" = the train shard set's validation split
   std::string tokenizer;  // SentencePiece .model; "" = none
   int64_t seq_len{};      // tokens per sequence S (the whole sequence, before sequence-parallel sharding)
   int64_t prefetch{};     // batches prepared ahead by the loader thread

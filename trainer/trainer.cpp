@@ -23,6 +23,7 @@
 #include "parallel/distributed.h"
 #include "parallel/store.h"
 #include "runtime/device.h"
+#include "data/mixture.h"
 #include "trainer/checkpoint.h"
 #include "trainer/metrics.h"
 #include "trainer/stop_signals.h"
@@ -138,6 +139,15 @@ std::unique_ptr<attn::SequenceAttention> make_attention(const TrainConfig& c, co
 data::LoaderOptions loader_options(const TrainConfig& c, const std::string& split, const Ranks& r) {
   data::LoaderOptions o;
   o.shard_dir = split == "val" && !c.data.val.empty() ? c.data.val : c.data.train;
+  if (split == "val" && c.data.val.empty()) {
+    // Only a shard set has a validation split of its own.
+    const std::vector<data::DataSource> sources = data::parse_data_sources(c.data.train);
+    LT_CHECK(sources.size() == 1, "{}: data.train is a mixture of {} sources and data.val is empty: set data.val to "
+             "a validation shard directory or Megatron dataset (or eval.batches: 0)", c.source, sources.size());
+    LT_CHECK(data::megatron_prefix(sources[0].path).empty(),
+             "{}: data.train '{}' is a Megatron dataset, which has no validation split, and data.val is empty: set "
+             "data.val (or eval.batches: 0)", c.source, sources[0].path);
+  }
   o.split = split;
   o.seq_len = c.data.seq_len;
   o.seed = static_cast<uint64_t>(c.train.seed);
@@ -444,6 +454,39 @@ std::shared_ptr<spdlog::logger> make_logger(const fs::path& log_file) {
 
 }  // namespace
 
+namespace {
+
+// Input tokens the world has taken from each mixture source so far, keyed by its path (a path
+// listed twice gets "#i", its index, appended).
+nlohmann::json tokens_by_source(const data::Loader& loader) {
+  nlohmann::json out = nlohmann::json::object();
+  const std::vector<int64_t> taken = loader.tokens_taken();
+  for (int i = 0; i < loader.num_sources(); ++i) {
+    std::string key = loader.source(i).path;
+    if (out.contains(key)) key += fmt::format("#{}", i);
+    out[key] = taken[static_cast<size_t>(i)];
+  }
+  return out;
+}
+
+// "data/code 1200 (30.1%, weight 30.0%), ..." for the step log.
+std::string source_shares(const data::Loader& loader) {
+  const std::vector<int64_t> taken = loader.tokens_taken();
+  double total = 0, weights = 0;
+  for (int i = 0; i < loader.num_sources(); ++i) {
+    total += static_cast<double>(taken[static_cast<size_t>(i)]);
+    weights += loader.source(i).weight;
+  }
+  std::vector<std::string> parts;
+  for (int i = 0; i < loader.num_sources(); ++i)
+    parts.push_back(fmt::format("{} {} ({:.1f}%, weight {:.1f}%)", loader.source(i).path, taken[static_cast<size_t>(i)],
+                                total > 0 ? 100.0 * static_cast<double>(taken[static_cast<size_t>(i)]) / total : 0.0,
+                                100.0 * loader.source(i).weight / weights));
+  return fmt::format("{}", fmt::join(parts, ", "));
+}
+
+}  // namespace
+
 EvalResult evaluate(model::LlamaModel& model, data::Loader& loader, int64_t batches, int64_t buckets,
                     parallel::Communicator* world) {
   const int64_t total = loader.steps_per_epoch();
@@ -627,6 +670,10 @@ TrainSummary train(TrainConfig c, const std::string& resume, const TrainHooks& h
             "per epoch; model state {:.1f} MiB per rank; run directory {}",
             ranks.world_size, ranks.dp_size, ranks.sp_size, layout_name(c.parallel.layout),
             enum_name(c.attention.schedule), loader.num_windows(), state_bytes / 1048576.0, run_dir.string());
+  for (int i = 0; loader.num_sources() > 1 && i < loader.num_sources(); ++i)
+    log->info("  mixture source {}: {} (weight {:g}{}), {} windows per epoch", i, loader.source(i).path,
+              loader.source(i).weight, loader.corpus(i).is_megatron() ? ", Megatron dataset" : "",
+              loader.num_windows(i));
 
   TrainSummary summary;
   summary.run_dir = run_dir;
@@ -762,12 +809,14 @@ TrainSummary train(TrainConfig c, const std::string& resume, const TrainHooks& h
       // Everything longtrain has allocated on the training device at its most (runtime/device.h), against
       // the memory plan that was checked before the start.
       const double peak_gib = static_cast<double>(allocation_stats(precision.device).peak) / 1073741824.0;
-      record({{"step", step}, {"loss", loss}, {"lr", info.lr}, {"grad_norm", norm}, {"tokens_per_s", tok_s},
+      nlohmann::json step_record = {{"step", step}, {"loss", loss}, {"lr", info.lr}, {"grad_norm", norm}, {"tokens_per_s", tok_s},
               {"attention_forwards_per_layer", attn_fwd}, {"attention_sent_mib_per_layer", attn_mib},
               {"allocated_peak_gib", peak_gib}, {"plan_gib", static_cast<double>(plan.total()) / 1073741824.0},
               {"tflops", tok_s * flops_per_token / 1e12},
               {"tflops_per_gpu", tok_s * flops_per_token / 1e12 / ranks.world_size}, {"tokens_seen", rs.tokens_seen},
-              {"elapsed_s", elapsed}});
+              {"elapsed_s", elapsed}};
+      if (loader.num_sources() > 1) step_record["tokens_by_source"] = tokens_by_source(loader);
+      record(step_record);
       if (step % c.logging.log_every == 0 || step == c.train.steps || step == summary.first_step) {
         clear_bar();
         // tok/s of the whole world; model TFLOP/s per rank (one GPU each on CUDA).
@@ -778,6 +827,7 @@ TrainSummary train(TrainConfig c, const std::string& resume, const TrainHooks& h
                   static_cast<double>(plan.total()) / 1073741824.0, attn_fwd,
                   ranks.sp_size > 1 ? fmt::format(", sent {:.1f} MiB/layer", attn_mib) : std::string(),
                   human_duration(eta));
+        if (loader.num_sources() > 1) log->info("  tokens by source: {}", source_shares(loader));
         if (ranks.main && c.logging.plot) plot.save(run_dir / "loss.svg", title);
       }
       if (tty) {
@@ -816,10 +866,13 @@ TrainSummary train(TrainConfig c, const std::string& resume, const TrainHooks& h
   summary.last_step = rs.step;
   if (c.eval.batches > 0) {
     summary.final_eval = run_eval(rs.step);
-    data::Loader val(loader_options(c, "val", ranks));
-    UnigramBaseline u = unigram_baseline(loader.corpus(), val.corpus());
-    log->info("unigram baseline: train entropy {:.4f} nats, validation cross-entropy {:.4f} nats; model: {:.4f}",
-              u.train_entropy, u.val_cross_entropy, summary.final_eval->loss);
+    // The baseline's train counts are of one corpus; a mixture has no single one.
+    if (loader.num_sources() == 1) {
+      data::Loader val(loader_options(c, "val", ranks));
+      UnigramBaseline u = unigram_baseline(loader.corpus(), val.corpus());
+      log->info("unigram baseline: train entropy {:.4f} nats, validation cross-entropy {:.4f} nats; model: {:.4f}",
+                u.train_entropy, u.val_cross_entropy, summary.final_eval->loss);
+    }
   }
   if (summary.first_step <= rs.step || !resume_from) checkpoint();
   if (ranks.main && c.logging.plot) plot.save(run_dir / "loss.svg", title);

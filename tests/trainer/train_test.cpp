@@ -275,6 +275,69 @@ TEST_F(TrainTest, ResumeOnNewDataStartsItFromItsBeginning) {
                            "run's seed 3";
   EXPECT_NE(log.find(said), std::string::npos) << log;
 }
+// data.train as a mixture of two shard sets: the interrupted run resumed from step 4 equals the
+// uninterrupted one bit for bit (losses, model, optimizer, loader state with both sources'
+// positions), and metrics.jsonl counts the tokens taken from each source, adding up to the tokens
+// trained on.
+TEST_F(TrainTest, MixtureResumeIsBitExactAndMetricsCountTokensPerSource) {
+  const fs::path other = prepare_other_corpus("mix_other", 13);
+  const std::string a = (root_ / "shards").string(), b = other.string();
+  const std::vector<std::string> mix = {
+      fmt::format("data.train=[{{path: {}, weight: 0.6}}, {{path: {}, weight: 0.4}}]", a, b), "data.val=" + a};
+  TrainSummary whole = train(config("mix_whole", mix));
+  ASSERT_EQ(whole.losses.size(), 8u);
+  TrainConfig c = config("mix_resumed", mix);
+  fs::create_directories(c.checkpoint.dir);
+  fs::copy(root_ / "runs/mix_whole/checkpoints/step_4", fs::path(c.checkpoint.dir) / "step_4",
+           fs::copy_options::recursive);
+  TrainSummary resumed = train(c, "auto");
+  ASSERT_EQ(resumed.first_step, 5);
+  ASSERT_EQ(resumed.losses.size(), 4u);
+  for (size_t i = 0; i < 4; ++i) EXPECT_EQ(resumed.losses[i], whole.losses[4 + i]) << "step " << 5 + i;
+  test::expect_same_checkpoint(root_ / "runs/mix_whole/checkpoints/step_8", fs::path(c.checkpoint.dir) / "step_8", 1);
+  const nlohmann::json state =
+      nlohmann::json::parse(read_file(root_ / "runs/mix_whole/checkpoints/step_8/trainer_state.json")).at("loader");
+  ASSERT_EQ(state.at("version"), 2) << state.dump();
+  ASSERT_EQ(state.at("sources").size(), 2u);
+  EXPECT_EQ(state.at("draws").get<int64_t>(), 8 * 4);  // 8 steps of 2 x 2 windows
+  // Each step's record: tokens by source, summing to 4 windows x 32 tokens per step so far; both
+  // sources drawn; the resumed run's records equal the whole run's.
+  auto per_source = [&](const std::string& run) {
+    std::vector<nlohmann::json> out;
+    std::istringstream in(read_file(root_ / "runs" / run / "metrics.jsonl"));
+    for (std::string line; std::getline(in, line);) {
+      const nlohmann::json j = nlohmann::json::parse(line);
+      if (j.contains("loss")) out.push_back(j.at("tokens_by_source"));
+    }
+    return out;
+  };
+  const std::vector<nlohmann::json> w = per_source("mix_whole"), r = per_source("mix_resumed");
+  ASSERT_EQ(w.size(), 8u);
+  ASSERT_EQ(r.size(), 4u);
+  for (size_t i = 0; i < 8; ++i) {
+    ASSERT_EQ(w[i].size(), 2u) << w[i].dump();
+    EXPECT_EQ(w[i].at(a).get<int64_t>() + w[i].at(b).get<int64_t>(), static_cast<int64_t>(i + 1) * 4 * 32)
+        << w[i].dump();
+  }
+  EXPECT_GT(w[7].at(a).get<int64_t>(), 0);
+  EXPECT_GT(w[7].at(b).get<int64_t>(), 0);
+  for (size_t i = 0; i < 4; ++i) EXPECT_EQ(r[i], w[4 + i]) << "step " << 5 + i;
+  const std::string log = read_file(root_ / "runs/mix_whole/train.log");
+  EXPECT_NE(log.find("mixture source 1: " + b + " (weight 0.4)"), std::string::npos) << log;
+  EXPECT_NE(log.find("tokens by source: " + a + " "), std::string::npos) << log;
+  // A mixture has no validation split of its own: eval without data.val is refused by name.
+  EXPECT_THROW(
+      {
+        try {
+          train(config("mix_noval", {mix[0]}));
+        } catch (const Error& e) {
+          EXPECT_NE(std::string(e.what()).find("data.val is empty: set data.val"), std::string::npos) << e.what();
+          throw;
+        }
+      },
+      Error);
+}
+
 TEST_F(TrainTest, NonFiniteGradientsAreSkippedWithoutAnUpdate) {
   TrainConfig c = config("nan_skip", {"train.on_nonfinite=skip", "eval.batches=0"});
   std::vector<float> before_step3;

@@ -9,6 +9,7 @@
 #include <fmt/format.h>
 
 #include "data/loader.h"
+#include "data/mixture.h"
 #include "data/tokenizer.h"
 #include "model/generate.h"
 #include "parallel/store.h"
@@ -135,6 +136,11 @@ void add_train_commands(CLI::App& app) {
       o.shard_dir = !data_dir->empty() ? *data_dir : (!c.data.val.empty() ? c.data.val : c.data.train);
       LT_CHECK(!o.shard_dir.empty(), "eval: {} is a Hugging Face directory with no data of its own: pass --data DIR "
                "(a directory made by `longtrain prepare`)", *dir);
+      LT_CHECK(!data::is_mixture_spec(o.shard_dir), "eval: the run's data.train is a mixture and it has no data.val: "
+               "pass --data DIR (a shard directory or Megatron dataset to evaluate on)");
+      LT_CHECK(!data_dir->empty() || !c.data.val.empty() || data::megatron_prefix(c.data.train).empty(),
+               "eval: the run's data.train '{}' is a Megatron dataset, which has no validation split, and it has no "
+               "data.val: pass --data", c.data.train);
       o.split = "val";
       o.seq_len = c.data.seq_len;
       o.prefetch = 0;
@@ -146,7 +152,8 @@ void add_train_commands(CLI::App& app) {
       fmt::print("checkpoint {} (step {})\nvalidation loss {:.4f}, perplexity {:.2f}, {} tokens\n", *dir, m.step,
                  e.loss, e.perplexity, e.tokens);
       const int64_t S = c.data.seq_len, B = static_cast<int64_t>(e.bucket_loss.size());
-      if (!c.data.train.empty()) {
+      // The baseline counts one train corpus (not a mixture's several).
+      if (!c.data.train.empty() && !data::is_mixture_spec(c.data.train)) {
         data::Loader train_split([&] {
           data::LoaderOptions t = o;
           t.shard_dir = c.data.train;
