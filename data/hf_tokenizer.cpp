@@ -1010,8 +1010,8 @@ std::vector<std::string> HfTokenizer::encode_tokens(std::string_view text) const
 std::string HfTokenizer::decode(std::span<const int32_t> ids, bool skip_special_tokens) const {
   std::vector<std::string> tokens;
   for (int32_t id : ids) {
-    LT_CHECK(id >= 0 && id < vocab_size() && !impl_->id_to_token[static_cast<size_t>(id)].empty(),
-             "tokenizer '{}': id {} is not in the vocabulary", impl_->path, id);
+    // As HF tokenizers: an id with no token (a model's padded embedding rows) decodes to nothing.
+    if (id < 0 || id >= vocab_size() || impl_->id_to_token[static_cast<size_t>(id)].empty()) continue;
     if (skip_special_tokens && impl_->is_special[static_cast<size_t>(id)]) continue;
     tokens.push_back(impl_->id_to_token[static_cast<size_t>(id)]);
   }

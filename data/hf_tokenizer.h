@@ -45,6 +45,8 @@ class HfTokenizer {
   // Thread-safe. add_special_tokens applies the post-processor (e.g. the BOS of Llama 3's template).
   std::vector<int32_t> encode(std::string_view text, bool add_special_tokens = false) const;
   std::vector<std::string> encode_tokens(std::string_view text) const;  // the token strings, no specials
+  // Ids with no token (beyond the vocabulary: a model's padded embedding rows) decode to nothing,
+  // as in HF tokenizers.
   std::string decode(std::span<const int32_t> ids, bool skip_special_tokens = false) const;
   std::string token(int32_t id) const;  // the vocabulary entry of `id`
   int32_t token_id(std::string_view token) const;  // -1 when not in the vocabulary

@@ -164,10 +164,10 @@ std::vector<int32_t> Tokenizer::encode(std::string_view text) const {
 }
 
 std::string Tokenizer::decode(std::span<const int32_t> ids, bool skip_special) const {
+  if (hf_) return hf_->decode(ids, skip_special);
   const int32_t n = vocab_size();
   for (int32_t id : ids) LT_CHECK(id >= 0 && id < n, "tokenizer '{}': id {} is outside the vocabulary [0, {})",
                                   path_, id, n);
-  if (hf_) return hf_->decode(ids, skip_special);
   std::vector<int> v(ids.begin(), ids.end());
   std::string text;
   // SentencePiece always drops its control pieces (unk/bos/eos).

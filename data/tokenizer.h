@@ -53,7 +53,8 @@ class Tokenizer {
   // Thread-safe: several threads may encode with one Tokenizer. No BOS/EOS are added.
   std::vector<int32_t> encode(std::string_view text) const;
   // Special tokens (SentencePiece's control pieces; tokenizer.json's special added tokens) are
-  // dropped unless asked for.
+  // dropped unless asked for. An id outside a .model's vocabulary is an error; a tokenizer.json
+  // drops ids it has no token for (as HF tokenizers does: a model's padded embedding rows).
   std::string decode(std::span<const int32_t> ids, bool skip_special = true) const;
   std::vector<std::string> encode_pieces(std::string_view text) const;
   std::string piece(int32_t id) const;

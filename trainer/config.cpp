@@ -30,6 +30,7 @@
 #pragma GCC diagnostic pop
 
 #include "data/mixture.h"
+#include "data/tokenizer.h"
 #include "model/hf_export.h"
 #include "runtime/error.h"
 
@@ -338,7 +339,8 @@ const std::vector<KeySpec>& key_table() {
        .bind = LT_CONFIG_FIELD(data.val), .aliases = {"val_dir", "valid", "validation", "val_data", "eval_data"},
        .hashed = false, .path = true, .resume = OnResume::allowed},
       {.section = "data", .key = "tokenizer", .default_value = std::string(),
-       .meaning = "SentencePiece .model (for generate and to check vocab_size); empty = none",
+       .meaning = "SentencePiece .model or Hugging Face tokenizer.json (for generate and passkey eval); empty = none "
+                  "(model.init_from's own tokenizer when it has one)",
        .bind = LT_CONFIG_FIELD(data.tokenizer), .aliases = {"tokenizer_path", "tokenizer_model", "spm"},
        .hashed = false, .path = true, .resume = OnResume::refused},
       {.section = "data", .key = "seq_len", .default_value = int64_t{1024},
@@ -1099,8 +1101,7 @@ void Loader::apply_init_from() {
     rope_given = rope_given || (spec.section == "model" && spec.key.starts_with("rope_") && spec.key != "rope_theta" &&
                                 given(spec.name()));
   if (!rope_given) m.rope_scaling = h.rope_scaling;
-  if (!given("data.tokenizer") && fs::is_regular_file(dir / "tokenizer.model", ec))
-    config_.data.tokenizer = (dir / "tokenizer.model").string();
+  if (!given("data.tokenizer")) config_.data.tokenizer = data::find_tokenizer_in(dir.string());
 }
 
 TrainConfig Loader::finish() {

@@ -23,7 +23,9 @@
 #include "parallel/distributed.h"
 #include "parallel/store.h"
 #include "runtime/device.h"
+#include "data/hf_tokenizer.h"
 #include "data/mixture.h"
+#include "data/tokenizer.h"
 #include "trainer/checkpoint.h"
 #include "trainer/metrics.h"
 #include "trainer/stop_signals.h"
@@ -301,8 +303,17 @@ void save_checkpoint(const TrainConfig& c, const model::LlamaModel& model, AdamW
       state["lr_restart"] = {{"step", r->step}, {"lr", r->lr}};
     write_file_atomically(tmp / kTrainerState, state.dump(2) + "\n");
     write_file_atomically(tmp / kConfigFile, resolved_yaml(c));
-    if (!c.data.tokenizer.empty() && fs::exists(c.data.tokenizer))
-      fs::copy_file(c.data.tokenizer, tmp / "tokenizer.model", fs::copy_options::overwrite_existing);
+    // The run's tokenizer travels with the checkpoint under its kind's name (tokenizer_config.json
+    // with a tokenizer.json: it may name BOS/EOS).
+    const std::string tokenizer = fs::is_directory(c.data.tokenizer) ? data::find_tokenizer_in(c.data.tokenizer)
+                                                                     : c.data.tokenizer;
+    if (!tokenizer.empty() && fs::is_regular_file(tokenizer)) {
+      const bool hf = data::is_hf_tokenizer_file(tokenizer);
+      fs::copy_file(tokenizer, tmp / (hf ? "tokenizer.json" : "tokenizer.model"), fs::copy_options::overwrite_existing);
+      const fs::path config = fs::path(tokenizer).parent_path() / "tokenizer_config.json";
+      if (hf && fs::is_regular_file(config))
+        fs::copy_file(config, tmp / "tokenizer_config.json", fs::copy_options::overwrite_existing);
+    }
     CheckpointRef ref = commit_checkpoint(*pending, so);
     last = ref.path;
     spdlog::info("checkpoint {} written", ref.path.string());

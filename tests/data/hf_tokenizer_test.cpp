@@ -91,6 +91,15 @@ TEST(HfTokenizer, TheTokenizerIsChosenByItsFileAndADirectoryByWhatItHolds) {
   expect_error([&] { Tokenizer t(dir / "empty"); }, {dir / "empty", "no tokenizer.model or tokenizer.json"});
 }
 
+TEST(HfTokenizer, IdsWithNoTokenDecodeToNothingAsInHf) {
+  const HfTokenizer tok((kFixture / "gpt2_style/tokenizer.json").string());
+  const std::vector<int32_t> ids = tok.encode("a truth");
+  std::vector<int32_t> padded = {1000, 1023};
+  padded.insert(padded.end(), ids.begin(), ids.end());
+  padded.push_back(-1);
+  EXPECT_EQ(tok.decode(padded), tok.decode(ids));
+}
+
 TEST(HfTokenizer, InvalidUtf8IsReadWithReplacementCharacters) {
   const HfTokenizer tok((kFixture / "gpt2_style/tokenizer.json").string());
   // "a\xff b\xe2\x82" is read as "a\ufffd b\ufffd" (one U+FFFD per maximal ill-formed part).

@@ -19,6 +19,7 @@
 #include <nlohmann/json.hpp>
 
 #include "model/generate.h"
+#include "model/hf_export.h"
 #include "train_fixture.h"
 #include "trainer/checkpoint.h"
 
@@ -588,6 +589,62 @@ TEST_F(TrainTest, GeneratePrintsPromptAndContinuationAsOneText) {
   if (tok.piece(continuation[0]).rfind("\xe2\x96\x81", 0) == 0) {
     EXPECT_EQ(out[prompt.size()], ' ') << out;
   }
+}
+
+// A Hugging Face directory whose tokenizer is a tokenizer.json (GPT-2-style byte-level BPE from the
+// parity fixture): generate picks it by default and prints the prompt and the greedy continuation
+// as the tokenizer decodes them; a run with data.tokenizer = a tokenizer.json keeps it in each
+// checkpoint under that name.
+TEST_F(TrainTest, GenerateAndCheckpointsUseATokenizerJson) {
+  const fs::path json_path = fs::path(LONGTRAIN_HF_TOKENIZER_FIXTURE) / "gpt2_style/tokenizer.json";
+  const fs::path dir = root_ / "hf_bpe";
+  fs::create_directories(dir);
+  model::LlamaConfig cfg;
+  cfg.vocab_size = 1024;  // the tokenizer's 1000 ids, padded as published models pad theirs
+  cfg.dim = 32;
+  cfg.n_layers = 1;
+  cfg.n_heads = 4;
+  cfg.n_kv_heads = 2;
+  cfg.head_dim = 8;
+  cfg.ffn_dim = 64;
+  cfg.max_seq_len = 64;
+  {
+    model::LlamaModel random(cfg, model::Precision::cpu(DType::f32), model::CheckpointPolicy::none, 64);
+    random.initialize(5, 0.5);
+    model::HfLlamaConfig hf;
+    hf.model = cfg;
+    model::export_hf_directory(dir.string(), hf, random.params(), DType::f32);
+  }
+  fs::copy_file(json_path, dir / "tokenizer.json");
+  const std::string prompt = "It is a truth universally acknowledged";
+  std::string out;
+  ASSERT_EQ(run_cli("generate --checkpoint " + dir.string() + " --prompt '" + prompt +
+                        "' --temperature 0 --max-new-tokens 6", out), 0) << out;
+  LoadedModel m = load_model_from_checkpoint(dir, 1);
+  EXPECT_EQ(m.config.data.tokenizer, (dir / "tokenizer.json").string());
+  data::Tokenizer tok((dir / "tokenizer.json").string());
+  ASSERT_TRUE(tok.is_hf());
+  const std::vector<int32_t> prompt_ids = tok.encode(prompt);
+  model::SamplingParams greedy;
+  greedy.temperature = 0;
+  const std::vector<int32_t> continuation = model::generate(*m.model, prompt_ids, 6, greedy, tok.eos_id());
+  std::vector<int32_t> all = prompt_ids;
+  all.insert(all.end(), continuation.begin(), continuation.end());
+  EXPECT_EQ(out, tok.decode(all) + "\n");
+  EXPECT_EQ(out.rfind(" " + prompt, 0), 0u) << out;  // GPT-2's add_prefix_space
+  // A tokenizer smaller than the model is fine for a tokenizer.json, a larger one is not.
+  fs::create_directories(root_ / "hf_small");
+  for (const char* f : {"config.json", "model.safetensors"}) fs::copy_file(dir / f, root_ / "hf_small" / f);
+  fs::copy_file(fs::path(LONGTRAIN_HF_TOKENIZER_FIXTURE) / "llama3_style/tokenizer.json",
+                root_ / "hf_small/tokenizer.json");
+  EXPECT_EQ(run_cli("generate --checkpoint " + (root_ / "hf_small").string() + " --prompt hi", out), 1) << out;
+  EXPECT_NE(out.find("has 1501 pieces but the model's vocabulary is 1024"), std::string::npos) << out;
+
+  TrainSummary s = train(config("json_tok", {"train.steps=2", "checkpoint.every=0", "eval.batches=0",
+                                             "data.tokenizer=" + json_path.string()}));
+  ASSERT_TRUE(s.last_checkpoint);
+  EXPECT_TRUE(read_file(*s.last_checkpoint / "tokenizer.json") == read_file(json_path));
+  EXPECT_FALSE(fs::exists(*s.last_checkpoint / "tokenizer.model"));
 }
 
 TEST_F(TrainTest, BadConfigsExitNonZeroAndCreateNoRunDirectory) {

@@ -102,17 +102,19 @@ void add_train_commands(CLI::App& app) {
     cmd->add_option("--trials", pk->trials, "Passkey keys per cell (default 5)");
     cmd->add_option("--seed", pk->seed, "Seed of the passkey keys (default 0)");
     cmd->add_option("--out", *out_dir, "Directory for passkey.json and passkey.svg (default ./passkey)");
-    cmd->add_option("--tokenizer", *tokenizer_path, "SentencePiece model (default: the directory's tokenizer.model)");
+    cmd->add_option("--tokenizer", *tokenizer_path,
+                    "SentencePiece .model or tokenizer.json (default: the directory's tokenizer.model or tokenizer.json)");
     cmd->callback([=] {
       const Device dev = *device == "cuda" ? Device::cuda : Device::cpu;
       LT_CHECK(dev == Device::cpu || cuda_available(), "eval --device cuda: no CUDA device is usable here");
       LT_CHECK(*seq_len >= 0, "eval --seq-len must be positive, got {}", *seq_len);
       if (*passkey) {
         trainer::LoadedModel m = trainer::load_model_from_checkpoint(*dir, 1, dev);
-        std::string tok = !tokenizer_path->empty() ? *tokenizer_path : (fs::path(*dir) / "tokenizer.model").string();
-        if (!fs::exists(tok)) tok = m.config.data.tokenizer;
+        std::string tok = !tokenizer_path->empty() ? *tokenizer_path : data::find_tokenizer_in(*dir);
+        if (tok.empty() || !fs::exists(tok)) tok = m.config.data.tokenizer;
         LT_CHECK(!tok.empty() && fs::exists(tok),
-                 "eval --passkey: no tokenizer: {} has no tokenizer.model and the config names none; pass --tokenizer",
+                 "eval --passkey: no tokenizer: {} has no tokenizer.model or tokenizer.json and the config names none; "
+                 "pass --tokenizer",
                  *dir);
         data::Tokenizer tokenizer(tok);
         const std::vector<trainer::PasskeyCell> cells = trainer::passkey_eval(*m.model, tokenizer, *pk);
@@ -180,7 +182,8 @@ void add_train_commands(CLI::App& app) {
                     "Checkpoint directory (…/checkpoints/step_N) or a Hugging Face Llama directory")
         ->required();
     cmd->add_option("--prompt", *prompt, "Text to continue")->required();
-    cmd->add_option("--tokenizer", *tokenizer_path, "SentencePiece model (default: the checkpoint's tokenizer.model)");
+    cmd->add_option("--tokenizer", *tokenizer_path,
+                    "SentencePiece .model or tokenizer.json (default: the checkpoint's tokenizer.model or tokenizer.json)");
     cmd->add_option("--max-new-tokens", *max_new, "Tokens to sample (default 100)");
     cmd->add_option("--temperature", sp->temperature, "Sampling temperature; 0 = greedy (default 0.8)");
     cmd->add_option("--top-p", sp->top_p, "Nucleus sampling mass (default 0.95)");
@@ -192,15 +195,18 @@ void add_train_commands(CLI::App& app) {
       if (!tok.empty()) {
         LT_CHECK(fs::exists(tok), "generate: --tokenizer {} does not exist", tok);
       } else {
-        tok = (fs::path(*dir) / "tokenizer.model").string();
-        if (!fs::exists(tok)) tok = m.config.data.tokenizer;
+        tok = data::find_tokenizer_in(*dir);
+        if (tok.empty()) tok = m.config.data.tokenizer;
         LT_CHECK(!tok.empty() && fs::exists(tok),
-                 "generate: no tokenizer: {} has no tokenizer.model and the config's data.tokenizer ({}) is not there; "
+                 "generate: no tokenizer: {} has no tokenizer.model or tokenizer.json and the config's data.tokenizer "
+                 "({}) is not there; "
                  "pass --tokenizer",
                  *dir, m.config.data.tokenizer.empty() ? "unset" : m.config.data.tokenizer);
       }
       data::Tokenizer tokenizer(tok);
-      LT_CHECK(tokenizer.vocab_size() == m.config.model.vocab_size,
+      // A tokenizer.json's vocabulary may be smaller than the model's (embeddings padded, as Qwen's).
+      LT_CHECK(tokenizer.is_hf() ? tokenizer.vocab_size() <= m.config.model.vocab_size
+                                 : tokenizer.vocab_size() == m.config.model.vocab_size,
                "generate: tokenizer {} has {} pieces but the model's vocabulary is {}", tok, tokenizer.vocab_size(),
                m.config.model.vocab_size);
       std::vector<int32_t> ids;
