@@ -1,5 +1,6 @@
-// Hugging Face tokenizers' tokenizer.json, for byte-level BPE models (Llama 3, Qwen 2.5, Mistral
-// Nemo, GPT-2 and the like), encoded and decoded here in C++ with the same ids as HF tokenizers.
+// Hugging Face tokenizers' tokenizer.json, for byte-level BPE models (Llama 3, GPT-2 and the like;
+// Qwen 2.5's NFC normalizer is refused for now), encoded and decoded here in C++ with the same ids
+// as HF tokenizers.
 //
 // What is read, in the order encode applies it:
 //   added_tokens    matched first, on the raw text, leftmost-longest; single_word, lstrip and rstrip

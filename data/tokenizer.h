@@ -1,6 +1,6 @@
 // The tokenizer: a SentencePiece model, trained by `longtrain tokenizer train` (BPE with byte
 // fallback, as Llama's) or any SentencePiece .model (Llama 2's works as it is); or a Hugging Face
-// tokenizer.json of a byte-level BPE model (Llama 3, Qwen 2.5, Mistral Nemo; hf_tokenizer.h).
+// tokenizer.json of a byte-level BPE model (Llama 3, GPT-2 and the like; hf_tokenizer.h).
 //
 // Our trained models are lossless: normalization is the identity, whitespace is kept as written and
 // characters outside the vocabulary fall back to their UTF-8 bytes, so decode(encode(text)) == text
