@@ -305,6 +305,18 @@ Behavior parse_behavior(const json& j, const std::string& where) {
           j.dump());
 }
 
+// Components nest (Sequence of Sequence ...): a bound on the depth keeps a hostile file from
+// exhausting the stack.
+struct NestingGuard {
+  static inline thread_local int depth = 0;
+  explicit NestingGuard(const std::string& where) {
+    LT_CHECK(++depth <= 32, "{}: components nested more than 32 deep", where);
+  }
+  ~NestingGuard() { --depth; }
+  NestingGuard(const NestingGuard&) = delete;
+  NestingGuard& operator=(const NestingGuard&) = delete;
+};
+
 std::string type_of(const json& j, const std::string& where) {
   LT_CHECK(j.is_object() && j.contains("type") && j["type"].is_string(), "{}: expected an object with a \"type\", got {}",
            where, j.dump().substr(0, 200));
@@ -331,6 +343,7 @@ template <class F> void each_piece(std::vector<std::string>& pieces, F&& f) {
 }
 
 Normalizer parse_normalizer(const json& j, const std::string& where) {
+  const NestingGuard guard(where);
   if (j.is_null()) return {};
   const std::string type = type_of(j, where);
   if (type == "Sequence") {
@@ -401,6 +414,7 @@ PreTokenizer byte_level_pre_tokenizer(bool add_prefix_space, bool use_regex) {
 }
 
 PreTokenizer parse_pre_tokenizer(const json& j, const std::string& where) {
+  const NestingGuard guard(where);
   if (j.is_null()) return {};
   const std::string type = type_of(j, where);
   if (type == "Sequence") {
@@ -438,6 +452,7 @@ PreTokenizer parse_pre_tokenizer(const json& j, const std::string& where) {
 }
 
 Decoder parse_decoder(const json& j, const std::string& where) {
+  const NestingGuard guard(where);
   if (j.is_null()) return {};
   const std::string type = type_of(j, where);
   if (type == "Sequence") {
@@ -602,6 +617,7 @@ struct HfTokenizer::Impl {
 };
 
 void HfTokenizer::Impl::parse_post_processor(const json& j, const std::string& where) {
+  const NestingGuard guard(where);
   if (j.is_null()) return;
   const std::string type = type_of(j, where);
   if (type == "Sequence") {

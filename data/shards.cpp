@@ -259,6 +259,10 @@ void TokenCorpus::open_megatron(const std::string& prefix, int64_t expected_voca
              s.idx_path, i, ptr, s.bin_path, expect_pointer);
     seq_start[static_cast<size_t>(i)] = expect_pointer / itemsize;
     expect_pointer += static_cast<int64_t>(len) * itemsize;
+    // Checked as it grows, so that a damaged index cannot overflow the sum.
+    LT_CHECK(expect_pointer <= s.bin.size(),
+             "token file '{}' is {} bytes but sequence {} of its index '{}' ends at byte {}: the .bin is truncated "
+             "(or the index belongs to another .bin)", s.bin_path, s.bin.size(), i, s.idx_path, expect_pointer);
   }
   seq_start[static_cast<size_t>(N)] = expect_pointer / itemsize;
   LT_CHECK(s.bin.size() == expect_pointer,
