@@ -66,8 +66,6 @@ struct LoaderOptions {
   int64_t vocab_size = 0;       // > 0: the model's vocabulary, checked against the shards'
 };
 
-// Where a loader stands: everything that makes resume exact. JSON-serialisable (to_json/from_json)
-// for trainer_state.json. The rank is not part of it: every rank of a run has the same state.
 // One source's place in a mixture.
 struct SourceState {
   std::string path;
@@ -76,6 +74,8 @@ struct SourceState {
   int64_t num_windows = 0;
 };
 
+// Where a loader stands: everything that makes resume exact. JSON-serialisable (to_json/from_json)
+// for trainer_state.json. The rank is not part of it: every rank of a run has the same state.
 // Version 1 is one source (epoch, cursor, num_windows at the top); version 2 a mixture: `draws`
 // batches taken so far and every source's place (the top-level epoch/cursor/num_windows unused).
 struct LoaderState {
