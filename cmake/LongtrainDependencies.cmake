@@ -9,6 +9,8 @@ find_package(CLI11 REQUIRED)
 find_package(ZLIB REQUIRED)
 find_package(Gloo REQUIRED)
 pkg_check_modules(SENTENCEPIECE REQUIRED IMPORTED_TARGET sentencepiece)
+# PCRE2 (Debian: libpcre2-dev) runs tokenizer.json's pre-tokenizer regexes.
+pkg_check_modules(PCRE2 REQUIRED IMPORTED_TARGET libpcre2-8)
 
 # OpenBLAS through its cblas interface (Debian: libopenblas-dev, header cblas.h).
 set(BLA_VENDOR OpenBLAS)

@@ -31,6 +31,14 @@
 // and tokens are unchanged. The layout still assigns tokens by their global index g(i), and the
 // attention's document offsets (attention/document_mask.h) are in those global coordinates.
 //
+// Mixtures (mixture.h). With several sources, each source has its own windows, epochs and order
+// (as above; source i shuffles with seed_i = seed for i = 0, seed ^ splitmix64(i) otherwise), and
+// batch n of the run (counting from 0 across epochs) comes from source draw_source(seed, n): each
+// source with probability weight / sum(weights), independently per batch. Every rank of the world
+// draws the same source at each step, so data-parallel ranks still take disjoint windows of it. A
+// source that runs out of windows starts its next epoch on its own. One source is exactly the
+// single-corpus loader.
+//
 // Resume. state() is the position of the batch next() will return; restore() into a fresh loader
 // built with the same options continues with exactly that batch. A background thread keeps up to
 // `prefetch` batches ready; state() is unaffected by it.
@@ -40,6 +48,7 @@
 #include <cstdint>
 #include <deque>
 #include <exception>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -48,13 +57,14 @@
 
 #include <nlohmann/json.hpp>
 
+#include "data/mixture.h"
 #include "data/shards.h"
 #include "parallel/layout.h"
 
 namespace longtrain::data {
 
 struct LoaderOptions {
-  std::string shard_dir;        // a directory written by `longtrain prepare`
+  std::string shard_dir;        // a source spec (mixture.h): a shard set, a Megatron dataset, or a mixture
   std::string split = "train";  // "train" or "val"
   int64_t seq_len = 0;          // S, tokens per sequence (each window holds S + 1)
   uint64_t seed = 0;            // shuffle seed
@@ -70,8 +80,18 @@ struct LoaderOptions {
 // The label the loss skips (= model::LlamaModel::kIgnoreIndex; trainer.cpp checks they agree).
 inline constexpr int32_t kIgnoreLabel = -100;
 
+// One source's place in a mixture.
+struct SourceState {
+  std::string path;
+  double weight = 1.0;
+  int64_t epoch = 0, cursor = 0;  // as LoaderState's, for this source's own windows
+  int64_t num_windows = 0;
+};
+
 // Where a loader stands: everything that makes resume exact. JSON-serialisable (to_json/from_json)
 // for trainer_state.json. The rank is not part of it: every rank of a run has the same state.
+// Version 1 is one source (epoch, cursor, num_windows at the top); version 2 a mixture: `draws`
+// batches taken so far and every source's place (the top-level epoch/cursor/num_windows unused).
 struct LoaderState {
   int version = 1;
   std::string split;
@@ -83,6 +103,8 @@ struct LoaderState {
   int dp_size = 1;
   bool shuffle = true;
   int64_t num_windows = 0;
+  int64_t draws = 0;                 // version 2
+  std::vector<SourceState> sources;  // version 2
 };
 
 void to_json(nlohmann::json& j, const LoaderState& s);
@@ -99,9 +121,10 @@ void from_json(const nlohmann::json& j, LoaderState& s);
 
 // One sequence-parallel rank's share of one window.
 struct Batch {
-  int64_t epoch = 0;
-  int64_t step = 0;           // step within the epoch
-  int64_t window = 0;         // window index w in the split
+  int source = 0;             // index of the mixture source it came from (0 for one source)
+  int64_t epoch = 0;          // the source's epoch
+  int64_t step = 0;           // step within the source's epoch
+  int64_t window = 0;         // window index w in the source's split
   int64_t stream_offset = 0;  // w * S: the window's first token in the split's stream
   int64_t seq_len = 0;        // S
   std::vector<int32_t> tokens;     // [S/P] input token ids
@@ -130,37 +153,60 @@ class Loader {
   // dp_size, seed and shuffle (any mismatch is an error naming the field).
   void restore(const LoaderState& state);
 
-  int64_t num_windows() const { return num_windows_; }
-  int64_t steps_per_epoch() const { return steps_per_epoch_; }
+  // Of source 0 (the only one unless the loader reads a mixture).
+  int64_t num_windows() const { return sources_[0].num_windows; }
+  int64_t steps_per_epoch() const { return sources_[0].steps_per_epoch; }
+  const TokenCorpus& corpus() const { return *sources_[0].corpus; }
   int64_t local_len() const { return static_cast<int64_t>(local_index_.size()); }  // S / P
-  const TokenCorpus& corpus() const { return corpus_; }
   const LoaderOptions& options() const { return o_; }
 
-  // Window of data-parallel rank `dp_rank` at step `step` of `epoch`.
-  int64_t window_index(int64_t epoch, int64_t step, int dp_rank) const;
-  // The batch of (epoch, step) for this rank; does not move the cursor.
-  Batch make_batch(int64_t epoch, int64_t step) const;
+  int num_sources() const { return static_cast<int>(sources_.size()); }
+  const DataSource& source(int i) const { return sources_.at(static_cast<size_t>(i)).spec; }
+  const TokenCorpus& corpus(int i) const { return *sources_.at(static_cast<size_t>(i)).corpus; }
+  int64_t num_windows(int i) const { return sources_.at(static_cast<size_t>(i)).num_windows; }
+  // Input tokens the whole data-parallel world has taken from each source up to the position
+  // state() describes: windows taken x seq_len x dp_size.
+  std::vector<int64_t> tokens_taken() const;
+
+  // Window of data-parallel rank `dp_rank` at step `step` of `epoch` (of `source`).
+  int64_t window_index(int64_t epoch, int64_t step, int dp_rank, int source = 0) const;
+  // The batch of (epoch, step) of `source` for this rank; does not move the cursor.
+  Batch make_batch(int64_t epoch, int64_t step, int source = 0) const;
 
  private:
+  struct Source {
+    DataSource spec;
+    std::unique_ptr<TokenCorpus> corpus;
+    uint64_t seed = 0;
+    int64_t num_windows = 0, steps_per_epoch = 0;
+  };
+  // Where the loader stands: batches drawn so far and each source's (epoch, step).
+  struct Position {
+    int64_t draws = 0;
+    std::vector<int64_t> epoch, step;
+  };
   void start_prefetch();
   void stop_prefetch();
-  void advance(int64_t& epoch, int64_t& step) const;
+  int source_of(int64_t draw) const;
+  void advance(Position& p, int source) const;
+  // The batch at `p`, and p moved past it.
+  Batch take(Position& p) const;
 
   LoaderOptions o_;
   bool shuffle_;
-  TokenCorpus corpus_;
-  int64_t num_windows_ = 0, steps_per_epoch_ = 0;
+  std::vector<Source> sources_;
+  std::vector<double> cumulative_;    // normalised running sums of the weights
   std::vector<LayoutRun> runs_;       // this sp rank's runs of global indices
   std::vector<int64_t> local_index_;  // [S/P] global index of each local token
 
   // The consumer's position: the batch next() returns.
-  int64_t epoch_ = 0, step_ = 0;
+  Position pos_;
 
-  // Prefetch: the thread makes batches from (prod_epoch_, prod_step_) on, in order, into queue_.
+  // Prefetch: the thread makes batches from prod_ on, in order, into queue_.
   mutable std::mutex m_;
   std::condition_variable cv_;
   std::deque<Batch> queue_;
-  int64_t prod_epoch_ = 0, prod_step_ = 0;
+  Position prod_;
   bool stop_ = false;
   std::exception_ptr error_;
   std::thread thread_;

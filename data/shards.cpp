@@ -7,6 +7,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <type_traits>
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -167,8 +168,142 @@ nlohmann::json read_manifest(const std::string& dir) {
   return m;
 }
 
+std::string megatron_prefix(const std::string& path) {
+  std::error_code ec;
+  if (path.empty() || fs::is_directory(path, ec)) return "";
+  std::string prefix = path;
+  const std::string ext = fs::path(path).extension().string();
+  if ((ext == ".bin" || ext == ".idx") && fs::is_regular_file(path, ec))
+    prefix = path.substr(0, path.size() - 4);
+  if (fs::is_regular_file(prefix + ".idx", ec) && fs::is_regular_file(prefix + ".bin", ec)) return prefix;
+  return "";
+}
+
+namespace {
+
+// Megatron's DType table (indexed_dataset.py): code -> bytes per token; 0 for codes that hold no
+// token ids (floats) or do not exist.
+int megatron_itemsize(int code) {
+  switch (code) {
+    case 1: case 2: return 1;  // uint8, int8
+    case 3: case 8: return 2;  // int16, uint16
+    case 4: return 4;          // int32
+    case 5: return 8;          // int64
+    default: return 0;
+  }
+}
+
+const char* megatron_dtype_name(int code) {
+  static const char* names[] = {"?", "uint8", "int8", "int16", "int32", "int64", "float64", "float32", "uint16"};
+  return code >= 1 && code <= 8 ? names[code] : "unknown";
+}
+
+}  // namespace
+
+void TokenCorpus::open_megatron(const std::string& prefix, int64_t expected_vocab_size) {
+  megatron_ = true;
+  Shard s;
+  s.idx_path = prefix + ".idx";
+  s.bin_path = prefix + ".bin";
+  s.idx = MappedFile(s.idx_path);
+  s.bin = MappedFile(s.bin_path);
+  const unsigned char* h = s.idx.data();
+  const int64_t idx_size = s.idx.size();
+  LT_CHECK(idx_size >= 9 && std::memcmp(h, kMegatronMagic, 9) == 0,
+           "index '{}' does not start with the Megatron magic \"MMIDIDX\\0\\0\": not a Megatron-LM/NeMo indexed "
+           "dataset{}", s.idx_path,
+           idx_size >= 8 && std::memcmp(h, kIdxMagic, 8) == 0
+               ? " but one of our shards: point data.train at the shard set's directory"
+               : "");
+  LT_CHECK(idx_size >= kMegatronHeaderBytes, "index '{}' is truncated: {} bytes, its header needs {}", s.idx_path,
+           idx_size, kMegatronHeaderBytes);
+  uint64_t version = 0, sequences = 0, doc_count = 0;
+  std::memcpy(&version, h + 9, 8);
+  const int dtype = h[17];
+  std::memcpy(&sequences, h + 18, 8);
+  std::memcpy(&doc_count, h + 26, 8);
+  LT_CHECK(version == 1, "index '{}' has Megatron index version {}; this build reads version 1", s.idx_path,
+           version);
+  const int itemsize = megatron_itemsize(dtype);
+  LT_CHECK(itemsize > 0, "index '{}' has dtype code {} ({}): token ids must be an integer dtype (codes 1-5, 8: "
+           "uint8, int8, int16, int32, int64, uint16)", s.idx_path, dtype, megatron_dtype_name(dtype));
+  // Sizes as unsigned 128-bit-safe arithmetic: counts from a damaged header must not overflow.
+  const uint64_t limit = static_cast<uint64_t>(idx_size);
+  LT_CHECK(sequences <= limit / 12 && doc_count <= limit / 8,
+           "index '{}' is truncated or damaged: its header claims {} sequences and a document index of {} "
+           "entries, more than its {} bytes hold", s.idx_path, sequences, doc_count, idx_size);
+  const int64_t N = static_cast<int64_t>(sequences), M = static_cast<int64_t>(doc_count);
+  const int64_t want = kMegatronHeaderBytes + 12 * N + 8 * M;
+  LT_CHECK(idx_size >= want, "index '{}' is truncated: {} bytes, but {} sequences and {} document-index "
+           "entries need {}", s.idx_path, idx_size, N, M, want);
+  LT_CHECK(idx_size == want, "index '{}' is {} bytes, {} more than {} sequences and {} document-index entries "
+           "need: a multimodal dataset (sequence modes) or a damaged file; this build reads text datasets only",
+           s.idx_path, idx_size, idx_size - want, N, M);
+  LT_CHECK(M >= 1, "index '{}' has an empty document index (it needs at least the entry 0)", s.idx_path);
+
+  // Sequences must tile the .bin in order: then the .bin is one stream of tokens.
+  const unsigned char* lengths = h + kMegatronHeaderBytes;
+  const unsigned char* pointers = lengths + 4 * N;
+  const unsigned char* doc_index = pointers + 8 * N;
+  std::vector<int64_t> seq_start(static_cast<size_t>(N) + 1, 0);  // in tokens
+  int64_t expect_pointer = 0;
+  for (int64_t i = 0; i < N; ++i) {
+    int32_t len = 0;
+    int64_t ptr = 0;
+    std::memcpy(&len, lengths + 4 * i, 4);
+    std::memcpy(&ptr, pointers + 8 * i, 8);
+    LT_CHECK(len >= 0, "index '{}': sequence {} has a negative length {}", s.idx_path, i, len);
+    LT_CHECK(ptr == expect_pointer,
+             "index '{}': sequence {} starts at byte {} of '{}', but the sequences before it end at byte {}: the "
+             "sizes and pointers are inconsistent (the index is damaged or belongs to another .bin)",
+             s.idx_path, i, ptr, s.bin_path, expect_pointer);
+    seq_start[static_cast<size_t>(i)] = expect_pointer / itemsize;
+    expect_pointer += static_cast<int64_t>(len) * itemsize;
+    // Checked as it grows, so that a damaged index cannot overflow the sum.
+    LT_CHECK(expect_pointer <= s.bin.size(),
+             "token file '{}' is {} bytes but sequence {} of its index '{}' ends at byte {}: the .bin is truncated "
+             "(or the index belongs to another .bin)", s.bin_path, s.bin.size(), i, s.idx_path, expect_pointer);
+  }
+  seq_start[static_cast<size_t>(N)] = expect_pointer / itemsize;
+  LT_CHECK(s.bin.size() == expect_pointer,
+           "token file '{}' is {} bytes but its index '{}' describes {} sequences of {} tokens ({} bytes of {}){}",
+           s.bin_path, s.bin.size(), s.idx_path, N, expect_pointer / itemsize, expect_pointer,
+           megatron_dtype_name(dtype), s.bin.size() < expect_pointer ? ": the .bin is truncated" : "");
+  // Document d starts at its first sequence's token; documents with no tokens would make two start
+  // at one position, so only strictly rising offsets are kept (the last is the total, as ours).
+  s.megatron_offsets.assign(1, 0);
+  int64_t prev = 0;
+  for (int64_t d = 0; d < M; ++d) {
+    int64_t seq = 0;
+    std::memcpy(&seq, doc_index + 8 * d, 8);
+    LT_CHECK(seq >= prev && seq <= N && (d > 0 || seq == 0) && (d + 1 < M || seq == N),
+             "index '{}': document index entry {} is {}; entries must rise from 0 to the sequence count {}",
+             s.idx_path, d, seq, N);
+    prev = seq;
+    const uint64_t offset = static_cast<uint64_t>(seq_start[static_cast<size_t>(seq)]);
+    if (offset > s.megatron_offsets.back()) s.megatron_offsets.push_back(offset);
+  }
+  s.dtype = dtype;
+  s.tokens = expect_pointer / itemsize;
+  s.documents = static_cast<int64_t>(s.megatron_offsets.size()) - 1;
+  // No vocabulary in the file: the model's when given, else every id the dtype can hold that fits int32.
+  vocab_size_ = expected_vocab_size > 0 ? expected_vocab_size : int64_t{1} << std::min(31, 8 * itemsize);
+  num_tokens_ = s.tokens;
+  num_documents_ = s.documents;
+  shards_.push_back(std::move(s));
+  LT_CHECK(num_tokens_ > 0, "Megatron dataset '{}' holds no tokens", prefix);
+}
+
 TokenCorpus::TokenCorpus(const std::string& dir, const std::string& split, int64_t expected_vocab_size)
-    : dir_(dir), split_(split), manifest_(read_manifest(dir)) {
+    : dir_(dir), split_(split) {
+  if (const std::string prefix = megatron_prefix(dir); !prefix.empty()) {
+    open_megatron(prefix, expected_vocab_size);
+    return;
+  }
+  if (!fs::is_directory(dir) && fs::exists(dir + ".idx") != fs::exists(dir + ".bin"))
+    LT_FAIL("'{}' looks like a Megatron dataset prefix but '{}' is missing", dir,
+            fs::exists(dir + ".idx") ? dir + ".bin" : dir + ".idx");
+  manifest_ = read_manifest(dir);
   const std::string manifest_path = (fs::path(dir) / kManifestName).string();
   vocab_size_ = manifest_["vocab_size"].get<int64_t>();
   LT_CHECK(expected_vocab_size <= 0 || expected_vocab_size == vocab_size_,
@@ -256,6 +391,27 @@ TokenCorpus::TokenCorpus(const std::string& dir, const std::string& split, int64
   LT_CHECK(num_tokens_ > 0, "the \"{}\" split of '{}' holds no tokens", split, dir);
 }
 
+template <class T>
+void TokenCorpus::copy_checked(const Shard& sh, int64_t local, int64_t n, int32_t* out) const {
+  // Megatron's pointers are byte offsets of any alignment in principle: read through memcpy.
+  const unsigned char* src = sh.bin.data() + local * static_cast<int64_t>(sizeof(T));
+  for (int64_t i = 0; i < n; ++i) {
+    T v;
+    std::memcpy(&v, src + i * static_cast<int64_t>(sizeof(T)), sizeof(T));
+    bool negative = false;
+    if constexpr (std::is_signed_v<T>) negative = v < 0;
+    if (negative || static_cast<int64_t>(v) >= vocab_size_) {
+      if (megatron_)
+        LT_FAIL("token file '{}' token {} has id {}, outside the vocabulary [0, {}): the dataset was made with "
+                "another tokenizer, or the model's vocab_size is too small", sh.bin_path, local + i,
+                static_cast<int64_t>(v), vocab_size_);
+      LT_FAIL("token file '{}' token {} has id {}, not below the vocabulary size {}: the file is "
+              "corrupt, prepare the shards again", sh.bin_path, local + i, static_cast<int64_t>(v), vocab_size_);
+    }
+    out[i] = static_cast<int32_t>(v);
+  }
+}
+
 size_t TokenCorpus::shard_of_token(int64_t t) const {
   // The last shard whose first token is <= t.
   auto it = std::upper_bound(shards_.begin(), shards_.end(), t,
@@ -273,13 +429,16 @@ void TokenCorpus::read(int64_t start, std::span<int32_t> out) const {
     const Shard& sh = shards_[s];
     const int64_t local = start + done - sh.first_token;
     const int64_t n = std::min(count - done, sh.tokens - local);
-    const uint32_t* src = sh.token_data() + local;
-    for (int64_t i = 0; i < n; ++i) {
-      const uint32_t v = src[i];
-      if (static_cast<int64_t>(v) >= vocab_size_)
-        LT_FAIL("token file '{}' token {} has id {}, not below the vocabulary size {}: the file is "
-                "corrupt, prepare the shards again", sh.bin_path, local + i, v, vocab_size_);
-      out[static_cast<size_t>(done + i)] = static_cast<int32_t>(v);
+    int32_t* dst = out.data() + done;
+    switch (sh.dtype) {
+      case 0: copy_checked<uint32_t>(sh, local, n, dst); break;
+      case 1: copy_checked<uint8_t>(sh, local, n, dst); break;
+      case 2: copy_checked<int8_t>(sh, local, n, dst); break;
+      case 3: copy_checked<int16_t>(sh, local, n, dst); break;
+      case 4: copy_checked<int32_t>(sh, local, n, dst); break;
+      case 5: copy_checked<int64_t>(sh, local, n, dst); break;
+      case 8: copy_checked<uint16_t>(sh, local, n, dst); break;
+      default: LT_FAIL("token file '{}' has an unreadable dtype code {}", sh.bin_path, sh.dtype);
     }
     done += n;
     ++s;

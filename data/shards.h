@@ -22,6 +22,30 @@
 // manifest.json records the format version, the vocabulary size, the tokenizer (path, CRC-32 of the
 // .model, BOS/EOS ids and whether each was added), the inputs, and per split its shards with their
 // document and token counts. Opening a set checks every one of these against the files.
+//
+// Megatron-LM / NeMo indexed datasets (MMIDIDX) are read as they are, with no conversion: a pair
+// PREFIX.bin / PREFIX.idx, named by PREFIX (as Megatron's --data-path does) or by either file. The
+// .idx, little-endian, as megatron/core/datasets/indexed_dataset.py writes it:
+//
+//   offset     size      field
+//   0          9         magic "MMIDIDX\0\0"
+//   9          8         uint64 version (1)
+//   17         1         uint8 dtype code: 1 uint8, 2 int8, 3 int16, 4 int32, 5 int64, 6 float64,
+//                        7 float32, 8 uint16 (Megatron's DType table; the float codes hold no token ids
+//                        and are refused)
+//   18         8         uint64 sequence count N
+//   26         8         uint64 document count M (the length of the document index: documents + 1)
+//   34         4*N       int32 sequence lengths, in tokens
+//   34+4N      8*N       int64 sequence pointers: byte offset of each sequence in the .bin
+//   34+12N     8*M       int64 document index: document d is sequences [doc[d], doc[d+1]); doc[0] = 0,
+//                        doc[M-1] = N, non-decreasing
+//
+// The .bin is the sequences back to back (pointer[i+1] = pointer[i] + itemsize*length[i], as every
+// Megatron writer makes them) and exactly as long as they are; anything else is refused. Document
+// boundaries are the document index's (a document of several sentence sequences is one document).
+// The file has no vocabulary size: ids are checked against the model's when one is given. Such a
+// dataset has no splits: any split name reads the whole of it, so a validation set must be named
+// separately (data.val).
 #pragma once
 
 #include <cstdint>
@@ -39,6 +63,12 @@ inline constexpr uint32_t kIdxDtypeU32 = 4;
 inline constexpr int64_t kIdxHeaderBytes = 40;
 inline constexpr int kManifestVersion = 1;
 inline constexpr const char* kManifestName = "manifest.json";
+inline constexpr char kMegatronMagic[9] = {'M', 'M', 'I', 'D', 'I', 'D', 'X', '\0', '\0'};
+inline constexpr int64_t kMegatronHeaderBytes = 34;
+
+// The .bin/.idx prefix when `path` names a Megatron indexed dataset (PREFIX, PREFIX.bin or
+// PREFIX.idx, with both files present); "" otherwise (a shard-set directory, or nothing).
+std::string megatron_prefix(const std::string& path);
 
 struct ShardInfo {
   std::string bin;  // file names inside the set's directory
@@ -96,6 +126,8 @@ class TokenCorpus {
   // Opens `split` of the set in `dir` and validates it: manifest present and of our version, every
   // .idx (magic, version, dtype, vocabulary, offsets) and .bin (its size) as the manifest says.
   // `expected_vocab_size` > 0 also checks the set was made with a tokenizer of that vocabulary.
+  // `dir` may also name a Megatron indexed dataset (see above; `split` is then not used): its .idx is
+  // validated against its .bin, and ids against `expected_vocab_size` (when > 0) as they are read.
   TokenCorpus(const std::string& dir, const std::string& split, int64_t expected_vocab_size = 0);
 
   int64_t num_tokens() const { return num_tokens_; }
@@ -104,6 +136,7 @@ class TokenCorpus {
   const nlohmann::json& manifest() const { return manifest_; }
   const std::string& dir() const { return dir_; }
   const std::string& split() const { return split_; }
+  bool is_megatron() const { return megatron_; }
 
   // Copies stream tokens [start, start + out.size()) into out; checks every id is < vocab size.
   void read(int64_t start, std::span<int32_t> out) const;
@@ -119,12 +152,18 @@ class TokenCorpus {
     int64_t first_token = 0;     // stream offset of its first token
     int64_t first_document = 0;  // stream index of its first document
     int64_t tokens = 0, documents = 0;
+    int dtype = 0;                            // a Megatron dtype code, or 0: our uint32
+    std::vector<uint64_t> megatron_offsets;   // document token offsets (D+1) of a Megatron dataset
     const uint64_t* offsets() const {
+      if (!megatron_offsets.empty()) return megatron_offsets.data();
       return reinterpret_cast<const uint64_t*>(idx.data() + kIdxHeaderBytes);
     }
-    const uint32_t* token_data() const { return reinterpret_cast<const uint32_t*>(bin.data()); }
   };
   size_t shard_of_token(int64_t t) const;
+  void open_megatron(const std::string& prefix, int64_t expected_vocab_size);
+  template <class T>
+  void copy_checked(const Shard& sh, int64_t local, int64_t n, int32_t* out) const;
+  bool megatron_ = false;
 
   std::string dir_, split_;
   nlohmann::json manifest_;

@@ -9,6 +9,7 @@
 #include <sentencepiece_trainer.h>
 
 #include "data/documents.h"
+#include "data/hf_tokenizer.h"
 #include "runtime/error.h"
 
 namespace longtrain::data {
@@ -123,12 +124,31 @@ void train_tokenizer(const TokenizerTrainOptions& o) {
            inputs.size(), lines.lines(), status.ToString());
 }
 
-Tokenizer::Tokenizer(const std::string& model_path)
-    : path_(model_path), sp_(std::make_unique<sentencepiece::SentencePieceProcessor>()) {
-  LT_CHECK(std::filesystem::exists(model_path),
-           "tokenizer model '{}' does not exist (train one with `longtrain tokenizer train`)", model_path);
-  const auto status = sp_->Load(model_path);
-  LT_CHECK(status.ok(), "cannot load tokenizer model '{}': {}", model_path, status.ToString());
+std::string find_tokenizer_in(const std::string& dir) {
+  std::error_code ec;
+  for (const char* name : {"tokenizer.model", "tokenizer.json"}) {
+    const std::filesystem::path p = std::filesystem::path(dir) / name;
+    if (std::filesystem::is_regular_file(p, ec)) return p.string();
+  }
+  return "";
+}
+
+Tokenizer::Tokenizer(const std::string& model_path) : path_(model_path) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(model_path, ec)) {
+    path_ = find_tokenizer_in(model_path);
+    LT_CHECK(!path_.empty(), "tokenizer directory '{}' has no tokenizer.model or tokenizer.json", model_path);
+  }
+  LT_CHECK(std::filesystem::exists(path_),
+           "tokenizer model '{}' does not exist (train one with `longtrain tokenizer train`, or give a Hugging Face "
+           "tokenizer.json)", path_);
+  if (is_hf_tokenizer_file(path_)) {
+    hf_ = std::make_unique<HfTokenizer>(path_);
+    return;
+  }
+  sp_ = std::make_unique<sentencepiece::SentencePieceProcessor>();
+  const auto status = sp_->Load(path_);
+  LT_CHECK(status.ok(), "cannot load tokenizer model '{}': {}", path_, status.ToString());
 }
 
 Tokenizer::~Tokenizer() = default;
@@ -136,24 +156,28 @@ Tokenizer::Tokenizer(Tokenizer&&) noexcept = default;
 Tokenizer& Tokenizer::operator=(Tokenizer&&) noexcept = default;
 
 std::vector<int32_t> Tokenizer::encode(std::string_view text) const {
+  if (hf_) return hf_->encode(text, false);
   std::vector<int> ids;
   const auto status = sp_->Encode(text, &ids);
   LT_CHECK(status.ok(), "tokenizer '{}': encode failed: {}", path_, status.ToString());
   return std::vector<int32_t>(ids.begin(), ids.end());
 }
 
-std::string Tokenizer::decode(std::span<const int32_t> ids) const {
+std::string Tokenizer::decode(std::span<const int32_t> ids, bool skip_special) const {
+  if (hf_) return hf_->decode(ids, skip_special);
   const int32_t n = vocab_size();
+  for (int32_t id : ids) LT_CHECK(id >= 0 && id < n, "tokenizer '{}': id {} is outside the vocabulary [0, {})",
+                                  path_, id, n);
   std::vector<int> v(ids.begin(), ids.end());
-  for (int id : v) LT_CHECK(id >= 0 && id < n, "tokenizer '{}': id {} is outside the vocabulary [0, {})",
-                            path_, id, n);
   std::string text;
+  // SentencePiece always drops its control pieces (unk/bos/eos).
   const auto status = sp_->Decode(v, &text);
   LT_CHECK(status.ok(), "tokenizer '{}': decode failed: {}", path_, status.ToString());
   return text;
 }
 
 std::vector<std::string> Tokenizer::encode_pieces(std::string_view text) const {
+  if (hf_) return hf_->encode_tokens(text);
   std::vector<std::string> pieces;
   const auto status = sp_->Encode(text, &pieces);
   LT_CHECK(status.ok(), "tokenizer '{}': encode failed: {}", path_, status.ToString());
@@ -163,13 +187,14 @@ std::vector<std::string> Tokenizer::encode_pieces(std::string_view text) const {
 std::string Tokenizer::piece(int32_t id) const {
   LT_CHECK(id >= 0 && id < vocab_size(), "tokenizer '{}': id {} is outside the vocabulary [0, {})", path_,
            id, vocab_size());
+  if (hf_) return hf_->token(id);
   return sp_->IdToPiece(id);
 }
 
-int32_t Tokenizer::vocab_size() const { return sp_->GetPieceSize(); }
-int32_t Tokenizer::bos_id() const { return sp_->bos_id(); }
-int32_t Tokenizer::eos_id() const { return sp_->eos_id(); }
-int32_t Tokenizer::unk_id() const { return sp_->unk_id(); }
-int32_t Tokenizer::pad_id() const { return sp_->pad_id(); }
+int32_t Tokenizer::vocab_size() const { return hf_ ? hf_->vocab_size() : sp_->GetPieceSize(); }
+int32_t Tokenizer::bos_id() const { return hf_ ? hf_->bos_id() : sp_->bos_id(); }
+int32_t Tokenizer::eos_id() const { return hf_ ? hf_->eos_id() : sp_->eos_id(); }
+int32_t Tokenizer::unk_id() const { return hf_ ? hf_->unk_id() : sp_->unk_id(); }
+int32_t Tokenizer::pad_id() const { return hf_ ? -1 : sp_->pad_id(); }
 
 }  // namespace longtrain::data

@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 build=${1:-build-fuzz}
 shift || true
 targets=("$@")
-[ ${#targets[@]} -gt 0 ] || targets=(config safetensors hf_config shards store launcher_args)
+[ ${#targets[@]} -gt 0 ] || targets=(config safetensors hf_config shards store launcher_args megatron hf_tokenizer)
 seconds=${LONGTRAIN_FUZZ_SECONDS:-20}
 
 if ! command -v clang++ >/dev/null; then

@@ -29,6 +29,8 @@
 #include <yaml-cpp/yaml.h>
 #pragma GCC diagnostic pop
 
+#include "data/mixture.h"
+#include "data/tokenizer.h"
 #include "model/hf_export.h"
 #include "runtime/error.h"
 
@@ -177,6 +179,7 @@ struct KeySpec {
   bool hashed = true;                          // part of config_hash (see config.h for why not)
   bool required = false;                       // no default: the file or --set must give it
   bool path = false;                           // a file or directory: compared on resume as a path
+  bool sources = false;                        // a path or a mixture list of {path, weight} (data/mixture.h)
   // What a resumed run may do with this key (config.h, OnResume). It has no default on purpose: a
   // key added to the table without saying whether a resume may change it does not compile.
   ResumeRule resume;
@@ -324,15 +327,20 @@ const std::vector<KeySpec>& key_table() {
 
       // data
       {.section = "data", .key = "train", .default_value = std::string(),
-       .meaning = "directory of token shards written by `longtrain prepare`", .bind = LT_CONFIG_FIELD(data.train),
-       .default_note = "(required)", .aliases = {"train_dir", "train_data", "path", "data_path", "dataset", "train_path"},
-       .required = true, .path = true, .resume = OnResume::allowed},
+       .meaning = "token shards written by `longtrain prepare`, a Megatron-LM/NeMo indexed dataset (PREFIX of "
+                  "PREFIX.bin/.idx), or a weighted mixture of them: [{path: a, weight: 0.3}, {path: b, weight: 0.7}]",
+       .bind = LT_CONFIG_FIELD(data.train),
+       .default_note = "(required)", .aliases = {"train_dir", "train_data", "path", "data_path", "dataset", "train_path",
+                                                 "data_mixture", "mixture", "blend", "train_blend"},
+       .required = true, .path = true, .sources = true, .resume = OnResume::allowed},
       {.section = "data", .key = "val", .default_value = std::string(),
-       .meaning = "validation shard directory; empty = the train directory's validation split",
+       .meaning = "validation shard directory or Megatron dataset; empty = data.train's validation split (a shard "
+                  "set's; a Megatron dataset or a mixture needs data.val)",
        .bind = LT_CONFIG_FIELD(data.val), .aliases = {"val_dir", "valid", "validation", "val_data", "eval_data"},
        .hashed = false, .path = true, .resume = OnResume::allowed},
       {.section = "data", .key = "tokenizer", .default_value = std::string(),
-       .meaning = "SentencePiece .model (for generate and to check vocab_size); empty = none",
+       .meaning = "SentencePiece .model or Hugging Face tokenizer.json (for generate and passkey eval); empty = none "
+                  "(model.init_from's own tokenizer when it has one)",
        .bind = LT_CONFIG_FIELD(data.tokenizer), .aliases = {"tokenizer_path", "tokenizer_model", "spm"},
        .hashed = false, .path = true, .resume = OnResume::refused},
       {.section = "data", .key = "seq_len", .default_value = int64_t{1024},
@@ -669,6 +677,42 @@ bool parse_bool(std::string_view text, bool& out) {
   return false;
 }
 
+// A mixture written as a YAML list of {path, weight} -> its canonical text (data/mixture.h).
+std::string mixture_spec(const KeySpec& spec, const YAML::Node& n, const std::string& where) {
+  std::vector<data::DataSource> sources;
+  if (n.size() == 0) throw Error(fmt::format("{}: {}: a mixture must list at least one {{path, weight}}", where,
+                                             spec.name()));
+  for (size_t i = 0; i < n.size(); ++i) {
+    const YAML::Node item = n[i];
+    const std::string at = fmt::format("{}: {}[{}]", where, spec.name(), i);
+    if (!item.IsMap()) throw Error(fmt::format("{}: expected {{path: ..., weight: ...}}, got {}", at, describe(item)));
+    data::DataSource src;
+    bool has_path = false, has_weight = false;
+    for (auto kv = item.begin(); kv != item.end(); ++kv) {
+      const std::string field = kv->first.IsScalar() ? kv->first.Scalar() : std::string();
+      if (field == "path") {
+        if (!kv->second.IsScalar() || trimmed(kv->second.Scalar()).empty())
+          throw Error(fmt::format("{}: path must be a non-empty string, got {}", at, describe(kv->second)));
+        src.path = kv->second.Scalar();
+        has_path = true;
+      } else if (field == "weight") {
+        if (!kv->second.IsScalar() || !parse_double(kv->second.Scalar(), src.weight))
+          throw Error(fmt::format("{}: weight must be a number, got {}", at, describe(kv->second)));
+        has_weight = true;
+      } else {
+        throw Error(fmt::format("{}: unknown field '{}' (a source has path and weight)", at, field));
+      }
+    }
+    if (!has_path) throw Error(fmt::format("{}: path is missing (a shard directory or a Megatron dataset prefix)", at));
+    if (!has_weight) throw Error(fmt::format("{} ({}): weight is missing (the source's share of the windows)", at,
+                                             src.path));
+    if (!std::isfinite(src.weight) || src.weight <= 0)
+      throw Error(fmt::format("{} ({}): weight {} must be positive and finite", at, src.path, src.weight));
+    sources.push_back(std::move(src));
+  }
+  return data::data_sources_text(sources);
+}
+
 // Converts a node to the key's type. `where` starts the message: "file:line" or "--set k=v".
 Value convert(const KeySpec& spec, const YAML::Node& n, const std::string& where) {
   auto bad = [&](std::string_view expected) {
@@ -692,7 +736,8 @@ Value convert(const KeySpec& spec, const YAML::Node& n, const std::string& where
     }
     case Type::string:
       if (n.IsNull()) return std::string();
-      if (!n.IsScalar()) throw bad("a string");
+      if (spec.sources && n.IsSequence()) return mixture_spec(spec, n, where);
+      if (!n.IsScalar()) throw bad(spec.sources ? "a path or a list of {path, weight}" : "a string");
       return n.Scalar();
     case Type::choice: {
       auto choices = spec.bind.choices();
@@ -735,7 +780,11 @@ std::string yaml_text(const KeySpec& spec, const Value& v) {
     case 0: return fmt::format("{}", std::get<int64_t>(v));
     case 1: return format_number(std::get<double>(v));
     case 2: return std::get<bool>(v) ? "true" : "false";
-    case 3: return spec.type() == Type::choice ? std::get<std::string>(v) : quoted(std::get<std::string>(v));
+    case 3:
+      if (spec.type() == Type::choice) return std::get<std::string>(v);
+      // A mixture's canonical text is JSON, which is YAML: written as the list itself.
+      if (spec.sources && data::is_mixture_spec(std::get<std::string>(v))) return std::get<std::string>(v);
+      return quoted(std::get<std::string>(v));
     default: {
       std::vector<std::string> items;
       for (const std::string& s : std::get<std::vector<std::string>>(v)) items.push_back(quoted(s));
@@ -910,6 +959,13 @@ void Loader::check_ranges() const {
     if (s.required && std::get<std::string>(v).empty()) {
       fail({s.name()}, fmt::format("{} is required: {}", s.name(), s.meaning));
     }
+    if (s.sources && !std::get<std::string>(v).empty()) {
+      try {
+        data::parse_data_sources(std::get<std::string>(v), s.name());
+      } catch (const Error& e) {
+        fail({s.name()}, e.what());
+      }
+    }
     if (s.range.unbounded()) continue;
     double x = v.index() == 0 ? static_cast<double>(std::get<int64_t>(v)) : std::get<double>(v);
     if (!s.range.contains(x))
@@ -1065,8 +1121,7 @@ void Loader::apply_init_from() {
     rope_given = rope_given || (spec.section == "model" && spec.key.starts_with("rope_") && spec.key != "rope_theta" &&
                                 given(spec.name()));
   if (!rope_given) m.rope_scaling = h.rope_scaling;
-  if (!given("data.tokenizer") && fs::is_regular_file(dir / "tokenizer.model", ec))
-    config_.data.tokenizer = (dir / "tokenizer.model").string();
+  if (!given("data.tokenizer")) config_.data.tokenizer = data::find_tokenizer_in(dir.string());
 }
 
 TrainConfig Loader::finish() {
@@ -1213,6 +1268,20 @@ std::string path_identity(const std::string& p) {
   while (s.size() > 1 && s.back() == '/') s.pop_back();
   return s;
 }
+// Paths, or mixtures whose sources are the same paths with the same weights in the same order.
+bool same_paths(const KeySpec& s, const std::string& a, const std::string& b) {
+  if (!s.sources || (!data::is_mixture_spec(a) && !data::is_mixture_spec(b)))
+    return path_identity(a) == path_identity(b);
+  try {
+    const std::vector<data::DataSource> x = data::parse_data_sources(a), y = data::parse_data_sources(b);
+    if (x.size() != y.size()) return false;
+    for (size_t i = 0; i < x.size(); ++i)
+      if (x[i].weight != y[i].weight || path_identity(x[i].path) != path_identity(y[i].path)) return false;
+    return true;
+  } catch (const Error&) {
+    return false;
+  }
+}
 }  // namespace
 
 std::vector<ConfigChange> config_changes(const TrainConfig& before, const TrainConfig& after) {
@@ -1221,7 +1290,7 @@ std::vector<ConfigChange> config_changes(const TrainConfig& before, const TrainC
     const Value a = s.bind.get(before), b = s.bind.get(after);
     std::string ta = yaml_text(s, a), tb = yaml_text(s, b);
     if (ta == tb) continue;
-    if (s.path && path_identity(std::get<std::string>(a)) == path_identity(std::get<std::string>(b))) continue;
+    if (s.path && same_paths(s, std::get<std::string>(a), std::get<std::string>(b))) continue;
     out.push_back({s.name(), std::move(ta), std::move(tb), s.resume.value});
   }
   return out;

@@ -72,9 +72,9 @@ struct ModelSection : model::LlamaConfig {
 };
 
 struct DataSection {
-  std::string train;      // directory written by `longtrain prepare`
-  std::string val;        // "" = the train directory's validation split
-  std::string tokenizer;  // SentencePiece .model; "" = none
+  std::string train;      // a data source spec (data/mixture.h): shard set, Megatron dataset or mixture
+  std::string val;        // "" = the train shard set's validation split
+  std::string tokenizer;  // SentencePiece .model or tokenizer.json; "" = none
   int64_t seq_len{};      // tokens per sequence S (the whole sequence, before sequence-parallel sharding)
   int64_t prefetch{};     // batches prepared ahead by the loader thread
   bool document_mask{};   // per-document attention, positions and labels (data/loader.h)
@@ -146,7 +146,7 @@ struct TrainConfig {
 // Reads `path`, applies `overrides` ("section.key=value", the value parsed as a YAML scalar or flow
 // list, e.g. "optim.no_decay=[norm]"), fills defaults and validates. Touches no file but `path` (and
 // reads model.init_from's config.json: the shape comes from it, and a model key the config gives that
-// contradicts it is an error naming both values; data.tokenizer defaults to its tokenizer.model).
+// contradicts it is an error naming both values; data.tokenizer defaults to its tokenizer.model or tokenizer.json).
 TrainConfig load_config(const std::string& path, const std::vector<std::string>& overrides = {});
 
 // The same from YAML text; `source_name` stands for the file in messages and in the default run_dir.

@@ -24,6 +24,9 @@
 #include "parallel/distributed.h"
 #include "parallel/store.h"
 #include "runtime/device.h"
+#include "data/hf_tokenizer.h"
+#include "data/mixture.h"
+#include "data/tokenizer.h"
 #include "trainer/checkpoint.h"
 #include "trainer/metrics.h"
 #include "trainer/optimizer_state.h"
@@ -141,6 +144,15 @@ std::unique_ptr<attn::SequenceAttention> make_attention(const TrainConfig& c, co
 data::LoaderOptions loader_options(const TrainConfig& c, const std::string& split, const Ranks& r) {
   data::LoaderOptions o;
   o.shard_dir = split == "val" && !c.data.val.empty() ? c.data.val : c.data.train;
+  if (split == "val" && c.data.val.empty()) {
+    // Only a shard set has a validation split of its own.
+    const std::vector<data::DataSource> sources = data::parse_data_sources(c.data.train);
+    LT_CHECK(sources.size() == 1, "{}: data.train is a mixture of {} sources and data.val is empty: set data.val to "
+             "a validation shard directory or Megatron dataset (or eval.batches: 0)", c.source, sources.size());
+    LT_CHECK(data::megatron_prefix(sources[0].path).empty(),
+             "{}: data.train '{}' is a Megatron dataset, which has no validation split, and data.val is empty: set "
+             "data.val (or eval.batches: 0)", c.source, sources[0].path);
+  }
   o.split = split;
   o.seq_len = c.data.seq_len;
   o.seed = static_cast<uint64_t>(c.train.seed);
@@ -253,8 +265,17 @@ void save_checkpoint(const TrainConfig& c, const model::LlamaModel& model, AdamW
       state["lr_restart"] = {{"step", r->step}, {"lr", r->lr}};
     write_file_atomically(tmp / kTrainerState, state.dump(2) + "\n");
     write_file_atomically(tmp / kConfigFile, resolved_yaml(c));
-    if (!c.data.tokenizer.empty() && fs::exists(c.data.tokenizer))
-      fs::copy_file(c.data.tokenizer, tmp / "tokenizer.model", fs::copy_options::overwrite_existing);
+    // The run's tokenizer travels with the checkpoint under its kind's name (tokenizer_config.json
+    // with a tokenizer.json: it may name BOS/EOS).
+    const std::string tokenizer = fs::is_directory(c.data.tokenizer) ? data::find_tokenizer_in(c.data.tokenizer)
+                                                                     : c.data.tokenizer;
+    if (!tokenizer.empty() && fs::is_regular_file(tokenizer)) {
+      const bool hf = data::is_hf_tokenizer_file(tokenizer);
+      fs::copy_file(tokenizer, tmp / (hf ? "tokenizer.json" : "tokenizer.model"), fs::copy_options::overwrite_existing);
+      const fs::path config = fs::path(tokenizer).parent_path() / "tokenizer_config.json";
+      if (hf && fs::is_regular_file(config))
+        fs::copy_file(config, tmp / "tokenizer_config.json", fs::copy_options::overwrite_existing);
+    }
     CheckpointRef ref = commit_checkpoint(*pending, so);
     last = ref.path;
     spdlog::info("checkpoint {} written", ref.path.string());
@@ -471,6 +492,39 @@ std::shared_ptr<spdlog::logger> make_logger(const fs::path& log_file) {
 
 }  // namespace
 
+namespace {
+
+// Input tokens the world has taken from each mixture source so far, keyed by its path (a path
+// listed twice gets "#i", its index, appended).
+nlohmann::json tokens_by_source(const data::Loader& loader) {
+  nlohmann::json out = nlohmann::json::object();
+  const std::vector<int64_t> taken = loader.tokens_taken();
+  for (int i = 0; i < loader.num_sources(); ++i) {
+    std::string key = loader.source(i).path;
+    if (out.contains(key)) key += fmt::format("#{}", i);
+    out[key] = taken[static_cast<size_t>(i)];
+  }
+  return out;
+}
+
+// "data/code 1200 (30.1%, weight 30.0%), ..." for the step log.
+std::string source_shares(const data::Loader& loader) {
+  const std::vector<int64_t> taken = loader.tokens_taken();
+  double total = 0, weights = 0;
+  for (int i = 0; i < loader.num_sources(); ++i) {
+    total += static_cast<double>(taken[static_cast<size_t>(i)]);
+    weights += loader.source(i).weight;
+  }
+  std::vector<std::string> parts;
+  for (int i = 0; i < loader.num_sources(); ++i)
+    parts.push_back(fmt::format("{} {} ({:.1f}%, weight {:.1f}%)", loader.source(i).path, taken[static_cast<size_t>(i)],
+                                total > 0 ? 100.0 * static_cast<double>(taken[static_cast<size_t>(i)]) / total : 0.0,
+                                100.0 * loader.source(i).weight / weights));
+  return fmt::format("{}", fmt::join(parts, ", "));
+}
+
+}  // namespace
+
 EvalResult evaluate(model::LlamaModel& model, data::Loader& loader, int64_t batches, int64_t buckets,
                     parallel::Communicator* world) {
   const int64_t total = loader.steps_per_epoch();
@@ -654,6 +708,10 @@ TrainSummary train(TrainConfig c, const std::string& resume, const TrainHooks& h
             "per epoch; model state {:.1f} MiB per rank; run directory {}",
             ranks.world_size, ranks.dp_size, ranks.sp_size, layout_name(c.parallel.layout),
             enum_name(c.attention.schedule), loader.num_windows(), state_bytes / 1048576.0, run_dir.string());
+  for (int i = 0; loader.num_sources() > 1 && i < loader.num_sources(); ++i)
+    log->info("  mixture source {}: {} (weight {:g}{}), {} windows per epoch", i, loader.source(i).path,
+              loader.source(i).weight, loader.corpus(i).is_megatron() ? ", Megatron dataset" : "",
+              loader.num_windows(i));
 
   TrainSummary summary;
   summary.run_dir = run_dir;
@@ -829,6 +887,7 @@ TrainSummary train(TrainConfig c, const std::string& resume, const TrainHooks& h
               {"tflops_per_gpu", tok_s * flops_per_token / 1e12 / ranks.world_size}, {"tokens_seen", rs.tokens_seen},
               {"elapsed_s", elapsed}};
       if (!attention_work.is_null()) metrics.update(attention_work);
+      if (loader.num_sources() > 1) metrics["tokens_by_source"] = tokens_by_source(loader);
       record(metrics);
       if (step % c.logging.log_every == 0 || step == c.train.steps || step == summary.first_step) {
         clear_bar();
@@ -841,6 +900,7 @@ TrainSummary train(TrainConfig c, const std::string& resume, const TrainHooks& h
                   ranks.sp_size > 1 ? fmt::format(", sent {:.1f} MiB/layer", attn_mib) : std::string(),
                   human_duration(eta));
         if (!work_text.empty()) log->info("step {:>5} document-masked attention: {}", step, work_text);
+        if (loader.num_sources() > 1) log->info("  tokens by source: {}", source_shares(loader));
         if (ranks.main && c.logging.plot) plot.save(run_dir / "loss.svg", title);
       }
       if (tty) {
@@ -879,10 +939,13 @@ TrainSummary train(TrainConfig c, const std::string& resume, const TrainHooks& h
   summary.last_step = rs.step;
   if (c.eval.batches > 0) {
     summary.final_eval = run_eval(rs.step);
-    data::Loader val(loader_options(c, "val", ranks));
-    UnigramBaseline u = unigram_baseline(loader.corpus(), val.corpus());
-    log->info("unigram baseline: train entropy {:.4f} nats, validation cross-entropy {:.4f} nats; model: {:.4f}",
-              u.train_entropy, u.val_cross_entropy, summary.final_eval->loss);
+    // The baseline's train counts are of one corpus; a mixture has no single one.
+    if (loader.num_sources() == 1) {
+      data::Loader val(loader_options(c, "val", ranks));
+      UnigramBaseline u = unigram_baseline(loader.corpus(), val.corpus());
+      log->info("unigram baseline: train entropy {:.4f} nats, validation cross-entropy {:.4f} nats; model: {:.4f}",
+                u.train_entropy, u.val_cross_entropy, summary.final_eval->loss);
+    }
   }
   if (summary.first_step <= rs.step || !resume_from) checkpoint();
   if (ranks.main && c.logging.plot) plot.save(run_dir / "loss.svg", title);

@@ -82,7 +82,7 @@ TrainSummary train(TrainConfig config, const std::string& resume = "", const Tra
 // A model restored for eval and generate from a checkpoint directory (its config.yaml and
 // model.safetensors; step from trainer_state.json) or from any Hugging Face Llama directory
 // (config.json and safetensors, no MANIFEST.json; step 0, data.seq_len = its max_position_embeddings,
-// data.train empty, data.tokenizer its tokenizer.model when there is one). Sized for `max_tokens`
+// data.train empty, data.tokenizer its tokenizer.model or tokenizer.json when there is one). Sized for `max_tokens`
 // tokens per forward (0: data.seq_len), with RoPE computed for that length (rope_scaling dynamic).
 // device cpu: f32; cuda: bf16 mixed precision.
 //

@@ -86,6 +86,36 @@ TEST(Prepare, ShardsHoldEveryDocumentInOrder) {
   EXPECT_FALSE(fs::exists(o.output + fmt::format(".partial-{}", ::getpid())));
 }
 
+// A Hugging Face tokenizer.json (the parity fixture's Llama 3-style one) prepares shards too: each
+// document is BOS + its ids + EOS as HfTokenizer encodes it, and decodes back to the text.
+TEST(Prepare, TokenizerJsonShardsHoldItsIds) {
+  TempDir dir;
+  const std::vector<std::string> docs = make_inputs(dir);
+  const std::string json_path = std::string(LONGTRAIN_HF_TOKENIZER_FIXTURE) + "/llama3_style/tokenizer.json";
+  const Tokenizer tok(json_path);
+  ASSERT_TRUE(tok.is_hf());
+  PrepareOptions o;
+  o.tokenizer = json_path;
+  o.inputs = {dir / "in"};
+  o.output = dir / "shards";
+  o.threads = 2;
+  o.add_bos = true;
+  o.progress = false;
+  prepare_corpus(o);
+  const TokenCorpus train(o.output, "train", tok.vocab_size());
+  ASSERT_EQ(train.num_documents(), 12);
+  EXPECT_EQ(train.manifest()["tokenizer"]["bos_id"], tok.bos_id());
+  EXPECT_EQ(train.manifest()["tokenizer"]["eos_id"], tok.eos_id());
+  for (int64_t d = 0; d < 12; ++d) {
+    const std::vector<int32_t> got = document_tokens(train, d);
+    std::vector<int32_t> want = {tok.bos_id()};
+    for (int32_t id : tok.encode(docs[static_cast<size_t>(d)])) want.push_back(id);
+    want.push_back(tok.eos_id());
+    EXPECT_EQ(got, want) << "document " << d;
+    EXPECT_EQ(tok.decode(got), docs[static_cast<size_t>(d)]);  // BOS/EOS are special: dropped
+  }
+}
+
 TEST(Prepare, OutputIsTheSameForAnyThreadCount) {
   TempDir dir;
   make_inputs(dir);

@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """Writes the committed seed corpora of the fuzz targets (tests/fuzz/corpus/TARGET/) from valid inputs:
 configs/tiny.yaml, a small safetensors file and config.json written here by the formats' definitions,
-and a shard set made by `longtrain prepare` (pass its directory). Run from the repository root:
+a shard set made by `longtrain prepare` (pass its directory), and the committed Megatron and
+tokenizer.json fixtures (tests/fixtures/megatron, tests/fixtures/hf_tokenizer). Run from the
+repository root:
 
     tests/fuzz/make_seeds.py SHARD_DIR
 """
@@ -102,3 +104,18 @@ if len(sys.argv) > 1:
     assert len(idx) <= 4096
     n = len(idx)  # ConsumeIntegralInRange(0, 4096) reads the last byte as the high one, then the one before
     put("shards", "prepared", text + idx + bin_ + bytes([n & 0xff, n >> 8]))
+
+# megatron: the .idx (its length in the input's last two bytes, as for shards), then the .bin.
+for name in ("tiny_uint16", "tiny_int64"):
+    idx = open(f"tests/fixtures/megatron/{name}.idx", "rb").read()
+    bin_ = open(f"tests/fixtures/megatron/{name}.bin", "rb").read()
+    n = len(idx)
+    put("megatron", name, idx + bin_ + bytes([n & 0xff, n >> 8]))
+
+# hf_tokenizer: the text as a random-length string (ended by a backslash and one other byte), then
+# the tokenizer.json (the rest).
+def fuzz_string(text):
+    return text.replace("\\", "\\\\").encode() + b"\\\n"
+for name, text in (("gpt2_style", "Hello <|endoftext|> world 42!"), ("llama3_style", "It's Mr. Darcy\n\n  caf\u00e9")):
+    tok = open(f"tests/fixtures/hf_tokenizer/{name}/tokenizer.json", "rb").read()
+    put("hf_tokenizer", name, fuzz_string(text) + tok)

@@ -250,6 +250,51 @@ TEST(TrainerConfig, UnknownSectionsSuggestTheRightOne) {
             "checkpoint, eval, logging");
 }
 
+// data.train as a weighted mixture: a YAML list of {path, weight} (block or flow, in the file or
+// --set), carried as its canonical text, written back as a list that reloads to the same config,
+// and every malformed entry refused naming its line and index.
+TEST(TrainerConfig, DataTrainTakesAWeightedMixture) {
+  const std::string yaml = "model:\n  dim: 32\ndata:\n  train:\n    - path: data/code\n      weight: 0.3\n"
+                           "    - {path: data/books, weight: 0.7}\n";
+  const TrainConfig c = load(yaml);
+  EXPECT_EQ(c.data.train, R"([{"path":"data/code","weight":0.3},{"path":"data/books","weight":0.7}])");
+  const std::string text = resolved_yaml(c);
+  EXPECT_TRUE(contains(text, R"(train: [{"path":"data/code","weight":0.3},{"path":"data/books","weight":0.7}])"))
+      << text;
+  EXPECT_EQ(load(text).data.train, c.data.train);
+  EXPECT_EQ(config_hash(load(text)), config_hash(c));
+  EXPECT_EQ(load("model:\n  dim: 32\n", {"data.train=[{path: data/code, weight: 0.3}, {path: data/books, weight: 0.7}]"})
+                .data.train,
+            c.data.train);
+  // One source of weight 1 is the plain path (so configs and their hashes are as before).
+  EXPECT_EQ(load("data:\n  train: [{path: data/x, weight: 1}]\n").data.train, "data/x");
+  // The same mixture spelled with other paths to the same directories is no change on resume.
+  EXPECT_TRUE(config_changes(c, load(yaml, {"data.train=[{path: ./data/code, weight: 0.3}, {path: data//books/, "
+                                            "weight: 0.7}]"})).empty());
+  EXPECT_EQ(config_changes(c, load(yaml, {"data.train=[{path: data/code, weight: 0.4}, {path: data/books, weight: "
+                                          "0.6}]"})).size(), 1u);
+  EXPECT_EQ(on_resume("data.train"), OnResume::allowed);
+  // Bad entries, named by line and index.
+  EXPECT_EQ(load_error("data:\n  train:\n    - {path: a, weight: 0}\n"),
+            "cfg/test.yaml:2: data.train[0] (a): weight 0 must be positive and finite");
+  EXPECT_EQ(load_error("data:\n  train:\n    - {path: a, weight: 1}\n    - {path: b, weight: -1}\n"),
+            "cfg/test.yaml:2: data.train[1] (b): weight -1 must be positive and finite");
+  EXPECT_EQ(load_error("data:\n  train:\n    - {path: a, weight: lots}\n"),
+            "cfg/test.yaml:2: data.train[0]: weight must be a number, got 'lots'");
+  EXPECT_EQ(load_error("data:\n  train:\n    - {path: a}\n"),
+            "cfg/test.yaml:2: data.train[0] (a): weight is missing (the source's share of the windows)");
+  EXPECT_EQ(load_error("data:\n  train:\n    - {weight: 2}\n"),
+            "cfg/test.yaml:2: data.train[0]: path is missing (a shard directory or a Megatron dataset prefix)");
+  EXPECT_EQ(load_error("data:\n  train:\n    - {path: a, weight: 1, wieght: 2}\n"),
+            "cfg/test.yaml:2: data.train[0]: unknown field 'wieght' (a source has path and weight)");
+  EXPECT_EQ(load_error("data:\n  train:\n    - a\n"),
+            "cfg/test.yaml:2: data.train[0]: expected {path: ..., weight: ...}, got 'a'");
+  EXPECT_EQ(load_error("data:\n  train: []\n"), "cfg/test.yaml:2: data.train: a mixture must list at least one {path, weight}");
+  // The canonical text given as a string is checked too.
+  EXPECT_TRUE(contains(load_error("data:\n  train: '[{\"path\": \"a\", \"weight\": -3}]'\n"), "weight -3 must be positive"));
+  EXPECT_TRUE(contains(schema_text(), "weighted mixture"));
+}
+
 TEST(TrainerConfig, WrongTypesAreNamed) {
   EXPECT_EQ(load_error("data:\n  train: d\noptim:\n  lr: fast\n"), "cfg/test.yaml:4: optim.lr: expected a number, got 'fast'");
   EXPECT_EQ(load_error("data:\n  seq_len: 2.5\n"), "cfg/test.yaml:2: data.seq_len: expected an integer, got '2.5'");
@@ -257,7 +302,8 @@ TEST(TrainerConfig, WrongTypesAreNamed) {
   EXPECT_EQ(load_error("optim:\n  lr:\n"), "cfg/test.yaml:2: optim.lr: expected a number, got no value");
   EXPECT_EQ(load_error("optim:\n  lr: .nan\n"), "cfg/test.yaml:2: optim.lr: expected a number, got '.nan'");
   EXPECT_EQ(load_error("logging:\n  plot: maybe\n"), "cfg/test.yaml:2: logging.plot: expected true or false, got 'maybe'");
-  EXPECT_EQ(load_error("data:\n  train: {a: 1}\n"), "cfg/test.yaml:2: data.train: expected a string, got a mapping");
+  EXPECT_EQ(load_error("data:\n  train: {a: 1}\n"),
+            "cfg/test.yaml:2: data.train: expected a path or a list of {path, weight}, got a mapping");
   EXPECT_EQ(load_error("optim:\n  no_decay: norm\n"),
             "cfg/test.yaml:2: optim.no_decay: expected a list of strings like [a, b], got 'norm'");
   EXPECT_EQ(load_error("optim:\n  no_decay: [norm, [x]]\n"),
@@ -284,9 +330,13 @@ TEST(TrainerConfig, OutOfRangeValuesAreNamed) {
   EXPECT_EQ(load_error(head + "model:\n  n_layers: 0\n"), "cfg/test.yaml:4: model.n_layers must be >= 1, got 0");
   EXPECT_EQ(load_error(head + "parallel:\n  timeout_s: 0\n"), "cfg/test.yaml:4: parallel.timeout_s must be > 0, got 0.0");
   EXPECT_EQ(load_error("data:\n  seq_len: 64\n"),
-            "cfg/test.yaml: data.train is required: directory of token shards written by `longtrain prepare`");
+            "cfg/test.yaml: data.train is required: token shards written by `longtrain prepare`, a Megatron-LM/NeMo "
+            "indexed dataset (PREFIX of PREFIX.bin/.idx), or a weighted mixture of them: [{path: a, weight: 0.3}, "
+            "{path: b, weight: 0.7}]");
   EXPECT_EQ(load_error("data:\n  train: ''\n"),
-            "cfg/test.yaml:2: data.train is required: directory of token shards written by `longtrain prepare`");
+            "cfg/test.yaml:2: data.train is required: token shards written by `longtrain prepare`, a Megatron-LM/NeMo "
+            "indexed dataset (PREFIX of PREFIX.bin/.idx), or a weighted mixture of them: [{path: a, weight: 0.3}, "
+            "{path: b, weight: 0.7}]");
 }
 
 TEST(TrainerConfig, InconsistentCombinationsAreNamed) {

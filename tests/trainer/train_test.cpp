@@ -19,6 +19,7 @@
 #include <nlohmann/json.hpp>
 
 #include "model/generate.h"
+#include "model/hf_export.h"
 #include "train_fixture.h"
 #include "trainer/checkpoint.h"
 
@@ -275,6 +276,69 @@ TEST_F(TrainTest, ResumeOnNewDataStartsItFromItsBeginning) {
                            "run's seed 3";
   EXPECT_NE(log.find(said), std::string::npos) << log;
 }
+// data.train as a mixture of two shard sets: the interrupted run resumed from step 4 equals the
+// uninterrupted one bit for bit (losses, model, optimizer, loader state with both sources'
+// positions), and metrics.jsonl counts the tokens taken from each source, adding up to the tokens
+// trained on.
+TEST_F(TrainTest, MixtureResumeIsBitExactAndMetricsCountTokensPerSource) {
+  const fs::path other = prepare_other_corpus("mix_other", 13);
+  const std::string a = (root_ / "shards").string(), b = other.string();
+  const std::vector<std::string> mix = {
+      fmt::format("data.train=[{{path: {}, weight: 0.6}}, {{path: {}, weight: 0.4}}]", a, b), "data.val=" + a};
+  TrainSummary whole = train(config("mix_whole", mix));
+  ASSERT_EQ(whole.losses.size(), 8u);
+  TrainConfig c = config("mix_resumed", mix);
+  fs::create_directories(c.checkpoint.dir);
+  fs::copy(root_ / "runs/mix_whole/checkpoints/step_4", fs::path(c.checkpoint.dir) / "step_4",
+           fs::copy_options::recursive);
+  TrainSummary resumed = train(c, "auto");
+  ASSERT_EQ(resumed.first_step, 5);
+  ASSERT_EQ(resumed.losses.size(), 4u);
+  for (size_t i = 0; i < 4; ++i) EXPECT_EQ(resumed.losses[i], whole.losses[4 + i]) << "step " << 5 + i;
+  test::expect_same_checkpoint(root_ / "runs/mix_whole/checkpoints/step_8", fs::path(c.checkpoint.dir) / "step_8", 1);
+  const nlohmann::json state =
+      nlohmann::json::parse(read_file(root_ / "runs/mix_whole/checkpoints/step_8/trainer_state.json")).at("loader");
+  ASSERT_EQ(state.at("version"), 2) << state.dump();
+  ASSERT_EQ(state.at("sources").size(), 2u);
+  EXPECT_EQ(state.at("draws").get<int64_t>(), 8 * 4);  // 8 steps of 2 x 2 windows
+  // Each step's record: tokens by source, summing to 4 windows x 32 tokens per step so far; both
+  // sources drawn; the resumed run's records equal the whole run's.
+  auto per_source = [&](const std::string& run) {
+    std::vector<nlohmann::json> out;
+    std::istringstream in(read_file(root_ / "runs" / run / "metrics.jsonl"));
+    for (std::string line; std::getline(in, line);) {
+      const nlohmann::json j = nlohmann::json::parse(line);
+      if (j.contains("loss")) out.push_back(j.at("tokens_by_source"));
+    }
+    return out;
+  };
+  const std::vector<nlohmann::json> w = per_source("mix_whole"), r = per_source("mix_resumed");
+  ASSERT_EQ(w.size(), 8u);
+  ASSERT_EQ(r.size(), 4u);
+  for (size_t i = 0; i < 8; ++i) {
+    ASSERT_EQ(w[i].size(), 2u) << w[i].dump();
+    EXPECT_EQ(w[i].at(a).get<int64_t>() + w[i].at(b).get<int64_t>(), static_cast<int64_t>(i + 1) * 4 * 32)
+        << w[i].dump();
+  }
+  EXPECT_GT(w[7].at(a).get<int64_t>(), 0);
+  EXPECT_GT(w[7].at(b).get<int64_t>(), 0);
+  for (size_t i = 0; i < 4; ++i) EXPECT_EQ(r[i], w[4 + i]) << "step " << 5 + i;
+  const std::string log = read_file(root_ / "runs/mix_whole/train.log");
+  EXPECT_NE(log.find("mixture source 1: " + b + " (weight 0.4)"), std::string::npos) << log;
+  EXPECT_NE(log.find("tokens by source: " + a + " "), std::string::npos) << log;
+  // A mixture has no validation split of its own: eval without data.val is refused by name.
+  EXPECT_THROW(
+      {
+        try {
+          train(config("mix_noval", {mix[0]}));
+        } catch (const Error& e) {
+          EXPECT_NE(std::string(e.what()).find("data.val is empty: set data.val"), std::string::npos) << e.what();
+          throw;
+        }
+      },
+      Error);
+}
+
 TEST_F(TrainTest, NonFiniteGradientsAreSkippedWithoutAnUpdate) {
   TrainConfig c = config("nan_skip", {"train.on_nonfinite=skip", "eval.batches=0"});
   std::vector<float> before_step3;
@@ -619,6 +683,62 @@ TEST_F(TrainTest, GeneratePrintsPromptAndContinuationAsOneText) {
   if (tok.piece(continuation[0]).rfind("\xe2\x96\x81", 0) == 0) {
     EXPECT_EQ(out[prompt.size()], ' ') << out;
   }
+}
+
+// A Hugging Face directory whose tokenizer is a tokenizer.json (GPT-2-style byte-level BPE from the
+// parity fixture): generate picks it by default and prints the prompt and the greedy continuation
+// as the tokenizer decodes them; a run with data.tokenizer = a tokenizer.json keeps it in each
+// checkpoint under that name.
+TEST_F(TrainTest, GenerateAndCheckpointsUseATokenizerJson) {
+  const fs::path json_path = fs::path(LONGTRAIN_HF_TOKENIZER_FIXTURE) / "gpt2_style/tokenizer.json";
+  const fs::path dir = root_ / "hf_bpe";
+  fs::create_directories(dir);
+  model::LlamaConfig cfg;
+  cfg.vocab_size = 1024;  // the tokenizer's 1000 ids, padded as published models pad theirs
+  cfg.dim = 32;
+  cfg.n_layers = 1;
+  cfg.n_heads = 4;
+  cfg.n_kv_heads = 2;
+  cfg.head_dim = 8;
+  cfg.ffn_dim = 64;
+  cfg.max_seq_len = 64;
+  {
+    model::LlamaModel random(cfg, model::Precision::cpu(DType::f32), model::CheckpointPolicy::none, 64);
+    random.initialize(5, 0.5);
+    model::HfLlamaConfig hf;
+    hf.model = cfg;
+    model::export_hf_directory(dir.string(), hf, random.params(), DType::f32);
+  }
+  fs::copy_file(json_path, dir / "tokenizer.json");
+  const std::string prompt = "It is a truth universally acknowledged";
+  std::string out;
+  ASSERT_EQ(run_cli("generate --checkpoint " + dir.string() + " --prompt '" + prompt +
+                        "' --temperature 0 --max-new-tokens 6", out), 0) << out;
+  LoadedModel m = load_model_from_checkpoint(dir, 1);
+  EXPECT_EQ(m.config.data.tokenizer, (dir / "tokenizer.json").string());
+  data::Tokenizer tok((dir / "tokenizer.json").string());
+  ASSERT_TRUE(tok.is_hf());
+  const std::vector<int32_t> prompt_ids = tok.encode(prompt);
+  model::SamplingParams greedy;
+  greedy.temperature = 0;
+  const std::vector<int32_t> continuation = model::generate(*m.model, prompt_ids, 6, greedy, tok.eos_id());
+  std::vector<int32_t> all = prompt_ids;
+  all.insert(all.end(), continuation.begin(), continuation.end());
+  EXPECT_EQ(out, tok.decode(all) + "\n");
+  EXPECT_EQ(out.rfind(" " + prompt, 0), 0u) << out;  // GPT-2's add_prefix_space
+  // A tokenizer smaller than the model is fine for a tokenizer.json, a larger one is not.
+  fs::create_directories(root_ / "hf_small");
+  for (const char* f : {"config.json", "model.safetensors"}) fs::copy_file(dir / f, root_ / "hf_small" / f);
+  fs::copy_file(fs::path(LONGTRAIN_HF_TOKENIZER_FIXTURE) / "llama3_style/tokenizer.json",
+                root_ / "hf_small/tokenizer.json");
+  EXPECT_EQ(run_cli("generate --checkpoint " + (root_ / "hf_small").string() + " --prompt hi", out), 1) << out;
+  EXPECT_NE(out.find("has 1501 pieces but the model's vocabulary is 1024"), std::string::npos) << out;
+
+  TrainSummary s = train(config("json_tok", {"train.steps=2", "checkpoint.every=0", "eval.batches=0",
+                                             "data.tokenizer=" + json_path.string()}));
+  ASSERT_TRUE(s.last_checkpoint);
+  EXPECT_TRUE(read_file(*s.last_checkpoint / "tokenizer.json") == read_file(json_path));
+  EXPECT_FALSE(fs::exists(*s.last_checkpoint / "tokenizer.model"));
 }
 
 TEST_F(TrainTest, BadConfigsExitNonZeroAndCreateNoRunDirectory) {

@@ -38,7 +38,7 @@ std::string text_to_encode(const EncodeOptions& o) {
 }  // namespace
 
 void add_tokenizer_commands(CLI::App& app) {
-  CLI::App* tok = app.add_subcommand("tokenizer", "Train a SentencePiece tokenizer, or encode/decode with one");
+  CLI::App* tok = app.add_subcommand("tokenizer", "Train a SentencePiece tokenizer, or encode/decode with one (or a tokenizer.json)");
   tok->require_subcommand(1);
 
   auto t = std::make_shared<data::TokenizerTrainOptions>();
@@ -68,7 +68,7 @@ void add_tokenizer_commands(CLI::App& app) {
 
   auto e = std::make_shared<EncodeOptions>();
   CLI::App* encode = tok->add_subcommand("encode", "Print the token ids (or pieces) of a text");
-  encode->add_option("-m,--model", e->model, "SentencePiece .model")->required();
+  encode->add_option("-m,--model", e->model, "SentencePiece .model or Hugging Face tokenizer.json")->required();
   encode->add_option("-t,--text", e->text, "the text (default: standard input)");
   encode->add_option("-i,--input", e->input, "a file to encode");
   encode->add_flag("--pieces", e->pieces, "print pieces instead of ids");
@@ -86,7 +86,7 @@ void add_tokenizer_commands(CLI::App& app) {
 
   auto d = std::make_shared<DecodeOptions>();
   CLI::App* decode = tok->add_subcommand("decode", "Print the text of token ids (default: read ids from standard input)");
-  decode->add_option("-m,--model", d->model, "SentencePiece .model")->required();
+  decode->add_option("-m,--model", d->model, "SentencePiece .model or Hugging Face tokenizer.json")->required();
   decode->add_option("ids", d->ids, "token ids");
   decode->callback([d] {
     const data::Tokenizer model(d->model);

@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "data/loader.h"
+#include "data/mixture.h"
 #include "data/tokenizer.h"
 #include "model/generate.h"
 #include "parallel/distributed.h"
@@ -112,7 +113,8 @@ void add_train_commands(CLI::App& app) {
     cmd->add_option("--out", *out_dir, "Directory for passkey.json and passkey.svg (default ./passkey)");
     auto json_out = std::make_shared<std::string>();
     cmd->add_option("--json", *json_out, "Also write the loss, tokens and bucket losses to this JSON file");
-    cmd->add_option("--tokenizer", *tokenizer_path, "SentencePiece model (default: the directory's tokenizer.model)");
+    cmd->add_option("--tokenizer", *tokenizer_path,
+                    "SentencePiece .model or tokenizer.json (default: the directory's tokenizer.model or tokenizer.json)");
     auto sp_size = std::make_shared<int64_t>(0);
     auto schedule = std::make_shared<std::string>();
     auto layout = std::make_shared<std::string>();
@@ -142,10 +144,11 @@ void add_train_commands(CLI::App& app) {
         trainer::LoadedModel m = trainer::load_model_from_checkpoint(*dir, T, dev, overrides, *sp_size);
         LT_CHECK(m.config.attention.causal, "eval --passkey needs causal attention; {} has attention.causal false",
                  *dir);
-        std::string tok = !tokenizer_path->empty() ? *tokenizer_path : (fs::path(*dir) / "tokenizer.model").string();
-        if (!fs::exists(tok)) tok = m.config.data.tokenizer;
+        std::string tok = !tokenizer_path->empty() ? *tokenizer_path : data::find_tokenizer_in(*dir);
+        if (tok.empty() || !fs::exists(tok)) tok = m.config.data.tokenizer;
         LT_CHECK(!tok.empty() && fs::exists(tok),
-                 "eval --passkey: no tokenizer: {} has no tokenizer.model and the config names none; pass --tokenizer",
+                 "eval --passkey: no tokenizer: {} has no tokenizer.model or tokenizer.json and the config names none; "
+                 "pass --tokenizer",
                  *dir);
         data::Tokenizer tokenizer(tok);
         trainer::PasskeyRanks ranks;
@@ -173,6 +176,11 @@ void add_train_commands(CLI::App& app) {
       const std::string shard_dir = !data_dir->empty() ? *data_dir : (!c.data.val.empty() ? c.data.val : c.data.train);
       LT_CHECK(!shard_dir.empty(), "eval: {} is a Hugging Face directory with no data of its own: pass --data DIR "
                "(a directory made by `longtrain prepare`)", *dir);
+      LT_CHECK(!data::is_mixture_spec(shard_dir), "eval: the run's data.train is a mixture and it has no data.val: "
+               "pass --data DIR (a shard directory or Megatron dataset to evaluate on)");
+      LT_CHECK(!data_dir->empty() || !c.data.val.empty() || data::megatron_prefix(c.data.train).empty(),
+               "eval: the run's data.train '{}' is a Megatron dataset, which has no validation split, and it has no "
+               "data.val: pass --data", c.data.train);
       // The windows the way training saw them: with or without the document mask (--document-mask
       // overrides the run's setting).
       if (!document_mask->empty()) c.data.document_mask = *document_mask == "true";
@@ -195,7 +203,8 @@ void add_train_commands(CLI::App& app) {
       fmt::print("checkpoint {} (step {})\nvalidation loss {:.4f}, perplexity {:.2f}, {} tokens\n", *dir, m.step,
                  e.loss, e.perplexity, e.tokens);
       const int64_t S = c.data.seq_len, B = static_cast<int64_t>(e.bucket_loss.size());
-      if (!c.data.train.empty()) {
+      // The baseline counts one train corpus (not a mixture's several).
+      if (!c.data.train.empty() && !data::is_mixture_spec(c.data.train)) {
         data::Loader train_split([&] {
           data::LoaderOptions t = o;
           t.shard_dir = c.data.train;
@@ -240,7 +249,8 @@ void add_train_commands(CLI::App& app) {
                     "Checkpoint directory (…/checkpoints/step_N) or a Hugging Face Llama directory")
         ->required();
     cmd->add_option("--prompt", *prompt, "Text to continue")->required();
-    cmd->add_option("--tokenizer", *tokenizer_path, "SentencePiece model (default: the checkpoint's tokenizer.model)");
+    cmd->add_option("--tokenizer", *tokenizer_path,
+                    "SentencePiece .model or tokenizer.json (default: the checkpoint's tokenizer.model or tokenizer.json)");
     cmd->add_option("--max-new-tokens", *max_new, "Tokens to sample (default 100)");
     cmd->add_option("--temperature", sp->temperature, "Sampling temperature; 0 = greedy (default 0.8)");
     cmd->add_option("--top-p", sp->top_p, "Nucleus sampling mass (default 0.95)");
@@ -262,15 +272,18 @@ void add_train_commands(CLI::App& app) {
       if (!tok.empty()) {
         LT_CHECK(fs::exists(tok), "generate: --tokenizer {} does not exist", tok);
       } else {
-        tok = (fs::path(*dir) / "tokenizer.model").string();
-        if (!fs::exists(tok)) tok = m.config.data.tokenizer;
+        tok = data::find_tokenizer_in(*dir);
+        if (tok.empty()) tok = m.config.data.tokenizer;
         LT_CHECK(!tok.empty() && fs::exists(tok),
-                 "generate: no tokenizer: {} has no tokenizer.model and the config's data.tokenizer ({}) is not there; "
+                 "generate: no tokenizer: {} has no tokenizer.model or tokenizer.json and the config's data.tokenizer "
+                 "({}) is not there; "
                  "pass --tokenizer",
                  *dir, m.config.data.tokenizer.empty() ? "unset" : m.config.data.tokenizer);
       }
       data::Tokenizer tokenizer(tok);
-      LT_CHECK(tokenizer.vocab_size() == m.config.model.vocab_size,
+      // A tokenizer.json's vocabulary may be smaller than the model's (embeddings padded, as Qwen's).
+      LT_CHECK(tokenizer.is_hf() ? tokenizer.vocab_size() <= m.config.model.vocab_size
+                                 : tokenizer.vocab_size() == m.config.model.vocab_size,
                "generate: tokenizer {} has {} pieces but the model's vocabulary is {}", tok, tokenizer.vocab_size(),
                m.config.model.vocab_size);
       std::vector<int32_t> ids;

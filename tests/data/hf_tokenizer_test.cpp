@@ -1,0 +1,194 @@
+// data/hf_tokenizer.h: parity with Hugging Face tokenizers 0.23.2 on the committed fixture
+// (tests/fixtures/hf_tokenizer: two byte-level BPE tokenizer.json files trained on the demo corpus,
+// Llama 3's layout and GPT-2's, and cases.json with HF's ids, tokens and decodes of the demo texts,
+// Unicode, emoji, code, whitespace runs and special tokens), the Tokenizer chosen by its file, and
+// malformed tokenizer.json files refused naming the file and the field.
+#include <gtest/gtest.h>
+
+#include "data/hf_tokenizer.h"
+#include "data/tokenizer.h"
+#include "data_test_util.h"
+
+namespace longtrain::data {
+namespace {
+
+namespace fs = std::filesystem;
+using test::expect_error;
+using test::TempDir;
+
+const fs::path kFixture = LONGTRAIN_HF_TOKENIZER_FIXTURE;
+
+std::vector<int32_t> ids_of(const nlohmann::json& j) { return j.get<std::vector<int32_t>>(); }
+
+TEST(HfTokenizer, SameIdsTokensAndDecodesAsHuggingFaceTokenizers) {
+  const nlohmann::json cases = nlohmann::json::parse(test::read_bytes((kFixture / "cases.json").string()));
+  ASSERT_EQ(cases.at("tokenizers").size(), 2u);
+  int checked = 0, special_cases = 0;
+  for (const auto& [name, t] : cases.at("tokenizers").items()) {
+    SCOPED_TRACE(name);
+    const HfTokenizer tok((kFixture / name / "tokenizer.json").string());
+    EXPECT_EQ(tok.vocab_size(), t.at("vocab_size").get<int32_t>());
+    ASSERT_GE(t.at("cases").size(), 30u);
+    for (const nlohmann::json& c : t.at("cases")) {
+      const std::string text = c.at("text").get<std::string>();
+      SCOPED_TRACE(nlohmann::json(text).dump().substr(0, 80));
+      const std::vector<int32_t> ids = ids_of(c.at("ids")), plain = ids_of(c.at("ids_no_special"));
+      EXPECT_EQ(tok.encode(text, true), ids);
+      EXPECT_EQ(tok.encode(text, false), plain);
+      EXPECT_EQ(tok.encode_tokens(text), c.at("tokens_no_special").get<std::vector<std::string>>());
+      EXPECT_EQ(tok.decode(ids, false), c.at("decode").get<std::string>());
+      EXPECT_EQ(tok.decode(ids, true), c.at("decode_skip_special").get<std::string>());
+      ++checked;
+      if (text.find("<|") != std::string::npos) ++special_cases;
+    }
+  }
+  EXPECT_GE(checked, 76);
+  EXPECT_GE(special_cases, 8);
+  ::testing::Test::RecordProperty("cases", checked);
+}
+
+TEST(HfTokenizer, SpecialIdsComeFromTheTemplateOrTheirNames) {
+  const HfTokenizer llama((kFixture / "llama3_style/tokenizer.json").string());
+  EXPECT_EQ(llama.bos_id(), llama.token_id("<|begin_of_text|>"));  // the template's
+  EXPECT_EQ(llama.eos_id(), llama.token_id("<|end_of_text|>"));    // by name
+  const HfTokenizer gpt2((kFixture / "gpt2_style/tokenizer.json").string());
+  EXPECT_EQ(gpt2.bos_id(), -1);
+  EXPECT_EQ(gpt2.eos_id(), gpt2.token_id("<|endoftext|>"));
+  // tokenizer_config.json beside the file names them when the template does not.
+  TempDir dir;
+  fs::copy_file(kFixture / "gpt2_style/tokenizer.json", dir.path / "tokenizer.json");
+  test::write_file(dir / "tokenizer_config.json", R"({"bos_token": "<|endoftext|>", "eos_token": {"content": "<|endoftext|>"}})");
+  const HfTokenizer configured(dir / "tokenizer.json");
+  EXPECT_EQ(configured.bos_id(), gpt2.token_id("<|endoftext|>"));
+}
+
+TEST(HfTokenizer, TheTokenizerIsChosenByItsFileAndADirectoryByWhatItHolds) {
+  TempDir dir;
+  const fs::path json_path = kFixture / "llama3_style/tokenizer.json";
+  const Tokenizer by_file(json_path.string());
+  EXPECT_TRUE(by_file.is_hf());
+  EXPECT_STREQ(by_file.file_name(), "tokenizer.json");
+  const std::string text = "It is a truth universally acknowledged, 👋🏽 <|eot_id|>";
+  const HfTokenizer direct(json_path.string());
+  EXPECT_EQ(by_file.encode(text), direct.encode(text, false));
+  EXPECT_EQ(by_file.decode(by_file.encode(text)), "It is a truth universally acknowledged, 👋🏽 ");  // specials dropped
+  EXPECT_EQ(by_file.decode(by_file.encode(text), false), text);
+  // A .json of another name, and a file named otherwise whose content is JSON.
+  fs::copy_file(json_path, dir.path / "other.json");
+  EXPECT_TRUE(Tokenizer(dir / "other.json").is_hf());
+  fs::copy_file(json_path, dir.path / "tok.bin");
+  EXPECT_TRUE(Tokenizer(dir / "tok.bin").is_hf());
+  // A directory: its tokenizer.model first, else its tokenizer.json.
+  fs::create_directories(dir.path / "hf");
+  fs::copy_file(json_path, dir.path / "hf/tokenizer.json");
+  EXPECT_EQ(find_tokenizer_in(dir / "hf"), dir / "hf/tokenizer.json");
+  EXPECT_TRUE(Tokenizer(dir / "hf").is_hf());
+  fs::copy_file(test::small_tokenizer_path(), dir.path / "hf/tokenizer.model");
+  EXPECT_EQ(find_tokenizer_in(dir / "hf"), dir / "hf/tokenizer.model");
+  EXPECT_FALSE(Tokenizer(dir / "hf").is_hf());
+  fs::create_directories(dir.path / "empty");
+  EXPECT_EQ(find_tokenizer_in(dir / "empty"), "");
+  expect_error([&] { Tokenizer t(dir / "empty"); }, {dir / "empty", "no tokenizer.model or tokenizer.json"});
+}
+
+TEST(HfTokenizer, IdsWithNoTokenDecodeToNothingAsInHf) {
+  const HfTokenizer tok((kFixture / "gpt2_style/tokenizer.json").string());
+  const std::vector<int32_t> ids = tok.encode("a truth");
+  std::vector<int32_t> padded = {1000, 1023};
+  padded.insert(padded.end(), ids.begin(), ids.end());
+  padded.push_back(-1);
+  EXPECT_EQ(tok.decode(padded), tok.decode(ids));
+}
+
+TEST(HfTokenizer, InvalidUtf8IsReadWithReplacementCharacters) {
+  const HfTokenizer tok((kFixture / "gpt2_style/tokenizer.json").string());
+  // "a\xff b\xe2\x82" is read as "a\ufffd b\ufffd" (one U+FFFD per maximal ill-formed part).
+  EXPECT_EQ(tok.encode("a\xff b\xe2\x82"), tok.encode("a\xef\xbf\xbd b\xef\xbf\xbd"));
+  EXPECT_EQ(tok.decode(tok.encode("a\xff b\xe2\x82")), " a\xef\xbf\xbd b\xef\xbf\xbd");
+}
+
+// The fixture's tokenizer.json with `edit` applied, written to dir/tokenizer.json.
+std::string edited(const TempDir& dir, const std::function<void(nlohmann::json&)>& edit) {
+  nlohmann::json j = nlohmann::json::parse(test::read_bytes((kFixture / "llama3_style/tokenizer.json").string()));
+  edit(j);
+  const std::string path = dir / "tokenizer.json";
+  test::write_file(path, j.dump());
+  return path;
+}
+
+TEST(HfTokenizer, MalformedFilesAreRefusedNamingTheFileAndField) {
+  TempDir dir;
+  const std::string path = dir / "tokenizer.json";
+  auto refused = [&](const std::function<void(nlohmann::json&)>& edit, std::initializer_list<std::string> parts) {
+    const std::string p = edited(dir, edit);
+    std::vector<std::string> all(parts);
+    all.push_back(p);
+    try {
+      HfTokenizer t(p);
+      ADD_FAILURE() << "expected an error mentioning '" << all[0] << "'";
+    } catch (const Error& e) {
+      for (const std::string& part : all) EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
+    }
+  };
+  EXPECT_NO_THROW(HfTokenizer(edited(dir, [](nlohmann::json&) {})));
+  test::write_file(path, "{\"model\": ");
+  expect_error([&] { HfTokenizer t(path); }, {path, "not valid JSON"});
+  expect_error([&] { HfTokenizer t(dir / "missing.json"); }, {dir / "missing.json", "does not exist"});
+  refused([](nlohmann::json& j) { j.erase("model"); }, {"has no \"model\""});
+  refused([](nlohmann::json& j) { j["model"]["type"] = "WordPiece"; }, {"model type \"WordPiece\""});
+  refused([](nlohmann::json& j) { j["model"]["merges"][3] = nlohmann::json::array({"h", "nowhere"}); },
+          {"model.merges[3]", "\"nowhere\""});
+  refused([](nlohmann::json& j) { j["model"]["merges"][5] = "three tokens here"; }, {"model.merges[5]"});
+  refused([](nlohmann::json& j) { j["model"]["vocab"]["Ġthe"] = "x"; }, {"model.vocab[\"Ġthe\"]"});
+  refused([](nlohmann::json& j) { j["model"]["vocab"]["zzzz-duplicate"] = 7; }, {"id 7 is given to two tokens"});
+  refused([](nlohmann::json& j) { j["model"]["dropout"] = 0.1; }, {"model.dropout"});
+  refused([](nlohmann::json& j) { j["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] = "(unclosed"; },
+          {"pre_tokenizer.pretokenizers[0].pattern", "does not compile"});
+  refused([](nlohmann::json& j) { j["pre_tokenizer"]["pretokenizers"][1]["type"] = "Metaspace"; },
+          {"pre_tokenizer.pretokenizers[1]", "\"Metaspace\" is not supported"});
+  refused([](nlohmann::json& j) { j["pre_tokenizer"]["pretokenizers"][0]["behavior"] = "Sideways"; },
+          {"pre_tokenizer.pretokenizers[0].behavior"});
+  refused([](nlohmann::json& j) { j["normalizer"] = {{"type", "NFC"}}; }, {"normalizer", "\"NFC\" is not supported"});
+  refused([](nlohmann::json& j) { j["decoder"] = {{"type", "WordPiece"}}; }, {"decoder", "\"WordPiece\""});
+  refused([](nlohmann::json& j) { j["post_processor"]["processors"][1]["single"][0]["SpecialToken"]["id"] = "<x>"; },
+          {"post_processor.processors[1]", "\"<x>\" is not in special_tokens"});
+  refused([](nlohmann::json& j) { j["added_tokens"][0].erase("content"); }, {"added_tokens[0]"});
+  refused([](nlohmann::json& j) { j["added_tokens"][1]["id"] = 300; }, {"added token \"<|end_of_text|>\" has id 300"});
+  refused([](nlohmann::json& j) { j["model"]["unk_token"] = "<unk>"; }, {"model.unk_token \"<unk>\""});
+}
+
+// The BPE knobs the fixture does not exercise, on a hand-made vocabulary: byte fallback, unk with
+// fuse_unk, a continuing-subword prefix, and the Llama 2-style normalizer and decoder chain.
+TEST(HfTokenizer, ByteFallbackUnkAndTheMetaspaceStyleChain) {
+  TempDir dir;
+  nlohmann::json vocab = {{"<unk>", 0}, {"▁", 1}, {"a", 2}, {"b", 3}, {"▁a", 4}, {"ab", 5}, {"▁ab", 6}};
+  for (int b = 0; b < 256; ++b) vocab[fmt::format("<0x{:02X}>", b)] = 7 + b;
+  nlohmann::json j = {
+      {"added_tokens", nlohmann::json::array()},
+      {"normalizer", {{"type", "Sequence"}, {"normalizers", {{{"type", "Prepend"}, {"prepend", "▁"}},
+                                                              {{"type", "Replace"}, {"pattern", {{"String", " "}}},
+                                                               {"content", "▁"}}}}}},
+      {"pre_tokenizer", nullptr},
+      {"post_processor", nullptr},
+      {"decoder", {{"type", "Sequence"}, {"decoders", {{{"type", "Replace"}, {"pattern", {{"String", "▁"}}}, {"content", " "}},
+                                                        {{"type", "ByteFallback"}},
+                                                        {{"type", "Fuse"}},
+                                                        {{"type", "Strip"}, {"content", " "}, {"start", 1}, {"stop", 0}}}}}},
+      {"model", {{"type", "BPE"}, {"unk_token", "<unk>"}, {"byte_fallback", true}, {"fuse_unk", true},
+                 {"vocab", vocab}, {"merges", {"▁ a", "a b", "▁a b"}}}}};
+  test::write_file(dir / "tokenizer.json", j.dump());
+  const HfTokenizer tok(dir / "tokenizer.json");
+  // "ab ab" -> "▁ab▁ab": merges (▁ a) rank 0, then (a b)... leftmost lowest rank first.
+  EXPECT_EQ(tok.encode("ab ab"), (std::vector<int32_t>{6, 6}));
+  // "é" is not in the vocabulary: its two UTF-8 bytes, as byte tokens.
+  EXPECT_EQ(tok.encode("aé"), (std::vector<int32_t>{4, 7 + 0xC3, 7 + 0xA9}));
+  EXPECT_EQ(tok.decode(tok.encode("ab aé b")), "ab aé b");
+  // Without byte fallback, unknown characters are unk, consecutive ones fused.
+  j["model"]["byte_fallback"] = false;
+  test::write_file(dir / "tokenizer.json", j.dump());
+  const HfTokenizer unk(dir / "tokenizer.json");
+  EXPECT_EQ(unk.encode("aéé"), (std::vector<int32_t>{4, 0}));
+}
+
+}  // namespace
+}  // namespace longtrain::data
