@@ -81,11 +81,14 @@ PY
   done
 done
 
-commit="$(git -C "$root" rev-parse HEAD)"
+# BENCH_COMMIT names the commit where the tree is a copy without .git (the lent GPU machine).
+commit="${BENCH_COMMIT:-$(git -C "$root" rev-parse HEAD)}"
 dirty=False
-[ -z "$(git -C "$root" status --porcelain -- data tools)" ] || dirty=True
+if [ -z "${BENCH_COMMIT:-}" ]; then
+  [ -z "$(git -C "$root" status --porcelain -- data tools)" ] || dirty=True
+fi
 mkdir -p "$root/bench/results"
-out="$root/bench/results/prepare-tokenizer-json-$(git -C "$root" rev-parse --short HEAD).json"
+out="$root/bench/results/prepare-tokenizer-json-${commit:0:7}.json"
 python3 - "$out" "$fixture/throughput.json" <<PY
 import json, os, platform, statistics, sys
 runs = [${runs_json%,}]
