@@ -120,10 +120,11 @@ std::vector<float> decode_tokens(const LlamaModel& model, KvCache& cache, const 
     // The queries against the keys held here: the earlier positions fully, the new ones causally
     // (query row i is position past + i). Starts from the empty partial (O = 0, LSE = -inf).
     attn::attention_block_forward(o, lse, q, kc.narrow(0, 0), vc.narrow(0, 0), attn::BlockMask::none, scale);
+    const Tensor queries = q;  // a structured binding cannot be captured by clang 14's lambdas
     auto merge_block = [&](int64_t q0, int64_t q1, int64_t k0, int64_t k1, attn::BlockMask mask) {
       if (q0 >= q1 || k0 >= k1) return;
       Tensor on = ws.get("o_new").narrow(q0, q1 - q0), ln = ws.get("lse_new").narrow(q0, q1 - q0);
-      attn::attention_block_forward(on, ln, q.narrow(q0, q1 - q0), kc.narrow(k0 - first, k1 - k0),
+      attn::attention_block_forward(on, ln, queries.narrow(q0, q1 - q0), kc.narrow(k0 - first, k1 - k0),
                                     vc.narrow(k0 - first, k1 - k0), mask, scale);
       attn::lse_merge(o.narrow(q0, q1 - q0), lse.narrow(q0, q1 - q0), on, ln);
     };
