@@ -958,9 +958,9 @@ parallel::Communicator* LoadedModel::world() const { return dist ? &dist->world(
 data::LoaderOptions eval_loader_options(const LoadedModel& m, const std::string& shard_dir) {
   Ranks r;
   r.dp_rank = m.dp_rank, r.dp_size = m.dp_size, r.sp_rank = m.sp_rank, r.sp_size = m.sp_size;
-  data::LoaderOptions o = loader_options(m.config, "val", r);
-  o.shard_dir = shard_dir;
-  return o;
+  TrainConfig c = m.config;
+  c.data.val = shard_dir;  // the data to evaluate, whatever the run trained on (a plain HF directory: none)
+  return loader_options(c, "val", r);
 }
 
 LoadedModel load_model_from_checkpoint(const fs::path& dir, int64_t max_tokens, Device device,

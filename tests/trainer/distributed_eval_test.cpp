@@ -185,6 +185,31 @@ TEST_F(DistributedEvalTest, GenerateWithAShardedKvCacheEqualsOneProcess) {
   }
 }
 
+// A plain Hugging Face directory (the checkpoint's config.json and weights, no MANIFEST, no data of its
+// own) evaluates on --data with the checkpoint's loss, in one process and on 2 ranks.
+TEST_F(DistributedEvalTest, AHuggingFaceDirectoryEvaluatesOnGivenData) {
+  const fs::path hf = root_ / "eval_model_hf";
+  fs::create_directories(hf);
+  for (const char* f : {"config.json", "model.safetensors"}) fs::copy_file(checkpoint() / f, hf / f, fs::copy_options::overwrite_existing);
+  const fs::path json_path = root_ / "eval_hf.json";
+  const std::string common = fmt::format("--batches 12 --buckets 4 --seq-len 64 --json {}", json_path.string());
+  std::string out;
+  fs::remove(json_path);
+  ASSERT_EQ(run_longtrain(1, fmt::format("eval --checkpoint {} {}", checkpoint().string(), common), out), 0) << out;
+  const EvalOutput ours = parse_eval(out, json_path, 4);
+  for (int nproc : {1, 2}) {
+    SCOPED_TRACE(fmt::format("{} processes", nproc));
+    fs::remove(json_path);
+    ASSERT_EQ(run_longtrain(nproc, fmt::format("eval --checkpoint {} --data {} {}", hf.string(),
+                                               (root_ / "shards").string(), common), out), 0) << out;
+    const EvalOutput e = parse_eval(out, json_path, 4);
+    EXPECT_EQ(e.tokens, ours.tokens);
+    EXPECT_LT(::longtrain::test::scalar_relative_error(e.loss, ours.loss), 1e-5) << e.loss << " vs " << ours.loss;
+  }
+  EXPECT_NE(run_longtrain(1, fmt::format("eval --checkpoint {} {}", hf.string(), common), out), 0);
+  EXPECT_NE(out.find("pass --data"), std::string::npos) << out;
+}
+
 TEST_F(DistributedEvalTest, SpSizeThatDoesNotFitIsAClearError) {
   std::string out;
   EXPECT_NE(run_longtrain(1, fmt::format("eval --checkpoint {} --sp-size 2", checkpoint().string()), out), 0);
