@@ -23,7 +23,7 @@ stamp "gpu_test rc $?"; grep -E "FAILED|PASSED|SKIPPED \]" $W/gpu_test.log | tai
 grep HF_PARITY_GPU $W/gpu_test.log > $W/hf_parity_gpu.txt
 timeout 120 build-carry/tests/gpu/distributed_attention_gpu_test > $W/dist_gpu.log 2>&1
 stamp "distributed_attention_gpu_test rc $?"; tail -5 $W/dist_gpu.log
-tokfix_script=${TOKENIZER_FIXTURE_SCRIPT:-tests/fixtures/tokenizer_json/make_fixture.py}
+tokfix_script=${TOKENIZER_FIXTURE_SCRIPT:-tests/fixtures/hf_tokenizer/make_fixture.py}
 [ -f "$tokfix_script" ] && timeout 150 python3 "$tokfix_script" data-cache/janeausten $W/tokfix > $W/tokfix.log 2>&1
 stamp "tokenizer fixture rc $?"; tail -3 $W/tokfix.log
 timeout 150 python3 scripts/gpu/make_random_hf_llama.py runs/tinyllama-random --vocab-size 4096 > $W/tinyllama.log 2>&1
