@@ -159,7 +159,9 @@ int64_t passkey_forward_length(int64_t length, SeqLayout layout, int sp_size) {
 
 std::vector<PasskeyCell> passkey_eval_forward(model::LlamaModel& model, const data::Tokenizer& tokenizer,
                                               const PasskeyOptions& o, const PasskeyRanks& r) {
-  LT_CHECK(tokenizer.vocab_size() == model.config().vocab_size,
+  // The same rule as the KV-cache path: a tokenizer.json may cover fewer ids than padded embeddings.
+  LT_CHECK(tokenizer.is_hf() ? tokenizer.vocab_size() <= model.config().vocab_size
+                             : tokenizer.vocab_size() == model.config().vocab_size,
            "passkey: the tokenizer has {} pieces but the model's vocabulary is {}", tokenizer.vocab_size(),
            model.config().vocab_size);
   const Device device = model.precision().device;
