@@ -82,6 +82,9 @@ struct CrossEntropyParams {
   int32_t ignore_index = -100;
   double grad_scale = 1.0;      // 1 / (number of valid labels in the global batch)
   int64_t chunk_tokens = 1024;  // rows of logits materialised at once
+  // The caller has already checked every label (the model does, once per shard, before it calls this
+  // per chunk of tokens): skips the per-call check, which on CUDA is a synchronising read.
+  bool labels_checked = false;
 };
 void lm_head_cross_entropy(Tensor losses, Tensor dx, Tensor dw, Tensor x, Tensor w, Tensor labels,
                            const CrossEntropyParams& p);

@@ -55,11 +55,19 @@ double sum_to_host(const Tensor& t) {
   return s;
 }
 
-int64_t count_valid_labels(const Tensor& labels, int32_t ignore_index) {
+// The labels that count, after checking every one is ignore_index or inside the vocabulary.
+int64_t count_valid_labels(const Tensor& labels, int32_t ignore_index, int64_t vocab) {
   std::vector<int32_t> host(static_cast<size_t>(labels.numel()));
   copy(Tensor(host.data(), DType::i32, {labels.numel()}), labels);
   int64_t n = 0;
-  for (int32_t v : host) n += v != ignore_index;
+  for (size_t t = 0; t < host.size(); ++t) {
+    const int32_t v = host[t];
+    LT_CHECK(v == ignore_index || (v >= 0 && v < vocab),
+             "label {} at token index {} is outside the vocabulary [0, {}) of the LM head and is not ignore_index "
+             "({}); the data was tokenized for another vocabulary (check model.vocab_size)",
+             v, t, vocab, ignore_index);
+    n += v != ignore_index;
+  }
   return n;
 }
 
@@ -78,7 +86,7 @@ QkvViews split_qkv(const Tensor& qkv, const LlamaConfig& c) {
 }
 
 LlamaModel::LlamaModel(const LlamaConfig& config, Precision precision, CheckpointPolicy policy, int64_t max_tokens,
-                       std::unique_ptr<attn::SequenceAttention> attention, int64_t flat_shards)
+                       std::unique_ptr<attn::SequenceAttention> attention, int64_t flat_shards, Tiling tiling)
     : config_(config), precision_(precision), policy_(policy), max_tokens_(max_tokens),
       attention_(std::move(attention)), params_("parameters", precision.device),
       grads_("gradients", precision.device), acts_("activations", precision.device) {
@@ -118,7 +126,8 @@ LlamaModel::LlamaModel(const LlamaConfig& config, Precision precision, Checkpoin
 
   // The activation table (model/memory_plan.cpp), shared with the memory plan so that the plan is
   // exactly what is allocated here.
-  add_activation_entries(acts_, config_, precision_, policy_, max_tokens);
+  tiling_ = resolve_tiling(config_, precision_, tiling, max_tokens);
+  add_activation_entries(acts_, config_, precision_, policy_, max_tokens, tiling_);
   acts_.allocate();
 }
 
@@ -133,12 +142,27 @@ void LlamaModel::set_rope_length(int64_t seq_len) {
 LlamaModel::LayerActs LlamaModel::layer_acts(int64_t l, int64_t T) const {
   auto get = [&](const char* name) {
     Tensor t = keeps_activation(policy_, name) ? acts_.get(fmt::format("layers.{}.{}", l, name))
-                                    : acts_.get(fmt::format("scratch.{}", name));
-    return t.narrow(0, T);  // the first T tokens of a buffer sized for max_tokens
+                                               : acts_.get(fmt::format("scratch.{}", name));
+    // The first T tokens of a buffer sized for max_tokens, or the whole of a chunk-sized scratch.
+    return t.narrow(0, std::min(T, t.size(0)));
   };
   return {get("n1"), get("rstd1"), get("qkv"), get("o"), get("lse"), get("h"),
           get("n2"), get("rstd2"), get("gate_up"), get("s")};
 }
+
+namespace {
+
+// Rows [t0, t0 + n) of a token-local activation: of the tensor itself when it spans the shard (a
+// kept per-layer tensor), else the first n rows of a chunk-sized scratch copy.
+Tensor rows(const Tensor& t, int64_t T, int64_t t0, int64_t n) { return t.size(0) == T ? t.narrow(t0, n) : t.narrow(0, n); }
+
+// Calls fn(t0, n) for consecutive chunks of at most `chunk` tokens covering [0, T).
+template <class Fn>
+void for_chunks(int64_t T, int64_t chunk, Fn&& fn) {
+  for (int64_t t0 = 0; t0 < T; t0 += chunk) fn(t0, std::min(chunk, T - t0));
+}
+
+}  // namespace
 
 void LlamaModel::check_shard(const TokenShard& s) const {
   const int64_t T = s.tokens.numel();
@@ -149,79 +173,126 @@ void LlamaModel::check_shard(const TokenShard& s) const {
   }
 }
 
-// Runs layer `l` forward from x_in, filling `a`. x_out (when non-empty) receives the layer output.
-// run_attention = false reuses the O and LSE already in `a` (remat_aware recomputation).
-void LlamaModel::layer_forward(int64_t l, const LayerActs& a, Tensor x_in, Tensor x_out, Tensor positions,
-                               bool run_attention) {
+// n1 = RMSNorm(x) and qkv = Wqkv·n1 chunk by chunk, then RoPE on the q and k parts: attention's input.
+void LlamaModel::qkv_forward(int64_t l, const LayerActs& a, Tensor x_in, Tensor positions) {
   const LayerParams& p = p_.layers[l];
-  const int64_t T = x_in.size(0), D = config_.head_dim, Hq = config_.n_heads;
-  const ops::RopeParams& rope = rope_;
-  Tensor proj = acts_.get("proj").narrow(0, T);
-
-  ops::rmsnorm_forward(a.n1, a.rstd1, x_in, p.input_norm, config_.norm_eps);
-  ops::linear_forward(a.qkv, a.n1, p.qkv);
+  const int64_t T = x_in.size(0);
+  for_chunks(T, tiling_.mlp_chunk_tokens, [&](int64_t t0, int64_t n) {
+    const Tensor n1 = rows(a.n1, T, t0, n);
+    ops::rmsnorm_forward(n1, rows(a.rstd1, T, t0, n), x_in.narrow(t0, n), p.input_norm, config_.norm_eps);
+    ops::linear_forward(a.qkv.narrow(t0, n), n1, p.qkv);
+  });
   const QkvViews qkv = split_qkv(a.qkv, config_);
-  ops::rope_forward(qkv.q, positions, rope);
-  ops::rope_forward(qkv.k, positions, rope);
-  if (run_attention) attention_->forward(a.o, a.lse, qkv.q, qkv.k, qkv.v);
-
-  ops::linear_forward(proj, a.o.reshape({T, Hq * D}), p.o_proj);
-  copy(a.h, x_in);
-  ops::add_inplace(a.h, proj);
-
-  ops::rmsnorm_forward(a.n2, a.rstd2, a.h, p.post_norm, config_.norm_eps);
-  ops::linear_forward(a.gate_up, a.n2, p.gate_up);
-  ops::swiglu_forward(a.s, a.gate_up);
-  if (!x_out.empty()) {
-    ops::linear_forward(proj, a.s, p.down_proj);
-    copy(x_out, a.h);
-    ops::add_inplace(x_out, proj);
-  }
+  ops::rope_forward(qkv.q, positions, rope_);
+  ops::rope_forward(qkv.k, positions, rope_);
 }
 
-// d_residual holds dL/d(layer output) on entry and dL/d(layer input) on return.
+// Runs layer `l` forward from x_in into x_out, filling `a` (what the policy keeps of it).
+void LlamaModel::layer_forward(int64_t l, const LayerActs& a, Tensor x_in, Tensor x_out, Tensor positions) {
+  const LayerParams& p = p_.layers[l];
+  const int64_t T = x_in.size(0), D = config_.head_dim, Hq = config_.n_heads;
+  qkv_forward(l, a, x_in, positions);
+  const QkvViews qkv = split_qkv(a.qkv, config_);
+  attention_->forward(a.o, a.lse, qkv.q, qkv.k, qkv.v);
+
+  // Everything after attention is token-local: o_proj, the residual, the post-attention norm and the
+  // MLP, one chunk of tokens at a time.
+  const Tensor o = a.o.reshape({T, Hq * D});
+  for_chunks(T, tiling_.mlp_chunk_tokens, [&](int64_t t0, int64_t n) {
+    const Tensor proj = acts_.get("proj").narrow(0, n), h = rows(a.h, T, t0, n), n2 = rows(a.n2, T, t0, n),
+                 gate_up = rows(a.gate_up, T, t0, n), s = rows(a.s, T, t0, n), out = x_out.narrow(t0, n);
+    ops::linear_forward(proj, o.narrow(t0, n), p.o_proj);
+    copy(h, x_in.narrow(t0, n));
+    ops::add_inplace(h, proj);
+    ops::rmsnorm_forward(n2, rows(a.rstd2, T, t0, n), h, p.post_norm, config_.norm_eps);
+    ops::linear_forward(gate_up, n2, p.gate_up);
+    ops::swiglu_forward(s, gate_up);
+    ops::linear_forward(proj, s, p.down_proj);
+    copy(out, h);
+    ops::add_inplace(out, proj);
+  });
+}
+
+// d_residual holds dL/d(layer output) on entry and dL/d(layer input) on return. Under a policy that
+// dropped activations, they are recomputed here: QKV for the whole shard (attention's input; under
+// full attention forward as well), the token-local tensors one chunk at a time right before the
+// chunk's backward uses them.
 void LlamaModel::layer_backward(int64_t l, const LayerActs& a, Tensor x_in, Tensor d_residual, Tensor positions) {
   const LayerParams& p = p_.layers[l];
   const LayerParams& g = g_.layers[l];
   const int64_t T = x_in.size(0), D = config_.head_dim, Hq = config_.n_heads;
-  const ops::RopeParams& rope = rope_;
-  Tensor d_norm = acts_.get("d_norm").narrow(0, T), d_s = acts_.get("d_s").narrow(0, T),
-         d_gate_up = acts_.get("d_gate_up").narrow(0, T), d_o = acts_.get("d_o").narrow(0, T),
-         d_qkv = acts_.get("d_qkv").narrow(0, T);
+  const bool recompute = policy_ != CheckpointPolicy::none;
+  Tensor d_o = acts_.get("d_o").narrow(0, T), d_qkv = acts_.get("d_qkv").narrow(0, T);
+  const QkvViews qkv = split_qkv(a.qkv, config_);
+  if (recompute) {
+    qkv_forward(l, a, x_in, positions);
+    if (policy_ == CheckpointPolicy::full) attention_->forward(a.o, a.lse, qkv.q, qkv.k, qkv.v);
+  }
 
-  // MLP: y = h + Wdown·swiglu(Wgu·n2(h)).
-  ops::linear_backward(d_s, g.down_proj, d_residual, a.s, p.down_proj);
-  ops::swiglu_backward(d_gate_up, d_s, a.gate_up);
-  ops::linear_backward(d_norm, g.gate_up, d_gate_up, a.n2, p.gate_up);
-  ops::rmsnorm_backward(d_residual, g.post_norm, d_norm, a.h, p.post_norm, a.rstd2);  // now dL/dh
+  // Per chunk: y = h + Wdown·swiglu(Wgu·n2(h)), h = x + Wo·O, back to dL/dh and dO.
+  const Tensor o = a.o.reshape({T, Hq * D});
+  for_chunks(T, tiling_.mlp_chunk_tokens, [&](int64_t t0, int64_t n) {
+    const Tensor h = rows(a.h, T, t0, n), n2 = rows(a.n2, T, t0, n), rstd2 = rows(a.rstd2, T, t0, n),
+                 gate_up = rows(a.gate_up, T, t0, n), s = rows(a.s, T, t0, n), d = d_residual.narrow(t0, n);
+    const Tensor d_norm = acts_.get("d_norm").narrow(0, n), d_s = acts_.get("d_s").narrow(0, n),
+                 d_gate_up = acts_.get("d_gate_up").narrow(0, n);
+    if (recompute) {
+      const Tensor proj = acts_.get("proj").narrow(0, n);
+      ops::linear_forward(proj, o.narrow(t0, n), p.o_proj);
+      copy(h, x_in.narrow(t0, n));
+      ops::add_inplace(h, proj);
+      ops::rmsnorm_forward(n2, rstd2, h, p.post_norm, config_.norm_eps);
+      ops::linear_forward(gate_up, n2, p.gate_up);
+      ops::swiglu_forward(s, gate_up);
+    }
+    ops::linear_backward(d_s, g.down_proj, d, s, p.down_proj);
+    ops::swiglu_backward(d_gate_up, d_s, gate_up);
+    ops::linear_backward(d_norm, g.gate_up, d_gate_up, n2, p.gate_up);
+    ops::rmsnorm_backward(d, g.post_norm, d_norm, h, p.post_norm, rstd2);  // now dL/dh
+    ops::linear_backward(d_o.narrow(t0, n), g.o_proj, d, o.narrow(t0, n), p.o_proj);
+  });
 
-  // Attention: h = x + Wo·Attn(q, k, v).
-  ops::linear_backward(d_o, g.o_proj, d_residual, a.o.reshape({T, Hq * D}), p.o_proj);
-  // SequenceAttention::backward overwrites dQ/dK/dV (one rank: cuDNN writes straight into d_qkv).
-  const QkvViews grad = split_qkv(d_qkv, config_), qkv = split_qkv(a.qkv, config_);
+  // Attention: h = x + Wo·Attn(q, k, v). SequenceAttention::backward overwrites dQ/dK/dV (one rank:
+  // cuDNN writes straight into d_qkv).
+  const QkvViews grad = split_qkv(d_qkv, config_);
   attention_->backward(grad.q, grad.k, grad.v, qkv.q, qkv.k, qkv.v, a.o, a.lse, d_o.reshape({T, Hq, D}));
-  ops::rope_backward(grad.q, positions, rope);
-  ops::rope_backward(grad.k, positions, rope);
-  ops::linear_backward(d_norm, g.qkv, d_qkv, a.n1, p.qkv);
-  ops::rmsnorm_backward(d_residual, g.input_norm, d_norm, x_in, p.input_norm, a.rstd1);  // now dL/dx
+  ops::rope_backward(grad.q, positions, rope_);
+  ops::rope_backward(grad.k, positions, rope_);
+
+  // Per chunk: qkv = Wqkv·n1(x), back to dL/dx. A chunk-sized n1 holds the last chunk only, so the
+  // others are recomputed (bit-identical to what qkv_forward made).
+  const bool n1_recompute = a.n1.size(0) < T;
+  for_chunks(T, tiling_.mlp_chunk_tokens, [&](int64_t t0, int64_t n) {
+    const Tensor n1 = rows(a.n1, T, t0, n), rstd1 = rows(a.rstd1, T, t0, n), x = x_in.narrow(t0, n),
+                 d_norm = acts_.get("d_norm").narrow(0, n);
+    if (n1_recompute) ops::rmsnorm_forward(n1, rstd1, x, p.input_norm, config_.norm_eps);
+    ops::linear_backward(d_norm, g.qkv, d_qkv.narrow(t0, n), n1, p.qkv);
+    ops::rmsnorm_backward(d_residual.narrow(t0, n), g.input_norm, d_norm, x, p.input_norm, rstd1);  // now dL/dx
+  });
 }
 
+// Final norm, LM head and cross-entropy, forward and backward fused one chunk of loss_chunk_tokens
+// at a time: neither the [T, V] logits nor a [T, C] normed copy of the last residual ever exist.
 LossSum LlamaModel::head(const TokenShard& shard, Tensor x_final, Tensor losses, bool with_grad, double grad_scale,
                          int64_t T) {
-  Tensor normed = acts_.get("final_norm").narrow(0, T), rstd = acts_.get("final_rstd").narrow(0, T);
-  Tensor d_norm = acts_.get("d_norm").narrow(0, T);
-  ops::rmsnorm_forward(normed, rstd, x_final, p_.final_norm, config_.norm_eps);
+  // Every label is checked before any gradient is touched, so a bad batch leaves them as they were.
+  const int64_t valid = count_valid_labels(shard.labels, kIgnoreIndex, config_.vocab_size);
+  Tensor d_residual = acts_.get("d_residual").narrow(0, T);
+  if (with_grad) zero(d_residual);
   ops::CrossEntropyParams ce;
   ce.ignore_index = kIgnoreIndex;
   ce.grad_scale = grad_scale;
-  ops::lm_head_cross_entropy(losses, with_grad ? d_norm : Tensor{}, with_grad ? g_.lm_head : Tensor{}, normed,
-                             p_.lm_head, shard.labels, ce);
-  if (with_grad) {
-    Tensor d_residual = acts_.get("d_residual").narrow(0, T);
-    zero(d_residual);
-    ops::rmsnorm_backward(d_residual, g_.final_norm, d_norm, x_final, p_.final_norm, rstd);
-  }
-  return {sum_to_host(losses), count_valid_labels(shard.labels, kIgnoreIndex)};
+  ce.labels_checked = true;
+  for_chunks(T, tiling_.loss_chunk_tokens, [&](int64_t t0, int64_t n) {
+    const Tensor normed = acts_.get("final_norm").narrow(0, n), rstd = acts_.get("final_rstd").narrow(0, n),
+                 d_normed = acts_.get("d_final_norm").narrow(0, n), x = x_final.narrow(t0, n);
+    ops::rmsnorm_forward(normed, rstd, x, p_.final_norm, config_.norm_eps);
+    ce.chunk_tokens = n;
+    ops::lm_head_cross_entropy(losses.narrow(t0, n), with_grad ? d_normed : Tensor{}, with_grad ? g_.lm_head : Tensor{},
+                               normed, p_.lm_head, shard.labels.narrow(t0, n), ce);
+    if (with_grad) ops::rmsnorm_backward(d_residual.narrow(t0, n), g_.final_norm, d_normed, x, p_.final_norm, rstd);
+  });
+  return {sum_to_host(losses), valid};
 }
 
 LossSum LlamaModel::forward_backward(const TokenShard& shard, double grad_scale) {
@@ -231,19 +302,14 @@ LossSum LlamaModel::forward_backward(const TokenShard& shard, double grad_scale)
   auto residual = [&](int64_t l) { return acts_.get(fmt::format("residual.{}", l)).narrow(0, T); };
 
   ops::embedding_forward(residual(0), shard.tokens, p_.embed);
-  for (int64_t l = 0; l < L; ++l)
-    layer_forward(l, layer_acts(l, T), residual(l), residual(l + 1), shard.positions, /*run_attention=*/true);
+  for (int64_t l = 0; l < L; ++l) layer_forward(l, layer_acts(l, T), residual(l), residual(l + 1), shard.positions);
 
   LossSum loss = head(shard, residual(L), acts_.get("losses").narrow(0, T), /*with_grad=*/true, grad_scale, T);
   gradients_ready(gradient_ranges_[0]);  // final norm, LM head (tied: it is the embedding, reported last)
 
   Tensor d_residual = acts_.get("d_residual").narrow(0, T);
   for (int64_t l = L - 1; l >= 0; --l) {
-    LayerActs a = layer_acts(l, T);
-    if (policy_ != CheckpointPolicy::none)  // bring back what the policy dropped
-      layer_forward(l, a, residual(l), Tensor{}, shard.positions,
-                    /*run_attention=*/policy_ == CheckpointPolicy::full);
-    layer_backward(l, a, residual(l), d_residual, shard.positions);
+    layer_backward(l, layer_acts(l, T), residual(l), d_residual, shard.positions);
     gradients_ready(gradient_ranges_[static_cast<size_t>(L - l)]);
   }
   ops::embedding_backward(g_.embed, shard.tokens, d_residual);
@@ -257,8 +323,7 @@ Tensor LlamaModel::forward_layers(const TokenShard& shard) {
   const int64_t T = shard.tokens.numel(), L = config_.n_layers;
   auto residual = [&](int64_t l) { return acts_.get(fmt::format("residual.{}", l)).narrow(0, T); };
   ops::embedding_forward(residual(0), shard.tokens, p_.embed);
-  for (int64_t l = 0; l < L; ++l)
-    layer_forward(l, layer_acts(l, T), residual(l), residual(l + 1), shard.positions, /*run_attention=*/true);
+  for (int64_t l = 0; l < L; ++l) layer_forward(l, layer_acts(l, T), residual(l), residual(l + 1), shard.positions);
   return residual(L);
 }
 
@@ -276,17 +341,20 @@ void LlamaModel::forward_logits(const TokenShard& shard, Tensor logits) {
            "forward_logits needs contiguous host logits {} [{}, {}]; got {}", dtype_name(precision_.act), T,
            config_.vocab_size, logits.describe());
   Tensor x_final = forward_layers(shard);
-  Tensor normed = acts_.get("final_norm").narrow(0, T), rstd = acts_.get("final_rstd").narrow(0, T);
-  ops::rmsnorm_forward(normed, rstd, x_final, p_.final_norm, config_.norm_eps);
+  // Buffers of its own: the activation arena holds the final norm one loss chunk at a time, and no
+  // [T, V] tensor at all (training never materialises the logits); on the GPU the logits are copied
+  // to the host afterwards.
+  Arena out("logits", precision_.device);
+  out.add("normed", {T, config_.dim}, precision_.act);
+  out.add("rstd", {T}, precision_.stat);
+  if (precision_.device != Device::cpu) out.add("logits", {T, config_.vocab_size}, precision_.act);
+  out.allocate();
+  Tensor normed = out.get("normed");
+  ops::rmsnorm_forward(normed, out.get("rstd"), x_final, p_.final_norm, config_.norm_eps);
   if (precision_.device == Device::cpu) {
     ops::linear_forward(logits, normed, p_.lm_head);
     return;
   }
-  // On the GPU the head writes a device buffer of its own (the activation arena has no [T, V] tensor:
-  // training never materialises the logits), copied to the host afterwards.
-  Arena out("logits", precision_.device);
-  out.add("logits", {T, config_.vocab_size}, precision_.act);
-  out.allocate();
   ops::linear_forward(out.get("logits"), normed, p_.lm_head);
   copy(logits, out.get("logits"));
 }

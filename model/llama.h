@@ -37,6 +37,20 @@ enum class CheckpointPolicy { none, full, remat_aware };
 CheckpointPolicy parse_checkpoint_policy(const std::string& name);  // error names model.checkpoint
 const char* checkpoint_policy_name(CheckpointPolicy p);
 
+// Token tiling of the token-local work (model.mlp_chunk_tokens, model.loss_chunk_tokens). Everything
+// after attention in a layer (o_proj, the residual add, the post-attention norm, the MLP) and the
+// input norm feeding the QKV GEMM run over chunks of at most mlp_chunk_tokens tokens, forward and
+// backward; the final norm, the LM head and the cross-entropy run over chunks of loss_chunk_tokens,
+// forward and backward fused per chunk. Under a policy that recomputes (full, remat_aware) the MLP's
+// [T, 2F] and [T, F] intermediates, the norms and the projections then exist one chunk at a time:
+// only the residual stream, attention's own tensors (QKV, O, LSE, dO, dQKV) and the per-token losses
+// scale with the shard. 0 = auto (resolve_tiling in model/memory_plan.h). The chunking is the same
+// under every policy, so the policies stay bit-identical to each other on CPU.
+struct Tiling {
+  int64_t mlp_chunk_tokens = 0;
+  int64_t loss_chunk_tokens = 0;
+};
+
 // Where and in which types the model lives. CPU: everything in one float type (f32 to train, f64 for
 // gradient checks). CUDA: bf16 parameters, gradients and activations, f32 statistics.
 struct Precision {
@@ -79,11 +93,14 @@ class LlamaModel {
   // Allocates parameters, gradients and activations for shards of up to `max_tokens` tokens.
   // flat_shards > 1 pads the parameter and gradient arenas so their flat views split into that many
   // equal shards (ZeRO-1 over the ranks).
+  // `tiling` picks the token chunks (0 = auto, resolved for max_tokens; tiling() says what was chosen).
   LlamaModel(const LlamaConfig& config, Precision precision, CheckpointPolicy policy, int64_t max_tokens,
-             std::unique_ptr<attn::SequenceAttention> attention = nullptr, int64_t flat_shards = 1);
+             std::unique_ptr<attn::SequenceAttention> attention = nullptr, int64_t flat_shards = 1,
+             Tiling tiling = {});
 
   const LlamaConfig& config() const { return config_; }
   CheckpointPolicy policy() const { return policy_; }
+  const Tiling& tiling() const { return tiling_; }  // resolved: both chunk sizes > 0
   const Precision& precision() const { return precision_; }
 
   Arena& params() { return params_; }
@@ -151,8 +168,8 @@ class LlamaModel {
   struct LayerActs;  // views of one layer's activations (saved or scratch, per policy)
   LayerActs layer_acts(int64_t layer, int64_t T) const;
   Tensor forward_layers(const TokenShard& shard);  // embedding and every layer; returns the last residual
-  void layer_forward(int64_t layer, const LayerActs& a, Tensor x_in, Tensor x_out, Tensor positions,
-                     bool run_attention);
+  void layer_forward(int64_t layer, const LayerActs& a, Tensor x_in, Tensor x_out, Tensor positions);
+  void qkv_forward(int64_t layer, const LayerActs& a, Tensor x_in, Tensor positions);
   void layer_backward(int64_t layer, const LayerActs& a, Tensor x_in, Tensor d_residual, Tensor positions);
   LossSum head(const TokenShard& shard, Tensor x_final, Tensor losses, bool with_grad, double grad_scale,
                int64_t T);
@@ -165,6 +182,7 @@ class LlamaModel {
   Precision precision_;
   CheckpointPolicy policy_;
   int64_t max_tokens_;
+  Tiling tiling_;
   std::unique_ptr<attn::SequenceAttention> attention_;
   ops::RopeParams rope_;
   Arena params_, grads_, acts_;

@@ -25,9 +25,32 @@ bool keeps_activation(CheckpointPolicy policy, std::string_view kind) {
   return false;
 }
 
+Tiling resolve_tiling(const LlamaConfig&, const Precision&, Tiling requested, int64_t max_tokens) {
+  LT_CHECK(requested.mlp_chunk_tokens >= 0, "model.mlp_chunk_tokens is {}; expected a token count, or 0 for auto",
+           requested.mlp_chunk_tokens);
+  LT_CHECK(requested.loss_chunk_tokens >= 0, "model.loss_chunk_tokens is {}; expected a token count, or 0 for auto",
+           requested.loss_chunk_tokens);
+  const int64_t T = std::max<int64_t>(max_tokens, 1);
+  Tiling t;
+  t.mlp_chunk_tokens = std::min(T, requested.mlp_chunk_tokens > 0 ? requested.mlp_chunk_tokens : kAutoMlpChunkTokens);
+  t.loss_chunk_tokens =
+      std::min(T, requested.loss_chunk_tokens > 0 ? requested.loss_chunk_tokens : kAutoLossChunkTokens);
+  return t;
+}
+
+namespace {
+// The per-layer kinds computed token by token (a chunk at a time) rather than by attention.
+bool token_local(std::string_view kind) { return kind != "qkv" && kind != "o" && kind != "lse"; }
+}  // namespace
+
 void add_activation_entries(Arena& acts, const LlamaConfig& config, const Precision& precision,
-                            CheckpointPolicy policy, int64_t max_tokens) {
+                            CheckpointPolicy policy, int64_t max_tokens, const Tiling& tiling) {
   const int64_t T = max_tokens, C = config.dim, F = config.ffn_dim, Hq = config.n_heads;
+  LT_CHECK(tiling.mlp_chunk_tokens > 0 && tiling.mlp_chunk_tokens <= T && tiling.loss_chunk_tokens > 0 &&
+               tiling.loss_chunk_tokens <= T,
+           "token chunks {} / {} for {} tokens were not resolved (resolve_tiling)", tiling.mlp_chunk_tokens,
+           tiling.loss_chunk_tokens, T);
+  const int64_t M = tiling.mlp_chunk_tokens, Lc = tiling.loss_chunk_tokens;
   const DType act = precision.act, stat = precision.stat;
   // Residual stream: x_0 .. x_L, the one tensor every policy keeps per layer.
   for (int64_t l = 0; l <= config.n_layers; ++l) acts.add(fmt::format("residual.{}", l), {T, C}, act);
@@ -37,29 +60,38 @@ void add_activation_entries(Arena& acts, const LlamaConfig& config, const Precis
     std::vector<int64_t> shape;
     DType dtype;
   };
+  // Shapes with the token dimension left out; it is T for a kept kind and for attention's tensors,
+  // one MLP chunk for a token-local kind's scratch.
   const Kind kinds[] = {
-      {"n1", {T, C}, act},          {"rstd1", {T}, stat},       {"qkv", {T, config.qkv_dim()}, act},
-      {"o", {T, Hq, config.head_dim}, act}, {"lse", {T, Hq}, stat}, {"h", {T, C}, act},
-      {"n2", {T, C}, act},          {"rstd2", {T}, stat},       {"gate_up", {T, 2 * F}, act},
-      {"s", {T, F}, act},
+      {"n1", {C}, act},          {"rstd1", {}, stat},       {"qkv", {config.qkv_dim()}, act},
+      {"o", {Hq, config.head_dim}, act}, {"lse", {Hq}, stat}, {"h", {C}, act},
+      {"n2", {C}, act},          {"rstd2", {}, stat},       {"gate_up", {2 * F}, act},
+      {"s", {F}, act},
+  };
+  auto with_tokens = [](int64_t tokens, const std::vector<int64_t>& rest) {
+    std::vector<int64_t> shape = {tokens};
+    shape.insert(shape.end(), rest.begin(), rest.end());
+    return shape;
   };
   for (const Kind& k : kinds) {
     if (keeps_activation(policy, k.name)) {
       for (int64_t l = 0; l < config.n_layers; ++l)
-        acts.add(fmt::format("layers.{}.{}", l, k.name), k.shape, k.dtype);
+        acts.add(fmt::format("layers.{}.{}", l, k.name), with_tokens(T, k.shape), k.dtype);
     } else {
-      acts.add(fmt::format("scratch.{}", k.name), k.shape, k.dtype);
+      acts.add(fmt::format("scratch.{}", k.name), with_tokens(token_local(k.name) ? M : T, k.shape), k.dtype);
     }
   }
-  // Scratch of the forward (projection outputs) and of the backward (activation gradients).
-  acts.add("proj", {T, C}, act);
-  acts.add("final_norm", {T, C}, act);
-  acts.add("final_rstd", {T}, stat);
+  // Scratch of the forward (projection outputs) and of the backward (activation gradients): one chunk
+  // for token-local work; the shard for the residual stream's gradient and attention's dO and dQKV.
+  acts.add("proj", {M, C}, act);
+  acts.add("final_norm", {Lc, C}, act);
+  acts.add("final_rstd", {Lc}, stat);
+  acts.add("d_final_norm", {Lc, C}, act);
   acts.add("losses", {T}, stat);
   acts.add("d_residual", {T, C}, act);
-  acts.add("d_norm", {T, C}, act);
-  acts.add("d_s", {T, F}, act);
-  acts.add("d_gate_up", {T, 2 * F}, act);
+  acts.add("d_norm", {M, C}, act);
+  acts.add("d_s", {M, F}, act);
+  acts.add("d_gate_up", {M, 2 * F}, act);
   acts.add("d_o", {T, Hq * config.head_dim}, act);
   acts.add("d_qkv", {T, config.qkv_dim()}, act);
 }
@@ -92,7 +124,8 @@ int cuda_sm_count() {
 }  // namespace
 
 MemoryPlan plan_memory(const LlamaConfig& config, const Precision& precision, CheckpointPolicy policy,
-                       int64_t tokens_per_rank, int64_t optimizer_shards, const SequenceParallelPlan& sp) {
+                       int64_t tokens_per_rank, int64_t optimizer_shards, const SequenceParallelPlan& sp,
+                       const Tiling& tiling) {
   config.validate();
   LT_CHECK(tokens_per_rank > 0, "a memory plan needs at least one token per rank (got {})", tokens_per_rank);
   LT_CHECK(optimizer_shards >= 1, "a memory plan needs at least one optimizer shard (got {})", optimizer_shards);
@@ -103,6 +136,7 @@ MemoryPlan plan_memory(const LlamaConfig& config, const Precision& precision, Ch
   plan.precision = precision;
   plan.policy = policy;
   plan.tokens = tokens_per_rank;
+  plan.tiling = resolve_tiling(config, precision, tiling, tokens_per_rank);
   plan.optimizer_shards = optimizer_shards;
   plan.sp = sp;
   const Device dev = precision.device;
@@ -125,7 +159,7 @@ MemoryPlan plan_memory(const LlamaConfig& config, const Precision& precision, Ch
 
   // Activations: the model's own table, split into what layers keep and what is scratch.
   Arena acts("activations", dev);
-  add_activation_entries(acts, config, precision, policy, tokens_per_rank);
+  add_activation_entries(acts, config, precision, policy, tokens_per_rank, plan.tiling);
   plan.activations = arena_bytes(acts);
   const std::vector<ArenaEntry>& table = acts.table();
   for (size_t i = 0; i < table.size(); ++i) {
@@ -146,7 +180,7 @@ MemoryPlan plan_memory(const LlamaConfig& config, const Precision& precision, Ch
   // Workspaces outside the arenas.
   const int64_t T = tokens_per_rank, V = config.vocab_size, C = config.dim, Hq = config.n_heads,
                 Hkv = config.n_kv_heads, D = config.head_dim;
-  const int64_t chunk = std::min<int64_t>(ops::CrossEntropyParams{}.chunk_tokens, T);
+  const int64_t chunk = plan.tiling.loss_chunk_tokens;  // head() calls the op once per loss chunk
   const size_t act = dtype_size(precision.act);
   const size_t q_elems = static_cast<size_t>(T * Hq * D), kv_elems = static_cast<size_t>(T * Hkv * D);
   const size_t rows = static_cast<size_t>(T * Hq);
@@ -204,12 +238,13 @@ std::string MemoryPlan::table() const {
   const Precision& p = precision;
   std::string out = fmt::format(
       "memory plan: {} parameters, {} layers, dim {}, vocab {}; {} (parameters {}, activations {}, statistics {}); "
-      "checkpoint {}; {} tokens per rank{}\n",
+      "checkpoint {}; {} tokens per rank{}; token chunks: MLP {}, loss {}\n",
       config.num_parameters(), config.n_layers, config.dim, config.vocab_size, p.device == Device::cuda ? "cuda" : "cpu",
       dtype_name(p.param), dtype_name(p.act), dtype_name(p.stat), checkpoint_policy_name(policy), tokens,
       sp.sp_size > 1 ? fmt::format(" ({} sequence-parallel ranks, {} schedule)", sp.sp_size,
                                    attn::schedule_name(sp.schedule))
-                     : std::string());
+                     : std::string(),
+      tiling.mlp_chunk_tokens, tiling.loss_chunk_tokens);
   auto row = [&](const std::string& what, size_t bytes, const std::string& detail) {
     out += fmt::format("  {:<22} {:>11}   {}\n", what, human(bytes), detail);
   };
@@ -227,8 +262,7 @@ std::string MemoryPlan::table() const {
   row("activations, scratch", activation_scratch,
       "once for all layers: recomputed tensors, projections, backward gradients");
   row("LM head workspace", lm_head_workspace,
-      fmt::format("{} tokens × {} vocab of logits at a time",
-                  std::min<int64_t>(ops::CrossEntropyParams{}.chunk_tokens, tokens), config.vocab_size));
+      fmt::format("{} tokens × {} vocab of logits at a time", tiling.loss_chunk_tokens, config.vocab_size));
   row("attention workspace", attention_workspace,
       p.device == Device::cuda ? (sp.sp_size > 1 ? "cuDNN workspace, fp32 dQ accumulator, bf16 block dQ/dK/dV"
                                                  : "cuDNN workspace and fp32 dQ accumulator")
@@ -275,12 +309,13 @@ void check_memory_fits(const MemoryPlan& plan, const DeviceMemory& memory) {
   std::string knobs;
   if (plan.policy != CheckpointPolicy::full) {
     MemoryPlan full = plan_memory(plan.config, plan.precision, CheckpointPolicy::full, plan.tokens,
-                                  plan.optimizer_shards, plan.sp);
+                                  plan.optimizer_shards, plan.sp, plan.tiling);
     knobs += fmt::format("model.checkpoint: full would need {} in all; ", human(full.total()));
   }
   if (plan.tokens > 1) {
     MemoryPlan half =
-        plan_memory(plan.config, plan.precision, plan.policy, (plan.tokens + 1) / 2, plan.optimizer_shards, plan.sp);
+        plan_memory(plan.config, plan.precision, plan.policy, (plan.tokens + 1) / 2, plan.optimizer_shards, plan.sp,
+                    plan.tiling);
     knobs += fmt::format("halving the tokens per rank (data.seq_len, or doubling parallel.sp_size) would need {}",
                          human(half.total()));
   }

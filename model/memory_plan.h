@@ -32,12 +32,24 @@ namespace longtrain::model {
 // stream) is kept under every policy.
 bool keeps_activation(CheckpointPolicy policy, std::string_view kind);
 
-// Adds every activation entry of a model with shards of up to `max_tokens` tokens to `acts`:
-// residual.0 .. residual.L [T, C]; layers.<l>.<kind> for kept kinds, scratch.<kind> otherwise; the
-// forward and backward scratch (proj, final_norm, final_rstd, losses, d_residual, d_norm, d_s,
-// d_gate_up, d_o, d_qkv).
+// The token chunks of a model with shards of up to `max_tokens` tokens: each requested size as given
+// (a negative one is an error naming its key), 0 replaced by the automatic choice, and both clamped
+// to max_tokens. The automatic choice keeps the chunks' buffers small beside attention's [T, ...]
+// tensors at long shards while leaving short shards untiled (one chunk, the GEMMs as large as before):
+// MLP chunks of kAutoMlpChunkTokens (at 16K tokens the 1.1B shape's four MLP chunk buffers take
+// 1.1 GiB in bf16 against 14 GiB of attention tensors at 1M tokens), loss chunks of
+// kAutoLossChunkTokens (f32 logits and their gradient, 0.75 GiB at a 32K vocabulary).
+constexpr int64_t kAutoMlpChunkTokens = 16384;
+constexpr int64_t kAutoLossChunkTokens = 4096;
+Tiling resolve_tiling(const LlamaConfig& config, const Precision& precision, Tiling requested, int64_t max_tokens);
+
+// Adds every activation entry of a model with shards of up to `max_tokens` tokens to `acts`, with the
+// (resolved) token chunks `tiling`: residual.0 .. residual.L [T, C]; layers.<l>.<kind> for kept kinds,
+// scratch.<kind> otherwise (a token-local kind's scratch holds one MLP chunk); the forward and backward
+// scratch: proj, d_norm, d_s, d_gate_up (one MLP chunk), final_norm, final_rstd, d_final_norm (one loss
+// chunk), losses, d_residual, d_o, d_qkv (the shard).
 void add_activation_entries(Arena& acts, const LlamaConfig& config, const Precision& precision,
-                            CheckpointPolicy policy, int64_t max_tokens);
+                            CheckpointPolicy policy, int64_t max_tokens, const Tiling& tiling);
 
 // ---- the plan ---------------------------------------------------------------------------------
 
@@ -55,6 +67,7 @@ struct MemoryPlan {
   Precision precision;
   CheckpointPolicy policy = CheckpointPolicy::remat_aware;
   int64_t tokens = 0;  // per rank (sequence length / sp_size × micro-batch)
+  Tiling tiling;       // resolved token chunks
 
   int64_t optimizer_shards = 1;
   SequenceParallelPlan sp;
@@ -96,8 +109,10 @@ struct MemoryPlan {
 // optimizer_shards > 1 plans ZeRO-1: the parameter and gradient arenas padded as
 // LlamaModel(..., flat_shards) pads them, and the optimizer state of one of that many equal shards.
 // sp.sp_size > 1 adds the distributed attention's buffers (attention/distributed/workspace.h).
+// `tiling` as LlamaModel takes it (0 = auto).
 MemoryPlan plan_memory(const LlamaConfig& config, const Precision& precision, CheckpointPolicy policy,
-                       int64_t tokens_per_rank, int64_t optimizer_shards = 1, const SequenceParallelPlan& sp = {});
+                       int64_t tokens_per_rank, int64_t optimizer_shards = 1, const SequenceParallelPlan& sp = {},
+                       const Tiling& tiling = {});
 
 struct DeviceMemory {
   size_t free = 0;

@@ -41,7 +41,7 @@ void check_cross_entropy(const Tensor& losses, const Tensor& dx, const Tensor& d
   // Every label is checked before anything is written, so a bad batch leaves dw as it was.
   const int32_t* lab = labels.ptr<int32_t>();
   const int64_t vocab = w.shape[0];
-  for (int64_t t = 0; t < labels.shape[0]; ++t) {
+  for (int64_t t = 0; !p.labels_checked && t < labels.shape[0]; ++t) {
     LT_CHECK(lab[t] == p.ignore_index || (lab[t] >= 0 && lab[t] < vocab),
              "{}: label {} at token index {} is outside the vocabulary [0, {}) of the LM head {} and is not "
              "ignore_index ({}); the data was tokenized for another vocabulary (check model.vocab_size)",

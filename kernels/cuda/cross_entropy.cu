@@ -86,11 +86,14 @@ void lm_head_cross_entropy(Tensor losses, Tensor dx, Tensor dw, Tensor x, Tensor
   LT_CHECK(p.chunk_tokens > 0, "{}: chunk_tokens must be positive, got {}", op, p.chunk_tokens);
   if (T == 0) return;
 
-  // Validate every label before any output is touched (one small synchronising read).
+  // Validate every label before any output is touched (one small synchronising read), unless the
+  // caller did.
   const int32_t* labels_ptr = static_cast<const int32_t*>(labels.data);
-  int* flag = reset_bad_index_flag();
-  find_bad_index(labels_ptr, labels.stride[0], T, V, p.ignore_index, flag);
-  const int bad = read_bad_index_flag();
+  const int bad = p.labels_checked ? kNoBadIndex : [&] {
+    int* flag = reset_bad_index_flag();
+    find_bad_index(labels_ptr, labels.stride[0], T, V, p.ignore_index, flag);
+    return read_bad_index_flag();
+  }();
   if (bad != kNoBadIndex) {
     LT_FAIL("{}: label {} at position {} is outside the vocabulary [0, {}) and is not ignore_index {}", op,
             read_device_int(labels_ptr + bad * labels.stride[0]), bad, V, p.ignore_index);

@@ -47,13 +47,17 @@ TEST(MemoryPlan, ArenasEqualWhatTheModelAndOptimizerAllocate) {
   for (DType dt : {DType::f32, DType::f64}) {
     for (CheckpointPolicy policy : kPolicies) {
       for (int64_t shards : {1, 3}) {
+       for (const model::Tiling tiling : {model::Tiling{}, model::Tiling{5, 9}, model::Tiling{1, 100}}) {
         LlamaConfig c = small_config();
         c.tie_embeddings = shards == 3;
-        const std::string what = fmt::format("{} {}{}, {} optimizer shard(s)", dtype_name(dt),
+        const std::string what = fmt::format("{} {}{}, {} optimizer shard(s), chunks {}/{}", dtype_name(dt),
                                              model::checkpoint_policy_name(policy),
-                                             c.tie_embeddings ? " tied" : "", shards);
-        const MemoryPlan plan = model::plan_memory(c, Precision::cpu(dt), policy, T, shards);
-        LlamaModel m(c, Precision::cpu(dt), policy, T, nullptr, shards);
+                                             c.tie_embeddings ? " tied" : "", shards, tiling.mlp_chunk_tokens,
+                                             tiling.loss_chunk_tokens);
+        const MemoryPlan plan = model::plan_memory(c, Precision::cpu(dt), policy, T, shards, {}, tiling);
+        LlamaModel m(c, Precision::cpu(dt), policy, T, nullptr, shards, tiling);
+        EXPECT_EQ(plan.tiling.mlp_chunk_tokens, m.tiling().mlp_chunk_tokens) << what;
+        EXPECT_EQ(plan.tiling.loss_chunk_tokens, m.tiling().loss_chunk_tokens) << what;
         const int64_t flat = m.params().flat().numel();  // ZeRO-1: this rank owns the first of `shards`
         trainer::AdamW opt(m.params(), trainer::AdamWConfig{}, 0, flat / shards);
         EXPECT_EQ(plan.parameters, m.params().bytes()) << what;
@@ -67,8 +71,50 @@ TEST(MemoryPlan, ArenasEqualWhatTheModelAndOptimizerAllocate) {
         const size_t residual = static_cast<size_t>(T * c.dim) * dtype_size(dt);
         EXPECT_GE(plan.saved, plan.saved_per_layer * static_cast<size_t>(c.n_layers) + residual) << what;
         EXPECT_LT(plan.saved, plan.saved_per_layer * static_cast<size_t>(c.n_layers) + residual + 256) << what;
+       }
       }
     }
+  }
+}
+
+// Tiling takes the MLP's and the head's token-local buffers off the shard's length: for the 1.1B
+// shape at 1M tokens under full and remat_aware, the activation scratch (everything but what the
+// layers keep) is then attention's own tensors (QKV, dO, dQKV; O and LSE under full) plus the residual
+// gradient and the losses, to within the chunks; untiled, the [T, 2F] and [T, F] buffers alone
+// would add 64 GiB. The scratch is exactly the sum of those tensors plus the chunk buffers.
+TEST(MemoryPlan, TilingLeavesOnlyAttentionTensorsScalingWithTheShard) {
+  LlamaConfig c;
+  c.vocab_size = 32000;
+  c.dim = 2048;
+  c.n_layers = 22;
+  c.n_heads = 32;
+  c.n_kv_heads = 4;
+  c.head_dim = 64;
+  c.ffn_dim = 5632;
+  const int64_t T = 1 << 20, F = c.ffn_dim, C = c.dim;
+  for (CheckpointPolicy policy : {CheckpointPolicy::full, CheckpointPolicy::remat_aware}) {
+    const MemoryPlan tiled = model::plan_memory(c, Precision::cuda_mixed(), policy, T);
+    const MemoryPlan untiled = model::plan_memory(c, Precision::cuda_mixed(), policy, T, 1, {}, model::Tiling{T, 1024});
+    EXPECT_EQ(tiled.tiling.mlp_chunk_tokens, model::kAutoMlpChunkTokens);
+    EXPECT_EQ(tiled.tiling.loss_chunk_tokens, model::kAutoLossChunkTokens);
+    EXPECT_EQ(tiled.saved, untiled.saved);  // the checkpoints are what they were
+    // Per token of the shard: QKV, d_residual, dO, dQKV (bf16), losses (f32); full adds O (bf16) and LSE (f32).
+    size_t per_token = 2 * (c.qkv_dim() + C + c.n_heads * c.head_dim + c.qkv_dim()) + 4;
+    if (policy == CheckpointPolicy::full) per_token += 2 * c.n_heads * c.head_dim + 4 * c.n_heads;
+    const int64_t M = tiled.tiling.mlp_chunk_tokens, Lc = tiled.tiling.loss_chunk_tokens;
+    // Per token of a chunk: n1, h, n2, proj, d_norm, gate_up, s, d_s, d_gate_up (bf16), rstd1, rstd2 (f32);
+    // per token of a loss chunk: the final norm and its gradient (bf16), its rstd (f32).
+    const size_t per_chunk_token = 2 * (5 * C + 6 * F) + 8, per_loss_token = 4 * C + 4;
+    const size_t expected = static_cast<size_t>(T) * per_token + static_cast<size_t>(M) * per_chunk_token +
+                            static_cast<size_t>(Lc) * per_loss_token;
+    EXPECT_GE(tiled.activation_scratch, expected) << model::checkpoint_policy_name(policy);
+    EXPECT_LT(tiled.activation_scratch, expected + 64 * 256) << model::checkpoint_policy_name(policy);  // alignment
+    EXPECT_GT(untiled.activation_scratch - tiled.activation_scratch, size_t{64} << 30);
+    std::printf("%s at 1M tokens: activations %.1f GiB tiled (scratch %.1f GiB), %.1f GiB untiled; total %.1f GiB "
+                "tiled, %.1f untiled\n",
+                model::checkpoint_policy_name(policy), tiled.activations / 1073741824.0,
+                tiled.activation_scratch / 1073741824.0, untiled.activations / 1073741824.0,
+                tiled.total() / 1073741824.0, untiled.total() / 1073741824.0);
   }
 }
 

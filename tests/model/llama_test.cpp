@@ -170,6 +170,105 @@ TEST(LlamaModel, CheckpointPoliciesGiveBitIdenticalGradients) {
   }
 }
 
+// Token tiling (model.mlp_chunk_tokens, model.loss_chunk_tokens) changes only the order in which
+// parameter gradients are summed: the loss and every gradient equal the untiled run's to 1e-12 in
+// double, under every policy, for chunks of 1 token, chunks that do not divide T and chunks of T, and
+// per parameter tensor (a small tensor's error is not hidden by a large one's). The chunks also reach
+// the arena: a tiled model under a recomputing policy allocates less.
+TEST(LlamaModel, TiledEqualsUntiled) {
+  LlamaConfig c = tiny_config();
+  c.n_layers = 3;
+  const int64_t T = 37;
+  ShardData data(T, c.vocab_size, /*first_position=*/5);
+  const double scale = 1.0 / 30;
+  double worst = 0.0;
+  for (CheckpointPolicy policy : {CheckpointPolicy::none, CheckpointPolicy::full, CheckpointPolicy::remat_aware}) {
+    auto run = [&](Tiling tiling, std::vector<double>& grads, size_t& act_bytes) {
+      LlamaModel model(c, Precision::cpu(DType::f64), policy, T, nullptr, 1, tiling);
+      EXPECT_EQ(model.tiling().mlp_chunk_tokens, std::min<int64_t>(tiling.mlp_chunk_tokens, T));
+      EXPECT_EQ(model.tiling().loss_chunk_tokens, std::min<int64_t>(tiling.loss_chunk_tokens, T));
+      model.initialize(9, 0.3);
+      model.zero_grads();
+      LossSum ls = model.forward_backward(data.shard(), scale);
+      grads = arena_values(model.grads());
+      act_bytes = model.activation_bytes();
+      // forward() (eval) tiles the head the same way.
+      EXPECT_LT(test::scalar_relative_error(model.forward(data.shard()).sum, ls.sum), 1e-13);
+      return ls;
+    };
+    std::vector<double> reference;
+    size_t untiled_bytes = 0;
+    const LossSum ref = run({T, T}, reference, untiled_bytes);
+    ASSERT_TRUE(std::isfinite(ref.sum));
+    for (const Tiling tiling : {Tiling{1, 1}, Tiling{5, 7}, Tiling{16, 37}, Tiling{36, 2}, Tiling{37, 10}, Tiling{100, 100}}) {
+      const std::string what = fmt::format("{} mlp chunk {} loss chunk {}", checkpoint_policy_name(policy),
+                                           tiling.mlp_chunk_tokens, tiling.loss_chunk_tokens);
+      std::vector<double> grads;
+      size_t bytes = 0;
+      const LossSum ls = run(tiling, grads, bytes);
+      EXPECT_EQ(ls.count, ref.count) << what;
+      EXPECT_LT(test::scalar_relative_error(ls.sum, ref.sum), 1e-12) << what;
+      EXPECT_LT(test::relative_error(grads, reference), 1e-12) << what;
+      worst = std::max(worst, test::relative_error(grads, reference));
+      LlamaModel probe(c, Precision::cpu(DType::f64), policy, T);
+      for (const ArenaEntry& e : probe.grads().table()) {
+        const size_t off = e.offset / sizeof(double);
+        std::vector<double> a(grads.begin() + off, grads.begin() + off + e.numel);
+        std::vector<double> r(reference.begin() + off, reference.begin() + off + e.numel);
+        EXPECT_LT(test::relative_error(a, r), 1e-12) << what << ": " << e.name;
+      }
+      if (tiling.mlp_chunk_tokens < T && policy != CheckpointPolicy::none)
+        EXPECT_LT(bytes, untiled_bytes) << what;
+    }
+  }
+  std::printf("tiled against untiled: worst gradient relative error %.3e\n", worst);
+  ::testing::Test::RecordProperty("max_relative_error", fmt::format("{:.3e}", worst));
+}
+
+// The policies stay bit-identical to each other when tiled (they chunk alike).
+TEST(LlamaModel, CheckpointPoliciesAreBitIdenticalWhenTiled) {
+  LlamaConfig c = tiny_config();
+  c.n_layers = 2;
+  const int64_t T = 29;
+  ShardData data(T, c.vocab_size);
+  std::vector<float> reference;
+  for (CheckpointPolicy policy : {CheckpointPolicy::none, CheckpointPolicy::full, CheckpointPolicy::remat_aware}) {
+    LlamaModel model(c, Precision::cpu(DType::f32), policy, T, nullptr, 1, Tiling{6, 11});
+    model.initialize(3);
+    model.zero_grads();
+    model.forward_backward(data.shard(), 1.0 / 23);
+    Tensor g = model.grads().flat();
+    std::vector<float> grads(g.ptr<float>(), g.ptr<float>() + g.numel());
+    if (reference.empty()) {
+      reference = grads;
+      continue;
+    }
+    EXPECT_EQ(std::memcmp(grads.data(), reference.data(), grads.size() * sizeof(float)), 0)
+        << checkpoint_policy_name(policy) << " differs from none";
+  }
+}
+
+// A bad label in the last loss chunk is an error before any gradient is written (the labels are
+// checked once per shard, not per chunk).
+TEST(LlamaModel, BadLabelInALaterLossChunkLeavesGradientsUntouched) {
+  LlamaConfig c = tiny_config();
+  const int64_t T = 12;
+  ShardData data(T, c.vocab_size);
+  data.labels[T - 1] = static_cast<int32_t>(c.vocab_size);
+  LlamaModel model(c, Precision::cpu(DType::f64), CheckpointPolicy::remat_aware, T, nullptr, 1, Tiling{4, 4});
+  model.initialize(1);
+  model.zero_grads();
+  try {
+    model.forward_backward(data.shard(), 1.0);
+    ADD_FAILURE() << "a label outside the vocabulary was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("label 50 at token index 11"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("model.vocab_size"), std::string::npos) << e.what();
+  }
+  for (double v : arena_values(model.grads())) ASSERT_EQ(v, 0.0);
+  EXPECT_THROW(LlamaModel(c, Precision::cpu(DType::f64), CheckpointPolicy::none, T, nullptr, 1, Tiling{-1, 0}), Error);
+}
+
 TEST(LlamaModel, GradientsAccumulateAcrossCalls) {
   LlamaConfig c = tiny_config();
   const int64_t T = 11;
