@@ -86,8 +86,9 @@ QkvViews split_qkv(const Tensor& qkv, const LlamaConfig& c) {
 }
 
 LlamaModel::LlamaModel(const LlamaConfig& config, Precision precision, CheckpointPolicy policy, int64_t max_tokens,
-                       std::unique_ptr<attn::SequenceAttention> attention, int64_t flat_shards, Tiling tiling)
-    : config_(config), precision_(precision), policy_(policy), max_tokens_(max_tokens),
+                       std::unique_ptr<attn::SequenceAttention> attention, int64_t flat_shards, Tiling tiling,
+                       Offload offload)
+    : config_(config), precision_(precision), policy_(policy), max_tokens_(max_tokens), offload_(offload),
       attention_(std::move(attention)), params_("parameters", precision.device),
       grads_("gradients", precision.device), acts_("activations", precision.device) {
   config_.validate();
@@ -127,8 +128,13 @@ LlamaModel::LlamaModel(const LlamaConfig& config, Precision precision, Checkpoin
   // The activation table (model/memory_plan.cpp), shared with the memory plan so that the plan is
   // exactly what is allocated here.
   tiling_ = resolve_tiling(config_, precision_, tiling, max_tokens);
-  add_activation_entries(acts_, config_, precision_, policy_, max_tokens, tiling_);
+  add_activation_entries(acts_, config_, precision_, policy_, max_tokens, tiling_, offload_);
   acts_.allocate();
+  if (offload_ == Offload::checkpoints) {
+    Arena host("offloaded checkpoints", Device::cpu);
+    add_offload_host_entries(host, config_, precision_, policy_, max_tokens);
+    offloader_ = std::make_unique<CheckpointOffloader>(host, precision_.device, config_.n_layers);
+  }
 }
 
 void LlamaModel::zero_grads() { zero(grads_.flat()); }
@@ -139,15 +145,36 @@ void LlamaModel::set_rope_length(int64_t seq_len) {
   rope_ = ops::RopeParams{config_.rope_theta, std::move(table.inv_freq), table.attention_factor};
 }
 
+Tensor LlamaModel::residual(int64_t l, int64_t T) const {
+  return (offloader_ ? acts_.get(fmt::format("residual_slot.{}", l % kOffloadSlots))
+                     : acts_.get(fmt::format("residual.{}", l)))
+      .narrow(0, T);
+}
+
 LlamaModel::LayerActs LlamaModel::layer_acts(int64_t l, int64_t T) const {
   auto get = [&](const char* name) {
-    Tensor t = keeps_activation(policy_, name) ? acts_.get(fmt::format("layers.{}.{}", l, name))
-                                               : acts_.get(fmt::format("scratch.{}", name));
+    Tensor t = !keeps_activation(policy_, name) ? acts_.get(fmt::format("scratch.{}", name))
+               : offloader_                     ? acts_.get(fmt::format("slot.{}.{}", l % kOffloadSlots, name))
+                                                : acts_.get(fmt::format("layers.{}.{}", l, name));
     // The first T tokens of a buffer sized for max_tokens, or the whole of a chunk-sized scratch.
     return t.narrow(0, std::min(T, t.size(0)));
   };
   return {get("n1"), get("rstd1"), get("qkv"), get("o"), get("lse"), get("h"),
           get("n2"), get("rstd2"), get("gate_up"), get("s")};
+}
+
+// What layer l keeps, between its device slot and its host copy: its input x_l and the kept kinds.
+std::vector<CheckpointOffloader::Copy> LlamaModel::offload_copies(int64_t l, int64_t T, bool to_host) const {
+  std::vector<CheckpointOffloader::Copy> copies;
+  auto add = [&](const Tensor& device, const std::string& host_name) {
+    const Tensor host = offloader_->host(host_name).narrow(0, T);
+    copies.push_back(to_host ? CheckpointOffloader::Copy{host, device} : CheckpointOffloader::Copy{device, host});
+  };
+  add(residual(l, T), fmt::format("residual.{}", l));
+  for (const char* kind : {"n1", "rstd1", "qkv", "o", "lse", "h", "n2", "rstd2", "gate_up", "s"})
+    if (keeps_activation(policy_, kind))
+      add(acts_.get(fmt::format("slot.{}.{}", l % kOffloadSlots, kind)).narrow(0, T), fmt::format("layers.{}.{}", l, kind));
+  return copies;
 }
 
 namespace {
@@ -299,20 +326,34 @@ LossSum LlamaModel::forward_backward(const TokenShard& shard, double grad_scale)
   check_shard(shard);
   attention_->set_documents(shard.documents);  // every layer's attention, forward and backward
   const int64_t T = shard.tokens.numel(), L = config_.n_layers;
-  auto residual = [&](int64_t l) { return acts_.get(fmt::format("residual.{}", l)).narrow(0, T); };
+  CheckpointOffloader* off = offloader_.get();
 
-  ops::embedding_forward(residual(0), shard.tokens, p_.embed);
-  for (int64_t l = 0; l < L; ++l) layer_forward(l, layer_acts(l, T), residual(l), residual(l + 1), shard.positions);
+  // Forward. Offloaded: layer l writes x_{l+1} into the slot that held x_{l-2} and its kept tensors
+  // into the one that held layer l-3's, so it waits for layer l-2's copy to the host (in stream
+  // order after l-3's); its own slot goes to the host while layer l+1 computes.
+  ops::embedding_forward(residual(0, T), shard.tokens, p_.embed);
+  for (int64_t l = 0; l < L; ++l) {
+    if (off && l >= 2) off->wait_out(l - 2);
+    layer_forward(l, layer_acts(l, T), residual(l, T), residual(l + 1, T), shard.positions);
+    if (off) off->out(l, offload_copies(l, T, /*to_host=*/true));
+  }
 
-  LossSum loss = head(shard, residual(L), acts_.get("losses").narrow(0, T), /*with_grad=*/true, grad_scale, T);
+  LossSum loss = head(shard, residual(L, T), acts_.get("losses").narrow(0, T), /*with_grad=*/true, grad_scale, T);
   gradients_ready(gradient_ranges_[0]);  // final norm, LM head (tied: it is the embedding, reported last)
 
+  // Backward. Offloaded: the last layers are still in their slots (x_l's slot was last written by
+  // layer l-1 for l >= L-2; layer l's kept tensors for l >= L-3); every other layer is brought back a
+  // layer ahead, into the slot layer l+2 used, while layer l computes.
+  auto resident = [&](int64_t l) { return l >= L - 2; };
   Tensor d_residual = acts_.get("d_residual").narrow(0, T);
   for (int64_t l = L - 1; l >= 0; --l) {
-    layer_backward(l, layer_acts(l, T), residual(l), d_residual, shard.positions);
+    if (off && !resident(l)) off->wait_in(l);
+    if (off && l >= 1 && !resident(l - 1)) off->in(l - 1, offload_copies(l - 1, T, /*to_host=*/false));
+    layer_backward(l, layer_acts(l, T), residual(l, T), d_residual, shard.positions);
     gradients_ready(gradient_ranges_[static_cast<size_t>(L - l)]);
   }
   ops::embedding_backward(g_.embed, shard.tokens, d_residual);
+  if (off) off->wait_all();  // nothing of this step stays in flight on the copy stream
   gradients_ready(gradient_ranges_.back());
   return loss;
 }
@@ -321,10 +362,10 @@ Tensor LlamaModel::forward_layers(const TokenShard& shard) {
   check_shard(shard);
   attention_->set_documents(shard.documents);  // every layer's attention, forward and backward
   const int64_t T = shard.tokens.numel(), L = config_.n_layers;
-  auto residual = [&](int64_t l) { return acts_.get(fmt::format("residual.{}", l)).narrow(0, T); };
-  ops::embedding_forward(residual(0), shard.tokens, p_.embed);
-  for (int64_t l = 0; l < L; ++l) layer_forward(l, layer_acts(l, T), residual(l), residual(l + 1), shard.positions);
-  return residual(L);
+  // Forward only: nothing goes to the host, the slots (offloaded) are simply reused in turn.
+  ops::embedding_forward(residual(0, T), shard.tokens, p_.embed);
+  for (int64_t l = 0; l < L; ++l) layer_forward(l, layer_acts(l, T), residual(l, T), residual(l + 1, T), shard.positions);
+  return residual(L, T);
 }
 
 LossSum LlamaModel::forward(const TokenShard& shard, Tensor losses) {

@@ -28,6 +28,7 @@
 #include "attention/sequence_attention.h"
 #include "kernels/ops.h"
 #include "model/llama_config.h"
+#include "model/offload.h"
 #include "model/parameters.h"
 #include "runtime/arena.h"
 
@@ -94,13 +95,15 @@ class LlamaModel {
   // flat_shards > 1 pads the parameter and gradient arenas so their flat views split into that many
   // equal shards (ZeRO-1 over the ranks).
   // `tiling` picks the token chunks (0 = auto, resolved for max_tokens; tiling() says what was chosen).
+  // `offload` = checkpoints keeps what the policy saves per layer in host memory (model/offload.h).
   LlamaModel(const LlamaConfig& config, Precision precision, CheckpointPolicy policy, int64_t max_tokens,
              std::unique_ptr<attn::SequenceAttention> attention = nullptr, int64_t flat_shards = 1,
-             Tiling tiling = {});
+             Tiling tiling = {}, Offload offload = Offload::none);
 
   const LlamaConfig& config() const { return config_; }
   CheckpointPolicy policy() const { return policy_; }
   const Tiling& tiling() const { return tiling_; }  // resolved: both chunk sizes > 0
+  Offload offload() const { return offload_; }
   const Precision& precision() const { return precision_; }
 
   Arena& params() { return params_; }
@@ -161,12 +164,15 @@ class LlamaModel {
 
   // Bytes of each arena, for the memory plan.
   size_t activation_bytes() const { return acts_.bytes(); }
+  size_t offload_host_bytes() const { return offloader_ ? offloader_->host_bytes() : 0; }  // pinned host memory
 
   static constexpr int32_t kIgnoreIndex = -100;
 
  private:
   struct LayerActs;  // views of one layer's activations (saved or scratch, per policy)
   LayerActs layer_acts(int64_t layer, int64_t T) const;
+  Tensor residual(int64_t l, int64_t T) const;  // x_l, the input of layer l (x_L: the last layer's output)
+  std::vector<CheckpointOffloader::Copy> offload_copies(int64_t layer, int64_t T, bool to_host) const;
   Tensor forward_layers(const TokenShard& shard);  // embedding and every layer; returns the last residual
   void layer_forward(int64_t layer, const LayerActs& a, Tensor x_in, Tensor x_out, Tensor positions);
   void qkv_forward(int64_t layer, const LayerActs& a, Tensor x_in, Tensor positions);
@@ -183,6 +189,8 @@ class LlamaModel {
   CheckpointPolicy policy_;
   int64_t max_tokens_;
   Tiling tiling_;
+  Offload offload_;
+  std::unique_ptr<CheckpointOffloader> offloader_;
   std::unique_ptr<attn::SequenceAttention> attention_;
   ops::RopeParams rope_;
   Arena params_, grads_, acts_;

@@ -43,8 +43,43 @@ namespace {
 bool token_local(std::string_view kind) { return kind != "qkv" && kind != "o" && kind != "lse"; }
 }  // namespace
 
+namespace {
+struct Kind {
+  const char* name;
+  std::vector<int64_t> shape;  // without the token dimension
+  DType dtype;
+};
+// The per-layer kinds; the token dimension is T for a kept kind and for attention's tensors, one MLP
+// chunk for a token-local kind's scratch.
+std::vector<Kind> layer_kinds(const LlamaConfig& config, const Precision& precision) {
+  const int64_t C = config.dim, F = config.ffn_dim, Hq = config.n_heads;
+  const DType act = precision.act, stat = precision.stat;
+  return {
+      {"n1", {C}, act},          {"rstd1", {}, stat},       {"qkv", {config.qkv_dim()}, act},
+      {"o", {Hq, config.head_dim}, act}, {"lse", {Hq}, stat}, {"h", {C}, act},
+      {"n2", {C}, act},          {"rstd2", {}, stat},       {"gate_up", {2 * F}, act},
+      {"s", {F}, act},
+  };
+}
+std::vector<int64_t> with_tokens(int64_t tokens, const std::vector<int64_t>& rest) {
+  std::vector<int64_t> shape = {tokens};
+  shape.insert(shape.end(), rest.begin(), rest.end());
+  return shape;
+}
+}  // namespace
+
+void add_offload_host_entries(Arena& host, const LlamaConfig& config, const Precision& precision,
+                              CheckpointPolicy policy, int64_t max_tokens) {
+  for (int64_t l = 0; l < config.n_layers; ++l) {
+    host.add(fmt::format("residual.{}", l), {max_tokens, config.dim}, precision.act);
+    for (const Kind& k : layer_kinds(config, precision))
+      if (keeps_activation(policy, k.name))
+        host.add(fmt::format("layers.{}.{}", l, k.name), with_tokens(max_tokens, k.shape), k.dtype);
+  }
+}
+
 void add_activation_entries(Arena& acts, const LlamaConfig& config, const Precision& precision,
-                            CheckpointPolicy policy, int64_t max_tokens, const Tiling& tiling) {
+                            CheckpointPolicy policy, int64_t max_tokens, const Tiling& tiling, Offload offload) {
   const int64_t T = max_tokens, C = config.dim, F = config.ffn_dim, Hq = config.n_heads;
   LT_CHECK(tiling.mlp_chunk_tokens > 0 && tiling.mlp_chunk_tokens <= T && tiling.loss_chunk_tokens > 0 &&
                tiling.loss_chunk_tokens <= T,
@@ -52,31 +87,16 @@ void add_activation_entries(Arena& acts, const LlamaConfig& config, const Precis
            tiling.loss_chunk_tokens, T);
   const int64_t M = tiling.mlp_chunk_tokens, Lc = tiling.loss_chunk_tokens;
   const DType act = precision.act, stat = precision.stat;
-  // Residual stream: x_0 .. x_L, the one tensor every policy keeps per layer.
-  for (int64_t l = 0; l <= config.n_layers; ++l) acts.add(fmt::format("residual.{}", l), {T, C}, act);
-  // Per-layer tensors, kept per layer or as one scratch copy, by policy.
-  struct Kind {
-    const char* name;
-    std::vector<int64_t> shape;
-    DType dtype;
-  };
-  // Shapes with the token dimension left out; it is T for a kept kind and for attention's tensors,
-  // one MLP chunk for a token-local kind's scratch.
-  const Kind kinds[] = {
-      {"n1", {C}, act},          {"rstd1", {}, stat},       {"qkv", {config.qkv_dim()}, act},
-      {"o", {Hq, config.head_dim}, act}, {"lse", {Hq}, stat}, {"h", {C}, act},
-      {"n2", {C}, act},          {"rstd2", {}, stat},       {"gate_up", {2 * F}, act},
-      {"s", {F}, act},
-  };
-  auto with_tokens = [](int64_t tokens, const std::vector<int64_t>& rest) {
-    std::vector<int64_t> shape = {tokens};
-    shape.insert(shape.end(), rest.begin(), rest.end());
-    return shape;
-  };
-  for (const Kind& k : kinds) {
+  const bool slots = offload == Offload::checkpoints;
+  // Residual stream: x_0 .. x_L, the one tensor every policy keeps per layer (offloaded: its slots).
+  for (int64_t l = 0; l < (slots ? kOffloadSlots : config.n_layers + 1); ++l)
+    acts.add(slots ? fmt::format("residual_slot.{}", l) : fmt::format("residual.{}", l), {T, C}, act);
+  // Per-layer tensors, kept per layer (or per slot) or as one scratch copy, by policy.
+  for (const Kind& k : layer_kinds(config, precision)) {
     if (keeps_activation(policy, k.name)) {
-      for (int64_t l = 0; l < config.n_layers; ++l)
-        acts.add(fmt::format("layers.{}.{}", l, k.name), with_tokens(T, k.shape), k.dtype);
+      for (int64_t l = 0; l < (slots ? kOffloadSlots : config.n_layers); ++l)
+        acts.add(slots ? fmt::format("slot.{}.{}", l, k.name) : fmt::format("layers.{}.{}", l, k.name),
+                 with_tokens(T, k.shape), k.dtype);
     } else {
       acts.add(fmt::format("scratch.{}", k.name), with_tokens(token_local(k.name) ? M : T, k.shape), k.dtype);
     }
@@ -125,7 +145,7 @@ int cuda_sm_count() {
 
 MemoryPlan plan_memory(const LlamaConfig& config, const Precision& precision, CheckpointPolicy policy,
                        int64_t tokens_per_rank, int64_t optimizer_shards, const SequenceParallelPlan& sp,
-                       const Tiling& tiling) {
+                       const Tiling& tiling, Offload offload) {
   config.validate();
   LT_CHECK(tokens_per_rank > 0, "a memory plan needs at least one token per rank (got {})", tokens_per_rank);
   LT_CHECK(optimizer_shards >= 1, "a memory plan needs at least one optimizer shard (got {})", optimizer_shards);
@@ -139,6 +159,7 @@ MemoryPlan plan_memory(const LlamaConfig& config, const Precision& precision, Ch
   plan.tiling = resolve_tiling(config, precision, tiling, tokens_per_rank);
   plan.optimizer_shards = optimizer_shards;
   plan.sp = sp;
+  plan.offload = offload;
   const Device dev = precision.device;
 
   // Parameters and gradients: LlamaModel's tables, padded as it pads them for flat shards.
@@ -159,7 +180,7 @@ MemoryPlan plan_memory(const LlamaConfig& config, const Precision& precision, Ch
 
   // Activations: the model's own table, split into what layers keep and what is scratch.
   Arena acts("activations", dev);
-  add_activation_entries(acts, config, precision, policy, tokens_per_rank, plan.tiling);
+  add_activation_entries(acts, config, precision, policy, tokens_per_rank, plan.tiling, offload);
   plan.activations = arena_bytes(acts);
   const std::vector<ArenaEntry>& table = acts.table();
   for (size_t i = 0; i < table.size(); ++i) {
@@ -167,9 +188,16 @@ MemoryPlan plan_memory(const LlamaConfig& config, const Precision& precision, Ch
     // An entry's footprint runs to the next entry's offset (alignment padding included).
     const size_t end = i + 1 < table.size() ? table[i + 1].offset : acts.bytes();
     const size_t footprint = end - e.offset;
-    const bool per_layer = e.name.rfind("residual.", 0) == 0 || e.name.rfind("layers.", 0) == 0;
-    if (per_layer) plan.saved += footprint;
-    if (e.name == "residual.0" || e.name.rfind("layers.0.", 0) == 0) plan.saved_per_layer += footprint;
+    auto starts = [&](const char* prefix) { return e.name.rfind(prefix, 0) == 0; };
+    // Offloaded, the saved part on the device is the slots, one of which holds what one layer keeps.
+    if (starts("residual.") || starts("layers.") || starts("residual_slot.") || starts("slot.")) plan.saved += footprint;
+    if (e.name == "residual.0" || starts("layers.0.") || e.name == "residual_slot.0" || starts("slot.0."))
+      plan.saved_per_layer += footprint;
+  }
+  if (offload == Offload::checkpoints) {
+    Arena host("offloaded checkpoints", Device::cpu);
+    add_offload_host_entries(host, config, precision, policy, tokens_per_rank);
+    plan.host_offload = host.allocation_bytes();
   }
   plan.activation_scratch = plan.activations - plan.saved;
   std::vector<std::string_view> kept = {"x"};
@@ -238,9 +266,9 @@ std::string MemoryPlan::table() const {
   const Precision& p = precision;
   std::string out = fmt::format(
       "memory plan: {} parameters, {} layers, dim {}, vocab {}; {} (parameters {}, activations {}, statistics {}); "
-      "checkpoint {}; {} tokens per rank{}; token chunks: MLP {}, loss {}\n",
+      "checkpoint {}, offload {}; {} tokens per rank{}; token chunks: MLP {}, loss {}\n",
       config.num_parameters(), config.n_layers, config.dim, config.vocab_size, p.device == Device::cuda ? "cuda" : "cpu",
-      dtype_name(p.param), dtype_name(p.act), dtype_name(p.stat), checkpoint_policy_name(policy), tokens,
+      dtype_name(p.param), dtype_name(p.act), dtype_name(p.stat), checkpoint_policy_name(policy), offload_name(offload), tokens,
       sp.sp_size > 1 ? fmt::format(" ({} sequence-parallel ranks, {} schedule)", sp.sp_size,
                                    attn::schedule_name(sp.schedule))
                      : std::string(),
@@ -255,10 +283,16 @@ std::string MemoryPlan::table() const {
   row("adam m", adam_m, fmt::format("AdamW, {}", dtype_name(state)));
   row("adam v", adam_v, fmt::format("AdamW, {}", dtype_name(state)));
   if (optimizer_shards > 1) out += fmt::format("  (optimizer state: one of {} ZeRO-1 shards)\n", optimizer_shards);
-  const size_t final_residual = saved - saved_per_layer * static_cast<size_t>(config.n_layers);
-  row("activations, saved", saved,
-      fmt::format("{} per layer ({}) × {} layers + {} final residual", human(saved_per_layer), saved_kinds,
-                  config.n_layers, human(final_residual)));
+  if (offload == Offload::checkpoints) {
+    row("activations, saved", saved,
+        fmt::format("{} device slots of {} ({}); the {} layers' copies are in host memory", kOffloadSlots,
+                    human(saved_per_layer), saved_kinds, config.n_layers));
+  } else {
+    const size_t final_residual = saved - saved_per_layer * static_cast<size_t>(config.n_layers);
+    row("activations, saved", saved,
+        fmt::format("{} per layer ({}) × {} layers + {} final residual", human(saved_per_layer), saved_kinds,
+                    config.n_layers, human(final_residual)));
+  }
   row("activations, scratch", activation_scratch,
       "once for all layers: recomputed tensors, projections, backward gradients");
   row("LM head workspace", lm_head_workspace,
@@ -273,7 +307,10 @@ std::string MemoryPlan::table() const {
                     attn::schedule_name(sp.schedule)));
   row("token buffers", token_buffers, "tokens, labels, positions of a step (and of an eval batch, with its losses)");
   if (gemm_workspace > 0) row("GEMM/op workspace", gemm_workspace, "cuBLASLt workspace, norm partials, index plan");
-  row("total", total(), "");
+  row("total", total(), p.device == Device::cuda ? "GPU memory" : "");
+  if (host_offload > 0)
+    row("host (pinned)", host_offload,
+        fmt::format("model.offload: checkpoints, {} per layer × {} layers", human(saved_per_layer), config.n_layers));
   return out;
 }
 
@@ -302,28 +339,56 @@ DeviceMemory device_memory(Device device) {
 
 size_t memory_headroom(const DeviceMemory& memory) { return std::max<size_t>(kGiB, memory.total / 50); }
 
-void check_memory_fits(const MemoryPlan& plan, const DeviceMemory& memory) {
-  const size_t need = plan.total() + memory_headroom(memory);
+void check_memory_fits(const MemoryPlan& plan, const DeviceMemory& memory, const DeviceMemory* host_memory) {
+  const bool on_host = plan.precision.device == Device::cpu;
+  if (plan.host_offload > 0 && !on_host) {
+    const DeviceMemory host = host_memory ? *host_memory : device_memory(Device::cpu);
+    const size_t host_need = plan.host_offload + memory_headroom(host);
+    if (host_need > host.free) {
+      std::string knobs;
+      if (plan.policy != CheckpointPolicy::full) {
+        MemoryPlan full = plan_memory(plan.config, plan.precision, CheckpointPolicy::full, plan.tokens,
+                                      plan.optimizer_shards, plan.sp, plan.tiling, plan.offload);
+        knobs = fmt::format("model.checkpoint: full would offload {}; ", human(full.host_offload));
+      }
+      LT_FAIL("not enough host memory for model.offload: checkpoints: the offloaded checkpoints need {} of pinned "
+              "host memory ({} per layer ({}) × {} layers for {} tokens per rank) plus {} headroom, but only {} of "
+              "{} are available (MemAvailable in /proc/meminfo). {}model.offload: none keeps them on the GPU; fewer "
+              "tokens per rank (data.seq_len, or a larger parallel.sp_size) shrink them",
+              human(plan.host_offload), human(plan.saved_per_layer), plan.saved_kinds, plan.config.n_layers,
+              plan.tokens, human(memory_headroom(host)), human(host.free), human(host.total), knobs);
+    }
+  }
+  // On a CPU run the host is the device: the offloaded copies come out of the same memory.
+  const size_t need = plan.total() + (on_host ? plan.host_offload : 0) + memory_headroom(memory);
   if (need <= memory.free) return;
   const char* where = plan.precision.device == Device::cuda ? "GPU" : "host";
   std::string knobs;
   if (plan.policy != CheckpointPolicy::full) {
     MemoryPlan full = plan_memory(plan.config, plan.precision, CheckpointPolicy::full, plan.tokens,
-                                  plan.optimizer_shards, plan.sp, plan.tiling);
+                                  plan.optimizer_shards, plan.sp, plan.tiling, plan.offload);
     knobs += fmt::format("model.checkpoint: full would need {} in all; ", human(full.total()));
+  }
+  if (plan.offload == Offload::none && !on_host) {
+    MemoryPlan off = plan_memory(plan.config, plan.precision, plan.policy, plan.tokens, plan.optimizer_shards,
+                                 plan.sp, plan.tiling, Offload::checkpoints);
+    knobs += fmt::format("model.offload: checkpoints would need {} (and {} of host memory); ", human(off.total()),
+                         human(off.host_offload));
   }
   if (plan.tokens > 1) {
     MemoryPlan half =
         plan_memory(plan.config, plan.precision, plan.policy, (plan.tokens + 1) / 2, plan.optimizer_shards, plan.sp,
-                    plan.tiling);
+                    plan.tiling, plan.offload);
     knobs += fmt::format("halving the tokens per rank (data.seq_len, or doubling parallel.sp_size) would need {}",
                          human(half.total()));
   }
   LT_FAIL("not enough {} memory: training needs {} (parameters {}, gradients {}, optimizer state {}, activations {} "
-          "under checkpoint policy {} for {} tokens per rank, workspace {}) plus {} headroom, but only {} of {} "
-          "are free. {}",
+          "under checkpoint policy {} with offload {} for {} tokens per rank, workspace {}{}) plus {} headroom, but "
+          "only {} of {} are free. {}",
           where, human(plan.total()), human(plan.parameters), human(plan.gradients), human(plan.optimizer()),
-          human(plan.activations), checkpoint_policy_name(plan.policy), plan.tokens, human(plan.workspace()),
+          human(plan.activations), checkpoint_policy_name(plan.policy), offload_name(plan.offload), plan.tokens,
+          human(plan.workspace()),
+          on_host && plan.host_offload > 0 ? fmt::format(", offloaded checkpoints {}", human(plan.host_offload)) : "",
           human(memory_headroom(memory)), human(memory.free), human(memory.total), knobs);
 }
 

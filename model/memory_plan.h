@@ -48,8 +48,16 @@ Tiling resolve_tiling(const LlamaConfig& config, const Precision& precision, Til
 // scratch.<kind> otherwise (a token-local kind's scratch holds one MLP chunk); the forward and backward
 // scratch: proj, d_norm, d_s, d_gate_up (one MLP chunk), final_norm, final_rstd, d_final_norm (one loss
 // chunk), losses, d_residual, d_o, d_qkv (the shard).
+// With offload = checkpoints, the per-layer entries become kOffloadSlots device slots
+// (residual_slot.<s>, slot.<s>.<kind>) and the layers' own copies live on the host
+// (add_offload_host_entries).
 void add_activation_entries(Arena& acts, const LlamaConfig& config, const Precision& precision,
-                            CheckpointPolicy policy, int64_t max_tokens, const Tiling& tiling);
+                            CheckpointPolicy policy, int64_t max_tokens, const Tiling& tiling,
+                            Offload offload = Offload::none);
+// The host table of offloaded checkpoints: residual.<l> (layer l's input) and layers.<l>.<kind> for
+// the kept kinds, l = 0 .. L-1.
+void add_offload_host_entries(Arena& host, const LlamaConfig& config, const Precision& precision,
+                              CheckpointPolicy policy, int64_t max_tokens);
 
 // ---- the plan ---------------------------------------------------------------------------------
 
@@ -68,6 +76,7 @@ struct MemoryPlan {
   CheckpointPolicy policy = CheckpointPolicy::remat_aware;
   int64_t tokens = 0;  // per rank (sequence length / sp_size × micro-batch)
   Tiling tiling;       // resolved token chunks
+  Offload offload = Offload::none;
 
   int64_t optimizer_shards = 1;
   SequenceParallelPlan sp;
@@ -85,6 +94,10 @@ struct MemoryPlan {
   size_t saved = 0;               // saved_per_layer × n_layers + the final residual
   size_t activation_scratch = 0;  // one copy for all layers (recomputed kinds, projections, gradients)
   std::string saved_kinds;        // e.g. "x, o, lse"
+
+  // model.offload: checkpoints: the pinned host buffer holding every layer's saved tensors (not in
+  // total(), which is device memory; check_memory_fits checks it against the host's).
+  size_t host_offload = 0;
 
   // Grow-only workspaces outside the arenas.
   size_t lm_head_workspace = 0;    // one chunk of f32 logits and of their gradient
@@ -112,7 +125,7 @@ struct MemoryPlan {
 // `tiling` as LlamaModel takes it (0 = auto).
 MemoryPlan plan_memory(const LlamaConfig& config, const Precision& precision, CheckpointPolicy policy,
                        int64_t tokens_per_rank, int64_t optimizer_shards = 1, const SequenceParallelPlan& sp = {},
-                       const Tiling& tiling = {});
+                       const Tiling& tiling = {}, Offload offload = Offload::none);
 
 struct DeviceMemory {
   size_t free = 0;
@@ -130,6 +143,8 @@ size_t memory_headroom(const DeviceMemory& memory);
 // Throws longtrain::Error when plan.total() + memory_headroom() exceeds memory.free. The message
 // says what needs how much, what is free, and which knob to turn (model.checkpoint, data.seq_len,
 // parallel.sp_size), with the totals those knobs would give.
-void check_memory_fits(const MemoryPlan& plan, const DeviceMemory& memory);
+// With plan.host_offload > 0 on a GPU, the pinned host buffer is checked against `host` (default: this
+// host's /proc/meminfo), the error naming model.offload; on a CPU run it adds to the one memory.
+void check_memory_fits(const MemoryPlan& plan, const DeviceMemory& memory, const DeviceMemory* host = nullptr);
 
 }  // namespace longtrain::model

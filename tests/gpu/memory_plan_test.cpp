@@ -48,14 +48,16 @@ TEST(MemoryPlan, ArenasEqualWhatTheModelAndOptimizerAllocate) {
     for (CheckpointPolicy policy : kPolicies) {
       for (int64_t shards : {1, 3}) {
        for (const model::Tiling tiling : {model::Tiling{}, model::Tiling{5, 9}, model::Tiling{1, 100}}) {
+        for (const model::Offload offload : {model::Offload::none, model::Offload::checkpoints}) {
         LlamaConfig c = small_config();
         c.tie_embeddings = shards == 3;
-        const std::string what = fmt::format("{} {}{}, {} optimizer shard(s), chunks {}/{}", dtype_name(dt),
+        const std::string what = fmt::format("{} {}{}, {} optimizer shard(s), chunks {}/{}, offload {}", dtype_name(dt),
                                              model::checkpoint_policy_name(policy),
                                              c.tie_embeddings ? " tied" : "", shards, tiling.mlp_chunk_tokens,
-                                             tiling.loss_chunk_tokens);
-        const MemoryPlan plan = model::plan_memory(c, Precision::cpu(dt), policy, T, shards, {}, tiling);
-        LlamaModel m(c, Precision::cpu(dt), policy, T, nullptr, shards, tiling);
+                                             tiling.loss_chunk_tokens, model::offload_name(offload));
+        const MemoryPlan plan = model::plan_memory(c, Precision::cpu(dt), policy, T, shards, {}, tiling, offload);
+        LlamaModel m(c, Precision::cpu(dt), policy, T, nullptr, shards, tiling, offload);
+        EXPECT_EQ(plan.host_offload, m.offload_host_bytes()) << what;
         EXPECT_EQ(plan.tiling.mlp_chunk_tokens, m.tiling().mlp_chunk_tokens) << what;
         EXPECT_EQ(plan.tiling.loss_chunk_tokens, m.tiling().loss_chunk_tokens) << what;
         const int64_t flat = m.params().flat().numel();  // ZeRO-1: this rank owns the first of `shards`
@@ -69,8 +71,17 @@ TEST(MemoryPlan, ArenasEqualWhatTheModelAndOptimizerAllocate) {
         // The split by kind covers the arena, and the per-layer part repeats for every layer.
         EXPECT_EQ(plan.saved + plan.activation_scratch, plan.activations) << what;
         const size_t residual = static_cast<size_t>(T * c.dim) * dtype_size(dt);
-        EXPECT_GE(plan.saved, plan.saved_per_layer * static_cast<size_t>(c.n_layers) + residual) << what;
-        EXPECT_LT(plan.saved, plan.saved_per_layer * static_cast<size_t>(c.n_layers) + residual + 256) << what;
+        if (offload == model::Offload::none) {
+          EXPECT_GE(plan.saved, plan.saved_per_layer * static_cast<size_t>(c.n_layers) + residual) << what;
+          EXPECT_LT(plan.saved, plan.saved_per_layer * static_cast<size_t>(c.n_layers) + residual + 256) << what;
+          EXPECT_EQ(plan.host_offload, 0u) << what;
+        } else {
+          // kOffloadSlots slots on the device; every layer's copy on the host.
+          EXPECT_EQ(plan.saved, plan.saved_per_layer * model::kOffloadSlots) << what;
+          EXPECT_GE(plan.host_offload, plan.saved_per_layer * static_cast<size_t>(c.n_layers)) << what;
+          EXPECT_LT(plan.host_offload, plan.saved_per_layer * static_cast<size_t>(c.n_layers) + 256) << what;
+        }
+        }
        }
       }
     }
@@ -172,6 +183,57 @@ TEST(MemoryPlan, TooLittleMemoryIsAnErrorNamingTheKnobs) {
   }
   model::DeviceMemory big{200ull << 30, 256ull << 30};
   EXPECT_NO_THROW(model::check_memory_fits(plan, big));
+}
+
+// Offloaded checkpoints are counted in host memory and checked against what the host has: the 1.1B
+// shape at 1M tokens under remat_aware offloads 22 layers × (x, O, LSE) = 178 GiB, more than a host with
+// 128 GiB available; the error names model.offload and the alternatives.
+TEST(MemoryPlan, OffloadIsCheckedAgainstHostMemory) {
+  LlamaConfig c;
+  c.vocab_size = 32000;
+  c.dim = 2048;
+  c.n_layers = 22;
+  c.n_heads = 32;
+  c.n_kv_heads = 4;
+  c.head_dim = 64;
+  c.ffn_dim = 5632;
+  const int64_t T = 1 << 20;
+  const MemoryPlan kept = model::plan_memory(c, Precision::cuda_mixed(), CheckpointPolicy::remat_aware, T);
+  const MemoryPlan off = model::plan_memory(c, Precision::cuda_mixed(), CheckpointPolicy::remat_aware, T, 1, {}, {},
+                                            model::Offload::checkpoints);
+  const size_t per_layer = static_cast<size_t>(T) * (2048 * 2 + 2048 * 2 + 32 * 4);
+  EXPECT_EQ(off.saved_per_layer, per_layer);
+  EXPECT_EQ(off.host_offload, per_layer * 22);
+  EXPECT_EQ(kept.saved - off.saved, per_layer * 22 + static_cast<size_t>(T) * 2048 * 2 - per_layer * 3);
+  std::printf("%s", off.table().c_str());
+  EXPECT_NE(off.table().find("host (pinned)"), std::string::npos);
+  const model::DeviceMemory gpu{139ull << 30, 141ull << 30};
+  const model::DeviceMemory small_host{128ull << 30, 256ull << 30}, big_host{400ull << 30, 512ull << 30};
+  EXPECT_NO_THROW(model::check_memory_fits(off, gpu, &big_host));
+  try {
+    model::check_memory_fits(off, gpu, &small_host);
+    ADD_FAILURE() << "178 GiB of checkpoints fitted in 128 GiB of host memory";
+  } catch (const Error& err) {
+    const std::string m = err.what();
+    for (const char* part : {"not enough host memory", "model.offload: checkpoints", "model.offload: none",
+                             "model.checkpoint: full", "MemAvailable", "128.00 GiB", "x, o, lse", "22 layers"})
+      EXPECT_NE(m.find(part), std::string::npos) << "missing \"" << part << "\" in: " << m;
+  }
+  // Without offload the same run does not fit the GPU, and the error says offload would.
+  try {
+    model::check_memory_fits(kept, gpu, &big_host);
+    ADD_FAILURE() << "remat_aware at 1M tokens fitted in 139 GiB without offload";
+  } catch (const Error& err) {
+    EXPECT_NE(std::string(err.what()).find("model.offload: checkpoints would need"), std::string::npos) << err.what();
+  }
+  // On a CPU run the host is the device: the copies count against the one memory.
+  const MemoryPlan cpu_off = model::plan_memory(c, Precision::cpu(DType::f32), CheckpointPolicy::full, 4096, 1, {},
+                                                {}, model::Offload::checkpoints);
+  const size_t without = cpu_off.total() + model::memory_headroom({0, 16ull << 30});
+  const model::DeviceMemory just_enough{without + cpu_off.host_offload, 16ull << 30};
+  const model::DeviceMemory short_by_one{without + cpu_off.host_offload - 1, 16ull << 30};
+  EXPECT_NO_THROW(model::check_memory_fits(cpu_off, just_enough));
+  EXPECT_THROW(model::check_memory_fits(cpu_off, short_by_one), Error);
 }
 
 #ifdef LONGTRAIN_HAS_CUDA

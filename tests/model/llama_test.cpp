@@ -269,6 +269,43 @@ TEST(LlamaModel, BadLabelInALaterLossChunkLeavesGradientsUntouched) {
   EXPECT_THROW(LlamaModel(c, Precision::cpu(DType::f64), CheckpointPolicy::none, T, nullptr, 1, Tiling{-1, 0}), Error);
 }
 
+// model.offload: checkpoints moves what each policy keeps per layer to host memory and back (on CPU
+// through the same slot schedule, with plain copies): loss and gradients are bit-identical to keeping
+// them, for every policy, over two accumulated steps (the second reuses slots the first left behind),
+// with tiling on, and with enough layers (6) that layers come back from the host; eval too.
+TEST(LlamaModel, OffloadedCheckpointsGiveBitIdenticalGradients) {
+  LlamaConfig c = tiny_config();
+  c.n_layers = 6;
+  const int64_t T = 23;
+  ShardData first(T, c.vocab_size), second(T, c.vocab_size, /*first_position=*/40);
+  for (int i = 0; i < T; ++i) second.tokens[i] = static_cast<int32_t>((i * 13 + 1) % c.vocab_size);
+  for (CheckpointPolicy policy : {CheckpointPolicy::none, CheckpointPolicy::full, CheckpointPolicy::remat_aware}) {
+    std::vector<float> grads[2];
+    double losses[2][3] = {};
+    size_t act_bytes[2] = {};
+    for (Offload offload : {Offload::none, Offload::checkpoints}) {
+      const int o = offload == Offload::checkpoints;
+      LlamaModel model(c, Precision::cpu(DType::f32), policy, T, nullptr, 1, Tiling{7, 9}, offload);
+      EXPECT_EQ(model.offload(), offload);
+      EXPECT_EQ(model.offload_host_bytes() > 0, o == 1);
+      model.initialize(21, 0.2);
+      model.zero_grads();
+      losses[o][0] = model.forward_backward(first.shard(), 1.0 / 19).sum;
+      losses[o][1] = model.forward_backward(second.shard(), 1.0 / 19).sum;
+      losses[o][2] = model.forward(first.shard()).sum;
+      Tensor g = model.grads().flat();
+      grads[o].assign(g.ptr<float>(), g.ptr<float>() + g.numel());
+      act_bytes[o] = model.activation_bytes();
+    }
+    const char* name = checkpoint_policy_name(policy);
+    ASSERT_EQ(grads[0].size(), grads[1].size());
+    EXPECT_TRUE(test::comparable(grads[0], grads[1])) << name;
+    EXPECT_EQ(std::memcmp(grads[0].data(), grads[1].data(), grads[0].size() * sizeof(float)), 0) << name;
+    for (int k = 0; k < 3; ++k) EXPECT_EQ(losses[0][k], losses[1][k]) << name << " loss " << k;
+    EXPECT_LT(act_bytes[1], act_bytes[0]) << name << ": 3 slots instead of 6 layers on the device";
+  }
+}
+
 TEST(LlamaModel, GradientsAccumulateAcrossCalls) {
   LlamaConfig c = tiny_config();
   const int64_t T = 11;
