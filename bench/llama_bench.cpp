@@ -8,7 +8,8 @@
 //   llama_bench [--lengths 8192,32768,65536] [--policies remat_aware,full] [--anchor llama_anchor.json]
 //               [--out result.json] [--commit SHA] [--warmup 1] [--steps 3] [--plan-only]
 //               [--schedule zigzag] [--chunk-calls merged|per_chunk] [--longest] [--gpus P]
-//               [--memory FREE_GIB,TOTAL_GIB]
+//               [--memory FREE_GIB,TOTAL_GIB] [--offload none,checkpoints] [--mlp-chunk N] [--loss-chunk N]
+//               [--shape tinyllama|llama3.2-3b]
 //   longtrain-run --nproc-per-node 2 -- llama_bench ...     (sequence parallel over 2 GPUs)
 //   llama_bench --merge result.json --anchor llama_anchor.json --out merged.json
 //
@@ -28,6 +29,13 @@
 // the largest multiple of 8192·P. Run the normal mode at those lengths to show they train. --gpus P
 // plans for a group of P GPUs outside the launcher (as does --plan-only); --memory FREE,TOTAL (GiB)
 // plans for a GPU that is not here.
+//
+// --policies takes auto as well: the policy and offload model::choose_memory picks for the free
+// memory (what `longtrain train` does with model.checkpoint: auto); its row names the choice and why.
+// --offload lists the offload settings each fixed policy runs with (model.offload; checkpoints: the
+// kept tensors in pinned host memory, checked against /proc/meminfo). --mlp-chunk and --loss-chunk set
+// model.mlp_chunk_tokens and model.loss_chunk_tokens (0 = auto). --shape llama3.2-3b: dim 3072, 28
+// layers, 24 heads, 8 KV heads, head dim 128, ffn 8192, vocab 128256, tied embeddings.
 //
 // For each length (ascending) and checkpoint policy: the memory plan is printed and checked against
 // the free device memory before anything is allocated (a config that does not fit is reported and
@@ -52,6 +60,7 @@
 #include <cstdio>
 #include <fstream>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -73,7 +82,10 @@ namespace {
 
 struct Options {
   std::vector<int64_t> lengths{8192, 32768, 65536};
-  std::vector<model::CheckpointPolicy> policies{model::CheckpointPolicy::remat_aware, model::CheckpointPolicy::full};
+  std::vector<std::string> policies{"remat_aware", "full"};  // or auto
+  std::vector<model::Offload> offloads{model::Offload::none};
+  model::Tiling tiling;
+  std::string shape = "tinyllama";
   std::string anchor, out, commit = "unknown", command, merge;
   int warmup = 1, steps = 3;
   bool plan_only = false, longest = false;
@@ -92,7 +104,20 @@ Options parse(int argc, char** argv) {
       std::sort(o.lengths.begin(), o.lengths.end());  // ascending: scratch only grows, peaks stay honest
     } else if (a == "--policies") {
       o.policies.clear();
-      for (const std::string& s : split_list(next())) o.policies.push_back(model::parse_checkpoint_policy(s));
+      for (const std::string& s : split_list(next())) {
+        if (s != "auto") model::parse_checkpoint_policy(s);  // a clear error for a bad name
+        o.policies.push_back(s);
+      }
+    } else if (a == "--offload") {
+      o.offloads.clear();
+      for (const std::string& s : split_list(next())) o.offloads.push_back(model::parse_offload(s));
+    } else if (a == "--mlp-chunk") {
+      o.tiling.mlp_chunk_tokens = std::stoll(next());
+    } else if (a == "--loss-chunk") {
+      o.tiling.loss_chunk_tokens = std::stoll(next());
+    } else if (a == "--shape") {
+      o.shape = next();
+      LT_CHECK(o.shape == "tinyllama" || o.shape == "llama3.2-3b", "llama_bench: --shape is tinyllama or llama3.2-3b, got '{}'", o.shape);
     } else if (a == "--anchor") {
       o.anchor = next();
     } else if (a == "--out") {
@@ -142,6 +167,44 @@ model::LlamaConfig tinyllama() {
   c.norm_eps = 1e-5;
   c.max_seq_len = 1 << 20;
   return c;
+}
+
+// Llama-3.2-3B's shape (rope scaling left out: it does not change time or memory).
+model::LlamaConfig llama32_3b() {
+  model::LlamaConfig c;
+  c.vocab_size = 128256;
+  c.dim = 3072;
+  c.n_layers = 28;
+  c.n_heads = 24;
+  c.n_kv_heads = 8;
+  c.head_dim = 128;
+  c.ffn_dim = 8192;
+  c.rope_theta = 500000.0;
+  c.norm_eps = 1e-5;
+  c.tie_embeddings = true;
+  c.max_seq_len = 1 << 23;
+  return c;
+}
+
+// One configuration to run: a fixed policy with a fixed offload, or auto (both chosen per length).
+struct Setup {
+  std::optional<model::CheckpointPolicy> policy;  // empty: auto
+  model::Offload offload = model::Offload::none;
+  std::string label() const {
+    if (!policy) return "auto";
+    return fmt::format("{}{}", model::checkpoint_policy_name(*policy), offload == model::Offload::none ? "" : "+offload");
+  }
+};
+std::vector<Setup> setups(const Options& o) {
+  std::vector<Setup> out;
+  for (const std::string& p : o.policies) {
+    if (p == "auto") {
+      out.push_back({});
+      continue;
+    }
+    for (model::Offload off : o.offloads) out.push_back({model::parse_checkpoint_policy(p), off});
+  }
+  return out;
 }
 
 // The attention of the model (one GPU's, or the group's distributed schedule) with CUDA events around
@@ -251,7 +314,7 @@ void reduce_host(parallel::Communicator* comm, std::vector<double>& v, parallel:
 
 int main(int argc, char** argv) try {
   const Options opt = parse(argc, argv);
-  const model::LlamaConfig cfg = tinyllama();
+  const model::LlamaConfig cfg = opt.shape == "tinyllama" ? tinyllama() : llama32_3b();
   const model::Precision prec = model::Precision::cuda_mixed();
   const parallel::WorldInfo world = parallel::world_from_env();
   const bool planning = opt.plan_only || opt.longest;
@@ -262,9 +325,16 @@ int main(int argc, char** argv) try {
   model::SequenceParallelPlan sp_plan;
   sp_plan.sp_size = P;
   sp_plan.schedule = opt.schedule;
-  auto plan_for = [&](model::CheckpointPolicy p, int64_t S) {
-    return model::plan_memory(cfg, prec, p, S / P, P, sp_plan);
+  const model::DeviceMemory host = model::device_memory(Device::cpu);
+  // The plan of a setup at S (auto: chosen for `mem`), with whether it fits `mem` and this host.
+  auto plan_for = [&](const Setup& setup, int64_t S, const model::DeviceMemory& mem) {
+    return model::choose_memory(cfg, prec, setup.policy, setup.policy ? std::optional(setup.offload) : std::nullopt,
+                                S / P, P, sp_plan, opt.tiling, mem, host);
   };
+  const std::vector<Setup> runs = setups(opt);
+  const char* shape_text = opt.shape == "tinyllama"
+                               ? "TinyLlama-1.1B shape (vocab 32000, dim 2048, 22 layers, 32 heads, 4 KV heads, head dim 64, ffn 5632)"
+                               : "Llama-3.2-3B shape (vocab 128256, dim 3072, 28 layers, 24 heads, 8 KV heads, head dim 128, ffn 8192, tied)";
 
   if (!opt.merge.empty()) {  // the anchor's numbers beside a result written earlier: runs without a GPU
     json result = read_json("llama_bench --merge", "the result", opt.merge);
@@ -286,9 +356,23 @@ int main(int argc, char** argv) try {
     return 0;
   }
 
-  if (opt.plan_only) {  // the plans alone: runs without a GPU
+  if (opt.plan_only) {  // the plans alone: runs without a GPU (auto needs --memory there)
+    model::DeviceMemory mem{~size_t{0} / 4, ~size_t{0} / 4};
+    if (opt.free_gib > 0) {
+      mem = {static_cast<size_t>(opt.free_gib * kGiB), static_cast<size_t>(opt.total_gib * kGiB)};
+    } else if (cuda_available()) {
+      LT_CUDA_CHECK(cudaFree(nullptr));
+      mem = model::device_memory(Device::cuda);
+    } else {
+      for (const Setup& r : runs)
+        LT_CHECK(r.policy.has_value(), "llama_bench --plan-only --policies auto: no GPU here; give --memory FREE,TOTAL");
+    }
     for (int64_t S : opt.lengths)
-      for (model::CheckpointPolicy p : opt.policies) std::printf("%s\n", plan_for(p, S).table().c_str());
+      for (const Setup& r : runs) {
+        const model::MemoryChoice c = plan_for(r, S, mem);
+        std::printf("%s%s: %s%s\n\n", c.plan.table().c_str(), r.label().c_str(), c.reason.c_str(),
+                    c.fits ? "" : " (does not fit)");
+      }
     return 0;
   }
 
@@ -308,15 +392,8 @@ int main(int argc, char** argv) try {
     const json machine = opt.free_gib > 0 ? json{{"memory", "given with --memory"}} : machine_json();
     const int64_t granule = 8192LL * P;
     json rows = json::array();
-    for (model::CheckpointPolicy policy : opt.policies) {
-      auto fits = [&](int64_t S) {
-        try {
-          model::check_memory_fits(plan_for(policy, S), mem);
-          return true;
-        } catch (const std::exception&) {
-          return false;
-        }
-      };
+    for (const Setup& setup : runs) {
+      auto fits = [&](int64_t S) { return plan_for(setup, S, mem).fits; };
       int64_t pow2 = 0;
       for (int64_t S = granule; S <= (int64_t{1} << 26) && fits(S); S *= 2) pow2 = S;
       int64_t lo = pow2 / granule, hi = std::max<int64_t>(lo, 1) * 2;  // fits(lo·g); !fits(hi·g) (pow2 · 2 fails)
@@ -325,18 +402,25 @@ int main(int argc, char** argv) try {
         (fits(mid * granule) ? lo : hi) = mid;
       }
       const int64_t largest = lo * granule;
-      json row = {{"policy", model::checkpoint_policy_name(policy)}, {"largest_power_of_two", pow2},
-                  {"largest_multiple_of_8192P", largest}};
-      if (largest > 0) row["plan_GiB_at_largest"] = round3(plan_for(policy, largest).total() / kGiB);
+      json row = {{"policy", setup.label()}, {"largest_power_of_two", pow2}, {"largest_multiple_of_8192P", largest}};
+      std::string chosen;
+      if (largest > 0) {
+        const model::MemoryChoice c = plan_for(setup, largest, mem);
+        row["plan_GiB_at_largest"] = round3(c.plan.total() / kGiB);
+        row["host_offload_GiB_at_largest"] = round3(c.plan.host_offload / kGiB);
+        row["choice_at_largest"] = c.reason;
+        chosen = c.reason;
+      }
       if (main_rank)
-        std::printf("longest by plan, %d GPU(s), %-11s: power of two %lld, largest %lld (plan %.2f GiB; free %.2f GiB)\n",
-                    P, model::checkpoint_policy_name(policy), (long long)pow2, (long long)largest,
-                    largest > 0 ? plan_for(policy, largest).total() / kGiB : 0.0, mem.free / kGiB);
+        std::printf("longest by plan, %d GPU(s), %-11s: power of two %lld, largest %lld (plan %.2f GiB; free %.2f GiB) %s\n",
+                    P, setup.label().c_str(), (long long)pow2, (long long)largest,
+                    largest > 0 ? plan_for(setup, largest, mem).plan.total() / kGiB : 0.0, mem.free / kGiB, chosen.c_str());
       rows.push_back(row);
     }
     if (main_rank && !opt.out.empty())
       write_json("llama_bench", opt.out,
-                 json{{"benchmark", "longest sequence whose memory plan fits, TinyLlama-1.1B shape"},
+                 json{{"benchmark", fmt::format("longest sequence whose memory plan fits, {}", shape_text)},
+                      {"host_free_GiB", round3(host.free / kGiB)}, {"tiling", {{"mlp_chunk_tokens", opt.tiling.mlp_chunk_tokens}, {"loss_chunk_tokens", opt.tiling.loss_chunk_tokens}}},
                       {"gpus", P}, {"schedule", P > 1 ? std::string(attn::schedule_name(opt.schedule)) : "local"},
                       {"free_GiB", round3(mem.free / kGiB)}, {"date", utc_date()}, {"machine", machine},
                       {"commit", opt.commit}, {"command", opt.command}, {"rows", rows}});
@@ -379,11 +463,11 @@ int main(int argc, char** argv) try {
 
   json result;
   result["benchmark"] = fmt::format(
-      "Llama training step on {} GPU(s){}, TinyLlama-1.1B shape (vocab 32000, dim 2048, 22 layers, 32 heads, 4 KV "
-      "heads, head dim 64, ffn 5632), batch 1, bf16 mixed precision, AdamW",
+      "Llama training step on {} GPU(s){}, {}, batch 1, bf16 mixed precision, AdamW",
       P, P > 1 ? fmt::format(" (one sequence-parallel group, {} schedule, {} layout, ZeRO-1 over the group)",
                              attn::schedule_name(opt.schedule), layout_name(layout))
-               : std::string());
+               : std::string(),
+      shape_text);
   result["gpus"] = P;
   if (P > 1) result["chunk_calls"] = std::string(attn::chunk_calls_name(opt.chunk_calls));
   result["date"] = utc_date();
@@ -448,26 +532,38 @@ int main(int argc, char** argv) try {
     const std::string key = std::to_string(S);
     if (anchor.contains(key)) anchor_row = &anchor[key];
 
-    for (model::CheckpointPolicy policy : opt.policies) {
-      json row = {{"S", S}, {"gpus", P}, {"tokens_per_gpu", T}, {"policy", model::checkpoint_policy_name(policy)}};
-      const model::MemoryPlan plan = plan_for(policy, S);
-      if (main_rank) std::printf("\n%s", plan.table().c_str());
+    for (const Setup& setup : runs) {
+      const model::DeviceMemory free_now = model::device_memory(Device::cuda);
+      const model::MemoryChoice choice = plan_for(setup, S, free_now);
+      const model::MemoryPlan& plan = choice.plan;
+      const model::CheckpointPolicy policy = choice.policy;
+      const std::string label = setup.policy ? setup.label() : fmt::format("auto={}{}", model::checkpoint_policy_name(policy),
+                                                                          choice.offload == model::Offload::none ? "" : "+offload");
+      json row = {{"S", S}, {"gpus", P}, {"tokens_per_gpu", T}, {"policy", setup.label()},
+                  {"checkpoint", model::checkpoint_policy_name(policy)}, {"offload", model::offload_name(choice.offload)},
+                  {"choice", choice.reason}, {"mlp_chunk_tokens", plan.tiling.mlp_chunk_tokens},
+                  {"loss_chunk_tokens", plan.tiling.loss_chunk_tokens}};
+      if (main_rank) std::printf("\n%s%s\n", plan.table().c_str(), choice.reason.c_str());
       row["plan_GiB"] = round3(plan.total() / kGiB);
+      if (plan.host_offload > 0) row["host_offload_GiB"] = round3(plan.host_offload / kGiB);
       // Every rank decides the same way (same plan, same GPUs); a failure on one rank after this point
       // is a real error, not a skip.
       std::string skip;
-      try {
-        model::check_memory_fits(plan, model::device_memory(Device::cuda));
-      } catch (const std::exception& e) {
-        skip = e.what();
+      if (!choice.fits) {
+        skip = choice.reason;
+        try {
+          model::check_memory_fits(plan, free_now, &host);
+        } catch (const std::exception& e) {
+          skip = e.what();
+        }
       }
       std::vector<double> skip_any = {skip.empty() ? 0.0 : 1.0};
       reduce_host(group, skip_any, parallel::ReduceOp::max);
       if (skip.empty() && skip_any[0] > 0) skip = "another rank's memory plan does not fit";
       if (!skip.empty()) {
         row["skipped"] = skip;
-        if (main_rank) std::printf("S=%lld %s: skipped: %s\n", (long long)S, model::checkpoint_policy_name(policy), skip.c_str());
-        summary.push_back(fmt::format("S={:7} {:11}: skipped: {}", S, model::checkpoint_policy_name(policy), skip));
+        if (main_rank) std::printf("S=%lld %s: skipped: %s\n", (long long)S, label.c_str(), skip.c_str());
+        summary.push_back(fmt::format("S={:7} {:11}: skipped: {}", S, label, skip));
         rows.push_back(row);
         write_result(rows);
         continue;
@@ -488,7 +584,7 @@ int main(int argc, char** argv) try {
         }
         auto attention = std::make_unique<TimedAttention>(attn::make_sequence_attention(spec));
         TimedAttention* timed = attention.get();
-        model::LlamaModel m(cfg, prec, policy, T, std::move(attention), P);
+        model::LlamaModel m(cfg, prec, policy, T, std::move(attention), P, opt.tiling, choice.offload);
         LT_CHECK(static_cast<size_t>(m.params().flat().numel()) >= image.size(), "llama_bench: parameter image larger than the arena");
         copy(Tensor(m.params().base(), DType::bf16, {static_cast<int64_t>(image.size())}, Device::cuda),
              Tensor(const_cast<bf16*>(image.data()), DType::bf16, {static_cast<int64_t>(image.size())}));
@@ -597,7 +693,7 @@ int main(int argc, char** argv) try {
         std::string line = fmt::format(
             "S={:7} {}GPU {:11}: {:8.3f} s/step, {:7.0f} tok/s, {:5.1f} TFLOP/s/GPU, MFU {:.3f}, peak {:5.1f} GiB "
             "(plan {:5.1f}); fwd+bwd {:.0f} ms (attention {:.0f}, {:.0f} fwd/layer), optimizer {:.0f} ms; loss {:.3f}",
-            S, P, model::checkpoint_policy_name(policy), step_s, tok_s, flops / step_s / 1e12 / P,
+            S, P, label, step_s, tok_s, flops / step_s / 1e12 / P,
             flops / step_s / 989e12 / P, peak / kGiB, plan.total() / kGiB, fb_ms, attn_ms, forwards_per_layer, opt_ms,
             loss);
         if (anchor_row != nullptr && anchor_row->is_object() && anchor_row->contains("tok_per_s")) {

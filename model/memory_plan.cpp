@@ -392,4 +392,66 @@ void check_memory_fits(const MemoryPlan& plan, const DeviceMemory& memory, const
           human(memory_headroom(memory)), human(memory.free), human(memory.total), knobs);
 }
 
+bool memory_fits(const MemoryPlan& plan, const DeviceMemory& device, const DeviceMemory& host, std::string* why) {
+  const bool on_host = plan.precision.device == Device::cpu;
+  const size_t need = plan.total() + (on_host ? plan.host_offload : 0) + memory_headroom(device);
+  if (need > device.free) {
+    if (why)
+      *why = fmt::format("needs {} > {} free", human(plan.total() + (on_host ? plan.host_offload : 0)),
+                         human(device.free > memory_headroom(device) ? device.free - memory_headroom(device) : 0));
+    return false;
+  }
+  if (!on_host && plan.host_offload > 0 && plan.host_offload + memory_headroom(host) > host.free) {
+    if (why)
+      *why = fmt::format("needs {} of host memory > {} available", human(plan.host_offload),
+                         human(host.free > memory_headroom(host) ? host.free - memory_headroom(host) : 0));
+    return false;
+  }
+  return true;
+}
+
+MemoryChoice choose_memory(const LlamaConfig& config, const Precision& precision,
+                           std::optional<CheckpointPolicy> policy, std::optional<Offload> offload,
+                           int64_t tokens_per_rank, int64_t optimizer_shards, const SequenceParallelPlan& sp,
+                           const Tiling& tiling, const DeviceMemory& device, const DeviceMemory& host) {
+  auto describe = [](CheckpointPolicy p, Offload o) {
+    return fmt::format("{} {}", checkpoint_policy_name(p), o == Offload::none ? "without offload" : "with offload");
+  };
+  MemoryChoice choice;
+  if (policy && offload) {  // nothing to choose
+    choice.policy = *policy;
+    choice.offload = *offload;
+    choice.plan = plan_memory(config, precision, *policy, tokens_per_rank, optimizer_shards, sp, tiling, *offload);
+    choice.fits = memory_fits(choice.plan, device, host, nullptr);
+    choice.reason = fmt::format("{} (as configured)", describe(*policy, *offload));
+    return choice;
+  }
+  std::vector<std::string> rejected;
+  std::optional<MemoryChoice> smallest;
+  for (const AutoCandidate& c : kAutoOrder) {
+    if (policy && c.policy != *policy) continue;
+    if (offload && c.offload != *offload) continue;
+    if (!offload && c.offload == Offload::checkpoints && precision.device == Device::cpu) continue;
+    MemoryChoice m;
+    m.policy = c.policy;
+    m.offload = c.offload;
+    m.plan = plan_memory(config, precision, c.policy, tokens_per_rank, optimizer_shards, sp, tiling, c.offload);
+    std::string why;
+    m.fits = memory_fits(m.plan, device, host, &why);
+    if (m.fits) {
+      m.reason = fmt::format("auto: {}{}", describe(c.policy, c.offload),
+                             rejected.empty() ? std::string(" (the fastest; it fits)")
+                                              : fmt::format(" ({})", fmt::join(rejected, "; ")));
+      return m;
+    }
+    rejected.push_back(fmt::format("{} {}", describe(c.policy, c.offload), why));
+    if (!smallest || m.plan.total() < smallest->plan.total()) smallest = std::move(m);
+  }
+  LT_CHECK(smallest.has_value(), "model.checkpoint: auto with model.offload {} has no candidate on {}",
+           offload ? offload_name(*offload) : "auto", precision.device == Device::cuda ? "cuda" : "cpu");
+  smallest->reason = fmt::format("auto: nothing fits ({}); {} needs the least", fmt::join(rejected, "; "),
+                                 describe(smallest->policy, smallest->offload));
+  return *smallest;
+}
+
 }  // namespace longtrain::model

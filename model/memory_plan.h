@@ -16,6 +16,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <optional>
 #include <string_view>
 
 #include "attention/distributed/distributed_attention.h"
@@ -146,5 +147,57 @@ size_t memory_headroom(const DeviceMemory& memory);
 // With plan.host_offload > 0 on a GPU, the pinned host buffer is checked against `host` (default: this
 // host's /proc/meminfo), the error naming model.offload; on a CPU run it adds to the one memory.
 void check_memory_fits(const MemoryPlan& plan, const DeviceMemory& memory, const DeviceMemory* host = nullptr);
+
+}  // namespace longtrain::model
+
+namespace longtrain::model {
+
+// ---- model.checkpoint: auto ---------------------------------------------------------------------
+
+// The combinations of checkpoint policy and offload that `auto` considers, fastest first. The order
+// is the measured step speed on one H200 (1.1B shape; bench/results/llama-h200-*.json, llama_bench),
+// relative to remat_aware without offload; entries marked "not measured" carry the issue's target
+// instead and are to be replaced by measurements (llama_bench --policies ... --offload ...). This
+// table is the one place the order lives: reorder or re-weigh it here after measuring.
+// none with offload is left out: it would copy every activation of every layer over PCIe.
+struct AutoCandidate {
+  CheckpointPolicy policy;
+  Offload offload;
+  double relative_speed;  // tokens/s over remat_aware without offload
+  const char* basis;      // where the number comes from
+};
+inline constexpr AutoCandidate kAutoOrder[] = {
+    {CheckpointPolicy::none, Offload::none, 1.174,
+     "measured: 50480 vs 42982 tok/s at 8K (bench/results/llama-h200-2026-11-30-8k-29f5430.json)"},
+    {CheckpointPolicy::remat_aware, Offload::none, 1.0, "the reference"},
+    {CheckpointPolicy::remat_aware, Offload::checkpoints, 0.95,
+     "not measured: the issue's bound (offload costs at most 5% of tokens/s)"},
+    {CheckpointPolicy::full, Offload::none, 0.835,
+     "measured: 12847 vs 15381 tok/s at 64K (bench/results/llama-h200-2026-11-30.json; 0.937 at 8K, 0.859 at 32K)"},
+    {CheckpointPolicy::full, Offload::checkpoints, 0.79,
+     "not measured: full's measured 0.835 less the 5% offload bound"},
+};
+
+// Whether `plan` fits `device` (and, offloaded on a GPU, `host`) with the headroom check_memory_fits
+// keeps; when not, *why says what needs how much, e.g. "needs 180.2 GiB > 139.0 GiB free".
+bool memory_fits(const MemoryPlan& plan, const DeviceMemory& device, const DeviceMemory& host, std::string* why);
+
+// The policy and offload a run uses. `policy` / `offload` empty = auto (model.checkpoint: auto,
+// model.offload: auto): the first entry of kAutoOrder that agrees with what is fixed and whose plan
+// fits; offload is never chosen on a CPU run (the host is the device). When nothing fits, the entry
+// needing the least device memory is returned with fits = false (check_memory_fits then says why).
+// `reason` names the choice and why, e.g. "auto: remat_aware without offload (none needs 180.2 GiB
+// > 139.0 GiB free)".
+struct MemoryChoice {
+  CheckpointPolicy policy = CheckpointPolicy::remat_aware;
+  Offload offload = Offload::none;
+  MemoryPlan plan;
+  bool fits = true;
+  std::string reason;
+};
+MemoryChoice choose_memory(const LlamaConfig& config, const Precision& precision,
+                           std::optional<CheckpointPolicy> policy, std::optional<Offload> offload,
+                           int64_t tokens_per_rank, int64_t optimizer_shards, const SequenceParallelPlan& sp,
+                           const Tiling& tiling, const DeviceMemory& device, const DeviceMemory& host);
 
 }  // namespace longtrain::model

@@ -76,10 +76,13 @@ std::vector<std::string_view> choices_of(DTypeChoice) { return name_list(kDTypeN
 std::vector<std::string_view> choices_of(NonFinitePolicy) { return name_list(kNonFiniteNames); }
 std::vector<std::string_view> choices_of(LrSchedule) { return name_list(kLrScheduleNames); }
 std::vector<std::string_view> choices_of(AttentionSchedule) { return name_list(kAttentionNames); }
-std::vector<std::string_view> choices_of(model::CheckpointPolicy) {
+std::vector<std::string_view> choices_of(std::optional<model::CheckpointPolicy>) {
   using P = model::CheckpointPolicy;
-  return {model::checkpoint_policy_name(P::none), model::checkpoint_policy_name(P::full),
+  return {"auto", model::checkpoint_policy_name(P::none), model::checkpoint_policy_name(P::full),
           model::checkpoint_policy_name(P::remat_aware)};
+}
+std::vector<std::string_view> choices_of(std::optional<model::Offload>) {
+  return {"auto", model::offload_name(model::Offload::none), model::offload_name(model::Offload::checkpoints)};
 }
 std::vector<std::string_view> choices_of(SeqLayout) {
   return {layout_name(SeqLayout::contiguous), layout_name(SeqLayout::zigzag)};
@@ -95,7 +98,10 @@ Value to_value(DTypeChoice v) { return std::string(enum_name(v)); }
 Value to_value(NonFinitePolicy v) { return std::string(enum_name(v)); }
 Value to_value(LrSchedule v) { return std::string(enum_name(v)); }
 Value to_value(AttentionSchedule v) { return std::string(enum_name(v)); }
-Value to_value(model::CheckpointPolicy v) { return std::string(model::checkpoint_policy_name(v)); }
+Value to_value(std::optional<model::CheckpointPolicy> v) {
+  return std::string(v ? model::checkpoint_policy_name(*v) : "auto");
+}
+Value to_value(std::optional<model::Offload> v) { return std::string(v ? model::offload_name(*v) : "auto"); }
 Value to_value(SeqLayout v) { return std::string(layout_name(v)); }
 
 // Our enums list their names in declaration order, so the name's index is the value.
@@ -121,7 +127,14 @@ void from_value(const Value& v, LrSchedule& out) { out = by_index<LrSchedule>(kL
 void from_value(const Value& v, AttentionSchedule& out) {
   out = by_index<AttentionSchedule>(kAttentionNames, std::get<std::string>(v));
 }
-void from_value(const Value& v, model::CheckpointPolicy& out) { out = model::parse_checkpoint_policy(std::get<std::string>(v)); }
+void from_value(const Value& v, std::optional<model::CheckpointPolicy>& out) {
+  const std::string& name = std::get<std::string>(v);
+  out = name == "auto" ? std::nullopt : std::optional(model::parse_checkpoint_policy(name));
+}
+void from_value(const Value& v, std::optional<model::Offload>& out) {
+  const std::string& name = std::get<std::string>(v);
+  out = name == "auto" ? std::nullopt : std::optional(model::parse_offload(name));
+}
 void from_value(const Value& v, SeqLayout& out) { out = parse_layout(std::get<std::string>(v)); }
 
 // How the table reaches a field of TrainConfig.
@@ -309,11 +322,31 @@ const std::vector<KeySpec>& key_table() {
        .bind = LT_CONFIG_FIELD(model.max_seq_len), .range = at_least(1),
        .aliases = {"max_position_embeddings", "n_positions", "max_seq_length", "context_length"},
        .resume = OnResume::refused},
-      {.section = "model", .key = "checkpoint", .default_value = std::string("remat_aware"),
-       .meaning = "activation checkpointing per layer: none, full (recompute all), remat_aware (keep attention output)",
+      // Allowed on resume, like the keys below: they change what is kept and where, not the function
+      // trained (on CPU the gradients are bit-identical; chunk sizes change only the summation order).
+      {.section = "model", .key = "checkpoint", .default_value = std::string("auto"),
+       .meaning = "activation checkpointing per layer: none, full (recompute all), remat_aware (keep attention "
+                  "output), auto (the fastest policy, with model.offload, whose memory plan fits; --plan says which)",
        .bind = LT_CONFIG_FIELD(model.checkpoint),
        .aliases = {"activation_checkpointing", "recompute", "gradient_checkpointing", "recompute_granularity", "ac"},
        .resume = OnResume::allowed},
+      {.section = "model", .key = "offload", .default_value = std::string("auto"),
+       .meaning = "where the checkpoints the policy keeps per layer live: none (device), checkpoints (pinned host "
+                  "memory, copied out during forward and back a layer ahead in backward), auto (offload only when "
+                  "nothing faster fits; never on CPU)",
+       .bind = LT_CONFIG_FIELD(model.offload),
+       .aliases = {"offload_checkpoints", "cpu_offload", "activation_offload", "offload_activations"},
+       .resume = OnResume::allowed},
+      {.section = "model", .key = "mlp_chunk_tokens", .default_value = int64_t{0},
+       .meaning = "tokens per chunk of the token-local layer work (norms, o_proj, MLP), so its intermediates exist one "
+                  "chunk at a time; 0 = auto (16384)",
+       .bind = LT_CONFIG_FIELD(model.tiling.mlp_chunk_tokens), .range = at_least(0),
+       .aliases = {"tiled_mlp_chunk", "mlp_chunk", "mlp_tile_tokens"}, .resume = OnResume::allowed},
+      {.section = "model", .key = "loss_chunk_tokens", .default_value = int64_t{0},
+       .meaning = "tokens per chunk of the final norm, LM head and cross-entropy (forward and backward fused per "
+                  "chunk; the [T, vocab] logits never exist); 0 = auto (4096)",
+       .bind = LT_CONFIG_FIELD(model.tiling.loss_chunk_tokens), .range = at_least(0),
+       .aliases = {"logits_chunk", "loss_chunk", "ce_chunk_tokens", "tiled_loss_chunk"}, .resume = OnResume::allowed},
       {.section = "model", .key = "init_std", .default_value = 0.02,
        .meaning = "standard deviation of the normal init of weight matrices", .bind = LT_CONFIG_FIELD(model.init_std),
        .range = above(0), .aliases = {"initializer_range", "init_method_std", "std"}, .resume = OnResume::refused},

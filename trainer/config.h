@@ -19,6 +19,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -66,7 +67,11 @@ std::string_view enum_name(OnResume v);  // "refused", "allowed", "elastic"
 // The model section is a LlamaConfig (so it passes straight to LlamaModel) plus what the trainer
 // decides about the model. head_dim is already resolved (0 in the file means dim / n_heads).
 struct ModelSection : model::LlamaConfig {
-  model::CheckpointPolicy checkpoint{};
+  // Empty = auto: the trainer picks the fastest policy and offload whose memory plan fits
+  // (model::choose_memory; model/memory_plan.h holds the measured order).
+  std::optional<model::CheckpointPolicy> checkpoint;
+  std::optional<model::Offload> offload;
+  model::Tiling tiling;   // model.mlp_chunk_tokens, model.loss_chunk_tokens; 0 = auto
   double init_std{};      // std of the normal initialization of weight matrices
   std::string init_from;  // a Hugging Face Llama directory whose weights start the run; "" = random init
 };

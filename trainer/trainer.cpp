@@ -593,7 +593,8 @@ UnigramBaseline unigram_baseline(const data::TokenCorpus& train, const data::Tok
   return b;
 }
 
-model::MemoryPlan plan_training_memory(const TrainConfig& c, int world_size) {
+model::MemoryChoice plan_training_memory(const TrainConfig& c, int world_size, const model::DeviceMemory& device,
+                                         const model::DeviceMemory& host) {
   const int64_t tokens = c.data.seq_len / c.parallel.sp_size;
   model::SequenceParallelPlan sp;
   sp.sp_size = static_cast<int>(c.parallel.sp_size);
@@ -604,7 +605,8 @@ model::MemoryPlan plan_training_memory(const TrainConfig& c, int world_size) {
   const parallel::WorldInfo w = parallel::world_from_env();
   const int per_node = w.source == "default" ? sp.sp_size : w.local_world_size;
   if (per_node > 0 && sp.sp_size > per_node && sp.sp_size % per_node == 0) sp.nodes = sp.sp_size / per_node;
-  return model::plan_memory(c.model, precision_for(c), c.model.checkpoint, tokens, world_size, sp);
+  return model::choose_memory(c.model, precision_for(c), c.model.checkpoint, c.model.offload, tokens, world_size, sp,
+                              c.model.tiling, device, host);
 }
 
 // model.init_from's weights into the model, converted to its precision, with progress on the log.
@@ -655,8 +657,26 @@ TrainSummary train(TrainConfig c, const std::string& resume, const TrainHooks& h
     }
   }
   // Too little memory is an error now, naming the knobs, not an allocation failure mid-setup.
-  const model::MemoryPlan plan = plan_training_memory(c, ranks.world_size);
-  model::check_memory_fits(plan, model::device_memory(precision.device));
+  const model::DeviceMemory device_free =
+      hooks.device_memory ? *hooks.device_memory : model::device_memory(precision.device);
+  const model::DeviceMemory host_free = precision.device == Device::cpu ? device_free : model::device_memory(Device::cpu);
+  const model::MemoryChoice memory = plan_training_memory(c, ranks.world_size, device_free, host_free);
+  const model::MemoryPlan& plan = memory.plan;
+  // What the step log compares its allocated peak with: on a CPU run the offloaded copies (if any)
+  // come out of the same memory the peak counts.
+  const double plan_gib =
+      static_cast<double>(plan.total() + (precision.device == Device::cpu ? plan.host_offload : 0)) / 1073741824.0;
+  if (!memory.fits) {
+    std::string detail = "the fit checks disagree (bug)";
+    try {
+      model::check_memory_fits(plan, device_free, &host_free);
+    } catch (const Error& e) {
+      detail = e.what();
+    }
+    LT_FAIL("{} [model.checkpoint {}, model.offload {}: {}]", detail,
+            c.model.checkpoint ? model::checkpoint_policy_name(*c.model.checkpoint) : "auto",
+            c.model.offload ? model::offload_name(*c.model.offload) : "auto", memory.reason);
+  }
   reset_allocation_peak(precision.device);  // the step log's peak is this run's (a process may train twice)
 
   // 2. The run directory, its log and the resolved config: written by global rank 0 only.
@@ -675,8 +695,8 @@ TrainSummary train(TrainConfig c, const std::string& resume, const TrainHooks& h
 
   // Parameters are replicated; the optimizer state is sharded over every rank (ZeRO-1): rank r
   // updates the r-th equal slice of the flat parameter buffer and the slices are all-gathered.
-  model::LlamaModel model(c.model, precision, c.model.checkpoint, loader.local_len(), make_attention(c, ranks),
-                          ranks.world_size);
+  model::LlamaModel model(c.model, precision, memory.policy, loader.local_len(), make_attention(c, ranks),
+                          ranks.world_size, c.model.tiling, memory.offload);
   model.initialize(static_cast<uint64_t>(c.train.seed), c.model.init_std);
   model.set_rope_length(c.data.seq_len);  // what rope_scaling dynamic is computed for
   // model.init_from starts a new run from a Hugging Face directory's weights (step 0, fresh
@@ -702,8 +722,15 @@ TrainSummary train(TrainConfig c, const std::string& resume, const TrainHooks& h
             c.model.num_parameters(), c.model.num_parameters() / 1e6, c.model.n_layers, c.model.dim,
             c.model.n_heads, c.model.n_kv_heads, c.model.vocab_size);
   log->info("  device {} {}, checkpoint policy {}, seq_len {}, {} sequences per step ({} tokens), {} steps",
-            enum_name(c.train.device), enum_name(c.train.dtype), model::checkpoint_policy_name(c.model.checkpoint),
+            enum_name(c.train.device), enum_name(c.train.dtype), model::checkpoint_policy_name(memory.policy),
             c.data.seq_len, micro * ranks.dp_size, tokens_per_step, c.train.steps);
+  log->info("  memory: {}; token chunks: MLP {}, loss {}{}; plan {:.2f} GiB per rank of {:.2f} GiB free", memory.reason,
+            model.tiling().mlp_chunk_tokens, model.tiling().loss_chunk_tokens,
+            model.offload_host_bytes() > 0
+                ? fmt::format("; {:.2f} GiB of pinned host memory for the offloaded checkpoints",
+                              static_cast<double>(model.offload_host_bytes()) / 1073741824.0)
+                : std::string(),
+            static_cast<double>(plan.total()) / 1073741824.0, static_cast<double>(device_free.free) / 1073741824.0);
   log->info("  {} ranks (data parallel {} × sequence parallel {}, layout {}, attention {}); {} training windows "
             "per epoch; model state {:.1f} MiB per rank; run directory {}",
             ranks.world_size, ranks.dp_size, ranks.sp_size, layout_name(c.parallel.layout),
@@ -882,7 +909,8 @@ TrainSummary train(TrainConfig c, const std::string& resume, const TrainHooks& h
       }
       json metrics = {{"step", step}, {"loss", loss}, {"lr", info.lr}, {"grad_norm", norm}, {"tokens_per_s", tok_s},
               {"attention_forwards_per_layer", attn_fwd}, {"attention_sent_mib_per_layer", attn_mib},
-              {"allocated_peak_gib", peak_gib}, {"plan_gib", static_cast<double>(plan.total()) / 1073741824.0},
+              {"allocated_peak_gib", peak_gib}, {"plan_gib", plan_gib},
+              {"checkpoint", model::checkpoint_policy_name(memory.policy)}, {"offload", model::offload_name(memory.offload)},
               {"tflops", tok_s * flops_per_token / 1e12},
               {"tflops_per_gpu", tok_s * flops_per_token / 1e12 / ranks.world_size}, {"tokens_seen", rs.tokens_seen},
               {"elapsed_s", elapsed}};
@@ -896,7 +924,7 @@ TrainSummary train(TrainConfig c, const std::string& resume, const TrainHooks& h
                   "peak {:.2f} GiB (plan {:.2f}) | attn fwd/layer {:g}{} | ETA {}",
                   step, c.train.steps, loss, info.lr, norm, tok_s, tok_s * flops_per_token / 1e12 / ranks.world_size,
                   peak_gib,
-                  static_cast<double>(plan.total()) / 1073741824.0, attn_fwd,
+                  plan_gib, attn_fwd,
                   ranks.sp_size > 1 ? fmt::format(", sent {:.1f} MiB/layer", attn_mib) : std::string(),
                   human_duration(eta));
         if (!work_text.empty()) log->info("step {:>5} document-masked attention: {}", step, work_text);
@@ -1026,7 +1054,7 @@ LoadedModel load_model_from_checkpoint(const fs::path& dir, int64_t max_tokens, 
   if (ranks.sp_size > 1) check_layout(out.config.parallel.layout, T, ranks.sp_size);
   out.model = std::make_unique<model::LlamaModel>(out.config.model, precision_for(out.config),
                                                   model::CheckpointPolicy::none, T / ranks.sp_size,
-                                                  make_attention(out.config, ranks));
+                                                  make_attention(out.config, ranks), 1, out.config.model.tiling);
   out.model->set_rope_length(T);
   out.dp_rank = ranks.dp_rank, out.dp_size = ranks.dp_size, out.sp_rank = ranks.sp_rank, out.sp_size = ranks.sp_size;
   out.main = ranks.main;

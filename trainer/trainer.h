@@ -51,8 +51,11 @@ struct UnigramBaseline {
 UnigramBaseline unigram_baseline(const data::TokenCorpus& train, const data::TokenCorpus& val);
 
 // What training `config` on `world_size` ranks will allocate per rank, before allocating anything
-// (`longtrain train --plan`; train() checks it against free memory first).
-model::MemoryPlan plan_training_memory(const TrainConfig& config, int world_size);
+// (`longtrain train --plan`; train() checks it against free memory first), with model.checkpoint and
+// model.offload resolved for a device with `device` memory free and a host with `host` (auto: the
+// fastest combination that fits, model::choose_memory; the choice's reason says which and why).
+model::MemoryChoice plan_training_memory(const TrainConfig& config, int world_size, const model::DeviceMemory& device,
+                                         const model::DeviceMemory& host);
 
 // Test hooks: called after each micro-step's backward, before the non-finite check and the update.
 // With several ranks, the last micro-step's gradients have already been reduced over the ranks when
@@ -60,6 +63,9 @@ model::MemoryPlan plan_training_memory(const TrainConfig& config, int world_size
 // them stays on this rank.
 struct TrainHooks {
   std::function<void(int64_t step, model::LlamaModel& model)> after_backward;
+  // The free memory train() plans for instead of the device's (a fake budget, to test
+  // model.checkpoint: auto on any machine).
+  std::optional<model::DeviceMemory> device_memory;
 };
 
 struct TrainSummary {

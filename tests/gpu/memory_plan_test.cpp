@@ -236,6 +236,84 @@ TEST(MemoryPlan, OffloadIsCheckedAgainstHostMemory) {
   EXPECT_THROW(model::check_memory_fits(cpu_off, short_by_one), Error);
 }
 
+// model.checkpoint: auto picks the first entry of the measured order (kAutoOrder) that fits, and says
+// why the faster ones did not: with fake budgets for the 1.1B shape on the GPU (nothing allocated).
+TEST(MemoryPlan, AutoChoosesTheFastestCombinationThatFits) {
+  LlamaConfig c;
+  c.vocab_size = 32000;
+  c.dim = 2048;
+  c.n_layers = 22;
+  c.n_heads = 32;
+  c.n_kv_heads = 4;
+  c.head_dim = 64;
+  c.ffn_dim = 5632;
+  const model::DeviceMemory h200{139ull << 30, 141ull << 30};
+  const model::DeviceMemory host_128{120ull << 30, 128ull << 30}, host_512{480ull << 30, 512ull << 30};
+  auto choose = [&](int64_t T, const model::DeviceMemory& host, std::optional<CheckpointPolicy> policy = {},
+                    std::optional<model::Offload> offload = {}) {
+    return model::choose_memory(c, Precision::cuda_mixed(), policy, offload, T, 1, {}, {}, h200, host);
+  };
+  // The order is the table's and fastest first.
+  for (size_t i = 1; i < std::size(model::kAutoOrder); ++i)
+    EXPECT_GT(model::kAutoOrder[i - 1].relative_speed, model::kAutoOrder[i].relative_speed) << i;
+  // Short: none fits, nothing is said against it.
+  model::MemoryChoice m = choose(8192, host_128);
+  EXPECT_EQ(m.policy, CheckpointPolicy::none);
+  EXPECT_EQ(m.offload, model::Offload::none);
+  EXPECT_TRUE(m.fits);
+  EXPECT_EQ(m.reason, "auto: none without offload (the fastest; it fits)");
+  // Each choice is the first candidate that fits: every earlier one does not.
+  for (int64_t T : {int64_t{8192}, int64_t{65536}, int64_t{262144}, int64_t{524288}, int64_t{1} << 20}) {
+    for (const model::DeviceMemory* host : {&host_128, &host_512}) {
+      m = choose(T, *host);
+      SCOPED_TRACE(fmt::format("{} tokens, {} GiB host: {}", T, host->total >> 30, m.reason));
+      std::printf("%lld tokens, host %zu GiB: %s\n", static_cast<long long>(T), host->total >> 30, m.reason.c_str());
+      bool seen = false;
+      for (const model::AutoCandidate& cand : model::kAutoOrder) {
+        const MemoryPlan p = model::plan_memory(c, Precision::cuda_mixed(), cand.policy, T, 1, {}, {}, cand.offload);
+        const bool fits = model::memory_fits(p, h200, *host, nullptr);
+        if (cand.policy == m.policy && cand.offload == m.offload) {
+          EXPECT_EQ(fits, m.fits);
+          EXPECT_EQ(p.total(), m.plan.total());
+          seen = true;
+          break;
+        }
+        EXPECT_FALSE(fits) << model::checkpoint_policy_name(cand.policy) << " fits but was passed over";
+        EXPECT_NE(m.reason.find(model::checkpoint_policy_name(cand.policy)), std::string::npos);
+      }
+      EXPECT_TRUE(seen);
+    }
+  }
+  // At 1M tokens: remat_aware needs its checkpoints offloaded; with only 128 GiB of host memory for 178 GiB of
+  // them, full with offload (88 GiB) is what fits.
+  m = choose(1 << 20, host_512);
+  EXPECT_EQ(m.policy, CheckpointPolicy::remat_aware);
+  EXPECT_EQ(m.offload, model::Offload::checkpoints);
+  EXPECT_NE(m.reason.find("auto: remat_aware with offload (none without offload needs"), std::string::npos) << m.reason;
+  EXPECT_NE(m.reason.find("GiB free"), std::string::npos) << m.reason;
+  m = choose(1 << 20, host_128);
+  EXPECT_EQ(m.policy, CheckpointPolicy::full);
+  EXPECT_EQ(m.offload, model::Offload::checkpoints);
+  EXPECT_NE(m.reason.find("remat_aware with offload needs 178.75 GiB of host memory"), std::string::npos) << m.reason;
+  // A fixed policy narrows the choice to its offload; a fixed pair is taken as configured.
+  m = choose(1 << 20, host_512, CheckpointPolicy::full);
+  EXPECT_EQ(m.offload, model::Offload::checkpoints);
+  m = choose(1 << 20, host_512, {}, model::Offload::none);
+  EXPECT_FALSE(m.fits);
+  EXPECT_EQ(m.policy, CheckpointPolicy::full);  // the least memory without offload; still too much
+  EXPECT_NE(m.reason.find("auto: nothing fits"), std::string::npos) << m.reason;
+  m = choose(8192, host_512, CheckpointPolicy::remat_aware, model::Offload::none);
+  EXPECT_EQ(m.reason, "remat_aware without offload (as configured)");
+  // On CPU offload is never chosen (the host is the device).
+  const model::DeviceMemory cpu{4ull << 30, 8ull << 30};
+  m = model::choose_memory(small_config(), Precision::cpu(DType::f32), {}, {}, 64, 1, {}, {}, cpu, cpu);
+  EXPECT_EQ(m.policy, CheckpointPolicy::none);
+  const model::DeviceMemory tiny{model::memory_headroom(cpu) + 1, 2ull << 30};
+  m = model::choose_memory(small_config(), Precision::cpu(DType::f32), {}, {}, 64, 1, {}, {}, tiny, tiny);
+  EXPECT_FALSE(m.fits);
+  EXPECT_EQ(m.offload, model::Offload::none);
+}
+
 #ifdef LONGTRAIN_HAS_CUDA
 size_t free_device_bytes() {
   LT_CUDA_CHECK(cudaDeviceSynchronize());

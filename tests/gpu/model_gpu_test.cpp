@@ -213,6 +213,79 @@ TEST(GpuModel, CheckpointPoliciesAgreeWithinBf16Rounding) {
   }
 }
 
+// Token tiling and checkpoint offload on the GPU (model.offload: checkpoints: pinned host memory, a copy
+// stream, events): a 6-layer model, so that layers come back from the host a layer ahead, with MLP
+// chunks of 16 and loss chunks of 24 tokens (neither divides 61). Offloaded equals kept in the same
+// tiling to the loss bits (the forward is bitwise reproducible; the copies are exact), gradients within
+// bf16 rounding (cuDNN's dQ atomics); tiled equals untiled within bf16 rounding; and the tiled,
+// offloaded model still matches the CPU f64 reference within the step tolerance. Two steps each, so the
+// second reuses slots and events of the first.
+TEST(GpuModel, TiledAndOffloadedStepsMatchKeptUntiledAndTheCpuReference) {
+  LT_REQUIRE_GPU();
+  LlamaConfig c = tiny_config();
+  c.n_layers = 6;
+  const Batch batch(kTokens, c.vocab_size, /*first_position=*/5);
+  DeviceShard ds(batch);
+  HostShard hs(batch);
+  const double scale = 1.0 / static_cast<double>(batch.valid);
+  const model::Tiling tiled{16, 24}, untiled{kTokens, kTokens};
+  struct Result {
+    double loss;
+    std::vector<std::vector<double>> grads;
+  };
+  auto run = [&](CheckpointPolicy policy, model::Tiling tiling, model::Offload offload) {
+    auto m = std::make_unique<LlamaModel>(c, Precision::cuda_mixed(), policy, kTokens, nullptr, 1, tiling, offload);
+    m->initialize(/*seed=*/77, /*init_std=*/0.08);
+    m->zero_grads();
+    m->forward_backward(ds.shard(), scale);
+    const double loss = m->forward_backward(ds.shard(), scale).sum;  // gradients of two steps
+    Result r{loss, {}};
+    for (size_t i = 0; i < m->grads().table().size(); ++i) r.grads.push_back(entry_values(m->grads(), i));
+    EXPECT_EQ(m->offload_host_bytes() > 0, offload == model::Offload::checkpoints);
+    return r;
+  };
+  auto worst = [&](const Result& a, const Result& b) {
+    double w = 0.0;
+    for (size_t i = 0; i < a.grads.size(); ++i) w = std::max(w, relative_error(a.grads[i], b.grads[i]));
+    return w;
+  };
+  for (CheckpointPolicy policy : {CheckpointPolicy::remat_aware, CheckpointPolicy::full, CheckpointPolicy::none}) {
+    const char* name = checkpoint_policy_name(policy);
+    const Result kept = run(policy, tiled, model::Offload::none);
+    const Result off = run(policy, tiled, model::Offload::checkpoints);
+    const Result plain = run(policy, untiled, model::Offload::none);
+    EXPECT_EQ(std::memcmp(&kept.loss, &off.loss, sizeof(double)), 0) << name << ": " << kept.loss << " vs " << off.loss;
+    const double w_off = worst(off, kept), w_tile = worst(kept, plain);
+    std::printf("  %-11s offloaded vs kept: %.3e; tiled vs untiled: %.3e; loss %.6f / %.6f\n", name, w_off, w_tile,
+                off.loss * scale, plain.loss * scale);
+    EXPECT_LT(w_off, 2.0 / 256.0) << name;
+    EXPECT_LT(w_tile, 4.0 / 256.0) << name;
+    EXPECT_LT(std::abs(off.loss - plain.loss) / std::abs(plain.loss), kLossTolerance) << name;
+  }
+  // The tiled, offloaded remat_aware model against the CPU reference (one step).
+  auto gpu = std::make_unique<LlamaModel>(c, Precision::cuda_mixed(), CheckpointPolicy::remat_aware, kTokens, nullptr, 1,
+                                          tiled, model::Offload::checkpoints);
+  gpu->initialize(2024, 0.08);
+  auto cpu = std::make_unique<LlamaModel>(c, Precision::cpu(DType::f64), CheckpointPolicy::remat_aware, kTokens);
+  for (size_t i = 0; i < gpu->params().table().size(); ++i) {
+    const std::vector<double> v = entry_values(gpu->params(), i);
+    std::memcpy(cpu->params().at(i).data, v.data(), v.size() * sizeof(double));
+  }
+  gpu->zero_grads();
+  cpu->zero_grads();
+  const model::LossSum lg = gpu->forward_backward(ds.shard(), scale), lc = cpu->forward_backward(hs.shard(), scale);
+  EXPECT_LT(std::abs(lg.sum - lc.sum) / std::abs(lc.sum), kLossTolerance);
+  double w = 0.0;
+  for (size_t i = 0; i < gpu->grads().table().size(); ++i) {
+    const std::vector<double> g = entry_values(gpu->grads(), i), r = entry_values(cpu->grads(), i);
+    EXPECT_LT(relative_error(g, r), kStepTolerance) << gpu->grads().table()[i].name;
+    EXPECT_LT(norm_relative_error(g, r), kStepTolerance) << gpu->grads().table()[i].name << " (norm-wise)";
+    w = std::max(w, relative_error(g, r));
+  }
+  std::printf("  tiled + offloaded remat_aware vs CPU f64: worst gradient %.3e (tolerance %.2e)\n", w, kStepTolerance);
+  ::testing::Test::RecordProperty("offload_worst_gradient_relative_error", std::to_string(w));
+}
+
 // Same model, same batch, twice: the same loss bits (the forward pass is bitwise reproducible). The
 // gradients agree within bf16 rounding; they may differ in a few bits because cuDNN's attention
 // backward accumulates dQ with atomics (tests/gpu/attention_gpu_test.cpp, RunTwice): the number of

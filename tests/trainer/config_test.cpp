@@ -166,7 +166,10 @@ TEST(TrainerConfig, DefaultsApply) {
   EXPECT_EQ(c.model.n_kv_heads, shape.n_kv_heads);
   EXPECT_EQ(c.model.head_dim, shape.dim / shape.n_heads);
   EXPECT_EQ(c.model.max_seq_len, shape.max_seq_len);
-  EXPECT_EQ(c.model.checkpoint, model::CheckpointPolicy::remat_aware);
+  EXPECT_FALSE(c.model.checkpoint.has_value());  // auto: chosen from the memory plan at the start
+  EXPECT_FALSE(c.model.offload.has_value());
+  EXPECT_EQ(c.model.tiling.mlp_chunk_tokens, 0);
+  EXPECT_EQ(c.model.tiling.loss_chunk_tokens, 0);
   EXPECT_DOUBLE_EQ(c.model.init_std, 0.02);
   EXPECT_EQ(c.train.device, DeviceChoice::auto_select);
   EXPECT_EQ(c.train.dtype, DTypeChoice::auto_select);
@@ -198,6 +201,14 @@ TEST(TrainerConfig, OverridesWin) {
   // Every model.checkpoint name is the model's own.
   for (const char* p : {"none", "full", "remat_aware"})
     EXPECT_EQ(load(kValid, {std::string("model.checkpoint=") + p}).model.checkpoint, model::parse_checkpoint_policy(p));
+  EXPECT_FALSE(load(kValid, {"model.checkpoint=auto"}).model.checkpoint.has_value());
+  EXPECT_EQ(load(kValid, {"model.offload=checkpoints"}).model.offload, model::Offload::checkpoints);
+  EXPECT_EQ(load(kValid, {"model.offload=none"}).model.offload, model::Offload::none);
+  const TrainConfig tiled = load(kValid, {"model.mlp_chunk_tokens=4096", "model.loss_chunk_tokens=1000"});
+  EXPECT_EQ(tiled.model.tiling.mlp_chunk_tokens, 4096);
+  EXPECT_EQ(tiled.model.tiling.loss_chunk_tokens, 1000);
+  // auto survives the resolved config (what a run directory's config.yaml holds).
+  EXPECT_TRUE(contains(resolved_yaml(load(kValid, {"model.checkpoint=auto"})), "checkpoint: auto"));
 }
 
 TEST(TrainerConfig, BadOverridesAreNamed) {
@@ -312,7 +323,10 @@ TEST(TrainerConfig, WrongTypesAreNamed) {
             "cfg/test.yaml:2: attention.schedule: expected one of ring, zigzag, distflash, burst, got 'zigzig' (did you "
             "mean zigzag?)");
   EXPECT_EQ(load_error("model:\n  checkpoint: selective\n"),
-            "cfg/test.yaml:2: model.checkpoint: expected one of none, full, remat_aware, got 'selective'");
+            "cfg/test.yaml:2: model.checkpoint: expected one of auto, none, full, remat_aware, got 'selective'");
+  EXPECT_EQ(load_error("model:\n  offload: host\n"),
+            "cfg/test.yaml:2: model.offload: expected one of auto, none, checkpoints, got 'host'");
+  EXPECT_TRUE(contains(load_error("model:\n  mlp_chunk_tokens: -1\n"), "model.mlp_chunk_tokens"));
   EXPECT_EQ(load_error("data:\n  train: d\noptim: 3\n"),
             "cfg/test.yaml:3: section optim must be a mapping of key: value lines, got '3'");
   EXPECT_EQ(load_error("- a\n- b\n"),
@@ -468,6 +482,9 @@ const std::vector<KeyChange>& key_changes() {
       {"model.tie_embeddings", {"model.tie_embeddings=true"}, refused},
       {"model.max_seq_len", {"model.max_seq_len=1024"}, refused},
       {"model.checkpoint", {"model.checkpoint=none"}, allowed},
+      {"model.offload", {"model.offload=checkpoints"}, allowed},
+      {"model.mlp_chunk_tokens", {"model.mlp_chunk_tokens=64"}, allowed},
+      {"model.loss_chunk_tokens", {"model.loss_chunk_tokens=64"}, allowed},
       {"model.init_std", {"model.init_std=0.01"}, refused},
       // Needs a Hugging Face directory whose config.json is kValid's shape (tests/trainer/init_from_test.cpp).
       {"model.init_from", {}, allowed},
@@ -599,7 +616,7 @@ TEST(TrainerConfig, ResolveDevice) {
 TEST(TrainerConfig, SchemaMentionsEveryKeyInItsSection) {
   const std::string schema = schema_text();
   const std::vector<std::string> keys = config_keys();
-  EXPECT_EQ(keys.size(), 65u);  // 63 before data.document_mask and parallel.store_timeout_s
+  EXPECT_EQ(keys.size(), 68u);  // 65 before model.offload, model.mlp_chunk_tokens, model.loss_chunk_tokens
   for (const std::string& full : keys) {
     const std::string section = full.substr(0, full.find('.')), key = full.substr(full.find('.') + 1);
     const size_t at = schema.find("\n" + section + ": ");
@@ -609,7 +626,8 @@ TEST(TrainerConfig, SchemaMentionsEveryKeyInItsSection) {
     EXPECT_TRUE(contains(block, "\n  " + key + " ")) << full;
   }
   // Types, ranges, defaults and meanings are there.
-  EXPECT_TRUE(contains(schema, "none|full|remat_aware"));
+  EXPECT_TRUE(contains(schema, "auto|none|full|remat_aware"));
+  EXPECT_TRUE(contains(schema, "auto|none|checkpoints"));
   EXPECT_TRUE(contains(schema, "default|linear|dynamic|yarn|llama3"));
   EXPECT_TRUE(contains(schema, "in [0, 1)"));
   EXPECT_TRUE(contains(schema, "0.0003"));

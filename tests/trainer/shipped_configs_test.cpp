@@ -64,13 +64,16 @@ TEST(ShippedConfigs, LongContextConfigsFitAnH200ByPlan) {
     TrainConfig c = load_config(f.string(), overrides_for(f));
     ASSERT_EQ(c.train.device, DeviceChoice::cuda);
     const int world = static_cast<int>(c.parallel.sp_size);
-    const model::MemoryPlan plan = plan_training_memory(c, world);
+    const model::DeviceMemory host{size_t{120} << 30, size_t{128} << 30};  // the H200 machine's
+    const model::MemoryChoice choice = plan_training_memory(c, world, h200, host);
+    EXPECT_TRUE(choice.fits) << choice.reason;
+    const model::MemoryPlan& plan = choice.plan;
     EXPECT_EQ(plan.tokens, c.data.seq_len / c.parallel.sp_size);
     EXPECT_EQ(plan.sp.sp_size, world);
     if (world > 1) {
       EXPECT_GT(plan.schedule_workspace, 0u);
     }
-    EXPECT_NO_THROW(model::check_memory_fits(plan, h200)) << plan.table();
+    EXPECT_NO_THROW(model::check_memory_fits(plan, h200, &host)) << plan.table();
     // Each is sized to use the GPU: at least a fifth of it.
     EXPECT_GT(plan.total(), h200.total / 5) << plan.table();
   }

@@ -495,6 +495,87 @@ TEST_F(TrainTest, StepLogCountsAttentionForwardsAndPeakMemoryMatchesThePlan) {
   }
 }
 
+// model.checkpoint: auto (the default) with a fake device budget between what none and remat_aware
+// need: the run trains under remat_aware, and train.log and metrics.jsonl say so and why; with room
+// for none it takes none; with room for neither it stops before creating the run directory, naming
+// the keys. Tiling and offload set in the config reach the model (the log's token chunks).
+TEST_F(TrainTest, AutoCheckpointChoosesByTheMemoryPlan) {
+  const TrainConfig probe = config("auto_probe", {"train.steps=2", "eval.batches=0", "checkpoint.every=0",
+                                                  "optim.warmup_steps=1", "model.mlp_chunk_tokens=5"});
+  const model::DeviceMemory lots{size_t{8} << 30, size_t{8} << 30};
+  TrainConfig fixed = probe;
+  fixed.model.checkpoint = model::CheckpointPolicy::none;
+  const size_t none_bytes = plan_training_memory(fixed, 1, lots, lots).plan.total();
+  fixed.model.checkpoint = model::CheckpointPolicy::remat_aware;
+  const size_t remat_bytes = plan_training_memory(fixed, 1, lots, lots).plan.total();
+  ASSERT_LT(remat_bytes, none_bytes);
+  const size_t headroom = size_t{1} << 30;  // memory_headroom of a budget below 50 GiB
+  auto budget = [&](size_t bytes) { return model::DeviceMemory{headroom + bytes, headroom + bytes}; };
+
+  TrainHooks hooks;
+  hooks.device_memory = budget((none_bytes + remat_bytes) / 2);
+  TrainConfig c = probe;
+  c.logging.run_dir = (root_ / "runs" / "auto_remat").string();
+  c.checkpoint.dir = (root_ / "runs" / "auto_remat" / "checkpoints").string();
+  train(c, "", hooks);
+  const std::string log = read_file(root_ / "runs" / "auto_remat" / "train.log");
+  EXPECT_NE(log.find("memory: auto: remat_aware without offload (none without offload needs"), std::string::npos) << log;
+  EXPECT_NE(log.find("token chunks: MLP 5, loss"), std::string::npos) << log;
+  EXPECT_NE(log.find("checkpoint policy remat_aware"), std::string::npos) << log;
+  std::ifstream in(root_ / "runs" / "auto_remat" / "metrics.jsonl");
+  int lines = 0;
+  for (std::string line; std::getline(in, line); ++lines) {
+    const nlohmann::json j = nlohmann::json::parse(line);
+    EXPECT_EQ(j.at("checkpoint").get<std::string>(), "remat_aware");
+    EXPECT_EQ(j.at("offload").get<std::string>(), "none");
+    EXPECT_EQ(j.at("attention_forwards_per_layer").get<double>(), 1.0);
+  }
+  EXPECT_EQ(lines, 2);
+
+  hooks.device_memory = budget(none_bytes + 4096);
+  c.logging.run_dir = (root_ / "runs" / "auto_none").string();
+  c.checkpoint.dir = (root_ / "runs" / "auto_none" / "checkpoints").string();
+  train(c, "", hooks);
+  EXPECT_NE(read_file(root_ / "runs" / "auto_none" / "train.log").find("memory: auto: none without offload (the fastest; it fits)"),
+            std::string::npos);
+
+  hooks.device_memory = budget(remat_bytes / 4);
+  c.logging.run_dir = (root_ / "runs" / "auto_nothing").string();
+  c.checkpoint.dir = (root_ / "runs" / "auto_nothing" / "checkpoints").string();
+  try {
+    train(c, "", hooks);
+    ADD_FAILURE() << "a run that fits nowhere started";
+  } catch (const Error& e) {
+    const std::string m = e.what();
+    for (const char* part : {"not enough host memory", "model.checkpoint auto", "model.offload auto", "auto: nothing fits"})
+      EXPECT_NE(m.find(part), std::string::npos) << "missing \"" << part << "\" in: " << m;
+  }
+  EXPECT_FALSE(fs::exists(root_ / "runs" / "auto_nothing"));
+}
+
+// model.offload: checkpoints through the whole trainer on CPU: the same losses bit for bit as keeping
+// the checkpoints, and the step log's plan (which counts the host copies on a CPU run) still bounds
+// the allocated peak.
+TEST_F(TrainTest, OffloadedCheckpointsTrainTheSameLosses) {
+  std::vector<double> losses[2];
+  for (int o = 0; o < 2; ++o) {
+    const std::string name = o ? "offload_on" : "offload_off";
+    TrainSummary s = train(config(name, {"train.steps=3", "eval.batches=0", "checkpoint.every=0", "optim.warmup_steps=1",
+                                         "model.checkpoint=remat_aware", o ? "model.offload=checkpoints" : "model.offload=none"}));
+    losses[o] = s.losses;
+    std::ifstream in(root_ / "runs" / name / "metrics.jsonl");
+    for (std::string line; std::getline(in, line);) {
+      const nlohmann::json j = nlohmann::json::parse(line);
+      EXPECT_EQ(j.at("offload").get<std::string>(), o ? "checkpoints" : "none");
+      EXPECT_LE(j.at("allocated_peak_gib").get<double>(), j.at("plan_gib").get<double>()) << name;
+      EXPECT_GE(j.at("allocated_peak_gib").get<double>(), 0.9 * j.at("plan_gib").get<double>()) << name;
+    }
+  }
+  ASSERT_EQ(losses[0].size(), 3u);
+  for (double l : losses[0]) ASSERT_TRUE(std::isfinite(l));
+  EXPECT_EQ(losses[0], losses[1]);
+}
+
 // Through the real CLI: each class of config error exits non-zero with its message, and no run
 // directory appears.
 int run_cli(const std::string& args, std::string& output, const std::string& env = "") {
@@ -529,8 +610,20 @@ TEST_F(TrainTest, PlanPrintsTheMemoryPlanAndTrainsNothing) {
   const fs::path cfg = write_config("planned");
   std::string out;
   ASSERT_EQ(run_cli("train " + cfg.string() + " --plan", out), 0) << out;
-  const model::MemoryPlan plan = plan_training_memory(config("planned"), 1);
+  const model::DeviceMemory host = model::device_memory(Device::cpu);
+  const model::MemoryPlan plan = plan_training_memory(config("planned"), 1, host, host).plan;
   EXPECT_NE(out.find(plan.table()), std::string::npos) << "the printed plan is not plan_training_memory's:\n" << out;
+  EXPECT_NE(out.find("memory: auto: none without offload (the fastest; it fits)"), std::string::npos) << out;
+  // --device-memory: auto for a budget between what none and remat_aware need (1 GiB headroom below 50 GiB).
+  TrainConfig fixed = config("planned");
+  fixed.model.checkpoint = model::CheckpointPolicy::none;
+  const double none_gib = static_cast<double>(plan_training_memory(fixed, 1, host, host).plan.total()) / 1073741824.0;
+  fixed.model.checkpoint = model::CheckpointPolicy::remat_aware;
+  const double remat_gib = static_cast<double>(plan_training_memory(fixed, 1, host, host).plan.total()) / 1073741824.0;
+  ASSERT_EQ(run_cli(fmt::format("train {} --plan --device-memory {:.9f}", cfg.string(), 1 + (none_gib + remat_gib) / 2),
+                    out), 0) << out;
+  EXPECT_NE(out.find("memory: auto: remat_aware without offload (none without offload needs"), std::string::npos) << out;
+  EXPECT_NE(out.find("(as given by --device-memory)"), std::string::npos) << out;
   for (const char* row : {"parameters", "gradients", "adam m", "adam v", "activations, saved", "total"})
     EXPECT_NE(out.find(row), std::string::npos) << row << " missing in:\n" << out;
   EXPECT_NE(out.find("free on this host"), std::string::npos) << out;

@@ -39,6 +39,10 @@ void add_train_commands(CLI::App& app) {
     auto plan = std::make_shared<bool>(false);
     cmd->add_flag("--plan", *plan, "Print the memory plan per rank (parameters, gradients, optimizer, activations, "
                                    "workspace) and exit without allocating");
+    auto device_gib = std::make_shared<double>(0.0);
+    cmd->add_option("--device-memory", *device_gib,
+                    "With --plan: the free device memory (GiB) to plan model.checkpoint/model.offload auto for "
+                    "(default: what this machine's device has free)");
     cmd->callback([=] {
       trainer::TrainConfig c = trainer::load_config(*config_path, *sets);
       if (*plan) {
@@ -48,13 +52,27 @@ void add_train_commands(CLI::App& app) {
         trainer::resolve_device(c, gpu_here || c.train.device == trainer::DeviceChoice::cuda);
         const char* ws = std::getenv("WORLD_SIZE");
         const int world = ws ? std::atoi(ws) : static_cast<int>(c.parallel.sp_size);
-        model::MemoryPlan p = trainer::plan_training_memory(c, world);
-        fmt::print("{}", p.table());
-        if (p.precision.device == Device::cpu || gpu_here) {
-          const model::DeviceMemory m = model::device_memory(p.precision.device);
-          fmt::print("free on this {}: {:.2f} GiB of {:.2f} GiB\n",
-                     p.precision.device == Device::cuda ? "GPU" : "host", m.free / 1073741824.0,
-                     m.total / 1073741824.0);
+        const Device dev = c.train.device == trainer::DeviceChoice::cuda ? Device::cuda : Device::cpu;
+        const bool measured = *device_gib <= 0 && (dev == Device::cpu || gpu_here);
+        const bool automatic = !c.model.checkpoint || !c.model.offload;
+        LT_CHECK(*device_gib > 0 || measured || !automatic,
+                 "train --plan for CUDA on a machine without a GPU: model.checkpoint/model.offload auto choose by free "
+                 "GPU memory; pass --device-memory GIB (an H200 has about 139), or set both keys");
+        model::DeviceMemory m = measured ? model::device_memory(dev) : model::DeviceMemory{};
+        if (*device_gib > 0) {
+          m.free = static_cast<size_t>(*device_gib * 1073741824.0);
+          m.total = m.free;
+        } else if (!measured) {
+          m.free = m.total = ~size_t{0} / 4;  // no device here and nothing to choose: only the table is printed
+        }
+        const model::DeviceMemory host = dev == Device::cpu ? m : model::device_memory(Device::cpu);
+        const model::MemoryChoice choice = trainer::plan_training_memory(c, world, m, host);
+        fmt::print("{}", choice.plan.table());
+        fmt::print("memory: {}\n", choice.reason);
+        if (measured || *device_gib > 0) {
+          fmt::print("free on this {}{}: {:.2f} GiB of {:.2f} GiB{}\n", dev == Device::cuda ? "GPU" : "host",
+                     *device_gib > 0 ? " (as given by --device-memory)" : "", m.free / 1073741824.0,
+                     m.total / 1073741824.0, choice.fits ? "" : "; it does not fit");
         } else {
           fmt::print("(no GPU here: compare the total with the free memory of the GPU you will train on)\n");
         }
