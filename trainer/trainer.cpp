@@ -727,8 +727,9 @@ TrainSummary train(TrainConfig c, const std::string& resume, const TrainHooks& h
   log->info("  memory: {}; token chunks: MLP {}, loss {}{}; plan {:.2f} GiB per rank of {:.2f} GiB free", memory.reason,
             model.tiling().mlp_chunk_tokens, model.tiling().loss_chunk_tokens,
             model.offload_host_bytes() > 0
-                ? fmt::format("; {:.2f} GiB of pinned host memory for the offloaded checkpoints",
-                              static_cast<double>(model.offload_host_bytes()) / 1073741824.0)
+                ? fmt::format("; {:.2f} GiB of {}host memory for the offloaded checkpoints",
+                              static_cast<double>(model.offload_host_bytes()) / 1073741824.0,
+                              precision.device == Device::cuda ? "pinned " : "")
                 : std::string(),
             static_cast<double>(plan.total()) / 1073741824.0, static_cast<double>(device_free.free) / 1073741824.0);
   log->info("  {} ranks (data parallel {} × sequence parallel {}, layout {}, attention {}); {} training windows "

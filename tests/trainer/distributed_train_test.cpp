@@ -224,16 +224,22 @@ TEST_F(DistributedTrainTest, DocumentMaskUnderSequenceParallelismEqualsOneRankAn
 // allocated peak (schedule buffers included) matches the memory plan.
 TEST_F(DistributedTrainTest, SequenceParallelStepLogShowsAttentionTrafficAndPeakMemory) {
   std::map<std::string, double> sent;
-  for (const char* policy : {"remat_aware", "full"}) {
-    const std::string name = std::string("sp_log_") + policy;
+  std::map<std::string, std::vector<double>> losses;
+  // "offload": remat_aware with model.offload: checkpoints, which must train the same losses bit for bit.
+  for (const char* run : {"remat_aware", "full", "offload"}) {
+    const std::string name = std::string("sp_log_") + run;
+    const bool offload = std::string(run) == "offload";
+    const char* policy = offload ? "remat_aware" : run;
     std::string args = "train " + write_config(name).string();
     for (const std::string& s : {std::string("train.steps=2"), std::string("eval.batches=0"),
                                  std::string("checkpoint.every=0"), std::string("train.batch_size=1"),
                                  std::string("optim.warmup_steps=1"), std::string("parallel.sp_size=2"),
                                  std::string("attention.schedule=zigzag"), std::string("parallel.layout=zigzag"),
-                                 "model.checkpoint=" + std::string(policy)})
+                                 "model.checkpoint=" + std::string(policy),
+                                 std::string("model.offload=") + (offload ? "checkpoints" : "none")})
       args += " --set " + s;
     ASSERT_EQ(launch(2, args), 0) << policy;
+    losses[run] = logged_losses(root_ / "runs" / name);
     std::ifstream in(root_ / "runs" / name / "metrics.jsonl");
     int steps = 0;
     for (std::string line; std::getline(in, line);) {
@@ -242,13 +248,16 @@ TEST_F(DistributedTrainTest, SequenceParallelStepLogShowsAttentionTrafficAndPeak
       ++steps;
       EXPECT_EQ(j.at("attention_forwards_per_layer").get<double>(), std::string(policy) == "full" ? 2.0 : 1.0)
           << policy;
-      sent[policy] = j.at("attention_sent_mib_per_layer").get<double>();
+      sent[run] = j.at("attention_sent_mib_per_layer").get<double>();
       const double peak = j.at("allocated_peak_gib").get<double>(), plan = j.at("plan_gib").get<double>();
       EXPECT_LE(peak, plan) << policy;
       EXPECT_GE(peak, 0.9 * plan) << policy;
     }
     EXPECT_EQ(steps, 2) << policy;
   }
+  ASSERT_EQ(losses["remat_aware"].size(), 2u);
+  EXPECT_EQ(losses["offload"], losses["remat_aware"]) << "offloaded checkpoints changed the losses";
+  EXPECT_EQ(sent["offload"], sent["remat_aware"]);
   // What full sends on top of remat_aware is exactly one more forward: zigzag over 2 ranks sends this
   // rank's K and V once (16 tokens x 2 KV heads x head dim 8, f32), per layer.
   const double forward_mib = 2.0 * 16 * 2 * 8 * 4 / 1048576.0;
