@@ -370,7 +370,7 @@ int main(int argc, char** argv) try {
     for (int64_t S : opt.lengths)
       for (const Setup& r : runs) {
         const model::MemoryChoice c = plan_for(r, S, mem);
-        std::printf("%s%s: %s%s\n\n", c.plan.table().c_str(), r.label().c_str(), c.reason.c_str(),
+        std::printf("%s%s%s%s\n\n", c.plan.table().c_str(), r.policy ? "" : "memory: ", c.reason.c_str(),
                     c.fits ? "" : " (does not fit)");
       }
     return 0;
