@@ -50,14 +50,11 @@ class SequenceAttention {
   AttentionCounters counters;
 
  protected:
-  // Refuses a document mask on CUDA (not implemented there yet), naming the config key.
-  void check_documents_device(const Tensor& q) const;
-
   Documents documents_;
 };
 
-// One rank holds the whole sequence: a single block, causal or full (with documents: one block per
-// document, each written in place). Its backward hands the block
+// One rank holds the whole sequence: a single block, causal or full (with documents: one segmented
+// call, a segment per document, written in place). Its backward hands the block
 // backward the final O (cuDNN forms delta from it) and GradMode::overwrite, so on CUDA it is one
 // cuDNN call writing straight into the dQKV views.
 class LocalSequenceAttention final : public SequenceAttention {

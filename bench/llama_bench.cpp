@@ -8,7 +8,7 @@
 //   llama_bench [--lengths 8192,32768,65536] [--policies remat_aware,full] [--anchor llama_anchor.json]
 //               [--out result.json] [--commit SHA] [--warmup 1] [--steps 3] [--plan-only]
 //               [--schedule zigzag] [--chunk-calls merged|per_chunk] [--longest] [--gpus P]
-//               [--memory FREE_GIB,TOTAL_GIB]
+//               [--memory FREE_GIB,TOTAL_GIB] [--documents docmask_anchor.json]
 //   longtrain-run --nproc-per-node 2 -- llama_bench ...     (sequence parallel over 2 GPUs)
 //   llama_bench --merge result.json --anchor llama_anchor.json --out merged.json
 //
@@ -19,6 +19,9 @@
 // parameters all-gathered; the reduce-scatter runs after backward here, not overlapped with it as in
 // the trainer (with sequence parallelism alone the gradient traffic is small next to attention's). S in --lengths is the whole sequence; times are the slowest rank's, memory the
 // largest rank's; rank 0 prints and writes the result.
+//
+// --documents: each window packs the documents of bench/anchors/docmask_anchor.py's doc_lengths for
+// that length, with data.document_mask's positions, labels and per-document attention.
 //
 // --merge adds the anchor's numbers and the ratios to a result written earlier in the same run (when
 // the anchor ran after the benchmark); it needs no GPU.
@@ -81,13 +84,16 @@ struct Options {
   double free_gib = 0.0, total_gib = 0.0;  // --memory FREE,TOTAL: --longest for a GPU that is not here
   attn::Schedule schedule = attn::Schedule::zigzag;
   attn::ChunkCalls chunk_calls = attn::ChunkCalls::merged;
+  std::string documents;  // --documents: docmask_anchor.json, whose doc_lengths pack each window
 };
 
 Options parse(int argc, char** argv) {
   Options o;
   o.command = command_line(argc, argv);
   for_each_flag(argc, argv, "llama_bench", [&](const std::string& a, const FlagValue& next) {
-    if (a == "--lengths") {
+    if (a == "--documents") {
+      o.documents = next();
+    } else if (a == "--lengths") {
       o.lengths = int_list(next());
       std::sort(o.lengths.begin(), o.lengths.end());  // ascending: scratch only grows, peaks stay honest
     } else if (a == "--policies") {
@@ -434,22 +440,38 @@ int main(int argc, char** argv) try {
       s = s * 6364136223846793005ull + 1442695040888963407ull;
       id = static_cast<int32_t>((s >> 33) % static_cast<uint64_t>(cfg.vocab_size));
     }
+    // --documents: the window packs documents of the anchor's lengths (data.document_mask as the loader
+    // makes it): positions restart at each document, the label across a boundary is ignored.
+    attn::Documents docs;
+    if (!opt.documents.empty()) {
+      const json d = read_json("llama_bench", "the document lengths (docmask_anchor.json)", opt.documents);
+      LT_CHECK(d.contains(std::to_string(S)) && d[std::to_string(S)].contains("doc_lengths"),
+               "llama_bench: {} has no doc_lengths for length {}; run docmask_anchor.py with that length",
+               opt.documents, S);
+      docs.offsets = {0};
+      for (const auto& len : d[std::to_string(S)]["doc_lengths"]) docs.offsets.push_back(docs.offsets.back() + len.get<int64_t>());
+      attn::check_documents(docs, S, "llama_bench --documents " + opt.documents);
+    }
+    auto start_of = [&](int64_t t) { return docs.empty() ? 0 : docs.offsets[docs.document_of(t)]; };
     const std::vector<int64_t> mine = layout_global_indices(layout, S, P, rank);
     const int64_t T = static_cast<int64_t>(mine.size());
     std::vector<int32_t> ids(mine.size()), labels(mine.size()), positions(mine.size());
     for (size_t i = 0; i < mine.size(); ++i) {
       const int64_t t = mine[i];
       ids[i] = all_ids[static_cast<size_t>(t)];
-      labels[i] = t + 1 < S ? all_ids[static_cast<size_t>(t + 1)] : model::LlamaModel::kIgnoreIndex;
-      positions[i] = static_cast<int32_t>(t);
+      const bool crosses = t + 1 >= S || start_of(t + 1) == t + 1;
+      labels[i] = crosses ? model::LlamaModel::kIgnoreIndex : all_ids[static_cast<size_t>(t + 1)];
+      positions[i] = static_cast<int32_t>(t - start_of(t));
     }
-    const int64_t valid = S - 1;  // over the whole sequence: the loss is normalised by the global count
+    // Over the whole sequence: the loss is normalised by the global count.
+    const int64_t valid = S - (docs.empty() ? 1 : docs.count());
     const json* anchor_row = nullptr;
     const std::string key = std::to_string(S);
     if (anchor.contains(key)) anchor_row = &anchor[key];
 
     for (model::CheckpointPolicy policy : opt.policies) {
       json row = {{"S", S}, {"gpus", P}, {"tokens_per_gpu", T}, {"policy", model::checkpoint_policy_name(policy)}};
+      if (!docs.empty()) row["documents"] = docs.count();
       const model::MemoryPlan plan = plan_for(policy, S);
       if (main_rank) std::printf("\n%s", plan.table().c_str());
       row["plan_GiB"] = round3(plan.total() / kGiB);
@@ -505,7 +527,7 @@ int main(int argc, char** argv) try {
         const int64_t flat = m.params().flat().numel(), shard = flat / P;
         trainer::AdamW adamw(m.params(), ocfg, rank * shard, (rank + 1) * shard);
         CudaBuffer d_ids(ids), d_labels(labels), d_pos(positions);
-        const model::TokenShard tokens{d_ids.t, d_labels.t, d_pos.t};
+        const model::TokenShard tokens{d_ids.t, d_labels.t, d_pos.t, docs};
         CudaBuffer norm_sq(DType::f64, {1});
 
         // Three events per timed step (start, after forward+backward, after the optimizer), read after
