@@ -569,16 +569,20 @@ void segments_backward(Tensor dq, Tensor dk, Tensor dv, Tensor q, Tensor k, Tens
   }
 
   // Straight into bf16 views this call overwrites (local_attention.cpp has zeroed the rows outside
-  // the segments); else into scratch, added or converted segment by segment.
+  // the segments); else into scratch, added or converted segment by segment. dQ must have Q's token
+  // stride: measured on cuDNN 9.19 (H200), a segmented backward whose dQ rows are spaced unlike Q's
+  // gives wrong dQ (dK and dV are right), so the dQ scratch is laid out with Q's row stride.
   const bool in_place = mode == GradMode::overwrite && cudnn_addressable(dq) && cudnn_addressable(dk) &&
-                        cudnn_addressable(dv);
+                        cudnn_addressable(dv) && dq.stride[0] == q.stride[0];
+  const RowView dq_rows{tq, hq, d, q.stride[0], d};
   cudnn_sdpa::View dq_out, dk_out, dv_out;
   if (in_place) {
     dq_out = sdpa_view(dq);
     dk_out = sdpa_view(dk);
     dv_out = sdpa_view(dv);
   } else {
-    dq_out = sdpa_view(scratch(Scratch::attn_dq, qbytes), qrows);
+    dq_out = sdpa_view(scratch(Scratch::attn_dq, static_cast<size_t>(tq * q.stride[0]) * sizeof(__nv_bfloat16)),
+                       dq_rows);
     dk_out = sdpa_view(scratch(Scratch::attn_dk, kbytes), krows);
     dv_out = sdpa_view(scratch(Scratch::attn_dv, kbytes), krows);
   }
@@ -589,8 +593,8 @@ void segments_backward(Tensor dq, Tensor dk, Tensor dv, Tensor q, Tensor k, Tens
   const bool accumulate = mode == GradMode::accumulate;
   for (const Segment& s : segments) {
     add_rows(op, "add_rows_kernel (segment dq)", dq.narrow(0, s.q_start, s.q_len),
-             static_cast<const __nv_bfloat16*>(dq_out.data) + s.q_start * qrows.ts, contiguous_rows(s.q_len, hq, d),
-             accumulate);
+             static_cast<const __nv_bfloat16*>(dq_out.data) + s.q_start * dq_rows.ts,
+             RowView{s.q_len, hq, d, dq_rows.ts, d}, accumulate);
     add_rows(op, "add_rows_kernel (segment dk)", dk.narrow(0, s.k_start, s.k_len),
              static_cast<const __nv_bfloat16*>(dk_out.data) + s.k_start * krows.ts, contiguous_rows(s.k_len, hkv, d),
              accumulate);
