@@ -160,6 +160,7 @@ class TimedAttention final : public attn::SequenceAttention {
   }
   void forward(Tensor o, Tensor lse, Tensor q, Tensor k, Tensor v) override {
     ++counters.forward_calls;
+    inner_->set_documents(documents());  // the model sets them on this wrapper
     const size_t i = begin();
     inner_->forward(o, lse, q, k, v);
     end(i);
@@ -167,6 +168,7 @@ class TimedAttention final : public attn::SequenceAttention {
   void backward(Tensor dq, Tensor dk, Tensor dv, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse,
                 Tensor d_o) override {
     ++counters.backward_calls;
+    inner_->set_documents(documents());
     const size_t i = begin();
     inner_->backward(dq, dk, dv, q, k, v, o, lse, d_o);
     end(i);

@@ -761,8 +761,42 @@ int64_t query_rows_end(const std::vector<Segment>& segments) {
 
 }  // namespace
 
+namespace {
+
+// Segments grouped by their padded extent (bucket_rows of the longer side), one cuDNN call per group:
+// a call's grid and its backward workspace scale with segments × padded rows, so one long document
+// would otherwise pad every short one to its length (47 documents at 128K tokens: 6.3 GB of backward
+// workspace in one call, at most 2·S rows' worth grouped).
+std::vector<std::vector<Segment>> length_groups(const std::vector<Segment>& segments) {
+  std::map<int64_t, std::vector<Segment>> by_rows;
+  for (const Segment& s : segments) by_rows[bucket_rows(std::max(s.q_len, s.k_len))].push_back(s);
+  std::vector<std::vector<Segment>> out;
+  for (auto& [rows, group] : by_rows) out.push_back(std::move(group));
+  return out;
+}
+
+void forward_group(View o, StatsView lse, View q, View k, View v, const std::vector<Segment>& segments, bool causal,
+                   float scale);
+void backward_group(View dq, View dk, View dv, View q, View k, View v, View o, View d_o, StatsView lse,
+                    const std::vector<Segment>& segments, bool causal, float scale);
+
+}  // namespace
+
 void forward_segments(View o, StatsView lse, View q, View k, View v, const std::vector<Segment>& segments,
                       bool causal, float scale) {
+  for (const auto& group : length_groups(segments)) forward_group(o, lse, q, k, v, group, causal, scale);
+}
+
+void backward_segments(View dq, View dk, View dv, View q, View k, View v, View o, View d_o, StatsView lse,
+                       const std::vector<Segment>& segments, bool causal, float scale) {
+  for (const auto& group : length_groups(segments))
+    backward_group(dq, dk, dv, q, k, v, o, d_o, lse, group, causal, scale);
+}
+
+namespace {
+
+void forward_group(View o, StatsView lse, View q, View k, View v, const std::vector<Segment>& segments, bool causal,
+                   float scale) {
   for (auto [p, name] : {std::pair<const void*, const char*>{q.data, "q"}, {k.data, "k"}, {v.data, "v"}, {o.data, "o"},
                          {lse.data, "lse"}})
     check_aligned(p, name);
@@ -786,8 +820,8 @@ void forward_segments(View o, StatsView lse, View q, View k, View v, const std::
   execute(*plan, uids, ptrs);
 }
 
-void backward_segments(View dq, View dk, View dv, View q, View k, View v, View o, View d_o, StatsView lse,
-                       const std::vector<Segment>& segments, bool causal, float scale) {
+void backward_group(View dq, View dk, View dv, View q, View k, View v, View o, View d_o, StatsView lse,
+                    const std::vector<Segment>& segments, bool causal, float scale) {
   for (auto [p, name] : {std::pair<const void*, const char*>{q.data, "q"}, {k.data, "k"}, {v.data, "v"},
                          {o.data, "o"}, {d_o.data, "d_o"}, {lse.data, "lse"}, {dq.data, "dq"}, {dk.data, "dk"},
                          {dv.data, "dv"}})
@@ -822,5 +856,7 @@ void backward_segments(View dq, View dk, View dv, View q, View k, View v, View o
   arrays.bind(uids, ptrs);
   execute(*plan, uids, ptrs);
 }
+
+}  // namespace
 
 }  // namespace longtrain::attn::cudnn_sdpa

@@ -33,7 +33,7 @@ timeout 120 $B/bench/docmask_bench --anchor $W/docmask_anchor.json --out $W/docm
 stamp "docmask_bench rc $?"; cat $W/docmask_bench.log | tail -6
 for mode in plain documents; do
   extra=""; [ $mode = documents ] && extra="--documents $W/docmask_anchor.json"
-  timeout 150 $B/bench/llama_bench --lengths 65536 --policies remat_aware --warmup 1 --steps 3 --commit $COMMIT \
+  timeout 200 $B/bench/llama_bench --lengths ${LLAMA_LENGTHS:-65536,131072} --policies remat_aware --warmup 1 --steps 3 --commit $COMMIT \
     --out $W/llama-$mode.json $extra > $W/llama-$mode.log 2>&1
   stamp "llama_bench $mode rc $?"; grep -E "tok/s|tok_per_s|S=" $W/llama-$mode.log | tail -4
 done
