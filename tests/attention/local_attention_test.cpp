@@ -947,15 +947,21 @@ TEST(LocalAttention, MixedDtypesAndWrongShapesAreErrors) {
 // every segment are empty partials (forward) and zero or untouched gradients (backward by mode), and
 // overlapping segments are refused. (On CUDA the same calls are one cuDNN call: tests/gpu.)
 
+// Seeded values written into a HostTensor's own storage (its view keeps pointing at it).
+void fill_values(HostTensor<double>& t, uint64_t seed) {
+  const std::vector<double> v = random_values<double>(t.values.size(), seed);
+  std::copy(v.begin(), v.end(), t.values.begin());
+}
+
 TEST(SegmentedAttention, EachSegmentIsItsOwnBlockAndTheRestIsEmpty) {
   const int64_t Tq = 14, Tk = 11, Hq = 4, Hkv = 2, D = kHeadDim;
   const double scale = 0.37;
   const std::vector<Segment> segments = {{1, 4, 0, 3}, {6, 1, 5, 4}, {9, 3, 9, 2}, {13, 1, 3, 0}};
   HostTensor<double> q({Tq, Hq, D}), k({Tk, Hkv, D}), v({Tk, Hkv, D}), d_o({Tq, Hq, D});
-  q.values = random_values<double>(q.values.size(), 1);
-  k.values = random_values<double>(k.values.size(), 2);
-  v.values = random_values<double>(v.values.size(), 3);
-  d_o.values = random_values<double>(d_o.values.size(), 4);
+  fill_values(q, 1);
+  fill_values(k, 2);
+  fill_values(v, 3);
+  fill_values(d_o, 4);
   HostTensor<double> o({Tq, Hq, D}), lse({Tq, Hq});
   std::fill(o.values.begin(), o.values.end(), kNaN);  // garbage the call must overwrite everywhere
   attention_segments_forward(o, lse, q, k, v, segments, BlockMask::none, scale);
@@ -993,7 +999,7 @@ TEST(SegmentedAttention, EachSegmentIsItsOwnBlockAndTheRestIsEmpty) {
 
   // Accumulate adds the same gradients and leaves the other rows as they were.
   HostTensor<double> acc({Tq, Hq, D}), dk_acc({Tk, Hkv, D}), dv_acc({Tk, Hkv, D});
-  acc.values = random_values<double>(acc.values.size(), 5);
+  fill_values(acc, 5);
   const std::vector<double> before = acc.values;
   attention_segments_backward(acc, dk_acc, dv_acc, q, k, v, d_o, lse, o, Tensor{}, segments, BlockMask::none, scale,
                               GradMode::accumulate);
