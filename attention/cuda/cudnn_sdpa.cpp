@@ -325,8 +325,15 @@ class GraphBuilder {
                                    static_cast<int64_t>(json.size()), &size, json.data()) != CUDNN_STATUS_SUCCESS)
         json.clear();
       json.resize(std::strlen(json.c_str()));
-      // The JSON ends in the kernels' binaries (base64); the engine id and knobs come first.
-      if (json.size() > 300) json = json.substr(0, 300) + "...";
+      // The JSON holds the whole graph and the kernels' binaries (base64): keep the engine's knob
+      // choices, which say which kernel configuration runs.
+      const size_t knobs = json.find("\"knobChoices\"");
+      if (knobs != std::string::npos) {
+        const size_t end = json.find('}', knobs);
+        json = json.substr(knobs, end == std::string::npos ? 200 : end - knobs + 1);
+      } else if (json.size() > 300) {
+        json = json.substr(0, 300) + "...";
+      }
     }
     std::fprintf(stderr, "longtrain: cuDNN %zu %s: engine %lld (heuristics mode %s, configuration %lld of %lld), "
                  "workspace %lld bytes, plan %s\n",

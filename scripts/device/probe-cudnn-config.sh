@@ -34,6 +34,6 @@ CUDNN_FRONTEND_LOG_INFO=1 CUDNN_FRONTEND_LOG_FILE=$W/torch_frontend.log CUDNN_LO
   timeout 120 python3 $W/torch_probe.py $S > $W/torch_probe.out 2>&1
 echo "torch rc $?"; tail -2 $W/torch_probe.out
 CUDNN_LOGLEVEL_DBG=2 CUDNN_LOGDEST_DBG=$W/ours_backend.log timeout 120 build-carry/bench/attention_bench --lengths $S \
-  --kv-heads 4 --head-dim 64 --warmup 1 --reps 5 > $W/ours_probe.out 2>&1
+  --kv-heads 4 --head-dim 64 --warmup 1 --reps 5 --layouts bhsd,bhsd+hstats,fused+hstats > $W/ours_probe.out 2>&1
 echo "ours rc $?"; grep -E "S=" $W/ours_probe.out | tail -2
 ls -la $W
