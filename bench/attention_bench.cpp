@@ -133,7 +133,7 @@ int main(int argc, char** argv) try {
   result["flops"] = "fwd = 4*Hq*S^2*D/2 (causal half), fwd+bwd = 3.5*fwd";
   result["ours"] =
       "longtrain as the model calls it: LocalSequenceAttention forward (Q/K/V views of a fused bf16 QKV buffer, "
-      "bf16 O, f32 LSE) and backward (the final O to cuDNN, dQ/dK/dV overwritten in place in a fused bf16 dQKV "
+      "bf16 O, f32 LSE stored head-major) and backward (the final O to cuDNN, dQ/dK/dV overwritten in place in a fused bf16 dQKV "
       "buffer)";
   result["ours_block_delta_f32"] =
       "the same forward; backward as a distributed schedule's visiting query rows run it: attention_delta, then "
@@ -141,7 +141,7 @@ int main(int argc, char** argv) try {
       "dQ/dK/dV";
   result["ours_cudnn_only"] =
       "the bare cuDNN forward and backward graphs on the same fused buffers (backward from O, bf16 dQ/dK/dV "
-      "written in place)";
+      "written in place), LSE token-major";
   if (!anchor.is_null()) result["anchor"] = {{"script", "bench/anchors/attn_anchor.py"}, {"file", opt.anchor}};
   json rows = json::array();
 
@@ -162,10 +162,13 @@ int main(int argc, char** argv) try {
       const Tensor gq = dqkv.t.narrow(1, 0, Hq), gk = dqkv.t.narrow(1, Hq, hkv), gv = dqkv.t.narrow(1, Hq + hkv, hkv);
 
       attn::LocalSequenceAttention model_attention(/*causal=*/true, scale);
-      auto fwd = [&] { model_attention.forward(o.t, lse.t, q, k, v); };
+      // The LSE as the model stores it for one rank's attention on CUDA: head-major [Hq, S] storage.
+      Tensor model_lse = lse.t;
+      model_lse.stride = {1, S, 0, 0};
+      auto fwd = [&] { model_attention.forward(o.t, model_lse, q, k, v); };
       auto fwd_bwd = [&] {
-        model_attention.forward(o.t, lse.t, q, k, v);
-        model_attention.backward(gq, gk, gv, q, k, v, o.t, lse.t, d_o.t);
+        model_attention.forward(o.t, model_lse, q, k, v);
+        model_attention.backward(gq, gk, gv, q, k, v, o.t, model_lse, d_o.t);
       };
       const attn::BlockMask mask = attn::BlockMask::causal_diagonal;
       auto block_delta_fwd_bwd = [&] {

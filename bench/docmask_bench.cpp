@@ -126,11 +126,13 @@ int main(int argc, char** argv) try {
     const Tensor gq = dqkv.t.narrow(1, 0, Hq), gk = dqkv.t.narrow(1, Hq, hkv), gv = dqkv.t.narrow(1, Hq + hkv, hkv);
 
     attn::LocalSequenceAttention masked(/*causal=*/true, scale), dense(/*causal=*/true, scale);
+    Tensor model_lse = lse.t;  // head-major, as the model stores it for one rank on CUDA
+    model_lse.stride = {1, S, 0, 0};
     masked.set_documents(docs);
     auto run = [&](attn::LocalSequenceAttention& a) {
       return [&] {
-        a.forward(o.t, lse.t, q, k, v);
-        a.backward(gq, gk, gv, q, k, v, o.t, lse.t, d_o.t);
+        a.forward(o.t, model_lse, q, k, v);
+        a.backward(gq, gk, gv, q, k, v, o.t, model_lse, d_o.t);
       };
     };
     // The first call of this window shape builds the segmented plans (forward and backward).

@@ -173,6 +173,7 @@ class TimedAttention final : public attn::SequenceAttention {
     inner_->backward(dq, dk, dv, q, k, v, o, lse, d_o);
     end(i);
   }
+  bool head_major_lse() const override { return inner_->head_major_lse(); }
   void reset() { used_ = 0; }
   // Milliseconds of every call since reset() (events are kept, one pair per call); the device must
   // have passed the last call.

@@ -131,13 +131,21 @@ void LlamaModel::set_rope_length(int64_t seq_len) {
 }
 
 LlamaModel::LayerActs LlamaModel::layer_acts(int64_t l, int64_t T) const {
-  auto get = [&](const char* name) {
-    Tensor t = keeps_activation(policy_, name) ? acts_.get(fmt::format("layers.{}.{}", l, name))
-                                    : acts_.get(fmt::format("scratch.{}", name));
-    return t.narrow(0, T);  // the first T tokens of a buffer sized for max_tokens
+  auto buffer = [&](const char* name) {
+    return keeps_activation(policy_, name) ? acts_.get(fmt::format("layers.{}.{}", l, name))
+                                           : acts_.get(fmt::format("scratch.{}", name));
   };
-  return {get("n1"), get("rstd1"), get("qkv"), get("o"), get("lse"), get("h"),
-          get("n2"), get("rstd2"), get("gate_up"), get("s")};
+  auto get = [&](const char* name) { return buffer(name).narrow(0, T); };  // the first T tokens
+  // The LSE as the attention wants it (SequenceAttention::head_major_lse): on CUDA maybe head-major,
+  // the same max_tokens·Hq floats seen as [T, Hq] with strides (1, max_tokens).
+  Tensor lse = get("lse");
+  if (precision_.device == Device::cuda && attention_->head_major_lse()) {
+    lse = buffer("lse");
+    lse.shape = {T, config_.n_heads, 0, 0};
+    lse.stride = {1, max_tokens_, 0, 0};
+  }
+  return {get("n1"), get("rstd1"), get("qkv"), get("o"), lse, get("h"), get("n2"), get("rstd2"), get("gate_up"),
+          get("s")};
 }
 
 void LlamaModel::check_shard(const TokenShard& s) const {

@@ -844,7 +844,9 @@ void backward_group(View dq, View dk, View dv, View q, View k, View v, View o, V
   // offsets index them), so they span the rows up to the last segment's end.
   const int64_t rows = query_rows_end(segments);
   void* dq_accum = scratch(Scratch::attn_dq_accum, static_cast<size_t>(rows * dq.token_stride) * sizeof(float));
-  void* softmax_sum = scratch(Scratch::attn_softmax_sum, static_cast<size_t>(rows * lse.token_stride) * sizeof(float));
+  // (any stats layout: token-major [T, Hq] or head-major [Hq, rows] storage)
+  const int64_t sum_floats = (lse.heads - 1) * lse.head_stride + (rows - 1) * lse.token_stride + 1;
+  void* softmax_sum = scratch(Scratch::attn_softmax_sum, static_cast<size_t>(sum_floats) * sizeof(float));
   SegmentArrays arrays(segments);
   arrays.lengths();
   arrays.offsets(kRagQ, true, q.token_stride, "q");

@@ -253,8 +253,10 @@ void check_rows(const char* op, const Tensor& t, const char* name, const Tensor&
            "{}: {} {} must have the shape of {}", op, name, t.describe(), like.describe());
 }
 
+// Stats may be strided either way: token-major [T, Hq], or head-major (SequenceAttention::head_major_lse).
 void check_stats(const char* op, const Tensor& s, const char* name, int64_t tokens, int64_t heads) {
-  check_tensor(s, 2, op, name);
+  LT_CHECK(!s.empty() && s.device == Device::cuda && s.ndim == 2, "{}: {} must be a 2-d CUDA tensor, got {}", op, name,
+           s.describe());
   check_dtype(s, DType::f32, op, name);
   LT_CHECK(s.size(0) == tokens && s.size(1) == heads, "{}: {} {} must be [{}, {}]", op, name, s.describe(), tokens,
            heads);
