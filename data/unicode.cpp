@@ -119,14 +119,15 @@ std::string remove_combining_marks(std::string_view text) {
       out += "\xEF\xBF\xBD";
       continue;
     }
-    if ((U_GET_GC_MASK(cp) & U_GC_M_MASK) == 0) out.append(text.substr(static_cast<size_t>(start), static_cast<size_t>(i - start)));
+    if ((U_GET_GC_MASK(cp) & U_GC_M_MASK) == 0)
+      out.append(text.substr(static_cast<size_t>(start), static_cast<size_t>(i - start)));
   }
   return out;
 }
 
 bool is_unicode_whitespace(uint32_t c) {
-  return (c >= 0x09 && c <= 0x0D) || c == 0x20 || c == 0x85 || c == 0xA0 || c == 0x1680 || (c >= 0x2000 && c <= 0x200A) ||
-         c == 0x2028 || c == 0x2029 || c == 0x202F || c == 0x205F || c == 0x3000;
+  return (c >= 0x09 && c <= 0x0D) || c == 0x20 || c == 0x85 || c == 0xA0 || c == 0x1680 ||
+         (c >= 0x2000 && c <= 0x200A) || c == 0x2028 || c == 0x2029 || c == 0x202F || c == 0x205F || c == 0x3000;
 }
 
 }  // namespace longtrain::data
