@@ -69,7 +69,7 @@ const std::vector<std::pair<std::string, std::string>> kVariants = {
     {"qwen25_style", ""},                       // NFC; its twin is itself without the normalizer
     {"nfkc_lowercase", "llama3_style"},         // Sequence[NFKC, Lowercase], a normalized added token
     {"nfd_strip_accents", "llama3_style"},      // Sequence[NFD, StripAccents, Lowercase]
-    {"nfkd_chain", "llama3_style"},             // Sequence[NFKD, Replace, Replace, Strip, Prepend]
+    {"nfkd_chain", "llama3_style"},             // Sequence[Strip, NFKD, Replace, Replace, Prepend]
 };
 
 // The variant's cases, or a failure that says where they come from.
