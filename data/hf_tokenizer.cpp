@@ -124,8 +124,6 @@ uint32_t code_point_at(std::string_view s, size_t i, size_t n) {
   return cp;
 }
 
-bool is_ascii_space(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\v' || c == '\f'; }
-
 // ---------------------------------------------------------------------------------------------
 // GPT-2's byte-level alphabet: bytes 33-126, 161-172 and 174-255 stand for themselves; the other
 // 68 bytes take code points 256, 257, ... in byte order, so every byte is a printable character.
@@ -974,7 +972,18 @@ std::vector<std::pair<std::string_view, int32_t>> HfTokenizer::Impl::split_added
                                                                                   const AddedIndex& index) const {
   std::vector<std::pair<std::string_view, int32_t>> out;
   size_t segment = 0, i = 0;
-  const auto is_word_char = [](unsigned char c) { return std::isalnum(c) || c == '_' || c >= 0x80; };
+  // As HF (Rust's regex \w and \s, Unicode): the code point that ends text[..at], and the one that
+  // starts text[at..], with their lengths.
+  const auto length_before = [&](size_t at) {
+    size_t k = at - 1;
+    while (k > 0 && (static_cast<unsigned char>(text[k]) & 0xC0) == 0x80) --k;
+    return at - k;
+  };
+  const auto length_at = [&](size_t at) {
+    return std::min(utf8_char_len(static_cast<unsigned char>(text[at])), text.size() - at);
+  };
+  const auto before = [&](size_t at) { return code_point_at(text, at - length_before(at), length_before(at)); };
+  const auto after = [&](size_t at) { return code_point_at(text, at, length_at(at)); };
   while (i < text.size()) {
     const std::vector<size_t>& candidates = index[static_cast<unsigned char>(text[i])];
     const AddedToken* hit = nullptr;
@@ -991,17 +1000,17 @@ std::vector<std::pair<std::string_view, int32_t>> HfTokenizer::Impl::split_added
     }
     size_t start = i, stop = i + hit->pattern.size();
     if (hit->single_word) {
-      const bool left_ok = start == 0 || !is_word_char(static_cast<unsigned char>(text[start - 1]));
-      const bool right_ok = stop == text.size() || !is_word_char(static_cast<unsigned char>(text[stop]));
+      const bool left_ok = start == 0 || !is_unicode_word_char(before(start));
+      const bool right_ok = stop == text.size() || !is_unicode_word_char(after(stop));
       if (!left_ok || !right_ok) {
         i = stop;  // the match is skipped whole, as the automaton moves past it
         continue;
       }
     }
     if (hit->lstrip)
-      while (start > segment && is_ascii_space(text[start - 1])) --start;
+      while (start > segment && is_unicode_whitespace(before(start))) start -= length_before(start);
     if (hit->rstrip)
-      while (stop < text.size() && is_ascii_space(text[stop])) ++stop;
+      while (stop < text.size() && is_unicode_whitespace(after(stop))) stop += length_at(stop);
     if (start > segment) out.emplace_back(text.substr(segment, start - segment), -1);
     out.emplace_back(std::string_view(), hit->id);
     segment = i = stop;

@@ -2,9 +2,11 @@
 // the like), encoded and decoded here in C++ with the same ids as HF tokenizers.
 //
 // What is read, in the order encode applies it:
-//   added_tokens    matched first, on the raw text, leftmost-longest; single_word, lstrip and rstrip
-//                   as HF defines them. They are never split; `special` ones are dropped by
-//                   decode(skip_special_tokens).
+//   added_tokens    leftmost-longest; those with normalized: false first, on the raw text, then those
+//                   with normalized: true on each normalized piece between them (as the normalizer
+//                   writes their content); single_word, lstrip and rstrip as HF defines them (Unicode
+//                   words and whitespace: Rust's \w and \s). They are never split; `special` ones
+//                   are dropped by decode(skip_special_tokens).
 //   normalizer      applied to the text between added tokens: null, Sequence, NFC, NFD, NFKC, NFKD
 //                   (ICU's tables), Lowercase (each code point's full lowercase mapping, without
 //                   context, as HF: 'Σ' is always 'σ'), StripAccents (drops combining marks),

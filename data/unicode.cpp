@@ -130,4 +130,10 @@ bool is_unicode_whitespace(uint32_t c) {
          (c >= 0x2000 && c <= 0x200A) || c == 0x2028 || c == 0x2029 || c == 0x202F || c == 0x205F || c == 0x3000;
 }
 
+bool is_unicode_word_char(uint32_t c) {
+  const auto cp = static_cast<UChar32>(c);
+  return u_hasBinaryProperty(cp, UCHAR_ALPHABETIC) || (U_GET_GC_MASK(cp) & (U_GC_M_MASK | U_GC_ND_MASK | U_GC_PC_MASK)) ||
+         u_hasBinaryProperty(cp, UCHAR_JOIN_CONTROL);
+}
+
 }  // namespace longtrain::data

@@ -26,4 +26,8 @@ std::string remove_combining_marks(std::string_view text);
 // Rust's char::is_whitespace: the Unicode White_Space property.
 bool is_unicode_whitespace(uint32_t code_point);
 
+// A word character as Rust's regex \w reads it (Unicode): Alphabetic, marks (M), decimal digits (Nd),
+// connector punctuation (Pc) and Join_Control. HF's single_word added tokens look at it.
+bool is_unicode_word_char(uint32_t code_point);
+
 }  // namespace longtrain::data

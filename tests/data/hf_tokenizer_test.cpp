@@ -289,6 +289,31 @@ TEST(HfTokenizer, AddedTokensAreMatchedOnRawOrNormalizedText) {
   EXPECT_EQ(tok.decode(tok.encode("Dear MISS BENNET!")), "dear Miss Bennet!");  // the token's own content
 }
 
+// single_word, lstrip and rstrip read words and spaces as HF does, by Unicode (Rust's regex \w and
+// \s): an em dash ends a word, a letter with an accent or a combining mark does not; an ideographic
+// space is stripped like an ASCII one.
+TEST(HfTokenizer, AddedTokensSingleWordAndStripReadUnicode) {
+  TempDir dir;
+  const HfTokenizer plain((kFixture / "llama3_style/tokenizer.json").string());
+  const int32_t mask = plain.vocab_size(), word = mask + 1;
+  const HfTokenizer tok(edited(dir, [&](nlohmann::json& j) {
+    j["added_tokens"].push_back({{"id", mask}, {"content", "<mask>"}, {"lstrip", true}, {"rstrip", true},
+                                 {"special", true}, {"normalized", false}});
+    j["added_tokens"].push_back({{"id", word}, {"content", "Zorblax"}, {"single_word", true}, {"special", false},
+                                 {"normalized", false}});
+  }));
+  const auto cat = [](std::initializer_list<std::vector<int32_t>> parts) {
+    std::vector<int32_t> out;
+    for (const auto& p : parts) out.insert(out.end(), p.begin(), p.end());
+    return out;
+  };
+  EXPECT_EQ(tok.encode("a\u3000 <mask>\u00a0\u2003b"), cat({plain.encode("a"), {mask}, plain.encode("b")}));
+  EXPECT_EQ(tok.encode("\u2014Zorblax\u2014"), cat({plain.encode("\u2014"), {word}, plain.encode("\u2014")}));
+  EXPECT_EQ(tok.encode("Zorblax's"), cat({{word}, plain.encode("'s")}));
+  for (const char* glued : {"\u00e9Zorblax", "Zorblax\u0301", "Zorblax_", "Zorblax2", "\u65e5Zorblax"})
+    EXPECT_EQ(tok.encode(glued), plain.encode(glued)) << glued;
+}
+
 // ignore_merges emits a pre-token whole when the model's vocabulary has it; an added token of the
 // same spelling is not the model's vocabulary (HF's BPE looks only there).
 TEST(HfTokenizer, IgnoreMergesLooksInTheModelsVocabularyOnly) {
