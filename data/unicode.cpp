@@ -13,6 +13,12 @@ namespace longtrain::data {
 
 namespace {
 
+// ICU counts in int32_t: one text handed to it must stay below 2 GiB (UTF-16 doubles ASCII's size).
+void check_size(std::string_view s) {
+  LT_CHECK(s.size() < (size_t{1} << 30), "a text of {} bytes is too long for one Unicode normalization (at most 1 GiB "
+           "between two added tokens); split the document", s.size());
+}
+
 bool all_ascii(std::string_view s) {
   return std::all_of(s.begin(), s.end(), [](char c) { return static_cast<unsigned char>(c) < 0x80; });
 }
@@ -57,6 +63,7 @@ const UNormalizer2* normalizer_of(UnicodeForm form) {
 
 std::string unicode_normalize(std::string_view text, UnicodeForm form) {
   if (all_ascii(text)) return std::string(text);  // ASCII is in every normalization form
+  check_size(text);
   const UNormalizer2* n = normalizer_of(form);
   const std::u16string in = to_utf16(text);
   // Decomposition can grow the text (by up to 18x for one code point, UAX #15): start at 2x, retry
@@ -79,6 +86,7 @@ std::string unicode_normalize(std::string_view text, UnicodeForm form) {
 }
 
 std::string lowercase_code_points(std::string_view text) {
+  check_size(text);
   std::string out;
   out.reserve(text.size());
   const auto* s = reinterpret_cast<const uint8_t*>(text.data());
@@ -107,6 +115,7 @@ std::string lowercase_code_points(std::string_view text) {
 }
 
 std::string remove_combining_marks(std::string_view text) {
+  check_size(text);
   std::string out;
   out.reserve(text.size());
   const auto* s = reinterpret_cast<const uint8_t*>(text.data());
