@@ -265,6 +265,40 @@ TEST(HfTokenizer, NormalizersEncodeTextAsItsNormalFormEncodes) {
   EXPECT_EQ(strip.encode("\u200bhi"), plain.encode("\u200bhi"));  // ZERO WIDTH SPACE is not whitespace
 }
 
+// Qwen 2.5's tokenizer.json, as it ships (its fields around llama3_style's vocabulary): NFC, Qwen's
+// Split regex, ByteLevel without its regex, a ByteLevel post-processor, empty (not null) subword
+// prefix and suffix. It used to be refused for its NFC; it loads, and NFC does its work.
+TEST(HfTokenizer, QwenTwoPointFiveLayoutLoads) {
+  TempDir dir;
+  const nlohmann::json byte_level = {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", false},
+                                     {"use_regex", false}};
+  const HfTokenizer qwen(edited(dir, [&](nlohmann::json& j) {
+    j["version"] = "1.0";
+    j["truncation"] = nullptr;
+    j["padding"] = nullptr;
+    j["normalizer"] = {{"type", "NFC"}};
+    j["pre_tokenizer"] = {
+        {"type", "Sequence"},
+        {"pretokenizers",
+         {{{"type", "Split"},
+           {"pattern", {{"Regex", "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+"
+                                   "[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"}}},
+           {"behavior", "Isolated"},
+           {"invert", false}},
+          byte_level}}};
+    j["post_processor"] = byte_level;
+    j["decoder"] = byte_level;
+    j["model"]["continuing_subword_prefix"] = "";
+    j["model"]["end_of_word_suffix"] = "";
+    j["model"]["ignore_merges"] = false;
+  }));
+  const HfTokenizer plain((kFixture / "llama3_style/tokenizer.json").string());
+  EXPECT_EQ(qwen.encode("cafe\u0301 ok", true), qwen.encode("caf\u00e9 ok", true));  // no BOS, NFC
+  EXPECT_EQ(qwen.decode(qwen.encode("cafe\u0301 2026")), "caf\u00e9 2026");
+  EXPECT_EQ(qwen.encode("2026").size(), 4u);  // Qwen splits digits one by one
+  EXPECT_EQ(qwen.encode("It is a truth"), plain.encode("It is a truth"));
+}
+
 // Added tokens: those with normalized: false are matched on the raw text, before normalization;
 // those with normalized: true on the normalized text, as the normalizer writes their content.
 TEST(HfTokenizer, AddedTokensAreMatchedOnRawOrNormalizedText) {
