@@ -339,7 +339,8 @@ const std::vector<KeySpec>& key_table() {
        .bind = LT_CONFIG_FIELD(data.val), .aliases = {"val_dir", "valid", "validation", "val_data", "eval_data"},
        .hashed = false, .path = true, .resume = OnResume::allowed},
       {.section = "data", .key = "tokenizer", .default_value = std::string(),
-       .meaning = "SentencePiece .model or Hugging Face tokenizer.json (for generate and passkey eval); empty = none "
+       .meaning = "SentencePiece .model or Hugging Face tokenizer.json (byte-level BPE: Llama 3, Qwen 2.5, GPT-2; "
+                  "for generate and passkey eval); empty = none "
                   "(model.init_from's own tokenizer when it has one)",
        .bind = LT_CONFIG_FIELD(data.tokenizer), .aliases = {"tokenizer_path", "tokenizer_model", "spm"},
        .hashed = false, .path = true, .resume = OnResume::refused},
