@@ -11,5 +11,12 @@ namespace longtrain::attn::cpu {
 #ifdef LONGTRAIN_HAS_CUDA
 namespace longtrain::attn::cuda {
 #include "attention/attention_signatures.inc"
+// The fused segmented calls (cuDNN's ragged layout) behind attention_segments_*: every segment's rows
+// written, nothing else; local_attention.cpp checks the segments and handles the rows outside them.
+void segments_forward(Tensor o, Tensor lse, Tensor q, Tensor k, Tensor v, const std::vector<Segment>& segments,
+                      BlockMask mask, double scale);
+void segments_backward(Tensor dq, Tensor dk, Tensor dv, Tensor q, Tensor k, Tensor v, Tensor d_o, Tensor lse,
+                       Tensor o, Tensor delta, const std::vector<Segment>& segments, BlockMask mask, double scale,
+                       GradMode mode);
 }  // namespace longtrain::attn::cuda
 #endif

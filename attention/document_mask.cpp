@@ -110,6 +110,32 @@ std::vector<BlockCall> document_block_calls(const std::vector<BlockCall>& calls,
   return out;
 }
 
+std::vector<SegmentCall> segment_calls(const std::vector<BlockCall>& calls) {
+  auto overlap = [](int64_t a0, int64_t a1, int64_t b0, int64_t b1) { return a0 < b1 && b0 < a1; };
+  std::vector<SegmentCall> out;
+  for (const BlockCall& c : calls) {
+    SegmentCall* home = nullptr;
+    for (SegmentCall& g : out) {
+      if (g.mask != c.mask) continue;
+      bool clash = false;
+      for (const Segment& s : g.segments)
+        clash = clash || overlap(s.q_start, s.q_start + s.q_len, c.q_start, c.q_start + c.q_len) ||
+                overlap(s.k_start, s.k_start + s.k_len, c.k_start, c.k_start + c.k_len);
+      if (!clash) {
+        home = &g;
+        break;
+      }
+    }
+    if (home == nullptr) {
+      out.push_back({c.mask, {}, 0});
+      home = &out.back();
+    }
+    home->segments.push_back({c.q_start, c.q_len, c.k_start, c.k_len});
+    home->pairs += c.pairs();
+  }
+  return out;
+}
+
 int64_t document_pairs(const Documents& docs, int64_t seq_len, bool causal) {
   auto pairs = [causal](int64_t n) { return causal ? n * (n + 1) / 2 : n * n; };
   if (docs.empty()) return pairs(seq_len);

@@ -15,13 +15,13 @@
 // where the keys are wholly earlier). A block pair that shares no document gives no call at all, so
 // it is skipped without computing; K/V are read through the same un-expanded views (GQA).
 //
-// For a fused GPU path (not written yet; the CUDA backend refuses documents): the calls that
-// document_block_calls makes of one block are already its segments. Grouped by mask, each group is
-// one batched call over packed rows: the q_start/q_len and k_start/k_len of its calls are the ragged
-// offsets and per-segment lengths (cuDNN's RAGGED_OFFSET and SEQ_LEN_Q/SEQ_LEN_KV with padding mask;
-// flash-attention's cu_seqlens_q/cu_seqlens_k), causal_diagonal segments with the causal mask (their
-// query and key rows are the same tokens, so top-left and bottom-right alignment agree), none
-// segments without one.
+// The fused GPU path: the calls that document_block_calls makes of one block are its segments.
+// segment_calls groups them by mask into sets whose query runs and key runs do not overlap, and each
+// set is one attention_segments_forward/backward call (local_attention.h): on CUDA one cuDNN call over
+// ragged rows, whose q_start/q_len and k_start/k_len are the ragged offsets and per-segment lengths
+// (RAGGED_OFFSET and SEQ_LEN_Q/SEQ_LEN_KV with a padding mask), causal_diagonal segments with the
+// causal mask (their query and key rows are the same tokens, so top-left and bottom-right alignment
+// agree), none segments without one.
 #pragma once
 
 #include <cstdint>
@@ -62,6 +62,18 @@ void check_documents(const Documents& docs, int64_t seq_len, const std::string& 
 std::vector<BlockCall> document_block_calls(const std::vector<BlockCall>& calls, const Documents& docs,
                                             SeqLayout layout, int sp_size, int64_t local_len, int q_rank,
                                             int kv_rank, bool causal);
+
+// One segmented call: segments of one mask whose query runs, and whose key runs, do not overlap.
+struct SegmentCall {
+  BlockMask mask;
+  std::vector<Segment> segments;
+  int64_t pairs = 0;  // query-key pairs its segments cover
+};
+
+// `calls` (of document_block_calls) as few segmented calls as the overlaps allow, in order: usually one
+// per mask; a query run that meets two key runs (a document spanning two of the key rank's chunks)
+// goes to a second call.
+std::vector<SegmentCall> segment_calls(const std::vector<BlockCall>& calls);
 
 // Query-key pairs that document-masked attention computes over the whole window: Σ_d n_d(n_d+1)/2
 // causal, Σ_d n_d² full (with empty docs: the whole window as one document).

@@ -13,6 +13,8 @@
 // views; on CPU all the float tensors of a call share one dtype.
 #pragma once
 
+#include <vector>
+
 #include "runtime/tensor.h"
 
 namespace longtrain::attn {
@@ -53,5 +55,30 @@ void attention_block_backward(Tensor dq, Tensor dk, Tensor dv, Tensor q, Tensor 
 // lse = -inf marks an empty partial on either side (its O is never read), so a fresh accumulator is
 // (0, -inf); merging two empty partials gives (0, -inf).
 void lse_merge(Tensor o_acc, Tensor lse_acc, Tensor o_blk, Tensor lse_blk);
+
+// ---- segmented calls (document masks) ---------------------------------------------------------------
+
+// One segment of a segmented call: query rows [q_start, q_start + q_len) of q/o/lse against key rows
+// [k_start, k_start + k_len) of k/v.
+struct Segment {
+  int64_t q_start, q_len;
+  int64_t k_start, k_len;
+};
+
+// Several independent blocks of one tensor set in one call, all with the same mask (causal_diagonal:
+// q_len == k_len, the diagonal within the segment): what one block of a document-masked schedule
+// becomes, one segment per shared document (document_mask.h). Query runs must not overlap (checked).
+// Every row of o/lse is written: a segment's rows with its block result, every other row as an empty
+// partial (O = 0, LSE = -inf), so the whole block merges with lse_merge. On CUDA it is one cuDNN call
+// over ragged rows that computes only each segment's own tiles; on the CPU, one block call per segment.
+void attention_segments_forward(Tensor o, Tensor lse, Tensor q, Tensor k, Tensor v,
+                                const std::vector<Segment>& segments, BlockMask mask, double scale);
+
+// The backward of the same segments (their query runs and their key runs must not overlap, checked).
+// GradMode::overwrite writes every element of dq, dk, dv (zero outside the segments); accumulate adds
+// the segments' gradients. As attention_block_backward, exactly one of o and delta is given.
+void attention_segments_backward(Tensor dq, Tensor dk, Tensor dv, Tensor q, Tensor k, Tensor v, Tensor d_o,
+                                 Tensor lse, Tensor o, Tensor delta, const std::vector<Segment>& segments,
+                                 BlockMask mask, double scale, GradMode mode);
 
 }  // namespace longtrain::attn

@@ -4,12 +4,6 @@
 
 namespace longtrain::attn {
 
-void SequenceAttention::check_documents_device(const Tensor& q) const {
-  LT_CHECK(documents_.empty() || q.device == Device::cpu,
-           "data.document_mask is not supported on cuda yet (the document-masked attention runs on the CPU only): "
-           "set data.document_mask false, or train.device cpu");
-}
-
 namespace {
 
 // Adds the host seconds of a scope to a counter.
@@ -41,13 +35,10 @@ void LocalSequenceAttention::forward(Tensor o, Tensor lse, Tensor q, Tensor k, T
                           .pairs();
     return;
   }
-  check_documents_device(q);
-  // Documents partition the tokens: each one's rows of o and lse are written by its own call.
-  for (const BlockCall& c : local_calls(documents_, q.size(0), causal_)) {
-    attention_block_forward(o.narrow(0, c.q_start, c.q_len), lse.narrow(0, c.q_start, c.q_len),
-                            q.narrow(0, c.q_start, c.q_len), k.narrow(0, c.k_start, c.k_len),
-                            v.narrow(0, c.k_start, c.k_len), c.mask, scale_);
-    counters.pairs += c.pairs();
+  // Documents partition the tokens: one segmented call, each document a segment writing its own rows.
+  for (const SegmentCall& c : segment_calls(local_calls(documents_, q.size(0), causal_))) {
+    attention_segments_forward(o, lse, q, k, v, c.segments, c.mask, scale_);
+    counters.pairs += c.pairs;
   }
 }
 
@@ -62,15 +53,12 @@ void LocalSequenceAttention::backward(Tensor dq, Tensor dk, Tensor dv, Tensor q,
                           .pairs();
     return;
   }
-  check_documents_device(q);
-  // A document's query rows and key rows are the same tokens, and the documents partition them, so
-  // overwriting per document writes every element of dq, dk and dv exactly once.
-  for (const BlockCall& c : local_calls(documents_, q.size(0), causal_)) {
-    auto rows = [&](const Tensor& t) { return t.narrow(0, c.q_start, c.q_len); };
-    auto keys = [&](const Tensor& t) { return t.narrow(0, c.k_start, c.k_len); };
-    attention_block_backward(rows(dq), keys(dk), keys(dv), rows(q), keys(k), keys(v), rows(d_o), rows(lse), rows(o),
-                             Tensor{}, c.mask, scale_, GradMode::overwrite);
-    counters.pairs += c.pairs();
+  // A document's query rows and key rows are the same tokens, and the documents partition them: one
+  // segmented call overwrites every element of dq, dk and dv.
+  for (const SegmentCall& c : segment_calls(local_calls(documents_, q.size(0), causal_))) {
+    attention_segments_backward(dq, dk, dv, q, k, v, d_o, lse, o, Tensor{}, c.segments, c.mask, scale_,
+                                GradMode::overwrite);
+    counters.pairs += c.pairs;
   }
 }
 

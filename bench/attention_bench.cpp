@@ -56,7 +56,8 @@ Options parse(int argc, char** argv) {
     } else if (a == "--layouts") {
       o.layouts = split_list(next());
       for (const std::string& l : o.layouts)
-        LT_CHECK(l == "bshd" || l == "bhsd", "attention_bench: --layouts takes bshd and/or bhsd, got '{}'", l);
+        LT_CHECK(l == "bshd" || l == "bhsd" || l == "fused+hstats" || l == "bhsd+hstats",
+                 "attention_bench: --layouts takes bshd, bhsd, bhsd+hstats and fused+hstats, got '{}'", l);
     } else if (a == "--anchor") {
       o.anchor = next();
     } else if (a == "--out") {
@@ -132,7 +133,7 @@ int main(int argc, char** argv) try {
   result["flops"] = "fwd = 4*Hq*S^2*D/2 (causal half), fwd+bwd = 3.5*fwd";
   result["ours"] =
       "longtrain as the model calls it: LocalSequenceAttention forward (Q/K/V views of a fused bf16 QKV buffer, "
-      "bf16 O, f32 LSE) and backward (the final O to cuDNN, dQ/dK/dV overwritten in place in a fused bf16 dQKV "
+      "bf16 O, f32 LSE stored head-major) and backward (the final O to cuDNN, dQ/dK/dV overwritten in place in a fused bf16 dQKV "
       "buffer)";
   result["ours_block_delta_f32"] =
       "the same forward; backward as a distributed schedule's visiting query rows run it: attention_delta, then "
@@ -140,7 +141,7 @@ int main(int argc, char** argv) try {
       "dQ/dK/dV";
   result["ours_cudnn_only"] =
       "the bare cuDNN forward and backward graphs on the same fused buffers (backward from O, bf16 dQ/dK/dV "
-      "written in place)";
+      "written in place), LSE token-major";
   if (!anchor.is_null()) result["anchor"] = {{"script", "bench/anchors/attn_anchor.py"}, {"file", opt.anchor}};
   json rows = json::array();
 
@@ -161,10 +162,13 @@ int main(int argc, char** argv) try {
       const Tensor gq = dqkv.t.narrow(1, 0, Hq), gk = dqkv.t.narrow(1, Hq, hkv), gv = dqkv.t.narrow(1, Hq + hkv, hkv);
 
       attn::LocalSequenceAttention model_attention(/*causal=*/true, scale);
-      auto fwd = [&] { model_attention.forward(o.t, lse.t, q, k, v); };
+      // The LSE as the model stores it for one rank's attention on CUDA: head-major [Hq, S] storage.
+      Tensor model_lse = lse.t;
+      model_lse.stride = {1, S, 0, 0};
+      auto fwd = [&] { model_attention.forward(o.t, model_lse, q, k, v); };
       auto fwd_bwd = [&] {
-        model_attention.forward(o.t, lse.t, q, k, v);
-        model_attention.backward(gq, gk, gv, q, k, v, o.t, lse.t, d_o.t);
+        model_attention.forward(o.t, model_lse, q, k, v);
+        model_attention.backward(gq, gk, gv, q, k, v, o.t, model_lse, d_o.t);
       };
       const attn::BlockMask mask = attn::BlockMask::causal_diagonal;
       auto block_delta_fwd_bwd = [&] {
@@ -213,15 +217,23 @@ int main(int argc, char** argv) try {
         fill_bf16(lv.t, 13);
         fill_bf16(ldo.t, 14);
         const float sc = static_cast<float>(scale);
+        // "+hstats": the LSE stored head-major ([Hq, S], as torch keeps it) instead of token-major.
+        const bool head_stats = layout.find("+hstats") != std::string::npos;
+        const bool fused = layout.rfind("fused", 0) == 0;
+        const std::string base = layout.substr(0, layout.find('+'));
+        CudaBuffer lse_h(DType::f32, {Hq, S});
+        const attn::cudnn_sdpa::StatsView lstats =
+            head_stats ? attn::cudnn_sdpa::StatsView{static_cast<float*>(lse_h.t.data), S, Hq, 1, S} : stats;
+        auto pick = [&](const CudaBuffer& b, const Tensor& model_view) {
+          return fused ? view(model_view) : layout_view(b, base);
+        };
         auto lf = [&] {
-          attn::cudnn_sdpa::forward(layout_view(lo, layout), stats, layout_view(lq, layout), layout_view(lk, layout),
-                                    layout_view(lv, layout), true, sc);
+          attn::cudnn_sdpa::forward(pick(lo, o.t), lstats, pick(lq, q), pick(lk, k), pick(lv, v), true, sc);
         };
         auto lfb = [&] {
           lf();
-          attn::cudnn_sdpa::backward(layout_view(ldq, layout), layout_view(ldk, layout), layout_view(ldv, layout),
-                                     layout_view(lq, layout), layout_view(lk, layout), layout_view(lv, layout),
-                                     layout_view(lo, layout), layout_view(ldo, layout), stats, true, sc);
+          attn::cudnn_sdpa::backward(pick(ldq, gq), pick(ldk, gk), pick(ldv, gv), pick(lq, q), pick(lk, k),
+                                     pick(lv, v), pick(lo, o.t), pick(ldo, d_o.t), lstats, true, sc);
         };
         const double lms_f = time_ms(lf, opt.warmup, opt.reps), lms_fb = time_ms(lfb, opt.warmup, opt.reps);
         row["cudnn_only_" + layout] = {{"fwd_ms", round3(lms_f)},

@@ -8,8 +8,8 @@
 //   llama_bench [--lengths 8192,32768,65536] [--policies remat_aware,full] [--anchor llama_anchor.json]
 //               [--out result.json] [--commit SHA] [--warmup 1] [--steps 3] [--plan-only]
 //               [--schedule zigzag] [--chunk-calls merged|per_chunk] [--longest] [--gpus P]
-//               [--memory FREE_GIB,TOTAL_GIB] [--offload none,checkpoints] [--mlp-chunk N] [--loss-chunk N]
-//               [--shape tinyllama|llama3.2-3b]
+//               [--memory FREE_GIB,TOTAL_GIB] [--documents docmask_anchor.json]
+//               [--offload none,checkpoints] [--mlp-chunk N] [--loss-chunk N] [--shape tinyllama|llama3.2-3b]
 //   longtrain-run --nproc-per-node 2 -- llama_bench ...     (sequence parallel over 2 GPUs)
 //   llama_bench --merge result.json --anchor llama_anchor.json --out merged.json
 //
@@ -20,6 +20,9 @@
 // parameters all-gathered; the reduce-scatter runs after backward here, not overlapped with it as in
 // the trainer (with sequence parallelism alone the gradient traffic is small next to attention's). S in --lengths is the whole sequence; times are the slowest rank's, memory the
 // largest rank's; rank 0 prints and writes the result.
+//
+// --documents: each window packs the documents of bench/anchors/docmask_anchor.py's doc_lengths for
+// that length, with data.document_mask's positions, labels and per-document attention.
 //
 // --merge adds the anchor's numbers and the ratios to a result written earlier in the same run (when
 // the anchor ran after the benchmark); it needs no GPU.
@@ -93,13 +96,16 @@ struct Options {
   double free_gib = 0.0, total_gib = 0.0;  // --memory FREE,TOTAL: --longest for a GPU that is not here
   attn::Schedule schedule = attn::Schedule::zigzag;
   attn::ChunkCalls chunk_calls = attn::ChunkCalls::merged;
+  std::string documents;  // --documents: docmask_anchor.json, whose doc_lengths pack each window
 };
 
 Options parse(int argc, char** argv) {
   Options o;
   o.command = command_line(argc, argv);
   for_each_flag(argc, argv, "llama_bench", [&](const std::string& a, const FlagValue& next) {
-    if (a == "--lengths") {
+    if (a == "--documents") {
+      o.documents = next();
+    } else if (a == "--lengths") {
       o.lengths = int_list(next());
       std::sort(o.lengths.begin(), o.lengths.end());  // ascending: scratch only grows, peaks stay honest
     } else if (a == "--policies") {
@@ -217,6 +223,7 @@ class TimedAttention final : public attn::SequenceAttention {
   }
   void forward(Tensor o, Tensor lse, Tensor q, Tensor k, Tensor v) override {
     ++counters.forward_calls;
+    inner_->set_documents(documents());  // the model sets them on this wrapper
     const size_t i = begin();
     inner_->forward(o, lse, q, k, v);
     end(i);
@@ -224,10 +231,12 @@ class TimedAttention final : public attn::SequenceAttention {
   void backward(Tensor dq, Tensor dk, Tensor dv, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse,
                 Tensor d_o) override {
     ++counters.backward_calls;
+    inner_->set_documents(documents());
     const size_t i = begin();
     inner_->backward(dq, dk, dv, q, k, v, o, lse, d_o);
     end(i);
   }
+  bool head_major_lse() const override { return inner_->head_major_lse(); }
   void reset() { used_ = 0; }
   // Milliseconds of every call since reset() (events are kept, one pair per call); the device must
   // have passed the last call.
@@ -518,16 +527,31 @@ int main(int argc, char** argv) try {
       s = s * 6364136223846793005ull + 1442695040888963407ull;
       id = static_cast<int32_t>((s >> 33) % static_cast<uint64_t>(cfg.vocab_size));
     }
+    // --documents: the window packs documents of the anchor's lengths (data.document_mask as the loader
+    // makes it): positions restart at each document, the label across a boundary is ignored.
+    attn::Documents docs;
+    if (!opt.documents.empty()) {
+      const json d = read_json("llama_bench", "the document lengths (docmask_anchor.json)", opt.documents);
+      LT_CHECK(d.contains(std::to_string(S)) && d[std::to_string(S)].contains("doc_lengths"),
+               "llama_bench: {} has no doc_lengths for length {}; run docmask_anchor.py with that length",
+               opt.documents, S);
+      docs.offsets = {0};
+      for (const auto& len : d[std::to_string(S)]["doc_lengths"]) docs.offsets.push_back(docs.offsets.back() + len.get<int64_t>());
+      attn::check_documents(docs, S, "llama_bench --documents " + opt.documents);
+    }
+    auto start_of = [&](int64_t t) { return docs.empty() ? 0 : docs.offsets[docs.document_of(t)]; };
     const std::vector<int64_t> mine = layout_global_indices(layout, S, P, rank);
     const int64_t T = static_cast<int64_t>(mine.size());
     std::vector<int32_t> ids(mine.size()), labels(mine.size()), positions(mine.size());
     for (size_t i = 0; i < mine.size(); ++i) {
       const int64_t t = mine[i];
       ids[i] = all_ids[static_cast<size_t>(t)];
-      labels[i] = t + 1 < S ? all_ids[static_cast<size_t>(t + 1)] : model::LlamaModel::kIgnoreIndex;
-      positions[i] = static_cast<int32_t>(t);
+      const bool crosses = t + 1 >= S || start_of(t + 1) == t + 1;
+      labels[i] = crosses ? model::LlamaModel::kIgnoreIndex : all_ids[static_cast<size_t>(t + 1)];
+      positions[i] = static_cast<int32_t>(t - start_of(t));
     }
-    const int64_t valid = S - 1;  // over the whole sequence: the loss is normalised by the global count
+    // Over the whole sequence: the loss is normalised by the global count.
+    const int64_t valid = S - (docs.empty() ? 1 : docs.count());
     const json* anchor_row = nullptr;
     const std::string key = std::to_string(S);
     if (anchor.contains(key)) anchor_row = &anchor[key];
@@ -543,6 +567,7 @@ int main(int argc, char** argv) try {
                   {"checkpoint", model::checkpoint_policy_name(policy)}, {"offload", model::offload_name(choice.offload)},
                   {"choice", choice.reason}, {"mlp_chunk_tokens", plan.tiling.mlp_chunk_tokens},
                   {"loss_chunk_tokens", plan.tiling.loss_chunk_tokens}};
+      if (!docs.empty()) row["documents"] = docs.count();
       if (main_rank) std::printf("\n%s%s\n", plan.table().c_str(), choice.reason.c_str());
       row["plan_GiB"] = round3(plan.total() / kGiB);
       if (plan.host_offload > 0) row["host_offload_GiB"] = round3(plan.host_offload / kGiB);
@@ -601,7 +626,7 @@ int main(int argc, char** argv) try {
         const int64_t flat = m.params().flat().numel(), shard = flat / P;
         trainer::AdamW adamw(m.params(), ocfg, rank * shard, (rank + 1) * shard);
         CudaBuffer d_ids(ids), d_labels(labels), d_pos(positions);
-        const model::TokenShard tokens{d_ids.t, d_labels.t, d_pos.t};
+        const model::TokenShard tokens{d_ids.t, d_labels.t, d_pos.t, docs};
         CudaBuffer norm_sq(DType::f64, {1});
 
         // Three events per timed step (start, after forward+backward, after the optimizer), read after
@@ -669,14 +694,19 @@ int main(int argc, char** argv) try {
         const double loss = sums[0] / static_cast<double>(valid);
 
         const double tok_s = static_cast<double>(S) / step_s;
-        const double flops = anchor_flops_per_token(S) * static_cast<double>(S);
+        // With documents the attention term counts the pairs computed (12·L·d per causal pair; the dense
+        // window's S²/2 pairs give the anchor's 6·L·S·d per token).
+        const double attention_flops =
+            docs.empty() ? 6.0 * cfg.n_layers * static_cast<double>(S) * cfg.dim * static_cast<double>(S)
+                         : 12.0 * cfg.n_layers * cfg.dim * static_cast<double>(attn::document_pairs(docs, S, true));
+        const double flops = 6.0 * n_matmul * static_cast<double>(S) + attention_flops;
         const double ours_flops = cfg.train_flops_per_token(S) * static_cast<double>(S);
         row["step_s"] = round3(step_s);
         row["tok_per_s"] = std::round(tok_s);
         row["tok_per_s_per_gpu"] = std::round(tok_s / P);
         row["model_tflops"] = round1(flops / step_s / 1e12);
         row["model_tflops_per_gpu"] = round1(flops / step_s / 1e12 / P);
-        row["model_tflops_longtrain_formula"] = round1(ours_flops / step_s / 1e12);
+        if (docs.empty()) row["model_tflops_longtrain_formula"] = round1(ours_flops / step_s / 1e12);
         row["mfu_989"] = round3(flops / step_s / 989e12 / P);
         row["peak_GiB"] = round1(peak / kGiB);
         row["peak_over_plan"] = round3(peak / static_cast<double>(plan.total()));

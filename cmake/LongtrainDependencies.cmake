@@ -11,6 +11,9 @@ find_package(Gloo REQUIRED)
 pkg_check_modules(SENTENCEPIECE REQUIRED IMPORTED_TARGET sentencepiece)
 # PCRE2 (Debian: libpcre2-dev) runs tokenizer.json's pre-tokenizer regexes.
 pkg_check_modules(PCRE2 REQUIRED IMPORTED_TARGET libpcre2-8)
+# ICU (Debian: libicu-dev) has the Unicode tables of tokenizer.json's normalizers (NFC ... NFKD,
+# Lowercase, StripAccents).
+pkg_check_modules(ICU REQUIRED IMPORTED_TARGET icu-uc)
 
 # OpenBLAS through its cblas interface (Debian: libopenblas-dev, header cblas.h).
 set(BLA_VENDOR OpenBLAS)

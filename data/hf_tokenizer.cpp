@@ -15,6 +15,7 @@
 #include <nlohmann/json.hpp>
 
 #include "data/documents.h"
+#include "data/unicode.h"
 #include "runtime/error.h"
 
 namespace longtrain::data {
@@ -115,7 +116,13 @@ size_t utf8_char_len(unsigned char c) {
   return 2;
 }
 
-bool is_ascii_space(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\v' || c == '\f'; }
+// The code point of the n-byte UTF-8 sequence at s[i] (well-formed).
+uint32_t code_point_at(std::string_view s, size_t i, size_t n) {
+  const unsigned char c0 = static_cast<unsigned char>(s[i]);
+  uint32_t cp = n == 1 ? c0 : n == 2 ? (c0 & 0x1F) : n == 3 ? (c0 & 0x0F) : (c0 & 0x07);
+  for (size_t k = 1; k < n; ++k) cp = (cp << 6) | (static_cast<unsigned char>(s[i + k]) & 0x3F);
+  return cp;
+}
 
 // ---------------------------------------------------------------------------------------------
 // GPT-2's byte-level alphabet: bytes 33-126, 161-172 and 174-255 stand for themselves; the other
@@ -381,16 +388,35 @@ Normalizer parse_normalizer(const json& j, const std::string& where) {
     };
   }
   if (type == "Strip") {
+    // HF strips what Rust's char::is_whitespace calls whitespace: all of Unicode's White_Space.
     const bool left = flag(j, "strip_left", true), right = flag(j, "strip_right", true);
     return [left, right](std::string& s) {
       size_t a = 0, b = s.size();
-      while (left && a < b && is_ascii_space(s[a])) ++a;
-      while (right && b > a && is_ascii_space(s[b - 1])) --b;
+      while (left && a < b) {
+        const size_t n = std::min(utf8_char_len(static_cast<unsigned char>(s[a])), b - a);
+        if (!is_unicode_whitespace(code_point_at(s, a, n))) break;
+        a += n;
+      }
+      while (right && b > a) {
+        size_t start = b - 1;
+        while (start > a && (static_cast<unsigned char>(s[start]) & 0xC0) == 0x80) --start;
+        if (!is_unicode_whitespace(code_point_at(s, start, b - start))) break;
+        b = start;
+      }
       s = s.substr(a, b - a);
     };
   }
-  LT_FAIL("{}: normalizer type \"{}\" is not supported (supported: Sequence, Replace, Prepend, Strip; the Unicode "
-          "normalizers NFC/NFKC/NFD/NFKD and Lowercase need Unicode tables this build does not have)", where, type);
+  if (type == "NFC" || type == "NFD" || type == "NFKC" || type == "NFKD") {
+    const UnicodeForm form = type == "NFC"    ? UnicodeForm::nfc
+                             : type == "NFD"  ? UnicodeForm::nfd
+                             : type == "NFKC" ? UnicodeForm::nfkc
+                                              : UnicodeForm::nfkd;
+    return [form](std::string& s) { s = unicode_normalize(s, form); };
+  }
+  if (type == "Lowercase") return [](std::string& s) { s = lowercase_code_points(s); };
+  if (type == "StripAccents") return [](std::string& s) { s = remove_combining_marks(s); };
+  LT_FAIL("{}: normalizer type \"{}\" is not supported (supported: Sequence, NFC, NFD, NFKC, NFKD, Lowercase, "
+          "StripAccents, Replace, Prepend, Strip)", where, type);
 }
 
 PreTokenizer byte_level_pre_tokenizer(bool add_prefix_space, bool use_regex) {
@@ -577,12 +603,15 @@ struct HfTokenizer::Impl {
     int32_t id = 0;
     std::string content;
     bool single_word = false, lstrip = false, rstrip = false, special = false;
+    bool normalized = false;  // matched on the normalized text (after the raw-matched ones)
+    std::string pattern;      // what is matched: content, normalized when `normalized`
   };
 
   std::string path;
   uint64_t instance = 0;  // keys the per-thread word cache
   // Model (BPE).
-  std::unordered_map<std::string, int32_t> vocab;
+  std::unordered_map<std::string, int32_t> vocab;        // the model's (BPE looks only here)
+  std::unordered_map<std::string, int32_t> added_ids;    // the added tokens'
   std::vector<std::string> id_to_token;
   std::vector<char> is_special;  // by id
   std::unordered_map<uint64_t, std::pair<int32_t, int32_t>> merges;  // (left, right) -> (rank, merged id)
@@ -591,7 +620,11 @@ struct HfTokenizer::Impl {
   std::string prefix, suffix;
   // Pipeline.
   std::vector<AddedToken> added;
-  std::vector<std::vector<size_t>> added_by_first_byte = std::vector<std::vector<size_t>>(256);
+  // Indices into `added` by the first byte of their pattern, longest first: those matched on the raw
+  // text, and those matched on the normalized text (HF's two passes).
+  using AddedIndex = std::vector<std::vector<size_t>>;
+  AddedIndex raw_added = AddedIndex(256), normalized_added = AddedIndex(256);
+  bool any_normalized_added = false;
   Normalizer normalizer;
   PreTokenizer pre_tokenizer;
   Decoder decoder;
@@ -602,9 +635,14 @@ struct HfTokenizer::Impl {
     return (static_cast<uint64_t>(static_cast<uint32_t>(a)) << 32) | static_cast<uint32_t>(b);
   }
 
-  int32_t lookup(const std::string& s) const {
+  int32_t model_lookup(const std::string& s) const {
     auto it = vocab.find(s);
     return it == vocab.end() ? -1 : it->second;
+  }
+  // As HF's token_to_id: the added tokens first, then the model's vocabulary.
+  int32_t lookup(const std::string& s) const {
+    auto it = added_ids.find(s);
+    return it != added_ids.end() ? it->second : model_lookup(s);
   }
 
   void load(const json& root);
@@ -612,7 +650,8 @@ struct HfTokenizer::Impl {
   void encode_word(const std::string& word, std::vector<int32_t>& out) const;
   void encode_word_cached(const std::string& word, std::vector<int32_t>& out) const;
   // The text split around added tokens: (text, -1) or ("", id) segments.
-  std::vector<std::pair<std::string_view, int32_t>> split_added(std::string_view text) const;
+  std::vector<std::pair<std::string_view, int32_t>> split_added(std::string_view text, const AddedIndex& index) const;
+  void encode_pieces(std::string text, std::vector<int32_t>& ids) const;  // pre-tokenizer and BPE
   void encode_text(std::string_view text, std::vector<int32_t>& ids) const;
 };
 
@@ -706,10 +745,7 @@ void HfTokenizer::Impl::load(const json& root) {
       a.lstrip = flag(t, "lstrip", false);
       a.rstrip = flag(t, "rstrip", false);
       a.special = flag(t, "special", false);
-      if (t.contains("normalized") && flag(t, "normalized", false) && root.contains("normalizer") &&
-          !root["normalizer"].is_null())
-        LT_FAIL("tokenizer '{}': added_tokens[{}] ({}) is matched on normalized text, which this reader does not "
-                "do when there is a normalizer", path, i, json(a.content).dump());
+      a.normalized = flag(t, "normalized", false);
       max_id = std::max<int64_t>(max_id, a.id);
       added.push_back(a);
     }
@@ -733,13 +769,8 @@ void HfTokenizer::Impl::load(const json& root) {
     id_to_token[id] = a.content;
     has[id] = 1;
     is_special[id] = a.special;
-    vocab.emplace(a.content, a.id);
-    added_by_first_byte[static_cast<unsigned char>(a.content[0])].push_back(i);
+    added_ids.emplace(a.content, a.id);
   }
-  // Longest first, so the first match at a position is the longest.
-  for (auto& list : added_by_first_byte)
-    std::stable_sort(list.begin(), list.end(),
-                     [&](size_t x, size_t y) { return added[x].content.size() > added[y].content.size(); });
 
   const auto text_field = [&](const char* key) {
     if (!model.contains(key) || model[key].is_null()) return std::string();
@@ -750,7 +781,7 @@ void HfTokenizer::Impl::load(const json& root) {
   suffix = text_field("end_of_word_suffix");
   const std::string unk_token = text_field("unk_token");
   if (!unk_token.empty()) {
-    unk = lookup(unk_token);
+    unk = model_lookup(unk_token);
     LT_CHECK(unk >= 0, "tokenizer '{}': model.unk_token {} is not in the vocabulary", path, json(unk_token).dump());
   }
   fuse_unk = flag(model, "fuse_unk", false);
@@ -775,10 +806,10 @@ void HfTokenizer::Impl::load(const json& root) {
       left = m[0].get<std::string>();
       right = m[1].get<std::string>();
     }
-    const int32_t a = lookup(left), b = lookup(right);
+    const int32_t a = model_lookup(left), b = model_lookup(right);
     const std::string merged =
         left + (!prefix.empty() && right.compare(0, prefix.size(), prefix) == 0 ? right.substr(prefix.size()) : right);
-    const int32_t c = lookup(merged);
+    const int32_t c = model_lookup(merged);
     LT_CHECK(a >= 0 && b >= 0 && c >= 0, "tokenizer '{}': model.merges[{}] ({} + {}) names a token that is not in "
              "the vocabulary ({})", path, rank, json(left).dump(), json(right).dump(),
              json(a < 0 ? left : b < 0 ? right : merged).dump());
@@ -786,6 +817,20 @@ void HfTokenizer::Impl::load(const json& root) {
   }
 
   normalizer = parse_normalizer(root.value("normalizer", json()), "normalizer");
+  // Added tokens matched on normalized text are looked for as the normalizer writes them.
+  for (size_t i = 0; i < added.size(); ++i) {
+    AddedToken& a = added[i];
+    a.pattern = a.content;
+    if (a.normalized && normalizer) normalizer(a.pattern);
+    if (a.pattern.empty()) continue;  // normalized away: it can match nothing
+    (a.normalized ? normalized_added : raw_added)[static_cast<unsigned char>(a.pattern[0])].push_back(i);
+    any_normalized_added = any_normalized_added || a.normalized;
+  }
+  // Longest first, so the first match at a position is the longest.
+  for (AddedIndex* index : {&raw_added, &normalized_added})
+    for (auto& list : *index)
+      std::stable_sort(list.begin(), list.end(),
+                       [&](size_t x, size_t y) { return added[x].pattern.size() > added[y].pattern.size(); });
   pre_tokenizer = parse_pre_tokenizer(root.value("pre_tokenizer", json()), "pre_tokenizer");
   decoder = parse_decoder(root.value("decoder", json()), "decoder");
   parse_post_processor(root.value("post_processor", json()), "post_processor");
@@ -824,7 +869,7 @@ void HfTokenizer::Impl::load(const json& root) {
 
 void HfTokenizer::Impl::encode_word(const std::string& word, std::vector<int32_t>& out) const {
   if (ignore_merges) {
-    if (const int32_t id = lookup(word); id >= 0) {
+    if (const int32_t id = model_lookup(word); id >= 0) {
       out.push_back(id);
       return;
     }
@@ -836,7 +881,7 @@ void HfTokenizer::Impl::encode_word(const std::string& word, std::vector<int32_t
     std::string piece = word.substr(i, n);
     if (i > 0) piece = prefix + piece;
     if (i + n == word.size()) piece += suffix;
-    int32_t id = lookup(piece);
+    int32_t id = model_lookup(piece);
     if (id >= 0) {
       ids.push_back(id);
     } else {
@@ -844,7 +889,7 @@ void HfTokenizer::Impl::encode_word(const std::string& word, std::vector<int32_t
       if (byte_fallback) {
         std::vector<int32_t> bytes;
         for (size_t k = 0; k < n; ++k) {
-          const int32_t b = lookup(fmt::format("<0x{:02X}>", static_cast<unsigned char>(word[i + k])));
+          const int32_t b = model_lookup(fmt::format("<0x{:02X}>", static_cast<unsigned char>(word[i + k])));
           if (b < 0) break;
           bytes.push_back(b);
         }
@@ -923,15 +968,27 @@ void HfTokenizer::Impl::encode_word_cached(const std::string& word, std::vector<
   out.insert(out.end(), it->second.begin(), it->second.end());
 }
 
-std::vector<std::pair<std::string_view, int32_t>> HfTokenizer::Impl::split_added(std::string_view text) const {
+std::vector<std::pair<std::string_view, int32_t>> HfTokenizer::Impl::split_added(std::string_view text,
+                                                                                  const AddedIndex& index) const {
   std::vector<std::pair<std::string_view, int32_t>> out;
   size_t segment = 0, i = 0;
-  const auto is_word_char = [](unsigned char c) { return std::isalnum(c) || c == '_' || c >= 0x80; };
+  // As HF (Rust's regex \w and \s, Unicode): the code point that ends text[..at], and the one that
+  // starts text[at..], with their lengths.
+  const auto length_before = [&](size_t at) {
+    size_t k = at - 1;
+    while (k > 0 && (static_cast<unsigned char>(text[k]) & 0xC0) == 0x80) --k;
+    return at - k;
+  };
+  const auto length_at = [&](size_t at) {
+    return std::min(utf8_char_len(static_cast<unsigned char>(text[at])), text.size() - at);
+  };
+  const auto before = [&](size_t at) { return code_point_at(text, at - length_before(at), length_before(at)); };
+  const auto after = [&](size_t at) { return code_point_at(text, at, length_at(at)); };
   while (i < text.size()) {
-    const std::vector<size_t>& candidates = added_by_first_byte[static_cast<unsigned char>(text[i])];
+    const std::vector<size_t>& candidates = index[static_cast<unsigned char>(text[i])];
     const AddedToken* hit = nullptr;
     for (size_t k : candidates) {
-      const std::string& c = added[k].content;
+      const std::string& c = added[k].pattern;
       if (text.compare(i, c.size(), c) == 0) {
         hit = &added[k];
         break;
@@ -941,19 +998,19 @@ std::vector<std::pair<std::string_view, int32_t>> HfTokenizer::Impl::split_added
       ++i;
       continue;
     }
-    size_t start = i, stop = i + hit->content.size();
+    size_t start = i, stop = i + hit->pattern.size();
     if (hit->single_word) {
-      const bool left_ok = start == 0 || !is_word_char(static_cast<unsigned char>(text[start - 1]));
-      const bool right_ok = stop == text.size() || !is_word_char(static_cast<unsigned char>(text[stop]));
+      const bool left_ok = start == 0 || !is_unicode_word_char(before(start));
+      const bool right_ok = stop == text.size() || !is_unicode_word_char(after(stop));
       if (!left_ok || !right_ok) {
         i = stop;  // the match is skipped whole, as the automaton moves past it
         continue;
       }
     }
     if (hit->lstrip)
-      while (start > segment && is_ascii_space(text[start - 1])) --start;
+      while (start > segment && is_unicode_whitespace(before(start))) start -= length_before(start);
     if (hit->rstrip)
-      while (stop < text.size() && is_ascii_space(text[stop])) ++stop;
+      while (stop < text.size() && is_unicode_whitespace(after(stop))) stop += length_at(stop);
     if (start > segment) out.emplace_back(text.substr(segment, start - segment), -1);
     out.emplace_back(std::string_view(), hit->id);
     segment = i = stop;
@@ -962,8 +1019,17 @@ std::vector<std::pair<std::string_view, int32_t>> HfTokenizer::Impl::split_added
   return out;
 }
 
+void HfTokenizer::Impl::encode_pieces(std::string text, std::vector<int32_t>& ids) const {
+  std::vector<std::string> pieces{std::move(text)};
+  if (pre_tokenizer) pre_tokenizer(pieces);
+  for (const std::string& p : pieces)
+    if (!p.empty()) encode_word_cached(p, ids);
+}
+
 void HfTokenizer::Impl::encode_text(std::string_view text, std::vector<int32_t>& ids) const {
-  for (const auto& [segment, id] : split_added(text)) {
+  // As HF: the added tokens matched on raw text split it first; each piece between them is
+  // normalized, then split by the added tokens matched on normalized text.
+  for (const auto& [segment, id] : split_added(text, raw_added)) {
     if (id >= 0) {
       ids.push_back(id);
       continue;
@@ -971,10 +1037,14 @@ void HfTokenizer::Impl::encode_text(std::string_view text, std::vector<int32_t>&
     std::string s(segment);
     if (normalizer) normalizer(s);
     if (s.empty()) continue;
-    std::vector<std::string> pieces{std::move(s)};
-    if (pre_tokenizer) pre_tokenizer(pieces);
-    for (const std::string& p : pieces)
-      if (!p.empty()) encode_word_cached(p, ids);
+    if (!any_normalized_added) {
+      encode_pieces(std::move(s), ids);
+      continue;
+    }
+    for (const auto& [piece, added_id] : split_added(s, normalized_added)) {
+      if (added_id >= 0) ids.push_back(added_id);
+      else encode_pieces(std::string(piece), ids);
+    }
   }
 }
 

@@ -1,13 +1,17 @@
-// Hugging Face tokenizers' tokenizer.json, for byte-level BPE models (Llama 3, GPT-2 and the like;
-// Qwen 2.5's NFC normalizer is refused for now), encoded and decoded here in C++ with the same ids
-// as HF tokenizers.
+// Hugging Face tokenizers' tokenizer.json, for byte-level BPE models (Llama 3, Qwen 2.5, GPT-2 and
+// the like), encoded and decoded here in C++ with the same ids as HF tokenizers.
 //
 // What is read, in the order encode applies it:
-//   added_tokens    matched first, on the raw text, leftmost-longest; single_word, lstrip and rstrip
-//                   as HF defines them. They are never split; `special` ones are dropped by
-//                   decode(skip_special_tokens).
-//   normalizer      null, Sequence, Replace, Prepend, Strip. The Unicode normalizers (NFC, NFKC, ...)
-//                   and Lowercase are refused (no Unicode tables here); so are the others.
+//   added_tokens    leftmost-longest; those with normalized: false first, on the raw text, then those
+//                   with normalized: true on each normalized piece between them (as the normalizer
+//                   writes their content); single_word, lstrip and rstrip as HF defines them (Unicode
+//                   words and whitespace: Rust's \w and \s). They are never split; `special` ones
+//                   are dropped by decode(skip_special_tokens).
+//   normalizer      applied to the text between added tokens: null, Sequence, NFC, NFD, NFKC, NFKD
+//                   (ICU's tables), Lowercase (each code point's full lowercase mapping, without
+//                   context, as HF: 'Σ' is always 'σ'), StripAccents (drops combining marks),
+//                   Replace, Prepend, Strip (Unicode whitespace). Others (BertNormalizer,
+//                   Precompiled, Nmt) are refused.
 //   pre_tokenizer   null, Sequence, Split (a String or a Regex pattern, run by PCRE2 in UTF mode with
 //                   Unicode properties; behaviors Removed, Isolated, MergedWithPrevious,
 //                   MergedWithNext, Contiguous; invert), ByteLevel (add_prefix_space, use_regex with

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <string_view>
 #include <vector>
 
 #include "model/memory_plan.h"
@@ -152,28 +153,44 @@ Tensor LlamaModel::residual(int64_t l, int64_t T) const {
 }
 
 LlamaModel::LayerActs LlamaModel::layer_acts(int64_t l, int64_t T) const {
+  auto buffer = [&](const char* name) {
+    return !keeps_activation(policy_, name) ? acts_.get(fmt::format("scratch.{}", name))
+           : offloader_                     ? acts_.get(fmt::format("slot.{}.{}", l % kOffloadSlots, name))
+                                            : acts_.get(fmt::format("layers.{}.{}", l, name));
+  };
+  // The first T tokens of a buffer sized for max_tokens, or the whole of a chunk-sized scratch.
   auto get = [&](const char* name) {
-    Tensor t = !keeps_activation(policy_, name) ? acts_.get(fmt::format("scratch.{}", name))
-               : offloader_                     ? acts_.get(fmt::format("slot.{}.{}", l % kOffloadSlots, name))
-                                                : acts_.get(fmt::format("layers.{}.{}", l, name));
-    // The first T tokens of a buffer sized for max_tokens, or the whole of a chunk-sized scratch.
+    const Tensor t = buffer(name);
     return t.narrow(0, std::min(T, t.size(0)));
   };
-  return {get("n1"), get("rstd1"), get("qkv"), get("o"), get("lse"), get("h"),
-          get("n2"), get("rstd2"), get("gate_up"), get("s")};
+  // The LSE as the attention wants it (SequenceAttention::head_major_lse): on CUDA maybe head-major,
+  // the same max_tokens·Hq floats seen as [T, Hq] with strides (1, max_tokens).
+  Tensor lse = get("lse");
+  if (precision_.device == Device::cuda && attention_->head_major_lse()) {
+    lse = buffer("lse");
+    lse.shape = {T, config_.n_heads, 0, 0};
+    lse.stride = {1, max_tokens_, 0, 0};
+  }
+  return {get("n1"), get("rstd1"), get("qkv"), get("o"), lse, get("h"), get("n2"), get("rstd2"), get("gate_up"),
+          get("s")};
 }
 
 // What layer l keeps, between its device slot and its host copy: its input x_l and the kept kinds.
 std::vector<CheckpointOffloader::Copy> LlamaModel::offload_copies(int64_t l, int64_t T, bool to_host) const {
   std::vector<CheckpointOffloader::Copy> copies;
-  auto add = [&](const Tensor& device, const std::string& host_name) {
-    const Tensor host = offloader_->host(host_name).narrow(0, T);
+  auto add = [&](const Tensor& device, const std::string& host_name, int64_t rows) {
+    const Tensor host = offloader_->host(host_name).narrow(0, rows);
     copies.push_back(to_host ? CheckpointOffloader::Copy{host, device} : CheckpointOffloader::Copy{device, host});
   };
-  add(residual(l, T), fmt::format("residual.{}", l));
-  for (const char* kind : {"n1", "rstd1", "qkv", "o", "lse", "h", "n2", "rstd2", "gate_up", "s"})
-    if (keeps_activation(policy_, kind))
-      add(acts_.get(fmt::format("slot.{}.{}", l % kOffloadSlots, kind)).narrow(0, T), fmt::format("layers.{}.{}", l, kind));
+  add(residual(l, T), fmt::format("residual.{}", l), T);
+  for (const char* kind : {"n1", "rstd1", "qkv", "o", "lse", "h", "n2", "rstd2", "gate_up", "s"}) {
+    if (!keeps_activation(policy_, kind)) continue;
+    // The LSE goes whole: head-major on CUDA (layer_acts), a shard shorter than max_tokens spreads its
+    // values over the whole buffer. It is 4·Hq bytes a token.
+    const Tensor slot = acts_.get(fmt::format("slot.{}.{}", l % kOffloadSlots, kind));
+    const int64_t n_rows = std::string_view(kind) == "lse" ? slot.size(0) : T;
+    add(slot.narrow(0, n_rows), fmt::format("layers.{}.{}", l, kind), n_rows);
+  }
   return copies;
 }
 

@@ -7,7 +7,7 @@ set -euo pipefail
 packages=(
   cmake ninja-build g++ pkg-config git
   libyaml-cpp-dev libspdlog-dev libfmt-dev libsentencepiece-dev libopenblas-dev
-  nlohmann-json3-dev libcli11-dev libgtest-dev libgmock-dev libgloo-dev zlib1g-dev libpcre2-dev
+  nlohmann-json3-dev libcli11-dev libgtest-dev libgmock-dev libgloo-dev zlib1g-dev libpcre2-dev libicu-dev
 )
 
 missing=()

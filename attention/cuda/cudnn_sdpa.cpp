@@ -73,6 +73,8 @@ using Dims = std::array<int64_t, 4>;
 // Unique ids of the tensors a caller binds (the variant pack); virtual tensors count up from 1000.
 enum Uid : int64_t {
   kQ = 1, kK, kV, kO, kStats, kScale, kNegInf, kDO, kDQ, kDK, kDV, kSoftmaxSum, kDQAccum, kOne,
+  // segmented calls: per-segment lengths and one ragged-offset tensor per strided operand
+  kSeqQ, kSeqKV, kRagQ, kRagK, kRagV, kRagO, kRagStats, kRagDO, kRagDQ, kRagDK, kRagDV,
 };
 
 // One finalized execution plan with every descriptor it was built from.
@@ -96,8 +98,10 @@ cudnnHandle_t handle() {
 // that finalizes into an execution plan.
 class GraphBuilder {
  public:
+  // `ragged`: the ragged-offset tensor of a segmented operand (its rows start at per-segment element
+  // offsets instead of at multiples of the batch stride).
   cudnnBackendDescriptor_t tensor(int64_t uid, cudnnDataType_t type, Dims dims, Dims strides, bool is_virtual,
-                                  bool by_value = false) {
+                                  bool by_value = false, cudnnBackendDescriptor_t ragged = nullptr) {
     auto t = make(CUDNN_BACKEND_TENSOR_DESCRIPTOR);
     int64_t alignment = 16;
     bool virt = is_virtual;
@@ -111,11 +115,16 @@ class GraphBuilder {
       bool bv = true;
       t->set(CUDNN_ATTR_TENSOR_IS_BY_VALUE, CUDNN_TYPE_BOOLEAN, 1, &bv);
     }
+    if (ragged != nullptr) t->set_desc(CUDNN_ATTR_TENSOR_RAGGED_OFFSET_DESC, ragged);
     t->finalize("tensor descriptor");
     return t->get();
   }
-  cudnnBackendDescriptor_t virt(cudnnDataType_t type, Dims dims, Dims strides) {
-    return tensor(next_virtual_++, type, dims, strides, true);
+  cudnnBackendDescriptor_t virt(cudnnDataType_t type, Dims dims, Dims strides, cudnnBackendDescriptor_t ragged = nullptr) {
+    return tensor(next_virtual_++, type, dims, strides, true, false, ragged);
+  }
+  // An int32 [n, 1, 1, 1] device tensor: segment lengths (n = segments) or ragged offsets (n = segments + 1).
+  cudnnBackendDescriptor_t ints(int64_t uid, int64_t n) {
+    return tensor(uid, CUDNN_DATA_INT32, {n, 1, 1, 1}, {1, 1, 1, 1}, false);
   }
   // An fp32 scalar passed by value at execution (a host pointer in the variant pack).
   cudnnBackendDescriptor_t scalar(int64_t uid) {
@@ -151,8 +160,11 @@ class GraphBuilder {
     pointwise(mode, x, b, nullptr, y);
   }
 
-  // c = a · b (batched over dims 0-1, broadcast where b has fewer heads: GQA)
-  void matmul(cudnnBackendDescriptor_t a, cudnnBackendDescriptor_t b, cudnnBackendDescriptor_t c) {
+  // c = a · b (batched over dims 0-1, broadcast where b has fewer heads: GQA). The overrides (segmented
+  // calls) are per-batch extents of M, N and K read from device tensors.
+  void matmul(cudnnBackendDescriptor_t a, cudnnBackendDescriptor_t b, cudnnBackendDescriptor_t c,
+              cudnnBackendDescriptor_t m_override = nullptr, cudnnBackendDescriptor_t n_override = nullptr,
+              cudnnBackendDescriptor_t k_override = nullptr) {
     auto mm = make(CUDNN_BACKEND_MATMUL_DESCRIPTOR);
     cudnnDataType_t comp = CUDNN_DATA_FLOAT;
     mm->set(CUDNN_ATTR_MATMUL_COMP_TYPE, CUDNN_TYPE_DATA_TYPE, 1, &comp);
@@ -162,6 +174,9 @@ class GraphBuilder {
     op->set_desc(CUDNN_ATTR_OPERATION_MATMUL_BDESC, b);
     op->set_desc(CUDNN_ATTR_OPERATION_MATMUL_CDESC, c);
     op->set_desc(CUDNN_ATTR_OPERATION_MATMUL_DESC, mm->get());
+    if (m_override != nullptr) op->set_desc(CUDNN_ATTR_OPERATION_MATMUL_GEMM_M_OVERRIDE_DESC, m_override);
+    if (n_override != nullptr) op->set_desc(CUDNN_ATTR_OPERATION_MATMUL_GEMM_N_OVERRIDE_DESC, n_override);
+    if (k_override != nullptr) op->set_desc(CUDNN_ATTR_OPERATION_MATMUL_GEMM_K_OVERRIDE_DESC, k_override);
     op->finalize("matmul operation");
     ops_.push_back(op->get());
   }
@@ -199,6 +214,25 @@ class GraphBuilder {
     pointwise(CUDNN_POINTWISE_GEN_INDEX, s_in, nullptr, nullptr, col, CUDNN_DATA_FLOAT, 3);
     auto keep = virt(CUDNN_DATA_BOOLEAN, dims, strides);
     pointwise(CUDNN_POINTWISE_CMP_GE, row, col, nullptr, keep, CUDNN_DATA_BOOLEAN);
+    auto s_out = virt(CUDNN_DATA_FLOAT, dims, strides);
+    pointwise(CUDNN_POINTWISE_BINARY_SELECT, s_in, neg_inf, keep, s_out);
+    return s_out;
+  }
+
+  // The frontend's padding mask: keep = (row < seq_q[b]) and (column < seq_kv[b]).
+  cudnnBackendDescriptor_t padding_mask(cudnnBackendDescriptor_t s_in, Dims dims, Dims strides,
+                                        cudnnBackendDescriptor_t seq_q, cudnnBackendDescriptor_t seq_kv,
+                                        cudnnBackendDescriptor_t neg_inf) {
+    auto row = virt(CUDNN_DATA_INT32, dims, strides);
+    auto col = virt(CUDNN_DATA_INT32, dims, strides);
+    pointwise(CUDNN_POINTWISE_GEN_INDEX, s_in, nullptr, nullptr, row, CUDNN_DATA_INT32, 2);
+    pointwise(CUDNN_POINTWISE_GEN_INDEX, s_in, nullptr, nullptr, col, CUDNN_DATA_INT32, 3);
+    auto row_ok = virt(CUDNN_DATA_BOOLEAN, dims, strides);
+    auto col_ok = virt(CUDNN_DATA_BOOLEAN, dims, strides);
+    pointwise(CUDNN_POINTWISE_CMP_LT, row, seq_q, nullptr, row_ok, CUDNN_DATA_BOOLEAN);
+    pointwise(CUDNN_POINTWISE_CMP_LT, col, seq_kv, nullptr, col_ok, CUDNN_DATA_BOOLEAN);
+    auto keep = virt(CUDNN_DATA_BOOLEAN, dims, strides);
+    pointwise(CUDNN_POINTWISE_LOGICAL_AND, row_ok, col_ok, nullptr, keep, CUDNN_DATA_BOOLEAN);
     auto s_out = virt(CUDNN_DATA_FLOAT, dims, strides);
     pointwise(CUDNN_POINTWISE_BINARY_SELECT, s_in, neg_inf, keep, s_out);
     return s_out;
@@ -291,8 +325,15 @@ class GraphBuilder {
                                    static_cast<int64_t>(json.size()), &size, json.data()) != CUDNN_STATUS_SUCCESS)
         json.clear();
       json.resize(std::strlen(json.c_str()));
-      // The JSON ends in the kernels' binaries (base64); the engine id and knobs come first.
-      if (json.size() > 300) json = json.substr(0, 300) + "...";
+      // The JSON holds the whole graph and the kernels' binaries (base64): keep the engine's knob
+      // choices, which say which kernel configuration runs.
+      const size_t knobs = json.find("\"knobChoices\"");
+      if (knobs != std::string::npos) {
+        const size_t end = json.find('}', knobs);
+        json = json.substr(knobs, end == std::string::npos ? 200 : end - knobs + 1);
+      } else if (json.size() > 300) {
+        json = json.substr(0, 300) + "...";
+      }
     }
     std::fprintf(stderr, "longtrain: cuDNN %zu %s: engine %lld (heuristics mode %s, configuration %lld of %lld), "
                  "workspace %lld bytes, plan %s\n",
@@ -306,34 +347,70 @@ class GraphBuilder {
   int64_t next_virtual_ = 1000;
 };
 
-// [tokens, heads, dim] as cuDNN's (1, heads, tokens, dim)
-Dims dims_of(const View& t) { return {1, t.heads, t.tokens, t.dim}; }
-Dims strides_of(const View& t) { return {t.tokens * t.token_stride, t.head_stride, t.token_stride, 1}; }
-// The transposed view (1, heads, dim, tokens) of the same memory: Kᵀ and Vᵀ.
-Dims dims_t(const View& t) { return {1, t.heads, t.dim, t.tokens}; }
-Dims strides_t(const View& t) { return {t.tokens * t.token_stride, t.head_stride, 1, t.token_stride}; }
-Dims stats_dims(const StatsView& s) { return {1, s.heads, s.tokens, 1}; }
-Dims stats_strides(const StatsView& s) { return {s.tokens * s.token_stride, s.head_stride, s.token_stride, 1}; }
+// A graph's batch and sequence extents: one problem of the views' own lengths, or (segmented calls)
+// `b` segments padded to `sq` query and `skv` key rows, every operand ragged.
+struct Extents {
+  int64_t b = 1, sq = 0, skv = 0;
+  bool ragged = false;
+};
+Extents whole(const View& q, const View& k) { return {1, q.tokens, k.tokens, false}; }
+
+// [tokens, heads, dim] as cuDNN's (b, heads, s, dim), and its transposed (b, heads, dim, s) view.
+Dims dims_of(const View& t, int64_t b, int64_t s) { return {b, t.heads, s, t.dim}; }
+Dims strides_of(const View& t, int64_t s) { return {s * t.token_stride, t.head_stride, t.token_stride, 1}; }
+Dims dims_t(const View& t, int64_t b, int64_t s) { return {b, t.heads, t.dim, s}; }
+Dims strides_t(const View& t, int64_t s) { return {s * t.token_stride, t.head_stride, 1, t.token_stride}; }
+Dims stats_dims(const StatsView& t, int64_t b, int64_t s) { return {b, t.heads, s, 1}; }
+Dims stats_strides(const StatsView& t, int64_t s) { return {s * t.token_stride, t.head_stride, t.token_stride, 1}; }
+
+// The per-segment tensors of a segmented graph (all null for a whole-block graph).
+struct RaggedDescs {
+  cudnnBackendDescriptor_t seq_q = nullptr, seq_kv = nullptr;
+  cudnnBackendDescriptor_t q = nullptr, k = nullptr, v = nullptr, o = nullptr, stats = nullptr, d_o = nullptr,
+                           dq = nullptr, dk = nullptr, dv = nullptr;
+};
+
+RaggedDescs ragged_descs(GraphBuilder& g, const Extents& e, bool backward) {
+  RaggedDescs r;
+  if (!e.ragged) return r;
+  r.seq_q = g.ints(kSeqQ, e.b);
+  r.seq_kv = g.ints(kSeqKV, e.b);
+  r.q = g.ints(kRagQ, e.b + 1);
+  r.k = g.ints(kRagK, e.b + 1);
+  r.v = g.ints(kRagV, e.b + 1);
+  r.o = g.ints(kRagO, e.b + 1);
+  r.stats = g.ints(kRagStats, e.b + 1);
+  if (backward) {
+    r.d_o = g.ints(kRagDO, e.b + 1);
+    r.dq = g.ints(kRagDQ, e.b + 1);
+    r.dk = g.ints(kRagDK, e.b + 1);
+    r.dv = g.ints(kRagDV, e.b + 1);
+  }
+  return r;
+}
 
 std::unique_ptr<Plan> build_forward(const View& o, const StatsView& lse, const View& q, const View& k, const View& v,
-                                    bool causal) {
+                                    bool causal, const Extents& e) {
   GraphBuilder g;
-  const int64_t hq = q.heads, sq = q.tokens, skv = k.tokens;
-  const Dims s_dims{1, hq, sq, skv}, s_strides{hq * sq * skv, sq * skv, skv, 1};
-  const Dims row_dims{1, hq, sq, 1}, row_strides{hq * sq, sq, 1, 1};
+  const int64_t b = e.b, hq = q.heads, sq = e.sq, skv = e.skv;
+  const Dims s_dims{b, hq, sq, skv}, s_strides{hq * sq * skv, sq * skv, skv, 1};
+  const Dims row_dims{b, hq, sq, 1}, row_strides{hq * sq, sq, 1, 1};
+  const RaggedDescs r = ragged_descs(g, e, false);
 
-  auto Q = g.tensor(kQ, CUDNN_DATA_BFLOAT16, dims_of(q), strides_of(q), false);
-  auto Kt = g.tensor(kK, CUDNN_DATA_BFLOAT16, dims_t(k), strides_t(k), false);
-  auto V = g.tensor(kV, CUDNN_DATA_BFLOAT16, dims_of(v), strides_of(v), false);
-  auto O = g.tensor(kO, CUDNN_DATA_BFLOAT16, dims_of(o), strides_of(o), false);
-  auto stats = g.tensor(kStats, CUDNN_DATA_FLOAT, stats_dims(lse), stats_strides(lse), false);
+  auto Q = g.tensor(kQ, CUDNN_DATA_BFLOAT16, dims_of(q, b, sq), strides_of(q, sq), false, false, r.q);
+  auto Kt = g.tensor(kK, CUDNN_DATA_BFLOAT16, dims_t(k, b, skv), strides_t(k, skv), false, false, r.k);
+  auto V = g.tensor(kV, CUDNN_DATA_BFLOAT16, dims_of(v, b, skv), strides_of(v, skv), false, false, r.v);
+  auto O = g.tensor(kO, CUDNN_DATA_BFLOAT16, dims_of(o, b, sq), strides_of(o, sq), false, false, r.o);
+  auto stats = g.tensor(kStats, CUDNN_DATA_FLOAT, stats_dims(lse, b, sq), stats_strides(lse, sq), false, false, r.stats);
   auto scale = g.scalar(kScale);
+  auto neg_inf = (causal || e.ragged) ? g.scalar(kNegInf) : nullptr;
 
   auto S = g.virt(CUDNN_DATA_FLOAT, s_dims, s_strides);
-  g.matmul(Q, Kt, S);  // S = Q·Kᵀ
+  g.matmul(Q, Kt, S, r.seq_q, r.seq_kv);  // S = Q·Kᵀ
   auto S2 = g.virt(CUDNN_DATA_FLOAT, s_dims, s_strides);
   g.binary(CUDNN_POINTWISE_MUL, S, scale, S2);
-  if (causal) S2 = g.causal_mask(S2, s_dims, s_strides, g.scalar(kNegInf));
+  if (e.ragged) S2 = g.padding_mask(S2, s_dims, s_strides, r.seq_q, r.seq_kv, neg_inf);
+  if (causal) S2 = g.causal_mask(S2, s_dims, s_strides, neg_inf);
   auto M = g.virt(CUDNN_DATA_FLOAT, row_dims, row_strides);
   g.reduction(CUDNN_REDUCE_TENSOR_MAX, S2, M);
   auto Z = g.virt(CUDNN_DATA_FLOAT, s_dims, s_strides);
@@ -348,55 +425,64 @@ std::unique_ptr<Plan> build_forward(const View& o, const StatsView& lse, const V
   // P must have the I/O type: it is the bf16 operand of the second matmul.
   auto P = g.virt(CUDNN_DATA_BFLOAT16, s_dims, s_strides);
   g.binary(CUDNN_POINTWISE_DIV, E, L, P);
-  g.matmul(P, V, O);
-  return g.build("SDPA forward");
+  g.matmul(P, V, O, r.seq_q, nullptr, r.seq_kv);
+  return g.build(e.ragged ? "SDPA forward (segments)" : "SDPA forward");
 }
 
 // With `o` set: the frontend's graph, which forms softmax_sum = rowsum(dO ⊙ O) itself. With `delta`
-// set instead: the same graph minus that subgraph, softmax_sum being the caller's delta.
+// set instead: the same graph minus that subgraph, softmax_sum being the caller's delta. Segmented
+// graphs (e.ragged) take o, and their softmax_sum and dQ accumulator follow the stats' and dQ's
+// ragged layouts, as the frontend lays them out for THD.
 std::unique_ptr<Plan> build_backward(const View& dq, const View& dk, const View& dv, const View& q, const View& k,
                                      const View& v, const View* o, const View& d_o, const StatsView& lse,
-                                     const StatsView* delta, bool causal) {
+                                     const StatsView* delta, bool causal, const Extents& e) {
   GraphBuilder g;
-  const int64_t hq = q.heads, hkv = k.heads, sq = q.tokens, skv = k.tokens, d = q.dim;
-  const Dims s_dims{1, hq, sq, skv}, s_strides{hq * sq * skv, sq * skv, skv, 1};
-  const Dims st_dims{1, hq, skv, sq}, st_strides{hq * sq * skv, sq * skv, 1, skv};  // transposed views
-  const Dims row_dims{1, hq, sq, 1}, row_strides{hq * sq, sq, 1, 1};
+  const int64_t b = e.b, hq = q.heads, hkv = k.heads, sq = e.sq, skv = e.skv, d = q.dim;
+  const Dims s_dims{b, hq, sq, skv}, s_strides{hq * sq * skv, sq * skv, skv, 1};
+  const Dims st_dims{b, hq, skv, sq}, st_strides{hq * sq * skv, sq * skv, 1, skv};  // transposed views
+  const Dims row_dims{b, hq, sq, 1}, row_strides{hq * sq, sq, 1, 1};
+  const RaggedDescs r = ragged_descs(g, e, true);
 
-  auto Q = g.tensor(kQ, CUDNN_DATA_BFLOAT16, dims_of(q), strides_of(q), false);
-  auto Kt = g.tensor(kK, CUDNN_DATA_BFLOAT16, dims_t(k), strides_t(k), false);
-  auto Vt = g.tensor(kV, CUDNN_DATA_BFLOAT16, dims_t(v), strides_t(v), false);
-  auto dO = g.tensor(kDO, CUDNN_DATA_BFLOAT16, dims_of(d_o), strides_of(d_o), false);
-  auto stats = g.tensor(kStats, CUDNN_DATA_FLOAT, stats_dims(lse), stats_strides(lse), false);
-  auto dQ = g.tensor(kDQ, CUDNN_DATA_BFLOAT16, dims_of(dq), strides_of(dq), false);
-  auto dK = g.tensor(kDK, CUDNN_DATA_BFLOAT16, dims_of(dk), strides_of(dk), false);
-  auto dV = g.tensor(kDV, CUDNN_DATA_BFLOAT16, dims_of(dv), strides_of(dv), false);
-  auto dQ_accum = g.tensor(kDQAccum, CUDNN_DATA_FLOAT, {1, hq, sq, d}, {hq * sq * d, sq * d, d, 1}, false);
+  auto Q = g.tensor(kQ, CUDNN_DATA_BFLOAT16, dims_of(q, b, sq), strides_of(q, sq), false, false, r.q);
+  auto Kt = g.tensor(kK, CUDNN_DATA_BFLOAT16, dims_t(k, b, skv), strides_t(k, skv), false, false, r.k);
+  auto Vt = g.tensor(kV, CUDNN_DATA_BFLOAT16, dims_t(v, b, skv), strides_t(v, skv), false, false, r.v);
+  auto dO = g.tensor(kDO, CUDNN_DATA_BFLOAT16, dims_of(d_o, b, sq), strides_of(d_o, sq), false, false, r.d_o);
+  auto stats = g.tensor(kStats, CUDNN_DATA_FLOAT, stats_dims(lse, b, sq), stats_strides(lse, sq), false, false, r.stats);
+  auto dQ = g.tensor(kDQ, CUDNN_DATA_BFLOAT16, dims_of(dq, b, sq), strides_of(dq, sq), false, false, r.dq);
+  auto dK = g.tensor(kDK, CUDNN_DATA_BFLOAT16, dims_of(dk, b, skv), strides_of(dk, skv), false, false, r.dk);
+  auto dV = g.tensor(kDV, CUDNN_DATA_BFLOAT16, dims_of(dv, b, skv), strides_of(dv, skv), false, false, r.dv);
+  auto dQ_accum = e.ragged ? g.tensor(kDQAccum, CUDNN_DATA_FLOAT, dims_of(dq, b, sq), strides_of(dq, sq), false,
+                                      false, r.dq)
+                           : g.tensor(kDQAccum, CUDNN_DATA_FLOAT, {1, hq, sq, d}, {hq * sq * d, sq * d, d, 1}, false);
   auto scale = g.scalar(kScale);
+  auto neg_inf = (causal || e.ragged) ? g.scalar(kNegInf) : nullptr;
 
   cudnnBackendDescriptor_t softmax_sum;
   if (o != nullptr) {
     // softmax_sum = rowsum(dO ⊙ O) · 1  (strides of the product as the frontend sets them)
-    softmax_sum = g.tensor(kSoftmaxSum, CUDNN_DATA_FLOAT, row_dims, row_strides, false);
-    auto O = g.tensor(kO, CUDNN_DATA_BFLOAT16, dims_of(*o), strides_of(*o), false);
+    softmax_sum = e.ragged ? g.tensor(kSoftmaxSum, CUDNN_DATA_FLOAT, stats_dims(lse, b, sq), stats_strides(lse, sq),
+                                      false, false, r.stats)
+                           : g.tensor(kSoftmaxSum, CUDNN_DATA_FLOAT, row_dims, row_strides, false);
+    auto O = g.tensor(kO, CUDNN_DATA_BFLOAT16, dims_of(*o, b, sq), strides_of(*o, sq), false, false, r.o);
     auto one = g.scalar(kOne);
-    auto dOO = g.virt(CUDNN_DATA_FLOAT, {1, hq, sq, d}, {hq * sq * d, sq * d, hq * d, 1});
+    auto dOO = g.virt(CUDNN_DATA_FLOAT, {b, hq, sq, d}, {hq * sq * d, sq * d, hq * d, 1});
     g.binary(CUDNN_POINTWISE_MUL, dO, O, dOO);
     auto rs = g.virt(CUDNN_DATA_FLOAT, row_dims, row_strides);
     g.reduction(CUDNN_REDUCE_TENSOR_ADD, dOO, rs);
     g.binary(CUDNN_POINTWISE_MUL, rs, one, softmax_sum);
   } else {
-    softmax_sum = g.tensor(kSoftmaxSum, CUDNN_DATA_FLOAT, stats_dims(*delta), stats_strides(*delta), false);
+    softmax_sum = g.tensor(kSoftmaxSum, CUDNN_DATA_FLOAT, stats_dims(*delta, b, sq), stats_strides(*delta, sq), false);
   }
 
   // P = exp(scale · Q·Kᵀ - LSE) [masked]
   auto S = g.virt(CUDNN_DATA_FLOAT, s_dims, s_strides);
-  g.matmul(Q, Kt, S);
+  g.matmul(Q, Kt, S, r.seq_q, r.seq_kv);
   auto S2 = g.virt(CUDNN_DATA_FLOAT, s_dims, s_strides);
   g.binary(CUDNN_POINTWISE_MUL, S, scale, S2);
+  if (e.ragged) S2 = g.padding_mask(S2, s_dims, s_strides, r.seq_q, r.seq_kv, neg_inf);
   auto S3 = g.virt(CUDNN_DATA_FLOAT, s_dims, s_strides);
   g.binary(CUDNN_POINTWISE_SUB, S2, stats, S3);
-  if (causal) S3 = g.causal_mask(S3, s_dims, s_strides, g.scalar(kNegInf));
+  if (causal) S3 = g.causal_mask(S3, s_dims, s_strides, neg_inf);
   auto P = g.virt(CUDNN_DATA_FLOAT, s_dims, s_strides);
   g.unary(CUDNN_POINTWISE_EXP, S3, P);
 
@@ -404,16 +490,16 @@ std::unique_ptr<Plan> build_backward(const View& dq, const View& dk, const View&
   auto Pt = g.virt(CUDNN_DATA_BFLOAT16, st_dims, st_strides);
   g.reshape(P, Pt);
   if (hq == hkv) {
-    g.matmul(Pt, dO, dV);
+    g.matmul(Pt, dO, dV, r.seq_kv, nullptr, r.seq_q);
   } else {
-    auto dV_full = g.virt(CUDNN_DATA_BFLOAT16, {1, hq, skv, d}, {hq * skv * d, skv * d, d, 1});
-    g.matmul(Pt, dO, dV_full);
+    auto dV_full = g.virt(CUDNN_DATA_BFLOAT16, {b, hq, skv, d}, {hq * skv * d, skv * d, d, 1});
+    g.matmul(Pt, dO, dV_full, r.seq_kv, nullptr, r.seq_q);
     g.reduction(CUDNN_REDUCE_TENSOR_ADD, dV_full, dV);
   }
 
   // dS = scale · P ⊙ (dO·Vᵀ - softmax_sum)
   auto dP = g.virt(CUDNN_DATA_FLOAT, s_dims, s_strides);
-  g.matmul(dO, Vt, dP);
+  g.matmul(dO, Vt, dP, r.seq_q, r.seq_kv);
   auto dP2 = g.virt(CUDNN_DATA_FLOAT, s_dims, s_strides);
   g.binary(CUDNN_POINTWISE_SUB, dP, softmax_sum, dP2);
   auto dP3 = g.virt(CUDNN_DATA_FLOAT, s_dims, s_strides);
@@ -425,19 +511,21 @@ std::unique_ptr<Plan> build_backward(const View& dq, const View& dk, const View&
   auto dSt = g.virt(CUDNN_DATA_BFLOAT16, st_dims, st_strides);
   g.reshape(dS, dSt);
   if (hq == hkv) {
-    g.matmul(dSt, Q, dK);
+    g.matmul(dSt, Q, dK, r.seq_kv, nullptr, r.seq_q);
   } else {
-    auto dK_full = g.virt(CUDNN_DATA_BFLOAT16, {1, hq, skv, d}, {hq * skv * d, skv * d, d, 1});
-    g.matmul(dSt, Q, dK_full);
+    auto dK_full = g.virt(CUDNN_DATA_BFLOAT16, {b, hq, skv, d}, {hq * skv * d, skv * d, d, 1});
+    g.matmul(dSt, Q, dK_full, r.seq_kv, nullptr, r.seq_q);
     g.reduction(CUDNN_REDUCE_TENSOR_ADD, dK_full, dK);
   }
 
   // dQ = dS·K into the fp32 accumulator, then converted to bf16
-  const Dims kt_strides = strides_t(k);
-  auto Kview = g.virt(CUDNN_DATA_FLOAT, {1, hkv, skv, d}, {kt_strides[0], kt_strides[1], kt_strides[3], kt_strides[2]});
+  const Dims kt_strides = strides_t(k, skv);
+  auto Kview = g.virt(CUDNN_DATA_FLOAT, {b, hkv, skv, d}, {kt_strides[0], kt_strides[1], kt_strides[3], kt_strides[2]},
+                      r.k);
   g.reshape(Kt, Kview);
-  g.matmul(dS, Kview, dQ_accum);
+  g.matmul(dS, Kview, dQ_accum, r.seq_q, nullptr, r.seq_kv);
   g.unary(CUDNN_POINTWISE_IDENTITY, dQ_accum, dQ);
+  if (e.ragged) return g.build("SDPA backward (segments)");
   return g.build(o != nullptr ? "SDPA backward (delta from O)" : "SDPA backward (delta as input)");
 }
 
@@ -484,7 +572,7 @@ void forward(View o, StatsView lse, View q, View k, View v, bool causal, float s
   {
     std::lock_guard<std::mutex> lock(g_plans_mutex);
     auto& slot = g_plans[key];
-    if (!slot) slot = build_forward(o, lse, q, k, v, causal);
+    if (!slot) slot = build_forward(o, lse, q, k, v, causal, whole(q, k));
     plan = slot.get();
   }
   // The variant pack lists exactly the graph's non-virtual tensors: -inf exists only with the mask.
@@ -512,7 +600,7 @@ void backward(View dq, View dk, View dv, View q, View k, View v, View o, View d_
   {
     std::lock_guard<std::mutex> lock(g_plans_mutex);
     auto& slot = g_plans[key];
-    if (!slot) slot = build_backward(dq, dk, dv, q, k, v, &o, d_o, lse, nullptr, causal);
+    if (!slot) slot = build_backward(dq, dk, dv, q, k, v, &o, d_o, lse, nullptr, causal, whole(q, k));
     plan = slot.get();
   }
   // cuDNN's fp32 dQ accumulator [Hq, Sq, D]; the engine initialises it (measured: never zeroing it
@@ -547,7 +635,7 @@ void backward_from_delta(View dq, View dk, View dv, View q, View k, View v, View
       auto& slot = g_plans[key];
       if (!slot) {
         try {
-          slot = build_backward(dq, dk, dv, q, k, v, nullptr, d_o, lse, &delta, causal);
+          slot = build_backward(dq, dk, dv, q, k, v, nullptr, d_o, lse, &delta, causal, whole(q, k));
         } catch (const Error& e) {  // no engine takes delta as an input: use the frontend's graph
           g_plans.erase(key);
           g_unsupported.insert(key);
@@ -578,5 +666,206 @@ void backward_from_delta(View dq, View dk, View dv, View q, View k, View v, View
   }
   execute(*plan, uids, ptrs);
 }
+
+// ---- segmented calls ------------------------------------------------------------------------------
+
+namespace {
+
+// Graph extents are bucketed to powers of two (at least 64 rows), so windows whose documents differ
+// in length share plans; the per-segment lengths mask the rest.
+int64_t bucket_rows(int64_t n) {
+  int64_t b = 64;
+  while (b < n) b *= 2;
+  return b;
+}
+
+// The int32 device tensors of one segmented call: per-segment lengths and, per strided operand, the
+// element offset of each segment's first row (its start times the operand's token stride; the last
+// entry is the end of the last segment). Packed into one scratch buffer, each array 16-byte aligned,
+// and copied on the compute stream, so the previous call's arrays are no longer read when they are
+// overwritten.
+class SegmentArrays {
+ public:
+  explicit SegmentArrays(const std::vector<Segment>& segments) : segments_(segments) {}
+
+  void lengths() {
+    std::vector<int32_t> q, k;
+    for (const Segment& s : segments_) {
+      q.push_back(static_cast<int32_t>(s.q_len));
+      k.push_back(static_cast<int32_t>(s.k_len));
+    }
+    add(kSeqQ, q);
+    add(kSeqKV, k);
+  }
+  // Offsets of the query-side (rows = true) or key-side rows of an operand with `token_stride`.
+  void offsets(int64_t uid, bool query_rows, int64_t token_stride, const char* name) {
+    std::vector<int32_t> off;
+    int64_t end = 0;
+    for (const Segment& s : segments_) {
+      const int64_t start = query_rows ? s.q_start : s.k_start, len = query_rows ? s.q_len : s.k_len;
+      off.push_back(checked(start * token_stride, name));
+      end = std::max(end, start + len);
+    }
+    off.push_back(checked(end * token_stride, name));
+    add(uid, off);
+  }
+  // Uploads the arrays and appends their uids and device pointers to a variant pack.
+  void bind(std::vector<int64_t>& uids, std::vector<void*>& ptrs) {
+    auto* dev = static_cast<int32_t*>(scratch(Scratch::attn_segments, host_.size() * sizeof(int32_t)));
+    LT_CUDA_CHECK(cudaMemcpyAsync(dev, host_.data(), host_.size() * sizeof(int32_t), cudaMemcpyHostToDevice,
+                                  cuda_stream()));
+    for (size_t i = 0; i < uids_.size(); ++i) {
+      uids.push_back(uids_[i]);
+      ptrs.push_back(dev + at_[i]);
+    }
+  }
+
+ private:
+  static int32_t checked(int64_t v, const char* name) {
+    LT_CHECK(v <= std::numeric_limits<int32_t>::max(),
+             "cuDNN segmented attention: the {} offset {} exceeds int32 (too many tokens in one block for "
+             "document-masked attention on cuda); use fewer tokens per rank (data.seq_len or more sequence-parallel "
+             "ranks)",
+             name, v);
+    return static_cast<int32_t>(v);
+  }
+  void add(int64_t uid, const std::vector<int32_t>& values) {
+    uids_.push_back(uid);
+    at_.push_back(host_.size());
+    host_.insert(host_.end(), values.begin(), values.end());
+    host_.resize((host_.size() + 3) / 4 * 4, 0);  // 16-byte alignment of the next array
+  }
+
+  const std::vector<Segment>& segments_;
+  std::vector<int32_t> host_;
+  std::vector<int64_t> uids_;
+  std::vector<size_t> at_;
+};
+
+Extents segment_extents(const std::vector<Segment>& segments) {
+  LT_CHECK(!segments.empty(), "cuDNN segmented attention needs at least one segment");
+  int64_t max_q = 1, max_k = 1;
+  for (const Segment& s : segments) {
+    max_q = std::max(max_q, s.q_len);
+    max_k = std::max(max_k, s.k_len);
+  }
+  return {static_cast<int64_t>(segments.size()), bucket_rows(max_q), bucket_rows(max_k), true};
+}
+
+const Plan* cached_plan(const std::vector<int64_t>& key, const std::function<std::unique_ptr<Plan>()>& build) {
+  std::lock_guard<std::mutex> lock(g_plans_mutex);
+  auto& slot = g_plans[key];
+  if (!slot) slot = build();
+  return slot.get();
+}
+
+// Row extents of the segments' last rows (sizes of the accumulators indexed through the offsets).
+int64_t query_rows_end(const std::vector<Segment>& segments) {
+  int64_t end = 0;
+  for (const Segment& s : segments) end = std::max(end, s.q_start + s.q_len);
+  return end;
+}
+
+}  // namespace
+
+namespace {
+
+// Segments grouped by their padded extent (bucket_rows of the longer side), one cuDNN call per group:
+// a call's grid and its backward workspace scale with segments × padded rows, so one long document
+// would otherwise pad every short one to its length (47 documents at 128K tokens: 6.3 GB of backward
+// workspace in one call, at most 2·S rows' worth grouped).
+std::vector<std::vector<Segment>> length_groups(const std::vector<Segment>& segments) {
+  std::map<int64_t, std::vector<Segment>> by_rows;
+  for (const Segment& s : segments) by_rows[bucket_rows(std::max(s.q_len, s.k_len))].push_back(s);
+  std::vector<std::vector<Segment>> out;
+  for (auto& [rows, group] : by_rows) out.push_back(std::move(group));
+  return out;
+}
+
+void forward_group(View o, StatsView lse, View q, View k, View v, const std::vector<Segment>& segments, bool causal,
+                   float scale);
+void backward_group(View dq, View dk, View dv, View q, View k, View v, View o, View d_o, StatsView lse,
+                    const std::vector<Segment>& segments, bool causal, float scale);
+
+}  // namespace
+
+void forward_segments(View o, StatsView lse, View q, View k, View v, const std::vector<Segment>& segments,
+                      bool causal, float scale) {
+  for (const auto& group : length_groups(segments)) forward_group(o, lse, q, k, v, group, causal, scale);
+}
+
+void backward_segments(View dq, View dk, View dv, View q, View k, View v, View o, View d_o, StatsView lse,
+                       const std::vector<Segment>& segments, bool causal, float scale) {
+  for (const auto& group : length_groups(segments))
+    backward_group(dq, dk, dv, q, k, v, o, d_o, lse, group, causal, scale);
+}
+
+namespace {
+
+void forward_group(View o, StatsView lse, View q, View k, View v, const std::vector<Segment>& segments, bool causal,
+                   float scale) {
+  for (auto [p, name] : {std::pair<const void*, const char*>{q.data, "q"}, {k.data, "k"}, {v.data, "v"}, {o.data, "o"},
+                         {lse.data, "lse"}})
+    check_aligned(p, name);
+  const Extents e = segment_extents(segments);
+  std::vector<int64_t> key{3, causal ? 1 : 0, e.b, e.sq, e.skv};
+  for (const View* t : {&o, &q, &k, &v}) append(key, *t);
+  append(key, lse);
+  const Plan* plan = cached_plan(key, [&] { return build_forward(o, lse, q, k, v, causal, e); });
+
+  SegmentArrays arrays(segments);
+  arrays.lengths();
+  arrays.offsets(kRagQ, true, q.token_stride, "q");
+  arrays.offsets(kRagK, false, k.token_stride, "k");
+  arrays.offsets(kRagV, false, v.token_stride, "v");
+  arrays.offsets(kRagO, true, o.token_stride, "o");
+  arrays.offsets(kRagStats, true, lse.token_stride, "lse");
+  float neg_inf = -std::numeric_limits<float>::infinity();
+  std::vector<int64_t> uids{kQ, kK, kV, kO, kStats, kScale, kNegInf};
+  std::vector<void*> ptrs{q.data, k.data, v.data, o.data, lse.data, &scale, &neg_inf};
+  arrays.bind(uids, ptrs);
+  execute(*plan, uids, ptrs);
+}
+
+void backward_group(View dq, View dk, View dv, View q, View k, View v, View o, View d_o, StatsView lse,
+                    const std::vector<Segment>& segments, bool causal, float scale) {
+  for (auto [p, name] : {std::pair<const void*, const char*>{q.data, "q"}, {k.data, "k"}, {v.data, "v"},
+                         {o.data, "o"}, {d_o.data, "d_o"}, {lse.data, "lse"}, {dq.data, "dq"}, {dk.data, "dk"},
+                         {dv.data, "dv"}})
+    check_aligned(p, name);
+  const Extents e = segment_extents(segments);
+  std::vector<int64_t> key{4, causal ? 1 : 0, e.b, e.sq, e.skv};
+  for (const View* t : {&dq, &dk, &dv, &q, &k, &v, &d_o, &o}) append(key, *t);
+  append(key, lse);
+  const Plan* plan =
+      cached_plan(key, [&] { return build_backward(dq, dk, dv, q, k, v, &o, d_o, lse, nullptr, causal, e); });
+
+  // The fp32 dQ accumulator and rowsum(dO ⊙ O) are laid out as dQ and the stats are (the same ragged
+  // offsets index them), so they span the rows up to the last segment's end.
+  const int64_t rows = query_rows_end(segments);
+  void* dq_accum = scratch(Scratch::attn_dq_accum, static_cast<size_t>(rows * dq.token_stride) * sizeof(float));
+  // (any stats layout: token-major [T, Hq] or head-major [Hq, rows] storage)
+  const int64_t sum_floats = (lse.heads - 1) * lse.head_stride + (rows - 1) * lse.token_stride + 1;
+  void* softmax_sum = scratch(Scratch::attn_softmax_sum, static_cast<size_t>(sum_floats) * sizeof(float));
+  SegmentArrays arrays(segments);
+  arrays.lengths();
+  arrays.offsets(kRagQ, true, q.token_stride, "q");
+  arrays.offsets(kRagK, false, k.token_stride, "k");
+  arrays.offsets(kRagV, false, v.token_stride, "v");
+  arrays.offsets(kRagO, true, o.token_stride, "o");
+  arrays.offsets(kRagStats, true, lse.token_stride, "lse");
+  arrays.offsets(kRagDO, true, d_o.token_stride, "d_o");
+  arrays.offsets(kRagDQ, true, dq.token_stride, "dq");
+  arrays.offsets(kRagDK, false, dk.token_stride, "dk");
+  arrays.offsets(kRagDV, false, dv.token_stride, "dv");
+  float neg_inf = -std::numeric_limits<float>::infinity(), one = 1.0f;
+  std::vector<int64_t> uids{kQ, kK, kV, kO, kDO, kStats, kDQ, kDK, kDV, kSoftmaxSum, kDQAccum, kScale, kOne, kNegInf};
+  std::vector<void*> ptrs{q.data,  k.data,  v.data,      o.data,   d_o.data, lse.data, dq.data,
+                          dk.data, dv.data, softmax_sum, dq_accum, &scale,   &one,     &neg_inf};
+  arrays.bind(uids, ptrs);
+  execute(*plan, uids, ptrs);
+}
+
+}  // namespace
 
 }  // namespace longtrain::attn::cudnn_sdpa

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <vector>
 
 namespace longtrain::attn::cudnn_sdpa {
 
@@ -40,5 +41,22 @@ void backward(View dq, View dk, View dv, View q, View k, View v, View o, View d_
 // stand-in is what runs there.
 void backward_from_delta(View dq, View dk, View dv, View q, View k, View v, View d_o, StatsView lse, StatsView delta,
                          const std::function<View()>& make_o, bool causal, float scale);
+
+// Segmented attention: `segments` independent attention problems in one call, each a run of query
+// rows of q/o/lse against a run of key rows of k/v, with the same mask (causal: q_len == k_len,
+// top-left within the segment). cuDNN's ragged ("THD") layout with a padding mask: per-segment
+// lengths and ragged offsets, one fused kernel that computes only each segment's own tiles. Rows
+// outside every segment are not touched. Query runs must be disjoint (and, for the backward, key
+// runs too): attention/local_attention.cpp checks that.
+struct Segment {
+  int64_t q_start, q_len, k_start, k_len;
+};
+
+void forward_segments(View o, StatsView lse, View q, View k, View v, const std::vector<Segment>& segments,
+                      bool causal, float scale);
+
+// dq, dk, dv (bf16, overwritten in the segments' rows only) given the final o and lse.
+void backward_segments(View dq, View dk, View dv, View q, View k, View v, View o, View d_o, StatsView lse,
+                       const std::vector<Segment>& segments, bool causal, float scale);
 
 }  // namespace longtrain::attn::cudnn_sdpa

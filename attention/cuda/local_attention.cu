@@ -253,8 +253,10 @@ void check_rows(const char* op, const Tensor& t, const char* name, const Tensor&
            "{}: {} {} must have the shape of {}", op, name, t.describe(), like.describe());
 }
 
+// Stats may be strided either way: token-major [T, Hq], or head-major (SequenceAttention::head_major_lse).
 void check_stats(const char* op, const Tensor& s, const char* name, int64_t tokens, int64_t heads) {
-  check_tensor(s, 2, op, name);
+  LT_CHECK(!s.empty() && s.device == Device::cuda && s.ndim == 2, "{}: {} must be a 2-d CUDA tensor, got {}", op, name,
+           s.describe());
   check_dtype(s, DType::f32, op, name);
   LT_CHECK(s.size(0) == tokens && s.size(1) == heads, "{}: {} {} must be [{}, {}]", op, name, s.describe(), tokens,
            heads);
@@ -474,6 +476,134 @@ void lse_merge(Tensor o_acc, Tensor lse_acc, Tensor o_blk, Tensor lse_blk) {
     });
   });
   LT_CUDA_LAUNCH_CHECK("lse_merge_kernel");
+}
+
+// ---- segmented calls ------------------------------------------------------------------------------
+
+namespace {
+
+std::vector<cudnn_sdpa::Segment> sdpa_segments(const std::vector<Segment>& segments) {
+  std::vector<cudnn_sdpa::Segment> out;
+  out.reserve(segments.size());
+  for (const Segment& s : segments) out.push_back({s.q_start, s.q_len, s.k_start, s.k_len});
+  return out;
+}
+
+}  // namespace
+
+void segments_forward(Tensor o, Tensor lse, Tensor q, Tensor k, Tensor v, const std::vector<Segment>& segments,
+                      BlockMask mask, double scale) {
+  const char* op = "attention_segments_forward";
+  check_qkv(op, q, k, v);
+  check_rows(op, o, "o", q);
+  const int64_t tq = q.size(0), hq = q.size(1), d = q.size(2);
+  check_stats(op, lse, "lse", tq, hq);
+  const bool causal = mask == BlockMask::causal_diagonal;
+  const auto segs = sdpa_segments(segments);
+  if (o.dtype == DType::bf16) {
+    cudnn_sdpa::forward_segments(sdpa_view(o), stats_view(lse), sdpa_view(q), sdpa_view(k), sdpa_view(v), segs, causal,
+                                 static_cast<float>(scale));
+    return;
+  }
+  // f32 O: cuDNN writes bf16 rows into scratch, widened into the caller's rows segment by segment
+  // (the rows between segments hold the caller's empty partials and stay as they are).
+  const RowView tmp = contiguous_rows(tq, hq, d);
+  void* o16 = scratch(Scratch::attn_fwd_out, static_cast<size_t>(tq * hq * d) * sizeof(__nv_bfloat16));
+  cudnn_sdpa::forward_segments(sdpa_view(o16, tmp), stats_view(lse), sdpa_view(q), sdpa_view(k), sdpa_view(v), segs,
+                               causal, static_cast<float>(scale));
+  for (const Segment& s : segments) {
+    const auto* src = static_cast<const __nv_bfloat16*>(o16) + s.q_start * tmp.ts;
+    add_rows(op, "add_rows_kernel (segment o)", o.narrow(0, s.q_start, s.q_len), src,
+             contiguous_rows(s.q_len, hq, d), false);
+  }
+}
+
+void segments_backward(Tensor dq, Tensor dk, Tensor dv, Tensor q, Tensor k, Tensor v, Tensor d_o, Tensor lse,
+                       Tensor o, Tensor delta, const std::vector<Segment>& segments, BlockMask mask, double scale,
+                       GradMode mode) {
+  const char* op = "attention_segments_backward";
+  check_qkv(op, q, k, v);
+  check_rows(op, dq, "dq", q);
+  check_rows(op, dk, "dk", k);
+  check_rows(op, dv, "dv", v);
+  check_tensor(d_o, 3, op, "d_o");
+  check_dtype(d_o, DType::bf16, op, "d_o");
+  check_same_shape(d_o, q, op);
+  const int64_t tq = q.size(0), tk = k.size(0), hq = q.size(1), hkv = k.size(1), d = q.size(2);
+  check_stats(op, lse, "lse", tq, hq);
+  const bool from_o = o.ndim != 0;
+  LT_CHECK(from_o != (delta.ndim != 0), "{}: pass exactly one of o and delta; the other must be an empty Tensor{{}}",
+           op);
+  const bool causal = mask == BlockMask::causal_diagonal;
+  const RowView qrows = contiguous_rows(tq, hq, d), krows = contiguous_rows(tk, hkv, d);
+  const size_t qbytes = static_cast<size_t>(tq * hq * d) * sizeof(__nv_bfloat16);
+  const size_t kbytes = static_cast<size_t>(tk * hkv * d) * sizeof(__nv_bfloat16);
+
+  // cuDNN reads a bf16 O: the caller's, a rounded copy of an f32 one, or the stand-in built from delta.
+  cudnn_sdpa::View o_in;
+  if (from_o && cudnn_addressable(o)) {
+    o_in = sdpa_view(o);
+  } else {
+    check_rows(op, from_o ? o : d_o, from_o ? "o" : "d_o", q);
+    void* o16 = scratch(Scratch::attn_o_proxy, qbytes);
+    if (from_o) {
+      dispatch_float(o.dtype, op, [&](auto tag) {
+        using O = typename decltype(tag)::type;
+        const bool vec = vectorizable(o.data, row_view(o), sizeof(O)) && vectorizable(o16, qrows, 2);
+        with_vec(vec, [&](auto vv) {
+          add_rows_kernel<decltype(vv)::value, __nv_bfloat16, O><<<row_blocks(tq * hq), 32 * kWarpsPerBlock, 0,
+                                                                   cuda_stream()>>>(
+              static_cast<__nv_bfloat16*>(o16), qrows, static_cast<const O*>(o.data), row_view(o), false);
+        });
+      });
+      LT_CUDA_LAUNCH_CHECK("add_rows_kernel (o to bf16)");
+    } else {
+      check_stats(op, delta, "delta", tq, hq);
+      const bool vec = vectorizable(d_o.data, row_view(d_o), 2);
+      with_vec(vec, [&](auto vv) {
+        o_proxy_kernel<decltype(vv)::value><<<row_blocks(tq * hq), 32 * kWarpsPerBlock, 0, cuda_stream()>>>(
+            static_cast<__nv_bfloat16*>(o16), qrows, static_cast<const __nv_bfloat16*>(d_o.data), row_view(d_o),
+            static_cast<const float*>(delta.data), delta.stride[0], delta.stride[1]);
+      });
+      LT_CUDA_LAUNCH_CHECK("o_proxy_kernel");
+    }
+    o_in = sdpa_view(o16, qrows);
+  }
+
+  // Straight into bf16 views this call overwrites (local_attention.cpp has zeroed the rows outside
+  // the segments); else into scratch, added or converted segment by segment. dQ must have Q's token
+  // stride: measured on cuDNN 9.19 (H200), a segmented backward whose dQ rows are spaced unlike Q's
+  // gives wrong dQ (dK and dV are right), so the dQ scratch is laid out with Q's row stride.
+  const bool in_place = mode == GradMode::overwrite && cudnn_addressable(dq) && cudnn_addressable(dk) &&
+                        cudnn_addressable(dv) && dq.stride[0] == q.stride[0];
+  const RowView dq_rows{tq, hq, d, q.stride[0], d};
+  cudnn_sdpa::View dq_out, dk_out, dv_out;
+  if (in_place) {
+    dq_out = sdpa_view(dq);
+    dk_out = sdpa_view(dk);
+    dv_out = sdpa_view(dv);
+  } else {
+    dq_out = sdpa_view(scratch(Scratch::attn_dq, static_cast<size_t>(tq * q.stride[0]) * sizeof(__nv_bfloat16)),
+                       dq_rows);
+    dk_out = sdpa_view(scratch(Scratch::attn_dk, kbytes), krows);
+    dv_out = sdpa_view(scratch(Scratch::attn_dv, kbytes), krows);
+  }
+  cudnn_sdpa::backward_segments(dq_out, dk_out, dv_out, sdpa_view(q), sdpa_view(k), sdpa_view(v), o_in,
+                                sdpa_view(d_o), stats_view(lse), sdpa_segments(segments), causal,
+                                static_cast<float>(scale));
+  if (in_place) return;
+  const bool accumulate = mode == GradMode::accumulate;
+  for (const Segment& s : segments) {
+    add_rows(op, "add_rows_kernel (segment dq)", dq.narrow(0, s.q_start, s.q_len),
+             static_cast<const __nv_bfloat16*>(dq_out.data) + s.q_start * dq_rows.ts,
+             RowView{s.q_len, hq, d, dq_rows.ts, d}, accumulate);
+    add_rows(op, "add_rows_kernel (segment dk)", dk.narrow(0, s.k_start, s.k_len),
+             static_cast<const __nv_bfloat16*>(dk_out.data) + s.k_start * krows.ts, contiguous_rows(s.k_len, hkv, d),
+             accumulate);
+    add_rows(op, "add_rows_kernel (segment dv)", dv.narrow(0, s.k_start, s.k_len),
+             static_cast<const __nv_bfloat16*>(dv_out.data) + s.k_start * krows.ts, contiguous_rows(s.k_len, hkv, d),
+             accumulate);
+  }
 }
 
 }  // namespace longtrain::attn::cuda

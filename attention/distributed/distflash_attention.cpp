@@ -124,19 +124,13 @@ void DistFlashAttention::forward(Tensor o, Tensor lse, Tensor q, Tensor k, Tenso
     if (mine.kind == Task::own || mine.kind == Task::owner) {
       const Message* in = mine.kind == Task::owner ? &fwd_kv_in_[t % 2] : nullptr;
       const Tensor kk = in ? (*in)[0] : k, vv = in ? (*in)[1] : v;
-      for (const BlockCall& c : block_calls(me, mine.peer, T)) {
-        forward_call(c, s.o_acc, lse, s.o_blk, s.lse_blk, q, kk, vv, scale_);
-        pairs += c.pairs();
-      }
+      pairs += forward_calls(block_calls(me, mine.peer, T), !documents_.empty(), s.o_acc, lse, s.o_blk, s.lse_blk, q, kk, vv, scale_);
     } else if (mine.kind == Task::helper) {
       const Message& res = fwd_res_out_[t % 2];
       fill_tensor(res[0], 0.0);
       fill_tensor(res[1], -std::numeric_limits<double>::infinity());
       const Tensor qq = fwd_q_in_[t % 2][0];
-      for (const BlockCall& c : block_calls(mine.peer, me, T)) {
-        forward_call(c, res[0], res[1], s.o_blk, s.lse_blk, qq, k, v, scale_);
-        pairs += c.pairs();
-      }
+      pairs += forward_calls(block_calls(mine.peer, me, T), !documents_.empty(), res[0], res[1], s.o_blk, s.lse_blk, qq, k, v, scale_);
     }
     scope.reset();
     forward_trace_.steps[static_cast<size_t>(t)].pairs += pairs;
@@ -212,26 +206,17 @@ void DistFlashAttention::backward(Tensor dq, Tensor dk, Tensor dv, Tensor q, Ten
     std::optional<ComputeScope> scope;
     if (mine.kind != Task::idle) scope.emplace(observer_);
     if (mine.kind == Task::own) {
-      for (const BlockCall& c : block_calls(me, me, T)) {
-        backward_call(c, s.dq, s.dk, s.dv, q, k, v, d_o, lse, s.own_o(), s.own_delta(), scale_);
-        pairs += c.pairs();
-      }
+      pairs += backward_calls(block_calls(me, me, T), !documents_.empty(), s.dq, s.dk, s.dv, q, k, v, d_o, lse, s.own_o(), s.own_delta(), scale_);
     } else if (mine.kind == Task::owner) {
       const Message& in = bwd_kv_in_[t % 2];
       const Message& grads = bwd_dkv_out_[t % 2];
       fill_message(grads, 0.0);
-      for (const BlockCall& c : block_calls(me, mine.peer, T)) {
-        backward_call(c, s.dq, grads[0], grads[1], q, in[0], in[1], d_o, lse, s.own_o(), s.own_delta(), scale_);
-        pairs += c.pairs();
-      }
+      pairs += backward_calls(block_calls(me, mine.peer, T), !documents_.empty(), s.dq, grads[0], grads[1], q, in[0], in[1], d_o, lse, s.own_o(), s.own_delta(), scale_);
     } else if (mine.kind == Task::helper) {
       const Message& in = bwd_q_in_[t % 2];
       const Message& grads = bwd_dq_out_[t % 2];
       fill_message(grads, 0.0);
-      for (const BlockCall& c : block_calls(mine.peer, me, T)) {
-        backward_call(c, grads[0], s.dk, s.dv, in[0], k, v, in[1], in[2], Tensor{}, in[3], scale_);
-        pairs += c.pairs();
-      }
+      pairs += backward_calls(block_calls(mine.peer, me, T), !documents_.empty(), grads[0], s.dk, s.dv, in[0], k, v, in[1], in[2], Tensor{}, in[3], scale_);
     }
     scope.reset();
     backward_trace_.steps[static_cast<size_t>(t)].pairs += pairs;

@@ -53,7 +53,7 @@ DistributedAttention::DistributedAttention(Schedule schedule, const SequenceAtte
 
 void DistributedAttention::check_call_documents(const Tensor& q, int64_t T) const {
   if (documents_.empty()) return;
-  check_documents_device(q);
+  (void)q;
   check_documents(documents_, T * sp_.size(),
                   fmt::format("{} attention on sequence-parallel rank {} of {} (shards of {} tokens)",
                               schedule_name(schedule_), sp_.rank(), sp_.size(), T));
@@ -167,6 +167,70 @@ void backward_call(const BlockCall& c, Tensor dq, Tensor dk, Tensor dv, Tensor q
                            rows(delta), c.mask, scale, GradMode::accumulate);
 }
 
+namespace {
+
+// The query and key rows a segmented call spans, and its segments relative to them.
+struct Span {
+  int64_t q0, q1, k0, k1;
+  std::vector<Segment> segments;
+};
+
+Span span_of(const SegmentCall& call) {
+  Span s{INT64_MAX, 0, INT64_MAX, 0, {}};
+  for (const Segment& g : call.segments) {
+    s.q0 = std::min(s.q0, g.q_start);
+    s.q1 = std::max(s.q1, g.q_start + g.q_len);
+    s.k0 = std::min(s.k0, g.k_start);
+    s.k1 = std::max(s.k1, g.k_start + g.k_len);
+  }
+  for (const Segment& g : call.segments) s.segments.push_back({g.q_start - s.q0, g.q_len, g.k_start - s.k0, g.k_len});
+  return s;
+}
+
+}  // namespace
+
+int64_t forward_calls(const std::vector<BlockCall>& calls, bool segmented, Tensor o_acc, Tensor lse_acc, Tensor o_blk,
+                      Tensor lse_blk, Tensor q, Tensor k, Tensor v, double scale) {
+  int64_t pairs = 0;
+  if (!segmented) {
+    for (const BlockCall& c : calls) {
+      forward_call(c, o_acc, lse_acc, o_blk, lse_blk, q, k, v, scale);
+      pairs += c.pairs();
+    }
+    return pairs;
+  }
+  for (const SegmentCall& call : segment_calls(calls)) {
+    const Span s = span_of(call);
+    auto rows = [&](const Tensor& t) { return t.narrow(0, s.q0, s.q1 - s.q0); };
+    auto keys = [&](const Tensor& t) { return t.narrow(0, s.k0, s.k1 - s.k0); };
+    attention_segments_forward(rows(o_blk), rows(lse_blk), rows(q), keys(k), keys(v), s.segments, call.mask, scale);
+    lse_merge(rows(o_acc), rows(lse_acc), rows(o_blk), rows(lse_blk));
+    pairs += call.pairs;
+  }
+  return pairs;
+}
+
+int64_t backward_calls(const std::vector<BlockCall>& calls, bool segmented, Tensor dq, Tensor dk, Tensor dv, Tensor q,
+                       Tensor k, Tensor v, Tensor d_o, Tensor lse, Tensor o, Tensor delta, double scale) {
+  int64_t pairs = 0;
+  if (!segmented) {
+    for (const BlockCall& c : calls) {
+      backward_call(c, dq, dk, dv, q, k, v, d_o, lse, o, delta, scale);
+      pairs += c.pairs();
+    }
+    return pairs;
+  }
+  for (const SegmentCall& call : segment_calls(calls)) {
+    const Span s = span_of(call);
+    auto rows = [&](const Tensor& t) { return t.ndim == 0 ? t : t.narrow(0, s.q0, s.q1 - s.q0); };
+    auto keys = [&](const Tensor& t) { return t.narrow(0, s.k0, s.k1 - s.k0); };
+    attention_segments_backward(rows(dq), keys(dk), keys(dv), rows(q), keys(k), keys(v), rows(d_o), rows(lse), rows(o),
+                                rows(delta), s.segments, call.mask, scale, GradMode::accumulate);
+    pairs += call.pairs;
+  }
+  return pairs;
+}
+
 void check_backward_tensors(const char* schedule, Tensor dq, Tensor dk, Tensor dv, Tensor q, Tensor k, Tensor o,
                             Tensor d_o) {
   auto same = [&](const Tensor& a, const Tensor& b, const char* what) {
@@ -205,11 +269,8 @@ void rotating_kv_forward(RingRotation& rotation, MessageSlots& scratch, const Ri
     const Tensor kk = block ? (*block)[0] : k, vv = block ? (*block)[1] : v;
     const ComputeScope scope(observer);
     int64_t pairs = 0;
-    for (const BlockCall& c : document_block_calls(plan_block_calls(layout, P, T, me, source, causal, chunk_calls),
-                                                   docs, layout, P, T, me, source, causal)) {
-      forward_call(c, s.o_acc, lse, s.o_blk, s.lse_blk, q, kk, vv, scale);
-      pairs += c.pairs();
-    }
+    pairs += forward_calls(document_block_calls(plan_block_calls(layout, P, T, me, source, causal, chunk_calls),
+                                                   docs, layout, P, T, me, source, causal), !docs.empty(), s.o_acc, lse, s.o_blk, s.lse_blk, q, kk, vv, scale);
     return pairs;
   };
   auto pack = [&](const Message& m) {
@@ -257,10 +318,7 @@ void RingAttention::backward(Tensor dq, Tensor dk, Tensor dv, Tensor q, Tensor k
     const Tensor gk = grads ? (*grads)[0] : s.dk, gv = grads ? (*grads)[1] : s.dv;
     const ComputeScope scope(observer_);
     int64_t pairs = 0;
-    for (const BlockCall& c : block_calls(me, source, T)) {
-      backward_call(c, s.dq, gk, gv, q, kk, vv, d_o, lse, s.own_o(), s.own_delta(), scale_);
-      pairs += c.pairs();
-    }
+    pairs += backward_calls(block_calls(me, source, T), !documents_.empty(), s.dq, gk, gv, q, kk, vv, d_o, lse, s.own_o(), s.own_delta(), scale_);
     return pairs;
   };
   hooks.add_to_own = [&](const Message& m) {
@@ -361,10 +419,7 @@ void BurstAttention::backward(Tensor dq, Tensor dk, Tensor dv, Tensor q, Tensor 
     const Tensor gq = grads ? (*grads)[0] : s.dq;
     const ComputeScope scope(observer_);
     int64_t pairs = 0;
-    for (const BlockCall& c : block_calls(source, me, T)) {
-      backward_call(c, gq, s.dk, s.dv, qq, k, v, gg, ll, oo, dd, scale_);
-      pairs += c.pairs();
-    }
+    pairs += backward_calls(block_calls(source, me, T), !documents_.empty(), gq, s.dk, s.dv, qq, k, v, gg, ll, oo, dd, scale_);
     return pairs;
   };
   hooks.add_to_own = [&](const Message& m) { add_tensor(s.dq, m[0]); };

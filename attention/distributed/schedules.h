@@ -80,6 +80,14 @@ void forward_call(const BlockCall& call, Tensor o_acc, Tensor lse_acc, Tensor o_
 void backward_call(const BlockCall& call, Tensor dq, Tensor dk, Tensor dv, Tensor q, Tensor k, Tensor v, Tensor d_o,
                    Tensor lse, Tensor o, Tensor delta, double scale);
 
+// All the calls of one block pair, returning the query-key pairs they cover: one block call each, or,
+// when a document mask refined them (`segmented`), grouped into segmented calls (segment_calls), one
+// attention_segments_* call per group over the rows the group spans.
+int64_t forward_calls(const std::vector<BlockCall>& calls, bool segmented, Tensor o_acc, Tensor lse_acc, Tensor o_blk,
+                      Tensor lse_blk, Tensor q, Tensor k, Tensor v, double scale);
+int64_t backward_calls(const std::vector<BlockCall>& calls, bool segmented, Tensor dq, Tensor dk, Tensor dv, Tensor q,
+                       Tensor k, Tensor v, Tensor d_o, Tensor lse, Tensor o, Tensor delta, double scale);
+
 // ring and zigzag: K/V rotate on the SP ring; backward sends the dK/dV accumulator behind them.
 class RingAttention final : public DistributedAttention {
  public:

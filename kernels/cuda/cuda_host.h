@@ -54,6 +54,7 @@ enum class Scratch : int {
   attn_dv,
   attn_dq_accum,    // cuDNN's fp32 dQ accumulator
   attn_softmax_sum, // cuDNN's rowsum(dO * O)
+  attn_segments,    // segmented (document-masked) attention: per-segment lengths and ragged offsets
   count
 };
 void* scratch(Scratch which, size_t bytes);

@@ -6,11 +6,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.." && mkdir -p .device && cd .device
 rm -rf devroot devroot.tar.xz
-pk="libfmt-dev libfmt9 libspdlog-dev libspdlog1.10 libyaml-cpp-dev libyaml-cpp0.7 nlohmann-json3-dev libcli11-dev libgtest-dev libgmock-dev libgloo-dev libgloo0 libhiredis-dev libhiredis0.14 libibverbs-dev libibverbs1 libsentencepiece-dev libsentencepiece0 libopenblas-dev libopenblas0 libopenblas-pthread-dev libopenblas0-pthread libgfortran5 libquadmath0 zlib1g-dev zlib1g pkgconf pkgconf-bin libpkgconf3 libnl-3-200 libnl-route-3-200 libpcre2-dev libpcre2-8-0 libpcre2-16-0 libpcre2-32-0 libpcre2-posix3"
+pk="libfmt-dev libfmt9 libspdlog-dev libspdlog1.10 libyaml-cpp-dev libyaml-cpp0.7 nlohmann-json3-dev libcli11-dev libgtest-dev libgmock-dev libgloo-dev libgloo0 libhiredis-dev libhiredis0.14 libibverbs-dev libibverbs1 libsentencepiece-dev libsentencepiece0 libopenblas-dev libopenblas0 libopenblas-pthread-dev libopenblas0-pthread libgfortran5 libquadmath0 zlib1g-dev zlib1g pkgconf pkgconf-bin libpkgconf3 libnl-3-200 libnl-route-3-200 libpcre2-dev libpcre2-8-0 libpcre2-16-0 libpcre2-32-0 libpcre2-posix3 libicu-dev libicu72"
 for p in $pk; do
   dpkg -L "$p" | while read -r f; do
     [ -d "$f" ] && [ ! -L "$f" ] && continue
-    case "$f" in /usr/share/doc/*|/usr/share/man/*|/usr/share/lintian/*|*openblas*.a|*/libblas.a|*/liblapack.a|*/liblapack.so*|*/libsentencepiece_train*) continue;; esac
+    case "$f" in /usr/share/doc/*|/usr/share/man/*|/usr/share/lintian/*|*openblas*.a|*/libblas.a|*/liblapack.a|*/libicu*.a|*/liblapack.so*|*/libsentencepiece_train*) continue;; esac
     mkdir -p "devroot$(dirname "$f")"
     if [ -L "$f" ] && [[ "$(readlink "$f")" != /* ]]; then cp -P "$f" "devroot$f"; else cp -L "$f" "devroot$f"; fi
   done

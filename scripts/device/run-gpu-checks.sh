@@ -24,7 +24,7 @@ grep HF_PARITY_GPU $W/gpu_test.log > $W/hf_parity_gpu.txt
 timeout 120 build-carry/tests/gpu/distributed_attention_gpu_test > $W/dist_gpu.log 2>&1
 stamp "distributed_attention_gpu_test rc $?"; tail -5 $W/dist_gpu.log
 tokfix_script=${TOKENIZER_FIXTURE_SCRIPT:-tests/fixtures/hf_tokenizer/make_fixture.py}
-[ -f "$tokfix_script" ] && timeout 150 python3 "$tokfix_script" data-cache/janeausten $W/tokfix > $W/tokfix.log 2>&1
+[ -f "$tokfix_script" ] && timeout 150 python3 "$tokfix_script" data-cache/janeausten $W/tokfix --reuse tests/fixtures/hf_tokenizer > $W/tokfix.log 2>&1
 stamp "tokenizer fixture rc $?"; tail -3 $W/tokfix.log
 timeout 150 python3 scripts/gpu/make_random_hf_llama.py runs/tinyllama-random --vocab-size 4096 > $W/tinyllama.log 2>&1
 stamp "tinyllama rc $?"; tail -2 $W/tinyllama.log; cp runs/tinyllama-random/config.json $W/tinyllama-config.json

@@ -942,5 +942,87 @@ TEST(LocalAttention, MixedDtypesAndWrongShapesAreErrors) {
   EXPECT_HAS(msg, "attention_delta: delta is f64[5, 2] cpu, expected [5, 3]");
 }
 
+// ---- segmented calls ----------------------------------------------------------------------------
+// attention_segments_forward/backward on the CPU: each segment equals its own block call, rows outside
+// every segment are empty partials (forward) and zero or untouched gradients (backward by mode), and
+// overlapping segments are refused. (On CUDA the same calls are one cuDNN call: tests/gpu.)
+
+// Seeded values written into a HostTensor's own storage (its view keeps pointing at it).
+void fill_values(HostTensor<double>& t, uint64_t seed) {
+  const std::vector<double> v = random_values<double>(t.values.size(), seed);
+  std::copy(v.begin(), v.end(), t.values.begin());
+}
+
+TEST(SegmentedAttention, EachSegmentIsItsOwnBlockAndTheRestIsEmpty) {
+  const int64_t Tq = 14, Tk = 11, Hq = 4, Hkv = 2, D = kHeadDim;
+  const double scale = 0.37;
+  const std::vector<Segment> segments = {{1, 4, 0, 3}, {6, 1, 5, 4}, {9, 3, 9, 2}, {13, 1, 3, 0}};
+  HostTensor<double> q({Tq, Hq, D}), k({Tk, Hkv, D}), v({Tk, Hkv, D}), d_o({Tq, Hq, D});
+  fill_values(q, 1);
+  fill_values(k, 2);
+  fill_values(v, 3);
+  fill_values(d_o, 4);
+  HostTensor<double> o({Tq, Hq, D}), lse({Tq, Hq});
+  std::fill(o.values.begin(), o.values.end(), kNaN);  // garbage the call must overwrite everywhere
+  attention_segments_forward(o, lse, q, k, v, segments, BlockMask::none, scale);
+
+  // The reference: one block call per segment into zeroed (0, -inf) rows.
+  HostTensor<double> o_ref({Tq, Hq, D}), lse_ref({Tq, Hq});
+  std::fill(lse_ref.values.begin(), lse_ref.values.end(), -kInf);
+  for (const Segment& g : segments) {
+    if (g.k_len == 0) continue;
+    attention_block_forward(Tensor(o_ref).narrow(0, g.q_start, g.q_len), Tensor(lse_ref).narrow(0, g.q_start, g.q_len),
+                            Tensor(q).narrow(0, g.q_start, g.q_len), Tensor(k).narrow(0, g.k_start, g.k_len),
+                            Tensor(v).narrow(0, g.k_start, g.k_len), BlockMask::none, scale);
+  }
+  EXPECT_EQ(o.values, o_ref.values);
+  EXPECT_EQ(lse.values, lse_ref.values);  // rows 0, 5, 7, 8, 12, 13 (no keys): -inf
+
+  // Backward, overwrite: garbage everywhere becomes the segments' gradients, zero elsewhere.
+  HostTensor<double> dq({Tq, Hq, D}), dk({Tk, Hkv, D}), dv({Tk, Hkv, D});
+  for (auto* t : {&dq, &dk, &dv}) std::fill(t->values.begin(), t->values.end(), kNaN);
+  attention_segments_backward(dq, dk, dv, q, k, v, d_o, lse, o, Tensor{}, segments, BlockMask::none, scale,
+                              GradMode::overwrite);
+  HostTensor<double> dq_ref({Tq, Hq, D}), dk_ref({Tk, Hkv, D}), dv_ref({Tk, Hkv, D});
+  for (const Segment& g : segments) {
+    if (g.k_len == 0) continue;
+    attention_block_backward(Tensor(dq_ref).narrow(0, g.q_start, g.q_len), Tensor(dk_ref).narrow(0, g.k_start, g.k_len),
+                             Tensor(dv_ref).narrow(0, g.k_start, g.k_len), Tensor(q).narrow(0, g.q_start, g.q_len),
+                             Tensor(k).narrow(0, g.k_start, g.k_len), Tensor(v).narrow(0, g.k_start, g.k_len),
+                             Tensor(d_o).narrow(0, g.q_start, g.q_len), Tensor(lse).narrow(0, g.q_start, g.q_len),
+                             Tensor(o).narrow(0, g.q_start, g.q_len), Tensor{}, BlockMask::none, scale,
+                             GradMode::accumulate);
+  }
+  EXPECT_EQ(dq.values, dq_ref.values);
+  EXPECT_EQ(dk.values, dk_ref.values);
+  EXPECT_EQ(dv.values, dv_ref.values);
+
+  // Accumulate adds the same gradients and leaves the other rows as they were.
+  HostTensor<double> acc({Tq, Hq, D}), dk_acc({Tk, Hkv, D}), dv_acc({Tk, Hkv, D});
+  fill_values(acc, 5);
+  const std::vector<double> before = acc.values;
+  attention_segments_backward(acc, dk_acc, dv_acc, q, k, v, d_o, lse, o, Tensor{}, segments, BlockMask::none, scale,
+                              GradMode::accumulate);
+  for (size_t i = 0; i < before.size(); ++i) ASSERT_NEAR(acc.values[i] - before[i], dq_ref.values[i], 1e-12) << i;
+  EXPECT_EQ(dk_acc.values, dk_ref.values);
+}
+
+TEST(SegmentedAttention, OverlappingOrOutOfRangeSegmentsAreErrors) {
+  HostTensor<double> q({8, 2, 6}), k({8, 2, 6}), v({8, 2, 6}), o({8, 2, 6}), lse({8, 2});
+  std::string msg = error_of([&] {
+    attention_segments_forward(o, lse, q, k, v, {{0, 4, 0, 4}, {3, 2, 4, 2}}, BlockMask::none, 0.4);
+  });
+  EXPECT_HAS(msg, "attention_segments_forward: segments overlap in their query rows ([0, 4) and [3, 5))");
+  msg = error_of([&] {
+    attention_segments_backward(q, k, v, q, k, v, q, lse, o, Tensor{}, {{0, 2, 0, 4}, {4, 2, 3, 2}}, BlockMask::none,
+                                0.4, GradMode::overwrite);
+  });
+  EXPECT_HAS(msg, "segments overlap in their key rows ([0, 4) and [3, 5))");
+  msg = error_of([&] { attention_segments_forward(o, lse, q, k, v, {{6, 3, 0, 3}}, BlockMask::none, 0.4); });
+  EXPECT_HAS(msg, "segment q [6, +3) k [0, +3) lies outside the 8 query and 8 key rows");
+  msg = error_of([&] { attention_segments_forward(o, lse, q, k, v, {{0, 3, 0, 2}}, BlockMask::causal_diagonal, 0.4); });
+  EXPECT_HAS(msg, "a causal_diagonal segment needs as many queries as keys, got 3 and 2");
+}
+
 }  // namespace
 }  // namespace longtrain::attn

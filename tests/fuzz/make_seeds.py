@@ -119,3 +119,40 @@ def fuzz_string(text):
 for name, text in (("gpt2_style", "Hello <|endoftext|> world 42!"), ("llama3_style", "It's Mr. Darcy\n\n  caf\u00e9")):
     tok = open(f"tests/fixtures/hf_tokenizer/{name}/tokenizer.json", "rb").read()
     put("hf_tokenizer", name, fuzz_string(text) + tok)
+
+# hf_tokenizer, small: a byte-level vocabulary with a few merges behind every normalizer (so that
+# mutations reach the normalizers, not only a large vocabulary), an added token matched on
+# normalized text and one on raw text.
+def byte_level_alphabet():
+    bs = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return [chr(c) for c in cs]
+vocab = {c: i for i, c in enumerate(byte_level_alphabet())}
+merges = [["\u0120", "t"], ["h", "e"], ["\u0120t", "he"], ["c", "a"], ["f", "\u00c3"]]
+for a, b in merges:
+    vocab.setdefault(a, len(vocab))
+    vocab.setdefault(b, len(vocab))
+    vocab[a + b] = len(vocab)
+small = {
+    "added_tokens": [
+        {"id": len(vocab), "content": "<|eot|>", "single_word": False, "lstrip": False, "rstrip": True,
+         "normalized": False, "special": True},
+        {"id": len(vocab) + 1, "content": "Miss Bennet", "single_word": True, "lstrip": False, "rstrip": False,
+         "normalized": True, "special": False}],
+    "normalizer": {"type": "Sequence", "normalizers": [
+        {"type": "NFKC"}, {"type": "Lowercase"}, {"type": "NFD"}, {"type": "StripAccents"}, {"type": "NFC"},
+        {"type": "NFKD"}, {"type": "Replace", "pattern": {"Regex": " {2,}"}, "content": " "},
+        {"type": "Strip", "strip_left": True, "strip_right": True}, {"type": "Prepend", "prepend": " "}]},
+    "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True},
+    "post_processor": None,
+    "decoder": {"type": "ByteLevel"},
+    "model": {"type": "BPE", "dropout": None, "unk_token": None, "ignore_merges": True, "vocab": vocab,
+              "merges": merges},
+}
+put("hf_tokenizer", "normalizers", fuzz_string("THE caf\u00e9 \ufb01 \u039f\u03a3 \u0130 MISS BENNET<|eot|>  x")
+    + json.dumps(small, ensure_ascii=False).encode())

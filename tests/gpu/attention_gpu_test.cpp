@@ -309,3 +309,173 @@ TEST(GpuAttentionKernels, RunTwice) {
 
 }  // namespace
 }  // namespace longtrain::test
+
+namespace longtrain::test {
+namespace {
+
+using attn::BlockMask;
+using attn::GradMode;
+
+// ---- segmented calls (document masks) -------------------------------------------------------------
+// attention_segments_forward/backward on CUDA (one cuDNN call over ragged rows) against the CPU
+// reference's per-segment blocks on the same bf16-rounded inputs: the rows of the segments within
+// bf16 rounding, every other row an empty partial (O = 0, LSE = -inf) in the forward and a zero (or
+// untouched, when accumulating) gradient in the backward.
+
+struct SegmentCase {
+  const char* name;
+  int64_t Tq, Tk, Hq, Hkv, D;
+  BlockMask mask;
+  std::vector<attn::Segment> segments;
+  bool fused_qkv;  // the model's layout: q/k/v and dq/dk/dv as views of fused buffers (Tq == Tk)
+  DType o_dtype;
+};
+
+void PrintTo(const SegmentCase& c, std::ostream* os) { *os << c.name; }
+
+class GpuSegments : public ::testing::TestWithParam<SegmentCase> {};
+
+TEST_P(GpuSegments, ForwardAndBackwardMatchCpuReference) {
+  LT_REQUIRE_GPU();
+  const SegmentCase c = GetParam();
+  const double scale = 1.0 / std::sqrt(static_cast<double>(c.D));
+  const int64_t nq = c.Tq * c.Hq * c.D, nk = c.Tk * c.Hkv * c.D, wq = c.Hq * c.D, wk = c.Hkv * c.D;
+  const auto q = random_values(nq, 401, DType::bf16), k = random_values(nk, 402, DType::bf16);
+  const auto v = random_values(nk, 403, DType::bf16), d_o = random_values(nq, 404, DType::bf16);
+  const auto dq0 = random_values(nq, 405, DType::f32), dk0 = random_values(nk, 406, DType::f32);
+  const auto dv0 = random_values(nk, 407, DType::f32);
+
+  HostTensor<double> q_h = host_tensor({c.Tq, c.Hq, c.D}, q), k_h = host_tensor({c.Tk, c.Hkv, c.D}, k);
+  HostTensor<double> v_h = host_tensor({c.Tk, c.Hkv, c.D}, v), do_h = host_tensor({c.Tq, c.Hq, c.D}, d_o);
+  HostTensor<double> o_h({c.Tq, c.Hq, c.D}), lse_h({c.Tq, c.Hq}), delta_h({c.Tq, c.Hq});
+  HostTensor<double> dq_h({c.Tq, c.Hq, c.D}), dk_h({c.Tk, c.Hkv, c.D}), dv_h({c.Tk, c.Hkv, c.D});
+  attn::attention_segments_forward(o_h, lse_h, q_h, k_h, v_h, c.segments, c.mask, scale);
+  attn::attention_delta(delta_h, o_h, do_h);
+  attn::attention_segments_backward(dq_h, dk_h, dv_h, q_h, k_h, v_h, do_h, lse_h, o_h, Tensor{}, c.segments, c.mask,
+                                    scale, GradMode::overwrite);
+
+  const int64_t W = (c.Hq + 2 * c.Hkv) * c.D;
+  DeviceTensor qkv_d(DType::bf16, {c.fused_qkv ? c.Tq : 1, W});
+  DeviceTensor q_sep(DType::bf16, {c.Tq, c.Hq, c.D}), k_sep(DType::bf16, {c.Tk, c.Hkv, c.D});
+  DeviceTensor v_sep(DType::bf16, {c.Tk, c.Hkv, c.D});
+  Tensor q_d = q_sep, k_d = k_sep, v_d = v_sep;
+  if (c.fused_qkv) {
+    ASSERT_EQ(c.Tq, c.Tk);
+    std::vector<double> fused(static_cast<size_t>(c.Tq * W));
+    for (int64_t t = 0; t < c.Tq; ++t) {
+      for (int64_t i = 0; i < wq; ++i) fused[t * W + i] = q[t * wq + i];
+      for (int64_t i = 0; i < wk; ++i) fused[t * W + wq + i] = k[t * wk + i];
+      for (int64_t i = 0; i < wk; ++i) fused[t * W + wq + wk + i] = v[t * wk + i];
+    }
+    upload(qkv_d, fused);
+    q_d = head_view(qkv_d, 0, c.Hq, c.D);
+    k_d = head_view(qkv_d, wq, c.Hkv, c.D);
+    v_d = head_view(qkv_d, wq + wk, c.Hkv, c.D);
+  } else {
+    upload(q_sep, q);
+    upload(k_sep, k);
+    upload(v_sep, v);
+  }
+  DeviceTensor do_d(DType::bf16, {c.Tq, c.Hq, c.D}), o_d(c.o_dtype, {c.Tq, c.Hq, c.D});
+  DeviceTensor lse_d(DType::f32, {c.Tq, c.Hq}), delta_d(DType::f32, {c.Tq, c.Hq});
+  upload(do_d, d_o);
+  upload(o_d, random_values(nq, 408, c.o_dtype, -3.0, 3.0));  // garbage the call must overwrite
+  attn::attention_segments_forward(o_d, lse_d, q_d, k_d, v_d, c.segments, c.mask, scale);
+  attn::attention_delta(delta_d, o_d, do_d);
+  const std::string tag = std::string(" [") + c.name + "]";
+
+  // Covered rows within bf16; every other row exactly (0, -inf).
+  std::vector<char> covered(static_cast<size_t>(c.Tq), 0);
+  for (const attn::Segment& s : c.segments)
+    for (int64_t t = s.q_start; t < s.q_start + s.q_len; ++t) covered[t] = s.k_len > 0;
+  const std::vector<double> o_got = download(o_d), lse_got = download(lse_d);
+  std::vector<double> o_cov, o_ref, l_cov, l_ref;
+  int64_t empty_rows = 0;
+  for (int64_t t = 0; t < c.Tq; ++t) {
+    if (covered[t]) {
+      for (int64_t i = 0; i < wq; ++i) o_cov.push_back(o_got[t * wq + i]), o_ref.push_back(o_h.values[t * wq + i]);
+      for (int64_t h = 0; h < c.Hq; ++h)
+        l_cov.push_back(lse_got[t * c.Hq + h]), l_ref.push_back(lse_h.values[t * c.Hq + h]);
+    } else {
+      ++empty_rows;
+      for (int64_t i = 0; i < wq; ++i) ASSERT_EQ(o_got[t * wq + i], 0.0) << "row " << t << tag;
+      for (int64_t h = 0; h < c.Hq; ++h)
+        ASSERT_EQ(lse_got[t * c.Hq + h], -std::numeric_limits<double>::infinity()) << "row " << t << tag;
+    }
+  }
+  std::printf("  %s: %zu segments, %lld rows outside them\n", c.name, c.segments.size(), (long long)empty_rows);
+  expect_close("segments O" + tag, DType::bf16, o_cov, o_ref);
+  expect_close("segments LSE" + tag, DType::f32, l_cov, l_ref);
+
+  // Accumulating into f32 (the schedules), from delta and from O: increments equal the reference.
+  for (bool from_o : {false, true}) {
+    const std::string how = std::string(from_o ? " from O" : " from delta") + ", += f32" + tag;
+    DeviceTensor dq_d(DType::f32, {c.Tq, c.Hq, c.D}), dk_d(DType::f32, {c.Tk, c.Hkv, c.D});
+    DeviceTensor dv_d(DType::f32, {c.Tk, c.Hkv, c.D});
+    upload(dq_d, dq0);
+    upload(dk_d, dk0);
+    upload(dv_d, dv0);
+    attn::attention_segments_backward(dq_d, dk_d, dv_d, q_d, k_d, v_d, do_d, lse_d, from_o ? Tensor(o_d) : Tensor{},
+                                      from_o ? Tensor{} : Tensor(delta_d), c.segments, c.mask, scale,
+                                      GradMode::accumulate);
+    expect_close("segments dQ increment" + how, DType::bf16, minus(download(dq_d), dq0), dq_h.values);
+    expect_close("segments dK increment" + how, DType::bf16, minus(download(dk_d), dk0), dk_h.values);
+    expect_close("segments dV increment" + how, DType::bf16, minus(download(dv_d), dv0), dv_h.values);
+  }
+
+  // Overwriting garbage, from O: in place into the fused dQKV buffer (the model's case) or bf16 views.
+  DeviceTensor dqkv_d(DType::bf16, {c.fused_qkv ? c.Tq : 1, W});
+  DeviceTensor dq_sep(DType::bf16, {c.Tq, c.Hq, c.D}), dk_sep(DType::bf16, {c.Tk, c.Hkv, c.D});
+  DeviceTensor dv_sep(DType::bf16, {c.Tk, c.Hkv, c.D});
+  Tensor dq_d = dq_sep, dk_d = dk_sep, dv_d = dv_sep;
+  if (c.fused_qkv) {
+    upload(dqkv_d, random_values(static_cast<size_t>(c.Tq * W), 409, DType::bf16, -3.0, 3.0));
+    dq_d = head_view(dqkv_d, 0, c.Hq, c.D);
+    dk_d = head_view(dqkv_d, wq, c.Hkv, c.D);
+    dv_d = head_view(dqkv_d, wq + wk, c.Hkv, c.D);
+  } else {
+    upload(dq_sep, random_values(nq, 409, DType::bf16, -3.0, 3.0));
+    upload(dk_sep, random_values(nk, 410, DType::bf16, -3.0, 3.0));
+    upload(dv_sep, random_values(nk, 411, DType::bf16, -3.0, 3.0));
+  }
+  attn::attention_segments_backward(dq_d, dk_d, dv_d, q_d, k_d, v_d, do_d, lse_d, o_d, Tensor{}, c.segments, c.mask,
+                                    scale, GradMode::overwrite);
+  std::vector<double> got_dq, got_dk, got_dv;
+  if (c.fused_qkv) {
+    const std::vector<double> all = download(dqkv_d);
+    for (int64_t t = 0; t < c.Tq; ++t) {
+      const double* row = all.data() + t * W;
+      got_dq.insert(got_dq.end(), row, row + wq);
+      got_dk.insert(got_dk.end(), row + wq, row + wq + wk);
+      got_dv.insert(got_dv.end(), row + wq + wk, row + W);
+    }
+  } else {
+    got_dq = download(dq_sep);
+    got_dk = download(dk_sep);
+    got_dv = download(dv_sep);
+  }
+  expect_close("segments dQ overwrite" + tag, DType::bf16, got_dq, dq_h.values);
+  expect_close("segments dK overwrite" + tag, DType::bf16, got_dk, dk_h.values);
+  expect_close("segments dV overwrite" + tag, DType::bf16, got_dv, dv_h.values);
+}
+
+// Segments as attention/document_mask.cpp makes them: documents partitioning one rank's tokens (the
+// model's case: causal, fused buffers, a one-token document), and a schedule's block with documents
+// that leave rows and keys outside every segment (unmasked, separate tensors, f32 O).
+INSTANTIATE_TEST_SUITE_P(
+    Documents, GpuSegments,
+    ::testing::Values(
+        SegmentCase{"docs_causal_gqa8x2_t1000_d64_fused", 1000, 1000, 8, 2, 64, BlockMask::causal_diagonal,
+                    {{0, 130, 0, 130}, {130, 1, 130, 1}, {131, 469, 131, 469}, {600, 400, 600, 400}}, true,
+                    DType::bf16},
+        SegmentCase{"docs_causal_mha4_t777_d128", 777, 777, 4, 4, 128, BlockMask::causal_diagonal,
+                    {{0, 77, 0, 77}, {77, 300, 77, 300}, {377, 3, 377, 3}, {380, 200, 380, 200}, {580, 197, 580, 197}},
+                    false, DType::bf16},
+        SegmentCase{"gaps_none_gqa4x1_q500_k400_d64_f32o", 500, 400, 4, 1, 64, BlockMask::none,
+                    {{10, 100, 0, 50}, {200, 150, 60, 200}, {400, 1, 300, 100}}, false, DType::f32},
+        SegmentCase{"gaps_causal_gqa6x2_t640_d128_f32o", 640, 640, 6, 2, 128, BlockMask::causal_diagonal,
+                    {{5, 250, 5, 250}, {300, 129, 300, 129}, {500, 64, 500, 64}}, false, DType::f32}),
+    [](const ::testing::TestParamInfo<SegmentCase>& info) { return std::string(info.param.name); });
+
+}  // namespace
+}  // namespace longtrain::test

@@ -14,6 +14,7 @@
 // gradients 5.5e-3 .. 1.45e-2 (worst: layer 0's post_attention_layernorm weight).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -58,17 +59,24 @@ constexpr int64_t kTokens = 61;
 struct Batch {
   std::vector<int32_t> tokens, labels, positions;
   int64_t valid = 0;
-  Batch(int64_t T, int64_t vocab, int32_t first_position) {
+  attn::Documents documents;
+  // With `doc_starts` (window positions where a document begins): positions restart at each document
+  // and the label across a boundary is ignored, as the loader makes them under data.document_mask.
+  Batch(int64_t T, int64_t vocab, int32_t first_position, const std::vector<int32_t>& doc_starts = {}) {
     uint64_t s = 12345;
     auto next = [&] {
       s = s * 6364136223846793005ull + 1442695040888963407ull;
       return static_cast<int32_t>((s >> 33) % static_cast<uint64_t>(vocab));
     };
     for (int64_t t = 0; t <= T; ++t) tokens.push_back(next());
+    if (!doc_starts.empty()) documents = attn::documents_from_starts(doc_starts, T);
     for (int64_t t = 0; t < T; ++t) {
-      labels.push_back(t % 7 == 6 ? LlamaModel::kIgnoreIndex : tokens[t + 1]);
+      const bool last_of_document = !documents.empty() && documents.document_of(t) != documents.document_of(
+                                                              std::min<int64_t>(t + 1, T - 1));
+      labels.push_back(t % 7 == 6 || last_of_document ? LlamaModel::kIgnoreIndex : tokens[t + 1]);
       valid += labels.back() != LlamaModel::kIgnoreIndex;
-      positions.push_back(first_position + static_cast<int32_t>(t));
+      const int64_t start = documents.empty() ? -first_position : documents.offsets[documents.document_of(t)];
+      positions.push_back(static_cast<int32_t>(t - start));
     }
     tokens.resize(static_cast<size_t>(T));
   }
@@ -84,8 +92,10 @@ struct DeviceShard {
     upload_ints(tokens, b.tokens);
     upload_ints(labels, b.labels);
     upload_ints(positions, b.positions);
+    documents = b.documents;
   }
-  model::TokenShard shard() const { return {tokens, labels, positions}; }
+  attn::Documents documents;
+  model::TokenShard shard() const { return {tokens, labels, positions, documents}; }
 };
 
 struct HostShard {
@@ -96,8 +106,10 @@ struct HostShard {
     tokens.values = b.tokens;
     labels.values = b.labels;
     positions.values = b.positions;
+    documents = b.documents;
   }
-  model::TokenShard shard() const { return {tokens, labels, positions}; }
+  attn::Documents documents;
+  model::TokenShard shard() const { return {tokens, labels, positions, documents}; }
 };
 
 // Entry `e` of an arena, whatever its device, as doubles.
@@ -137,9 +149,7 @@ std::unique_ptr<LlamaModel> cpu_copy(const LlamaModel& gpu, CheckpointPolicy pol
   return m;
 }
 
-TEST(GpuModel, OneStepLossAndEveryGradientMatchTheCpuReference) {
-  LT_REQUIRE_GPU();
-  const Batch batch(kTokens, tiny_config().vocab_size, /*first_position=*/3);
+void expect_one_step_matches_cpu(const Batch& batch) {
   auto gpu = gpu_model(CheckpointPolicy::remat_aware);
   auto cpu = cpu_copy(*gpu, CheckpointPolicy::remat_aware);
   const double scale = 1.0 / static_cast<double>(batch.valid);
@@ -176,6 +186,20 @@ TEST(GpuModel, OneStepLossAndEveryGradientMatchTheCpuReference) {
   }
   std::printf("  worst gradient: %s, %.3e (tolerance %.2e)\n", worst_name.c_str(), worst, kStepTolerance);
   ::testing::Test::RecordProperty("worst_gradient_relative_error", std::to_string(worst));
+}
+
+TEST(GpuModel, OneStepLossAndEveryGradientMatchTheCpuReference) {
+  LT_REQUIRE_GPU();
+  expect_one_step_matches_cpu(Batch(kTokens, tiny_config().vocab_size, /*first_position=*/3));
+}
+
+// data.document_mask at P = 1: the GPU's one segmented cuDNN call (a segment per document) against the
+// CPU reference's per-document blocks, with a one-token document and documents of odd lengths.
+TEST(GpuModel, OneStepWithPackedDocumentsMatchesTheCpuReference) {
+  LT_REQUIRE_GPU();
+  const Batch batch(kTokens, tiny_config().vocab_size, 0, /*doc_starts=*/{9, 10, 33, 47});
+  ASSERT_EQ(batch.documents.count(), 5);
+  expect_one_step_matches_cpu(batch);
 }
 
 // The three policies recompute with the same kernels on the same inputs: gradients agree within bf16

@@ -389,9 +389,8 @@ TEST(TrainerConfig, InconsistentCombinationsAreNamed) {
             "(train.dtype bf16 or auto), or set train.device cpu (train.device: line 4)");
   EXPECT_TRUE(starts_with(load_error(head + "train:\n  device: cpu\n  dtype: bf16\n"),
                           "cfg/test.yaml:5: train.dtype bf16 needs train.device cuda"));
-  // Document masking runs on the CPU only for now: refused on cuda, naming the key.
-  EXPECT_TRUE(contains(load_error(head + "train:\n  device: cuda\n", {"data.document_mask=true"}),
-                       "data.document_mask is not supported on cuda yet"));
+  // Document masking on either device.
+  EXPECT_TRUE(load(head + "train:\n  device: cuda\n", {"data.document_mask=true"}).data.document_mask);
   EXPECT_TRUE(load(head + "train:\n  device: cpu\n", {"data.document_mask=true"}).data.document_mask);
   EXPECT_FALSE(load(head).data.document_mask);  // the default: today's behaviour
   // The optimizer.
@@ -607,9 +606,8 @@ TEST(TrainerConfig, ResolveDevice) {
                           "cfg/test.yaml: train.device is cuda but no CUDA device is usable here"));
   EXPECT_TRUE(starts_with(error_of([&] { resolved({"train.dtype=bf16"}, false); }),
                           "cfg/test.yaml: train.dtype bf16 needs a CUDA device"));
-  // device auto picking cuda with a document mask is refused, naming the key; the CPU keeps it.
-  EXPECT_TRUE(starts_with(error_of([&] { resolved({"data.document_mask=true"}, true); }),
-                          "cfg/test.yaml: data.document_mask is not supported on cuda yet"));
+  // A document mask does not change the device choice.
+  EXPECT_EQ(resolved({"data.document_mask=true"}, true), std::pair(DeviceChoice::cuda, DTypeChoice::bf16));
   EXPECT_EQ(resolved({"data.document_mask=true"}, false), std::pair(DeviceChoice::cpu, DTypeChoice::f32));
 }
 

@@ -14,7 +14,9 @@ void add_prepare_command(CLI::App& app) {
   auto o = std::make_shared<data::PrepareOptions>();
   auto no_progress = std::make_shared<bool>(false);
   CLI::App* cmd = app.add_subcommand("prepare", "Tokenize .txt/.jsonl inputs into token shards for training");
-  cmd->add_option("--tokenizer", o->tokenizer, "SentencePiece .model or Hugging Face tokenizer.json (byte-level BPE)")->required();
+  cmd->add_option("--tokenizer", o->tokenizer,
+                  "SentencePiece .model or Hugging Face tokenizer.json (byte-level BPE: Llama 3, Qwen 2.5, GPT-2)")
+      ->required();
   cmd->add_option("-i,--input", o->inputs, ".txt files (one document each), .jsonl files (one document "
                   "per line) or directories of them")->required();
   cmd->add_option("-o,--output", o->output, "the shard directory to write")->required();

@@ -202,9 +202,6 @@ void add_train_commands(CLI::App& app) {
       // The windows the way training saw them: with or without the document mask (--document-mask
       // overrides the run's setting).
       if (!document_mask->empty()) c.data.document_mask = *document_mask == "true";
-      LT_CHECK(!c.data.document_mask || dev == Device::cpu,
-               "eval: data.document_mask is not supported on cuda yet (document-masked attention runs on the CPU "
-               "only): pass --device cpu, or --document-mask false");
       // This rank's share of the validation windows: its data-parallel rank's windows, its
       // sequence-parallel rank's tokens of each; `evaluate` sums the ranks' losses.
       data::LoaderOptions o = trainer::eval_loader_options(m, shard_dir);
