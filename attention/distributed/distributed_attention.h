@@ -75,10 +75,10 @@
 
 namespace longtrain::attn {
 
-enum class Schedule : uint8_t { ring, zigzag, distflash, burst };
+enum class Schedule : uint8_t { ring, zigzag, distflash, burst, ulysses };
 
 std::string_view schedule_name(Schedule s);
-// "ring", "zigzag", "distflash" or "burst"; anything else is an error naming the accepted values.
+// "ring", "zigzag", "distflash", "burst" or "ulysses" (ulysses_attention.h); anything else is an error naming the accepted values.
 Schedule parse_schedule(std::string_view name);
 
 struct SequenceAttentionSpec {
@@ -97,6 +97,13 @@ struct SequenceAttentionSpec {
   parallel::Communicator* inter_node = nullptr;
   // How the chunk pairs two ranks share become local block calls (block_plan.h).
   ChunkCalls chunk_calls = ChunkCalls::merged;
+  // The 2D hybrid (ulysses_attention.h; not owned): with a ring schedule and `ulysses` of more than one
+  // rank, Ulysses runs inside `ulysses` (U consecutive SP ranks) and the schedule runs over
+  // `ulysses_ring` (the R = P / U ranks at this rank's position in their groups; null or size 1: no
+  // ring, Ulysses alone). burst then runs its single ring over `ulysses_ring`. Ignored by schedule
+  // ulysses, which is Ulysses over the whole of `sp`.
+  parallel::Communicator* ulysses = nullptr;
+  parallel::Communicator* ulysses_ring = nullptr;
 };
 
 // Throws longtrain::Error naming the setting and the fix: zigzag needs the zigzag layout, distflash

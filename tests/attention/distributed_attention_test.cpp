@@ -24,6 +24,7 @@
 
 #include "attention/distributed/distributed_attention.h"
 #include "attention/distributed/schedules.h"
+#include "attention/distributed/ulysses_attention.h"
 #include "model/llama.h"
 #include "parallel/distributed.h"
 #include "parallel/multiproc_util.h"
@@ -217,6 +218,7 @@ Volumes expected_bytes(Schedule s, bool causal, int P, int r, int64_t T, int64_t
       return {kv_sends * kv + q_sends * q + helper_results * partial,
               kv_sends * kv + q_sends * q_side + owner_results * dkv + helper_results * dq};
     }
+    case Schedule::ulysses: break;  // ulysses_a2a_bytes
   }
   return {-1, -1};
 }
@@ -250,6 +252,7 @@ std::unique_ptr<SequenceAttention> make_schedule_directly(const SequenceAttentio
     case Schedule::zigzag: return std::make_unique<dist::RingAttention>(spec.schedule, spec);
     case Schedule::distflash: return std::make_unique<dist::DistFlashAttention>(spec);
     case Schedule::burst: return std::make_unique<dist::BurstAttention>(spec);
+    case Schedule::ulysses: break;  // not a DistributedAttention (ulysses_attention_test below)
   }
   return nullptr;
 }
@@ -481,6 +484,188 @@ TEST_P(DistributedAttentionRanks, EveryScheduleEqualsSingleRankAttention) {
 
 INSTANTIATE_TEST_SUITE_P(Gloo, DistributedAttentionRanks, testing::Values(1, 2, 3, 4, 8),
                          [](const testing::TestParamInfo<int>& i) { return std::to_string(i.param) + "ranks"; });
+
+// ---- Ulysses and the 2D hybrid ---------------------------------------------------------------------------------
+
+// Bytes one rank's all-to-alls send (ulysses_attention.h): Q, K, V out and O, LSE back; Q, K, V, O, dO,
+// LSE out and dQ, dK, dV back.
+Volumes ulysses_a2a_bytes(int U, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t b) {
+  const int64_t h = Hq / U, g = std::max<int64_t>(Hkv / U, 1);
+  return {(U - 1) * T * ((h + 2 * g) * D + h * D + h) * b,
+          (U - 1) * T * ((3 * h + 2 * g) * D + h + (h + 2 * g) * D) * b};
+}
+
+// The head counts a group of U ranks can split: MHA, GQA with K/V heads split, GQA with K/V heads
+// replicated to U/Hkv ranks (when U > 2 is even), MQA.
+std::vector<Heads> ulysses_heads_for(int U) {
+  std::vector<Heads> h = {{"mha", U, U}, {"gqa", 2 * U, U}, {"mqa", U, 1}};
+  if (U > 2 && U % 2 == 0) h.push_back({"gqa_replicated", 2 * U, 2});
+  return h;
+}
+
+// Ulysses (cfg.schedule ulysses: over the whole SP group) or the hybrid (a ring schedule over the rings
+// across the Ulysses groups of `d`) against single-rank attention; bytes against ulysses_a2a_bytes plus
+// the inner ring's expected_bytes over R ranks of U·T tokens with the group member's heads.
+template <class T>
+void check_ulysses(Distributed& d, const Config& cfg, bool causal, Heads heads, int64_t S, int64_t D,
+                   std::ostream& rep) {
+  Communicator& sp = d.sp();
+  const int P = sp.size(), r = sp.rank();
+  const bool hybrid = cfg.schedule != Schedule::ulysses;
+  Communicator& group = hybrid ? *d.ulysses() : sp;
+  const int U = group.size(), R = P / U;
+  const std::string name = fmt::format("U{}xR{}/{}/{}/{}/{}/{}", U, R, schedule_name(cfg.schedule),
+                                       layout_name(cfg.layout), causal ? "causal" : "full", heads.name,
+                                       dtype_name(dtype_of<T>()));
+  const Problem p = make_problem(S, heads, D, causal, /*seed=*/S * 1000 + D * 10 + (causal ? 1 : 0) + heads.kv,
+                                 std::is_same_v<T, float>);
+  SequenceAttentionSpec spec;
+  spec.schedule = cfg.schedule;
+  spec.causal = causal;
+  spec.scale = p.scale;
+  spec.layout = cfg.layout;
+  spec.sp = &sp;
+  if (hybrid) {
+    spec.ulysses = d.ulysses();
+    spec.ulysses_ring = d.ulysses_ring();
+  }
+  std::unique_ptr<SequenceAttention> attention = make_sequence_attention(spec);
+  auto* ua = dynamic_cast<UlyssesAttention*>(attention.get());
+  rep << "CASE " << name << "/is_ulysses " << (ua == nullptr) << " 0\n";
+  if (ua == nullptr) return;
+  Shard<T> sh(p, cfg.layout, P, r, /*seed=*/77 + static_cast<uint64_t>(r));
+  const double tol = tolerance<T>();
+  auto sent = [&] {
+    int64_t b = group.stats().bytes_sent;
+    if (hybrid) b += d.ulysses_ring()->stats().bytes_sent;
+    return b;
+  };
+  const int64_t sent0 = sent();
+  attention->forward(sh.o, sh.lse, sh.q, sh.k, sh.v);
+  const int64_t sent1 = sent();
+  attention->backward(sh.dq, sh.dk, sh.dv, sh.q, sh.k, sh.v, sh.o, sh.lse, sh.d_o);
+  const int64_t sent2 = sent();
+
+  rep << "CASE " << name << "/o " << shard_error(sh.o, p.o, sh.rows) << " " << tol << "\n";
+  rep << "CASE " << name << "/lse " << shard_error(sh.lse, p.lse, sh.rows) << " " << tol << "\n";
+  rep << "CASE " << name << "/dq " << shard_error(sh.dq, p.dq, sh.rows) << " " << tol << "\n";
+  rep << "CASE " << name << "/dk " << shard_error(sh.dk, p.dk, sh.rows) << " " << tol << "\n";
+  rep << "CASE " << name << "/dv " << shard_error(sh.dv, p.dv, sh.rows) << " " << tol << "\n";
+  // Backward runs neither the inner forward (the ring's or the local one) nor a forward all-to-all.
+  const AttentionCounters& in = ua->inner().counters;
+  rep << "CASE " << name << "/calls_counted "
+      << std::abs(attention->counters.forward_calls - 1) + std::abs(attention->counters.backward_calls - 1) +
+             std::abs(in.forward_calls - 1) + std::abs(in.backward_calls - 1)
+      << " 0\n";
+  const int64_t n = static_cast<int64_t>(sh.rows.size());
+  const Volumes a2a = ulysses_a2a_bytes(U, n, p.Hq, p.Hkv, p.D, sizeof(T));
+  Volumes ring{0, 0};
+  if (hybrid) {
+    const int64_t h = p.Hq / U, g = std::max<int64_t>(p.Hkv / U, 1);
+    ring = expected_bytes(cfg.schedule, causal, R, d.ulysses_ring()->rank(), U * n, h, g, p.D, sizeof(T));
+  }
+  rep << "CASE " << name << "/bytes_forward " << std::abs(sent1 - sent0 - a2a.forward - ring.forward) << " 0\n";
+  rep << "CASE " << name << "/bytes_backward " << std::abs(sent2 - sent1 - a2a.backward - ring.backward) << " 0\n";
+  rep << "CASE " << name << "/bytes_a2a "
+      << std::abs(ua->last_forward_a2a_bytes() - a2a.forward) + std::abs(ua->last_backward_a2a_bytes() - a2a.backward)
+      << " 0\n";
+  rep << "CASE " << name << "/bytes_counter " << std::abs(attention->counters.bytes_sent - (sent2 - sent0)) << " 0\n";
+  const int64_t all_pairs = causal ? S * (S + 1) / 2 : S * S;
+  // Forward and backward each cover every visible pair once per ring of R ranks, and there are U rings.
+  rep << "PAIRS " << name << " " << attention->counters.pairs << " 0 " << 2 * all_pairs * U << "\n";
+
+  // A second forward reuses the persistent buffers and gives the same bits.
+  HostTensor<T> o2({n, p.Hq, p.D}), lse2({n, p.Hq});
+  attention->forward(o2, lse2, sh.q, sh.k, sh.v);
+  rep << "CASE " << name << "/repeat_bitwise " << !(bitwise_equal(o2, sh.o) && bitwise_equal(lse2, sh.lse)) << " 0\n";
+}
+
+std::string ulysses_every_layout(int rank, int P, int port) {
+  one_thread_per_rank();
+  Distributed d(local_world(rank, P, port, P), options(P));
+  std::ostringstream rep;
+  rep.precision(3);
+  for (SeqLayout layout : {SeqLayout::contiguous, SeqLayout::zigzag})
+    for (bool causal : {true, false})
+      for (Heads h : ulysses_heads_for(P)) {
+        check_ulysses<double>(d, {Schedule::ulysses, layout}, causal, h, /*S=*/4 * P, /*D=*/4, rep);
+        check_ulysses<float>(d, {Schedule::ulysses, layout}, causal, h, /*S=*/4 * P, /*D=*/4, rep);
+      }
+  // Heads the group cannot split are refused naming the config keys, on every rank, before anything is sent.
+  for (Heads bad : {Heads{"odd", P + 1, 1}, Heads{"kv3", 3 * P, 3}}) {
+    if (bad.q % bad.kv != 0 || ((bad.kv % P == 0 || P % bad.kv == 0) && bad.q % P == 0)) continue;
+    std::string message;
+    try {
+      check_ulysses<double>(d, {Schedule::ulysses, SeqLayout::contiguous}, true, bad, 4 * P, 4, rep);
+    } catch (const Error& e) {
+      message = e.what();
+    }
+    const bool named = message.find("model.n_heads") != std::string::npos ||
+                       message.find("model.n_kv_heads") != std::string::npos;
+    rep << "CASE P" << P << "/ulysses/refuses_" << bad.name << " "
+        << !(named && message.find("parallel.sp_size") != std::string::npos) << " 0\n";
+  }
+  return rep.str();
+}
+
+class UlyssesRanks : public testing::TestWithParam<int> {};
+
+TEST_P(UlyssesRanks, EqualsSingleRankAttentionWithExactAllToAllBytes) {
+  const int P = GetParam();
+  const int port = parallel::net::pick_free_port();
+  auto out = test::run_ranks(P, [&](int r) { return ulysses_every_layout(r, P, port); }, 90s);
+  Reports rep;
+  expect_cases(out, 2 * 2 * 3 * 2 * 11, &rep);
+  for (const auto& [kind, err] : rep.worst) std::cout << "  worst " << kind << ": " << err << "\n";
+  // Every visible pair is computed once per head shard, forward and backward (pairs count positions,
+  // not heads).
+  EXPECT_FALSE(rep.pairs.empty());
+  for (const auto& [name, v] : rep.pairs) EXPECT_EQ(v[0], v[2]) << name;
+}
+
+INSTANTIATE_TEST_SUITE_P(Gloo, UlyssesRanks, testing::Values(2, 3, 4, 5, 6, 7, 8),
+                         [](const testing::TestParamInfo<int>& i) { return std::to_string(i.param) + "ranks"; });
+
+// U x R: Ulysses inside groups of U consecutive ranks, each ring schedule across the R groups.
+std::string ulysses_hybrid(int rank, int U, int R, int port) {
+  one_thread_per_rank();
+  const int P = U * R;
+  parallel::DistributedOptions o = options(P);
+  o.ulysses_size = U;
+  Distributed d(local_world(rank, P, port, P), o);
+  std::ostringstream rep;
+  rep.precision(3);
+  rep << "CASE groups " << !(d.ulysses() && d.ulysses()->size() == U && d.ulysses_ring()->size() == R) << " 0\n";
+  const std::vector<Config> rings = {{Schedule::ring, SeqLayout::contiguous},
+                                     {Schedule::ring, SeqLayout::zigzag},
+                                     {Schedule::zigzag, SeqLayout::zigzag},
+                                     {Schedule::distflash, SeqLayout::contiguous},
+                                     {Schedule::burst, SeqLayout::zigzag}};
+  for (const Config& cfg : rings)
+    for (bool causal : {true, false})
+      for (Heads h : {Heads{"gqa", 2 * U, U}, Heads{"mqa", U, 1}})
+        check_ulysses<double>(d, cfg, causal, h, /*S=*/4 * P, /*D=*/4, rep);
+  return rep.str();
+}
+
+class UlyssesHybrid : public testing::TestWithParam<std::pair<int, int>> {};
+
+TEST_P(UlyssesHybrid, EveryRingScheduleAcrossUlyssesGroupsEqualsSingleRankAttention) {
+  const auto [U, R] = GetParam();
+  const int port = parallel::net::pick_free_port();
+  auto out = test::run_ranks(U * R, [&](int r) { return ulysses_hybrid(r, U, R, port); }, 90s);
+  Reports rep;
+  expect_cases(out, 5 * 2 * 2 * 11, &rep);
+  for (const auto& [kind, err] : rep.worst) std::cout << "  worst " << kind << ": " << err << "\n";
+  EXPECT_FALSE(rep.pairs.empty());
+  for (const auto& [name, v] : rep.pairs) EXPECT_EQ(v[0], v[2]) << name;
+}
+
+INSTANTIATE_TEST_SUITE_P(Gloo, UlyssesHybrid,
+                         testing::Values(std::pair{2, 2}, std::pair{2, 3}, std::pair{4, 2}),
+                         [](const testing::TestParamInfo<std::pair<int, int>>& i) {
+                           return std::to_string(i.param.first) + "x" + std::to_string(i.param.second);
+                         });
 
 // ---- burst's double ring -------------------------------------------------------------------------------------
 
