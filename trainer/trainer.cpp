@@ -112,6 +112,7 @@ Ranks join_world(const TrainConfig& c) {
   }
   parallel::DistributedOptions o;
   o.sp_size = r.sp_size;
+  o.ulysses_size = static_cast<int>(c.parallel.ulysses_size);
   o.backend = gpu ? parallel::Backend::nccl : parallel::Backend::gloo;
   o.timeout = parallel::Millis(static_cast<int64_t>(c.parallel.timeout_s * 1000));
   o.store_timeout = parallel::Millis(static_cast<int64_t>(c.parallel.store_timeout_s * 1000));
@@ -137,6 +138,12 @@ std::unique_ptr<attn::SequenceAttention> make_attention(const TrainConfig& c, co
     spec.sp = &r.dist->sp();
     spec.intra_node = &r.dist->intra_node();
     spec.inter_node = &r.dist->inter_node();
+    spec.ulysses = r.dist->ulysses();  // null unless 1 < parallel.ulysses_size < sp_size
+    spec.ulysses_ring = r.dist->ulysses_ring();
+    if (c.parallel.ulysses_size == r.sp_size && c.attention.schedule != AttentionSchedule::ulysses) {
+      // Ulysses over the whole group and no ring across groups: the ulysses schedule.
+      spec.schedule = attn::Schedule::ulysses;
+    }
   }
   return attn::make_sequence_attention(spec);
 }
@@ -599,6 +606,8 @@ model::MemoryPlan plan_training_memory(const TrainConfig& c, int world_size) {
   sp.sp_size = static_cast<int>(c.parallel.sp_size);
   sp.schedule = attn::parse_schedule(enum_name(c.attention.schedule));
   sp.causal = c.attention.causal;
+  sp.ulysses_size = static_cast<int>(c.parallel.ulysses_size);
+  if (sp.ulysses_size == sp.sp_size && sp.sp_size > 1) sp.schedule = attn::Schedule::ulysses;  // as make_attention
   // burst runs its double ring when the group spans nodes (make_attention passes both rings); outside
   // a launcher (`train --plan` alone) the group is taken to be on one node.
   const parallel::WorldInfo w = parallel::world_from_env();
