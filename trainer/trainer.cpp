@@ -716,7 +716,12 @@ TrainSummary train(TrainConfig c, const std::string& resume, const TrainHooks& h
   log->info("  {} ranks (data parallel {} × sequence parallel {}, layout {}, attention {}); {} training windows "
             "per epoch; model state {:.1f} MiB per rank; run directory {}",
             ranks.world_size, ranks.dp_size, ranks.sp_size, layout_name(c.parallel.layout),
-            enum_name(c.attention.schedule), loader.num_windows(), state_bytes / 1048576.0, run_dir.string());
+            c.parallel.ulysses_size > 1 && c.parallel.ulysses_size < ranks.sp_size &&
+                    c.attention.schedule != AttentionSchedule::ulysses
+                ? fmt::format("ulysses {} x {} {}", c.parallel.ulysses_size, ranks.sp_size / c.parallel.ulysses_size,
+                              enum_name(c.attention.schedule))
+                : std::string(enum_name(c.attention.schedule)),
+            loader.num_windows(), state_bytes / 1048576.0, run_dir.string());
   for (int i = 0; loader.num_sources() > 1 && i < loader.num_sources(); ++i)
     log->info("  mixture source {}: {} (weight {:g}{}), {} windows per epoch", i, loader.source(i).path,
               loader.source(i).weight, loader.corpus(i).is_megatron() ? ", Megatron dataset" : "",
