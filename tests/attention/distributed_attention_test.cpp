@@ -23,6 +23,7 @@
 #include <type_traits>
 
 #include "attention/distributed/distributed_attention.h"
+#include "attention/distributed/cost_model.h"
 #include "attention/distributed/schedules.h"
 #include "attention/distributed/ulysses_attention.h"
 #include "model/llama.h"
@@ -309,6 +310,11 @@ void check_config(Communicator& sp, const Config& cfg, bool causal, Heads heads,
   const Volumes want = expected_bytes(cfg.schedule, causal, P, r, n, p.Hq, p.Hkv, p.D, sizeof(T));
   rep << "CASE " << name << "/bytes_forward " << std::abs(sent1 - sent0 - want.forward) << " 0\n";
   rep << "CASE " << name << "/bytes_backward " << std::abs(sent2 - sent1 - want.backward) << " 0\n";
+  // The cost model's bytes (attention/distributed/cost_model.h) are what the schedule really sent.
+  const TrafficBytes modelled = ring_schedule_bytes(
+      cfg.schedule, causal, P, r, {n, p.Hq, p.Hkv, p.D, int64_t{sizeof(T)}, int64_t{sizeof(T)}, int64_t{sizeof(T)}});
+  rep << "CASE " << name << "/cost_model_bytes "
+      << std::abs(sent1 - sent0 - modelled.forward) + std::abs(sent2 - sent1 - modelled.backward) << " 0\n";
   rep << "CASE " << name << "/bytes_traced "
       << std::abs(da->last_backward().bytes_sent() - (sent2 - sent1)) +
              std::abs(da->last_forward().bytes_sent() - (sp.stats().bytes_sent - sent2))
@@ -570,6 +576,11 @@ void check_ulysses(Distributed& d, const Config& cfg, bool causal, Heads heads, 
       << std::abs(ua->last_forward_a2a_bytes() - a2a.forward) + std::abs(ua->last_backward_a2a_bytes() - a2a.backward)
       << " 0\n";
   rep << "CASE " << name << "/bytes_counter " << std::abs(attention->counters.bytes_sent - (sent2 - sent0)) << " 0\n";
+  const TrafficBytes modelled = hybrid_bytes(cfg.schedule, causal, P, U, r,
+                                             {n, p.Hq, p.Hkv, p.D, int64_t{sizeof(T)}, int64_t{sizeof(T)},
+                                              int64_t{sizeof(T)}});
+  rep << "CASE " << name << "/cost_model_bytes "
+      << std::abs(sent1 - sent0 - modelled.forward) + std::abs(sent2 - sent1 - modelled.backward) << " 0\n";
   const int64_t all_pairs = causal ? S * (S + 1) / 2 : S * S;
   // Forward and backward each cover every visible pair once per ring of R ranks, and there are U rings.
   rep << "PAIRS " << name << " " << attention->counters.pairs << " 0 " << 2 * all_pairs * U << "\n";
@@ -615,7 +626,7 @@ TEST_P(UlyssesRanks, EqualsSingleRankAttentionWithExactAllToAllBytes) {
   const int port = parallel::net::pick_free_port();
   auto out = test::run_ranks(P, [&](int r) { return ulysses_every_layout(r, P, port); }, 90s);
   Reports rep;
-  expect_cases(out, 2 * 2 * 3 * 2 * 11, &rep);
+  expect_cases(out, 2 * 2 * 3 * 2 * 12, &rep);
   for (const auto& [kind, err] : rep.worst) std::cout << "  worst " << kind << ": " << err << "\n";
   // Every visible pair is computed once per head shard, forward and backward (pairs count positions,
   // not heads).
@@ -655,7 +666,7 @@ TEST_P(UlyssesHybrid, EveryRingScheduleAcrossUlyssesGroupsEqualsSingleRankAttent
   const int port = parallel::net::pick_free_port();
   auto out = test::run_ranks(U * R, [&](int r) { return ulysses_hybrid(r, U, R, port); }, 90s);
   Reports rep;
-  expect_cases(out, 5 * 2 * 2 * 11, &rep);
+  expect_cases(out, 5 * 2 * 2 * 12, &rep);
   for (const auto& [kind, err] : rep.worst) std::cout << "  worst " << kind << ": " << err << "\n";
   EXPECT_FALSE(rep.pairs.empty());
   for (const auto& [name, v] : rep.pairs) EXPECT_EQ(v[0], v[2]) << name;
@@ -666,6 +677,62 @@ INSTANTIATE_TEST_SUITE_P(Gloo, UlyssesHybrid,
                          [](const testing::TestParamInfo<std::pair<int, int>>& i) {
                            return std::to_string(i.param.first) + "x" + std::to_string(i.param.second);
                          });
+
+// The cost model's predictions follow from its inputs: balance, bytes and link speeds.
+TEST(CostModel, RanksTheSchedulesForATopologyAndLength) {
+  Topology node;  // 8 GPUs per node, NVLink-class inside, one 200 Gb/s NIC per GPU across
+  AttentionShape mha{.seq_len = 64 * 1024, .q_heads = 32, .kv_heads = 32, .head_dim = 128};
+  auto find = [](const std::vector<ScheduleEstimate>& v, const std::string& name) {
+    for (const ScheduleEstimate& e : v)
+      if (e.name == name) return e;
+    ADD_FAILURE() << "no candidate " << name;
+    return ScheduleEstimate{};
+  };
+  auto print = [](const char* what, const std::vector<ScheduleEstimate>& v) {
+    std::cout << "  " << what << ":\n";
+    for (const ScheduleEstimate& e : v)
+      std::cout << fmt::format("    {:<28} {:9.3f} ms  {:9.1f} MiB/layer  comm {:8.3f} ms  compute {:8.3f} ms\n",
+                               e.name, e.seconds * 1e3, e.bytes_per_layer / 1048576.0, e.comm_seconds * 1e3,
+                               e.compute_seconds * 1e3);
+  };
+  // One node, MHA, 64K: Ulysses moves (6Hq + 6Hkv)·(P-1)/P·T·D elements against the K/V ring's
+  // 6·(P-1)·Hkv·T·D, so fewer bytes at P = 8; the causal ring over the contiguous layout is the
+  // slowest (its last rank does 7.5 blocks against 4).
+  const std::vector<ScheduleEstimate> one_node = estimate_schedules(mha, 8, node);
+  print("8 ranks in one node, MHA 32 heads, 64K", one_node);
+  EXPECT_LT(find(one_node, "ulysses").bytes_per_layer, find(one_node, "zigzag").bytes_per_layer);
+  EXPECT_EQ(one_node.back().name, "ring (contiguous)");
+  EXPECT_GT(find(one_node, "ring (contiguous)").compute_seconds, 1.8 * find(one_node, "zigzag").compute_seconds);
+  // GQA 32/4 at 1M over 2 nodes: the K/V ring's bytes are small and hidden behind long blocks, while
+  // Ulysses over 16 ranks pushes Q and O through the NICs: a ring-kind schedule or a hybrid wins.
+  AttentionShape gqa{.seq_len = 1024 * 1024, .q_heads = 32, .kv_heads = 4, .head_dim = 128};
+  const std::vector<ScheduleEstimate> two_nodes = estimate_schedules(gqa, 16, node);
+  print("16 ranks on 2 nodes, GQA 32/4, 1M", two_nodes);
+  EXPECT_NE(two_nodes.front().name, "ulysses");
+  EXPECT_LT(two_nodes.front().seconds, find(two_nodes, "ulysses").seconds);
+  // Short sequences: at 8K over 8 ranks of one node the blocks are too small to hide the K/V ring, so
+  // Ulysses (a fifth of zigzag's bytes) beats every ring-only schedule, and a hybrid, which hides part
+  // of its smaller ring's traffic, is predicted fastest.
+  AttentionShape short_mha = mha;
+  short_mha.seq_len = 8 * 1024;
+  const std::vector<ScheduleEstimate> short_run = estimate_schedules(short_mha, 8, node);
+  print("8 ranks in one node, MHA 32 heads, 8K", short_run);
+  EXPECT_EQ(short_run.front().name.rfind("ulysses", 0), 0u) << short_run.front().name;
+  for (const char* ring_only : {"zigzag", "distflash", "burst (zigzag)", "ring (contiguous)"})
+    EXPECT_LT(find(short_run, "ulysses").seconds, find(short_run, ring_only).seconds) << ring_only;
+  EXPECT_GT(find(short_run, "zigzag").comm_seconds, find(short_run, "zigzag").compute_seconds);
+  for (const auto& v : {one_node, two_nodes, short_run})
+    for (size_t i = 1; i < v.size(); ++i) EXPECT_LE(v[i - 1].seconds, v[i].seconds);
+  // A faster inter-node link never makes a candidate slower.
+  Topology fast = node;
+  fast.inter.bytes_per_second *= 8;
+  for (const ScheduleEstimate& e : estimate_schedules(gqa, 16, fast))
+    EXPECT_LE(e.seconds, find(two_nodes, e.name).seconds * (1 + 1e-12)) << e.name;
+  // Heads the group cannot split are not offered.
+  AttentionShape odd = mha;
+  odd.q_heads = odd.kv_heads = 12;
+  for (const ScheduleEstimate& e : estimate_schedules(odd, 8, node)) EXPECT_NE(e.name, "ulysses");
+}
 
 // ---- burst's double ring -------------------------------------------------------------------------------------
 
