@@ -616,6 +616,40 @@ model::MemoryPlan plan_training_memory(const TrainConfig& c, int world_size) {
   return model::plan_memory(c.model, precision_for(c), c.model.checkpoint, tokens, world_size, sp);
 }
 
+std::string attention_plan_text(const TrainConfig& c, const attn::Topology& topo) {
+  const int P = static_cast<int>(c.parallel.sp_size);
+  if (P <= 1) return "";
+  const model::Precision prec = precision_for(c);
+  attn::AttentionShape a;
+  a.seq_len = c.data.seq_len;
+  a.q_heads = c.model.n_heads;
+  a.kv_heads = c.model.n_kv_heads;
+  a.head_dim = c.model.head_dim;
+  a.elem_bytes = static_cast<int64_t>(dtype_size(prec.act));
+  a.acc_bytes = static_cast<int64_t>(dtype_size(prec.stat));
+  a.grad_bytes = a.elem_bytes;
+  a.causal = c.attention.causal;
+  a.layout = c.parallel.layout;
+  const attn::Schedule configured = attn::parse_schedule(enum_name(c.attention.schedule));
+  const int U = configured == attn::Schedule::ulysses ? P : static_cast<int>(c.parallel.ulysses_size);
+  const attn::ScheduleEstimate mine = attn::estimate_schedule(configured, U, c.parallel.layout, a, P, topo);
+  const std::vector<attn::ScheduleEstimate> all = attn::estimate_schedules(a, P, topo);
+  std::string out = fmt::format(
+      "attention per layer, forward + backward (cost model: {} ranks per node, links {:.0f} GB/s {:.0f} us inside a "
+      "node and {:.0f} GB/s {:.0f} us across, {:.0f} TFLOP/s):\n",
+      topo.ranks_per_node, topo.intra.bytes_per_second / 1e9, topo.intra.latency_seconds * 1e6,
+      topo.inter.bytes_per_second / 1e9, topo.inter.latency_seconds * 1e6, topo.flops_per_second / 1e12);
+  auto row = [&](const char* tag, const attn::ScheduleEstimate& e) {
+    return fmt::format("  {:<10} {:<30} sent {:10.3f} MiB per rank, predicted {:10.3f} ms (transfers {:.3f} ms, "
+                       "compute {:.3f} ms)\n",
+                       tag, e.name, static_cast<double>(e.bytes_per_layer) / 1048576.0, e.seconds * 1e3,
+                       e.comm_seconds * 1e3, e.compute_seconds * 1e3);
+  };
+  out += row("configured", mine);
+  for (size_t i = 0; i < std::min<size_t>(3, all.size()); ++i) out += row(i == 0 ? "fastest" : "", all[i]);
+  return out;
+}
+
 // model.init_from's weights into the model, converted to its precision, with progress on the log.
 static void load_init_from(const TrainConfig& c, model::LlamaModel& model, bool log_progress) {
   const auto start = std::chrono::steady_clock::now();

@@ -234,7 +234,11 @@ std::vector<ScheduleEstimate> estimate_schedules(const AttentionShape& a, int P,
     for (const auto& [s, layout] : rings) out.push_back(estimate_schedule(s, U, layout, a, P, topo));
   }
   std::stable_sort(out.begin(), out.end(),
-                   [](const ScheduleEstimate& x, const ScheduleEstimate& y) { return x.seconds < y.seconds; });
+                   [](const ScheduleEstimate& x, const ScheduleEstimate& y) {
+                     // Equal times (compute-bound, transfers hidden): fewer bytes first, less to contend for.
+                     if (x.seconds != y.seconds) return x.seconds < y.seconds;
+                     return x.bytes_per_layer < y.bytes_per_layer;
+                   });
   return out;
 }
 

@@ -82,7 +82,8 @@ struct ScheduleEstimate {
   double seconds = 0;           // predicted forward + backward per layer
 };
 
-// Every candidate for P ranks whose constraints hold (Ulysses needs heads that split), fastest first.
+// Every candidate for P ranks whose constraints hold (Ulysses needs heads that split), fastest first
+// (equal times: fewer bytes first).
 std::vector<ScheduleEstimate> estimate_schedules(const AttentionShape& shape, int sp_size, const Topology& topo);
 // One candidate.
 ScheduleEstimate estimate_schedule(Schedule schedule, int ulysses_size, SeqLayout layout, const AttentionShape& shape,

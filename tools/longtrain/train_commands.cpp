@@ -38,7 +38,20 @@ void add_train_commands(CLI::App& app) {
     cmd->add_option("--resume", *resume, "Resume: 'auto' (newest complete checkpoint, if any) or a checkpoint dir");
     auto plan = std::make_shared<bool>(false);
     cmd->add_flag("--plan", *plan, "Print the memory plan per rank (parameters, gradients, optimizer, activations, "
-                                   "workspace) and exit without allocating");
+                                   "workspace) and, with sequence parallelism, the attention cost model's "
+                                   "prediction per schedule; exit without allocating");
+    auto topo = std::make_shared<attn::Topology>();
+    cmd->add_option("--plan-ranks-per-node", topo->ranks_per_node, "--plan's cost model: GPUs per node")
+        ->capture_default_str()->check(CLI::PositiveNumber);
+    auto intra_gbs = std::make_shared<double>(topo->intra.bytes_per_second / 1e9);
+    auto inter_gbs = std::make_shared<double>(topo->inter.bytes_per_second / 1e9);
+    auto tflops = std::make_shared<double>(topo->flops_per_second / 1e12);
+    cmd->add_option("--plan-intra-gbs", *intra_gbs, "--plan's cost model: GB/s per GPU inside a node")
+        ->capture_default_str()->check(CLI::PositiveNumber);
+    cmd->add_option("--plan-inter-gbs", *inter_gbs, "--plan's cost model: GB/s per GPU across nodes")
+        ->capture_default_str()->check(CLI::PositiveNumber);
+    cmd->add_option("--plan-tflops", *tflops, "--plan's cost model: attention TFLOP/s per GPU")
+        ->capture_default_str()->check(CLI::PositiveNumber);
     cmd->callback([=] {
       trainer::TrainConfig c = trainer::load_config(*config_path, *sets);
       if (*plan) {
@@ -50,6 +63,10 @@ void add_train_commands(CLI::App& app) {
         const int world = ws ? std::atoi(ws) : static_cast<int>(c.parallel.sp_size);
         model::MemoryPlan p = trainer::plan_training_memory(c, world);
         fmt::print("{}", p.table());
+        topo->intra.bytes_per_second = *intra_gbs * 1e9;
+        topo->inter.bytes_per_second = *inter_gbs * 1e9;
+        topo->flops_per_second = *tflops * 1e12;
+        fmt::print("{}", trainer::attention_plan_text(c, *topo));
         if (p.precision.device == Device::cpu || gpu_here) {
           const model::DeviceMemory m = model::device_memory(p.precision.device);
           fmt::print("free on this {}: {:.2f} GiB of {:.2f} GiB\n",
