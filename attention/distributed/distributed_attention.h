@@ -1,7 +1,8 @@
 // Sequence-parallel attention: one sequence of S tokens split over the P ranks of a sequence-parallel
 // (SP) group, each rank holding S/P tokens in the chosen layout (parallel/layout.h), every rank
 // getting the exact O and LSE of its tokens over the whole sequence, and the exact dQ, dK, dV.
-// Four schedules compute the same function (docs/distributed-attention.md describes each):
+// Four ring schedules, and Ulysses (below), compute the same function (docs/distributed-attention.md
+// describes each):
 //
 //   ring       K/V rotate around the SP ring (P steps); the dK/dV accumulator of each K/V block
 //              follows it on the same ring and comes home after P-1 hops. Causal blocks above the
@@ -30,6 +31,11 @@
 //              Layout: either. With zigzag it is balanced like zigzag; with contiguous it is correct
 //              but causal work is as unbalanced as ring's (rank r does r + 1/2 blocks in forward,
 //              P - r - 1/2 in backward), so configs should pair burst with zigzag.
+//
+//   ulysses    head parallelism (ulysses_attention.h): all-to-all to [S tokens, H/P heads], local
+//              attention over the whole sequence, all-to-all back; with `ulysses` / `ulysses_ring` in
+//              the spec, any of the four above runs across Ulysses groups (the 2D hybrid). Not a
+//              DistributedAttention (it has no steps); the cost model (cost_model.h) gives its bytes.
 //
 // Common to all: the next step's inputs are posted (Communicator::start_p2p) before the current
 // block computes and waited for after it, into spare buffers that persist across calls (allocated

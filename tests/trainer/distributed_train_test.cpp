@@ -167,7 +167,7 @@ TEST_F(DistributedTrainTest, SequenceParallelTrainingEqualsOneRank) {
 // Ulysses and the 2D hybrid train what one rank trains: schedule ulysses over 2 ranks (both layouts,
 // and with document masks against one rank with them), and Ulysses inside pairs with zigzag or
 // distflash across 2 pairs (4 ranks). Under remat_aware attention runs once per layer, and the step
-// log's traffic is the all-to-alls' exact bytes (ulysses_attention.h: 16 tokens per rank, 4 query and
+// log's traffic is the all-to-alls' exact bytes (a 2x2 hybrid with burst also with document masks) (ulysses_attention.h: 16 tokens per rank, 4 query and
 // 2 KV heads of 8, f32: forward 16·((2+2)·8 + 2·8 + 2)·4 = 3200 B, backward 16·((6+2)·8 + 2 + (2+2)·8)·4
 // = 6272 B per layer).
 TEST_F(DistributedTrainTest, UlyssesAndTheHybridTrainLikeOneRank) {
@@ -191,7 +191,8 @@ TEST_F(DistributedTrainTest, UlyssesAndTheHybridTrainLikeOneRank) {
       {"u_masked", 2, {"attention.schedule=ulysses", "parallel.layout=zigzag"}, true},
       {"u2x2_zigzag", 4, {"parallel.ulysses_size=2", "attention.schedule=zigzag", "parallel.layout=zigzag"}, false},
       {"u2x2_distflash", 4, {"parallel.ulysses_size=2", "attention.schedule=distflash", "parallel.layout=contiguous"},
-       false}};
+       false},
+      {"u2x2_masked", 4, {"parallel.ulysses_size=2", "attention.schedule=burst", "parallel.layout=zigzag"}, true}};
   for (const Case& k : cases) {
     std::vector<std::string> sets = k.masked ? masked_common : common;
     sets.push_back(fmt::format("parallel.sp_size={}", k.ranks));
