@@ -662,7 +662,7 @@ std::string ulysses_hybrid(int rank, int U, int R, int port) {
 class UlyssesHybrid : public testing::TestWithParam<std::pair<int, int>> {};
 
 TEST_P(UlyssesHybrid, EveryRingScheduleAcrossUlyssesGroupsEqualsSingleRankAttention) {
-  const auto [U, R] = GetParam();
+  const int U = GetParam().first, R = GetParam().second;  // not a structured binding: clang 14 cannot capture one
   const int port = parallel::net::pick_free_port();
   auto out = test::run_ranks(U * R, [&](int r) { return ulysses_hybrid(r, U, R, port); }, 90s);
   Reports rep;
