@@ -1241,7 +1241,7 @@ TEST(SequenceAttentionFactory, RejectsImpossibleCombinationsNamingTheSetting) {
     parse_schedule("rign");
     ADD_FAILURE() << "expected an error";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("use ring, zigzag, distflash or burst"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("use ring, zigzag, distflash, burst or ulysses"), std::string::npos) << e.what();
   }
 }
 
