@@ -257,7 +257,19 @@ MemoryPlan plan_memory(const LlamaConfig& config, const Precision& precision, Ch
     shape.dtype = precision.act;
     shape.stat = precision.stat;
     shape.device = dev;
-    plan.schedule_workspace = attn::schedule_workspace_bytes(sp.schedule, sp.causal, sp.sp_size, sp.nodes, shape);
+    const int U = sp.ulysses_size;
+    if (U > 1 && U < sp.sp_size && sp.schedule != attn::Schedule::ulysses) {
+      // The 2D hybrid: Ulysses' buffers over U ranks, and the ring schedule over sp_size / U ranks on the
+      // gathered U·T tokens of this rank's heads (attention/distributed/ulysses_attention.h).
+      attn::ScheduleWorkspaceShape across = shape;
+      across.tokens = U * T;
+      across.q_heads = Hq / U;
+      across.kv_heads = std::max<int64_t>(Hkv / U, 1);
+      plan.schedule_workspace = attn::schedule_workspace_bytes(attn::Schedule::ulysses, sp.causal, U, 1, shape) +
+                                attn::schedule_workspace_bytes(sp.schedule, sp.causal, sp.sp_size / U, 1, across);
+    } else {
+      plan.schedule_workspace = attn::schedule_workspace_bytes(sp.schedule, sp.causal, sp.sp_size, sp.nodes, shape);
+    }
   }
   return plan;
 }

@@ -69,6 +69,7 @@ struct SequenceParallelPlan {
   attn::Schedule schedule = attn::Schedule::zigzag;
   bool causal = true;
   int nodes = 1;
+  int ulysses_size = 1;  // parallel.ulysses_size: the 2D hybrid when 1 < it < sp_size
 };
 
 struct MemoryPlan {

@@ -41,6 +41,57 @@ std::string Communicator::describe_group() const {
   return fmt::format("'{}' (global ranks {})", name_, fmt::join(ranks_, ", "));
 }
 
+std::unique_ptr<P2PWork> Communicator::start_all_to_all(const std::vector<std::vector<Tensor>>& send,
+                                                       const std::vector<std::vector<Tensor>>& recv) {
+  LT_CHECK(static_cast<int>(send.size()) == size() && static_cast<int>(recv.size()) == size(),
+           "all_to_all on {}: {} send lists and {} receive lists for {} ranks (one of each per rank)",
+           describe_group(), send.size(), recv.size(), size());
+  const auto& own_send = send[static_cast<size_t>(rank())];
+  const auto& own_recv = recv[static_cast<size_t>(rank())];
+  LT_CHECK(own_send.size() == own_recv.size(),
+           "all_to_all on {}: rank {} sends itself {} tensors but receives {} from itself", describe_group(),
+           ranks_[rank()], own_send.size(), own_recv.size());
+  for (size_t j = 0; j < own_send.size(); ++j) {
+    check_comm_tensor("all_to_all", own_send[j], device());
+    check_comm_tensor("all_to_all", own_recv[j], device());
+    LT_CHECK(own_send[j].dtype == own_recv[j].dtype && own_send[j].numel() == own_recv[j].numel(),
+             "all_to_all on {}: this rank's own part {} does not fit its receive tensor {}", describe_group(),
+             own_send[j].describe(), own_recv[j].describe());
+  }
+  std::vector<P2POp> ops;
+  for (int r = 0; r < size(); ++r) {
+    if (r == rank()) continue;
+    // Sends before receives per peer; matching is per direction, so the order between peers is free.
+    for (const Tensor& t : send[static_cast<size_t>(r)]) ops.push_back(P2POp::send(t, r));
+    for (const Tensor& t : recv[static_cast<size_t>(r)]) ops.push_back(P2POp::recv(t, r));
+  }
+  // Post the transfers first, so the local copy overlaps them.
+  std::unique_ptr<P2PWork> work = start_p2p(ops);
+  for (size_t j = 0; j < own_send.size(); ++j)
+    if (own_send[j].data != own_recv[j].data) copy(own_recv[j], own_send[j]);
+  return work;
+}
+
+void Communicator::all_to_all(Tensor out, Tensor in) {
+  check_comm_tensor("all_to_all", out, device());
+  check_comm_tensor("all_to_all", in, device());
+  LT_CHECK(in.dtype == out.dtype && in.numel() == out.numel() && in.numel() % size() == 0,
+           "all_to_all on {}: input {} and output {} must share one dtype and size, a multiple of the {} ranks",
+           describe_group(), in.describe(), out.describe(), size());
+  const char* ib = static_cast<const char*>(in.data);
+  const char* ob = static_cast<const char*>(out.data);
+  LT_CHECK(in.numel() == 0 || ib + in.nbytes() <= ob || ob + out.nbytes() <= ib,
+           "all_to_all on {}: input {} and output {} overlap", describe_group(), in.describe(), out.describe());
+  const int64_t n = in.numel() / size();
+  const Tensor flat_in = in.reshape({in.numel()}), flat_out = out.reshape({out.numel()});
+  std::vector<std::vector<Tensor>> send(static_cast<size_t>(size())), recv(static_cast<size_t>(size()));
+  for (int r = 0; r < size(); ++r) {
+    send[static_cast<size_t>(r)] = {flat_in.narrow(r * n, n)};
+    recv[static_cast<size_t>(r)] = {flat_out.narrow(r * n, n)};
+  }
+  start_all_to_all(send, recv)->wait();
+}
+
 void check_comm_tensor(const char* op, const Tensor& t, Device device) {
   LT_CHECK(t.is_contiguous(), "{}: the tensor {} is not contiguous; communicators take flat, contiguous ranges",
            op, t.describe());

@@ -127,6 +127,18 @@ class Communicator {
   // Posts every transfer of the batch and returns at once (communication overlaps compute).
   [[nodiscard]] virtual std::unique_ptr<P2PWork> start_p2p(std::span<const P2POp> ops) = 0;
   void p2p(std::span<const P2POp> ops) { start_p2p(ops)->wait(); }
+  // All-to-all of several tensors per peer, as one grouped send/recv batch (both backends: Gloo's
+  // send/recv; NCCL's ncclSend/ncclRecv inside one ncclGroupStart/End on the communication stream).
+  // send[r][j] goes to rank r, arriving in rank r's recv[this rank][j], which must have its byte
+  // size. send.size() == recv.size() == size(); send[rank()][j] is copied into recv[rank()][j]
+  // locally (contiguous tensors of one dtype; on CUDA queued on the compute stream) and never
+  // counted as traffic. Tensors must stay alive until the work is waited for (P2PWork's rules).
+  // Sent bytes: the sum over r != rank() of send[r]'s bytes.
+  [[nodiscard]] std::unique_ptr<P2PWork> start_all_to_all(const std::vector<std::vector<Tensor>>& send,
+                                                          const std::vector<std::vector<Tensor>>& recv);
+  // Equal split: in and out [size() * n]; out[r * n, (r + 1) * n) := rank r's in[rank() * n, ...).
+  // Sends (size() - 1) · n elements. in and out must not overlap.
+  void all_to_all(Tensor out, Tensor in);
 
   CommStats stats() const;
   void reset_stats();

@@ -139,8 +139,8 @@ DistributedOptions options_from_env(DistributedOptions o) {
 
 namespace {
 
-ParallelShape checked_shape(const WorldInfo& w, int sp_size) {
-  ParallelShape s{w.world_size, w.local_world_size, sp_size};
+ParallelShape checked_shape(const WorldInfo& w, int sp_size, int ulysses_size) {
+  ParallelShape s{w.world_size, w.local_world_size, sp_size, ulysses_size};
   check_parallel_shape(s);
   return s;
 }
@@ -173,7 +173,7 @@ ProcessGroups create_groups(const WorldInfo& w, const DistributedOptions& o, Tcp
 
 Distributed::Distributed(const WorldInfo& world, DistributedOptions options)
     : world_(world),
-      shape_(checked_shape(world, options.sp_size)),
+      shape_(checked_shape(world, options.sp_size, options.ulysses_size)),
       store_(store_options(world, options)),
       groups_(create_groups(world, options, store_, shape_)) {}
 

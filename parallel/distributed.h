@@ -46,6 +46,9 @@ int first_tasks_per_node(std::string_view tasks_per_node);
 
 struct DistributedOptions {
   int sp_size = 1;
+  // parallel.ulysses_size: when 1 < it < sp_size, the Ulysses groups and the rings across them are
+  // created too (process_group.h).
+  int ulysses_size = 1;
   // gloo for CPU tensors; nccl for CUDA tensors (CUDA builds): the process then takes GPU
   // LOCAL_RANK (cudaSetDevice) before its communicators are created, one GPU per rank.
   Backend backend = Backend::gloo;
@@ -74,6 +77,8 @@ class Distributed {
   Communicator& dp() { return *groups_.dp; }
   Communicator& intra_node() { return *groups_.intra_node; }
   Communicator& inter_node() { return *groups_.inter_node; }
+  Communicator* ulysses() { return groups_.ulysses.get(); }            // null unless 1 < U < sp_size
+  Communicator* ulysses_ring() { return groups_.ulysses_ring.get(); }  // likewise
 
  private:
   WorldInfo world_;

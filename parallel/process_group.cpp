@@ -21,6 +21,10 @@ void check_parallel_shape(const ParallelShape& s) {
            "parallel.sp_size {} does not divide the world size {}: the world is split into data-parallel replicas "
            "of sp_size ranks each; use a divisor of {} or change the number of ranks",
            s.sp_size, s.world_size, s.world_size);
+  LT_CHECK(s.ulysses_size >= 1 && s.sp_size % s.ulysses_size == 0,
+           "parallel.ulysses_size {} must divide parallel.sp_size {} (sp_size = ulysses_size x the ring across the "
+           "Ulysses groups)",
+           s.ulysses_size, s.sp_size);
 }
 
 int RankGroup::index_of(int global_rank) const {
@@ -80,6 +84,22 @@ RankGroup inter_node_ring(const ParallelShape& s, int rank) {
   return g;
 }
 
+RankGroup ulysses_group(const ParallelShape& s, int rank) {
+  const RankGroup sp = sp_group(s, rank);
+  const int p = sp.index_of(rank), U = s.ulysses_size;
+  RankGroup g{fmt::format("{}.ulysses{}", sp.name, p / U), {}};
+  for (int i = 0; i < U; ++i) g.ranks.push_back(sp.ranks[static_cast<size_t>((p / U) * U + i)]);
+  return g;
+}
+
+RankGroup ulysses_ring_group(const ParallelShape& s, int rank) {
+  const RankGroup sp = sp_group(s, rank);
+  const int p = sp.index_of(rank), U = s.ulysses_size;
+  RankGroup g{fmt::format("{}.across{}", sp.name, p % U), {}};
+  for (int q = p % U; q < s.sp_size; q += U) g.ranks.push_back(sp.ranks[static_cast<size_t>(q)]);
+  return g;
+}
+
 bool has_regular_rings(const ParallelShape& s) {
   check_parallel_shape(s);
   return s.local_world_size % s.sp_size == 0 || s.sp_size % s.local_world_size == 0;
@@ -111,6 +131,10 @@ ProcessGroups create_process_groups(Backend backend, TcpStore& store, const Para
   pg.dp = make(dp_group(shape, rank));
   pg.intra_node = make(intra_node_ring(shape, rank));
   pg.inter_node = make(inter_node_ring(shape, rank));
+  if (shape.ulysses_size > 1 && shape.ulysses_size < shape.sp_size) {
+    pg.ulysses = make(ulysses_group(shape, rank));
+    pg.ulysses_ring = make(ulysses_ring_group(shape, rank));
+  }
   return pg;
 }
 

@@ -28,6 +28,7 @@ struct ParallelShape {
   int world_size = 1;
   int local_world_size = 1;  // ranks per node (LOCAL_WORLD_SIZE); every node has the same number
   int sp_size = 1;           // parallel.sp_size
+  int ulysses_size = 1;      // parallel.ulysses_size: Ulysses groups of this many consecutive SP ranks
   int dp_size() const { return world_size / sp_size; }
   int nodes() const { return world_size / local_world_size; }
 };
@@ -48,6 +49,12 @@ RankGroup sp_group(const ParallelShape& shape, int rank);          // "sp<k>"
 RankGroup dp_group(const ParallelShape& shape, int rank);          // "dp<j>"
 RankGroup intra_node_ring(const ParallelShape& shape, int rank);   // "sp<k>.node<n>"
 RankGroup inter_node_ring(const ParallelShape& shape, int rank);   // "sp<k>.local<l>"
+// The 2D hybrid (attention/distributed/ulysses_attention.h), U = ulysses_size: SP rank p = g·U + u is
+// member u of Ulysses group g, the U consecutive SP ranks [g·U, (g+1)·U); its ring across the groups
+// is the SP ranks u, U + u, 2U + u, ... (one per group, in group order).
+// sp 8, U 2:  Ulysses of SP rank 5: {4, 5} ("sp0.ulysses2"); ring of 5: {1, 3, 5, 7} ("sp0.across1").
+RankGroup ulysses_group(const ParallelShape& shape, int rank);       // "sp<k>.ulysses<g>"
+RankGroup ulysses_ring_group(const ParallelShape& shape, int rank);  // "sp<k>.across<u>"
 
 // True when the two rings tile every SP group as a grid (nodes x ranks of the group per node): the SP
 // group lies inside one node (sp divides the ranks per node) or spans whole nodes (the ranks per node
@@ -62,6 +69,8 @@ std::vector<RankGroup> all_dp_groups(const ParallelShape& shape);
 // This rank's communicators over the groups above.
 struct ProcessGroups {
   std::unique_ptr<Communicator> world, sp, dp, intra_node, inter_node;
+  // Only when 1 < ulysses_size < sp_size (null otherwise).
+  std::unique_ptr<Communicator> ulysses, ulysses_ring;
 };
 
 ProcessGroups create_process_groups(Backend backend, TcpStore& store, const ParallelShape& shape, int rank,

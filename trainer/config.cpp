@@ -45,7 +45,7 @@ constexpr std::array<std::string_view, 3> kDeviceNames = {"auto", "cpu", "cuda"}
 constexpr std::array<std::string_view, 4> kDTypeNames = {"auto", "f32", "f64", "bf16"};
 constexpr std::array<std::string_view, 2> kNonFiniteNames = {"skip", "stop"};
 constexpr std::array<std::string_view, 3> kLrScheduleNames = {"cosine", "linear", "constant"};
-constexpr std::array<std::string_view, 4> kAttentionNames = {"ring", "zigzag", "distflash", "burst"};
+constexpr std::array<std::string_view, 5> kAttentionNames = {"ring", "zigzag", "distflash", "burst", "ulysses"};
 constexpr std::array<std::string_view, 3> kOnResumeNames = {"refused", "allowed", "elastic"};
 }  // namespace
 
@@ -480,6 +480,12 @@ const std::vector<KeySpec>& key_table() {
        .bind = LT_CONFIG_FIELD(parallel.sp_size), .range = at_least(1),
        .aliases = {"context_parallel_size", "cp_size", "cp", "sp", "sequence_parallel_size", "context_parallel_degree"},
        .resume = OnResume::elastic},
+      {.section = "parallel", .key = "ulysses_size", .default_value = int64_t{1},
+       .meaning = "2D sequence parallelism: Ulysses (all-to-all to head shards) inside groups of this many consecutive "
+                  "ranks, attention.schedule's ring across the sp_size / ulysses_size groups; must divide sp_size and "
+                  "model.n_heads; 1 = no Ulysses (schedule ulysses: Ulysses over the whole SP group)",
+       .bind = LT_CONFIG_FIELD(parallel.ulysses_size), .range = at_least(1),
+       .aliases = {"ulysses_degree", "ulysses", "head_parallel_size", "a2a_size"}, .resume = OnResume::allowed},
       {.section = "parallel", .key = "layout", .default_value = std::string("zigzag"),
        .meaning = "token split: contiguous (rank r: chunk r) or zigzag (rank r: chunks r and 2P-1-r)",
        .bind = LT_CONFIG_FIELD(parallel.layout), .aliases = {"sharding", "seq_layout", "load_balance"},
@@ -496,7 +502,8 @@ const std::vector<KeySpec>& key_table() {
 
       // attention
       {.section = "attention", .key = "schedule", .default_value = std::string("zigzag"),
-       .meaning = "ring (contiguous baseline), zigzag (needs layout zigzag), distflash (needs contiguous), burst",
+       .meaning = "ring (contiguous baseline), zigzag (needs layout zigzag), distflash (needs contiguous), burst, "
+                  "ulysses (all-to-all to head shards over the SP group; sp_size must divide model.n_heads)",
        .bind = LT_CONFIG_FIELD(attention.schedule), .aliases = {"algorithm", "impl", "cp_algorithm", "rotate_method"},
        .resume = OnResume::allowed},
       {.section = "attention", .key = "causal", .default_value = true, .meaning = "causal mask (language modelling)",
@@ -1072,6 +1079,34 @@ void Loader::check_combinations() const {
     fail({"attention.schedule", "parallel.layout"},
          "attention.schedule distflash needs parallel.layout contiguous (it balances causal work by moving queries "
          "between ranks); use schedule zigzag or burst with the zigzag layout");
+
+  const int64_t U = c.parallel.ulysses_size;
+  if (P % U != 0)
+    fail({"parallel.ulysses_size", "parallel.sp_size"},
+         fmt::format("parallel.ulysses_size ({}) must divide parallel.sp_size ({}): the SP group is ulysses_size ranks "
+                     "of Ulysses times sp_size / ulysses_size ranks of ring",
+                     U, P));
+  if (sched == AttentionSchedule::ulysses && U != 1 && U != P)
+    fail({"attention.schedule", "parallel.ulysses_size"},
+         fmt::format("attention.schedule ulysses runs Ulysses over the whole SP group (parallel.ulysses_size 1 or "
+                     "{}), but parallel.ulysses_size is {}: for Ulysses inside groups of {} with a ring across them, "
+                     "set attention.schedule to ring, zigzag, distflash or burst",
+                     P, U, U));
+  // The ranks that split heads: the whole SP group (schedule ulysses) or the Ulysses groups.
+  const int64_t head_split = sched == AttentionSchedule::ulysses ? P : U;
+  if (head_split > 1) {
+    const std::string key = sched == AttentionSchedule::ulysses ? "parallel.sp_size" : "parallel.ulysses_size";
+    const int64_t hq = c.model.n_heads, hkv = c.model.n_kv_heads;
+    if (hq % head_split != 0)
+      fail({"model.n_heads", key},
+           fmt::format("Ulysses splits the heads over {} = {} ranks, but model.n_heads ({}) is not a multiple of {}",
+                       key, head_split, hq, head_split));
+    if (hkv > 0 && hkv % head_split != 0 && head_split % hkv != 0)
+      fail({"model.n_kv_heads", key},
+           fmt::format("Ulysses over {} = {} ranks needs model.n_kv_heads ({}) to be a multiple of {} (K/V heads "
+                       "split) or a divisor of it (each K/V head sent to the ranks that read it)",
+                       key, head_split, hkv, head_split));
+  }
 
   const DeviceChoice dev = c.train.device;
   const DTypeChoice dt = c.train.dtype;

@@ -34,7 +34,7 @@ enum class DeviceChoice { auto_select, cpu, cuda };   // "auto": cuda when a GPU
 enum class DTypeChoice { auto_select, f32, f64, bf16 };  // "auto": bf16 on cuda, f32 on cpu
 enum class NonFinitePolicy { skip, stop };
 enum class LrSchedule { cosine, linear, constant };
-enum class AttentionSchedule { ring, zigzag, distflash, burst };
+enum class AttentionSchedule { ring, zigzag, distflash, burst, ulysses };
 
 // Whether `--resume` may continue a checkpoint with a different value of a key. Every key of the
 // table has one (a key without it does not compile); `longtrain schema` shows it.
@@ -107,6 +107,7 @@ struct OptimSection {
 
 struct ParallelSection {
   int64_t sp_size{};  // ranks sharing one sequence
+  int64_t ulysses_size{};  // Ulysses groups of this many ranks inside the SP group, a ring across them (1: none)
   SeqLayout layout{};
   double timeout_s{};  // limit of every blocking collective
   double store_timeout_s{};  // how long the rendezvous store may stay silent before it counts as lost

@@ -112,6 +112,7 @@ Ranks join_world(const TrainConfig& c) {
   }
   parallel::DistributedOptions o;
   o.sp_size = r.sp_size;
+  o.ulysses_size = static_cast<int>(c.parallel.ulysses_size);
   o.backend = gpu ? parallel::Backend::nccl : parallel::Backend::gloo;
   o.timeout = parallel::Millis(static_cast<int64_t>(c.parallel.timeout_s * 1000));
   o.store_timeout = parallel::Millis(static_cast<int64_t>(c.parallel.store_timeout_s * 1000));
@@ -137,6 +138,12 @@ std::unique_ptr<attn::SequenceAttention> make_attention(const TrainConfig& c, co
     spec.sp = &r.dist->sp();
     spec.intra_node = &r.dist->intra_node();
     spec.inter_node = &r.dist->inter_node();
+    spec.ulysses = r.dist->ulysses();  // null unless 1 < parallel.ulysses_size < sp_size
+    spec.ulysses_ring = r.dist->ulysses_ring();
+    if (c.parallel.ulysses_size == r.sp_size && c.attention.schedule != AttentionSchedule::ulysses) {
+      // Ulysses over the whole group and no ring across groups: the ulysses schedule.
+      spec.schedule = attn::Schedule::ulysses;
+    }
   }
   return attn::make_sequence_attention(spec);
 }
@@ -600,6 +607,8 @@ model::MemoryChoice plan_training_memory(const TrainConfig& c, int world_size, c
   sp.sp_size = static_cast<int>(c.parallel.sp_size);
   sp.schedule = attn::parse_schedule(enum_name(c.attention.schedule));
   sp.causal = c.attention.causal;
+  sp.ulysses_size = static_cast<int>(c.parallel.ulysses_size);
+  if (sp.ulysses_size == sp.sp_size && sp.sp_size > 1) sp.schedule = attn::Schedule::ulysses;  // as make_attention
   // burst runs its double ring when the group spans nodes (make_attention passes both rings); outside
   // a launcher (`train --plan` alone) the group is taken to be on one node.
   const parallel::WorldInfo w = parallel::world_from_env();
@@ -607,6 +616,40 @@ model::MemoryChoice plan_training_memory(const TrainConfig& c, int world_size, c
   if (per_node > 0 && sp.sp_size > per_node && sp.sp_size % per_node == 0) sp.nodes = sp.sp_size / per_node;
   return model::choose_memory(c.model, precision_for(c), c.model.checkpoint, c.model.offload, tokens, world_size, sp,
                               c.model.tiling, device, host);
+}
+
+std::string attention_plan_text(const TrainConfig& c, const attn::Topology& topo) {
+  const int P = static_cast<int>(c.parallel.sp_size);
+  if (P <= 1) return "";
+  const model::Precision prec = precision_for(c);
+  attn::AttentionShape a;
+  a.seq_len = c.data.seq_len;
+  a.q_heads = c.model.n_heads;
+  a.kv_heads = c.model.n_kv_heads;
+  a.head_dim = c.model.head_dim;
+  a.elem_bytes = static_cast<int64_t>(dtype_size(prec.act));
+  a.acc_bytes = static_cast<int64_t>(dtype_size(prec.stat));
+  a.grad_bytes = a.elem_bytes;
+  a.causal = c.attention.causal;
+  a.layout = c.parallel.layout;
+  const attn::Schedule configured = attn::parse_schedule(enum_name(c.attention.schedule));
+  const int U = configured == attn::Schedule::ulysses ? P : static_cast<int>(c.parallel.ulysses_size);
+  const attn::ScheduleEstimate mine = attn::estimate_schedule(configured, U, c.parallel.layout, a, P, topo);
+  const std::vector<attn::ScheduleEstimate> all = attn::estimate_schedules(a, P, topo);
+  std::string out = fmt::format(
+      "attention per layer, forward + backward (cost model: {} ranks per node, links {:.0f} GB/s {:.0f} us inside a "
+      "node and {:.0f} GB/s {:.0f} us across, {:.0f} TFLOP/s):\n",
+      topo.ranks_per_node, topo.intra.bytes_per_second / 1e9, topo.intra.latency_seconds * 1e6,
+      topo.inter.bytes_per_second / 1e9, topo.inter.latency_seconds * 1e6, topo.flops_per_second / 1e12);
+  auto row = [&](const char* tag, const attn::ScheduleEstimate& e) {
+    return fmt::format("  {:<10} {:<30} sent {:10.3f} MiB per rank, predicted {:10.3f} ms (transfers {:.3f} ms, "
+                       "compute {:.3f} ms)\n",
+                       tag, e.name, static_cast<double>(e.bytes_per_layer) / 1048576.0, e.seconds * 1e3,
+                       e.comm_seconds * 1e3, e.compute_seconds * 1e3);
+  };
+  out += row("configured", mine);
+  for (size_t i = 0; i < std::min<size_t>(3, all.size()); ++i) out += row(i == 0 ? "fastest" : "", all[i]);
+  return out;
 }
 
 // model.init_from's weights into the model, converted to its precision, with progress on the log.
@@ -735,7 +778,12 @@ TrainSummary train(TrainConfig c, const std::string& resume, const TrainHooks& h
   log->info("  {} ranks (data parallel {} × sequence parallel {}, layout {}, attention {}); {} training windows "
             "per epoch; model state {:.1f} MiB per rank; run directory {}",
             ranks.world_size, ranks.dp_size, ranks.sp_size, layout_name(c.parallel.layout),
-            enum_name(c.attention.schedule), loader.num_windows(), state_bytes / 1048576.0, run_dir.string());
+            c.parallel.ulysses_size > 1 && c.parallel.ulysses_size < ranks.sp_size &&
+                    c.attention.schedule != AttentionSchedule::ulysses
+                ? fmt::format("ulysses {} x {} {}", c.parallel.ulysses_size, ranks.sp_size / c.parallel.ulysses_size,
+                              enum_name(c.attention.schedule))
+                : std::string(enum_name(c.attention.schedule)),
+            loader.num_windows(), state_bytes / 1048576.0, run_dir.string());
   for (int i = 0; loader.num_sources() > 1 && i < loader.num_sources(); ++i)
     log->info("  mixture source {}: {} (weight {:g}{}), {} windows per epoch", i, loader.source(i).path,
               loader.source(i).weight, loader.corpus(i).is_megatron() ? ", Megatron dataset" : "",

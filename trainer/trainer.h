@@ -19,6 +19,7 @@
 
 #include "data/loader.h"
 #include "model/llama.h"
+#include "attention/distributed/cost_model.h"
 #include "model/memory_plan.h"
 #include "parallel/communicator.h"
 #include "parallel/distributed.h"
@@ -56,6 +57,11 @@ UnigramBaseline unigram_baseline(const data::TokenCorpus& train, const data::Tok
 // fastest combination that fits, model::choose_memory; the choice's reason says which and why).
 model::MemoryChoice plan_training_memory(const TrainConfig& config, int world_size, const model::DeviceMemory& device,
                                          const model::DeviceMemory& host);
+
+// `train --plan`'s attention block (sequence parallelism only; empty for sp_size 1): the configured
+// schedule's bytes per rank and layer and its predicted time under `topology`, and the candidates the
+// cost model ranks fastest (attention/distributed/cost_model.h).
+std::string attention_plan_text(const TrainConfig& config, const attn::Topology& topology);
 
 // Test hooks: called after each micro-step's backward, before the non-finite check and the update.
 // With several ranks, the last micro-step's gradients have already been reduced over the ranks when

@@ -1,7 +1,8 @@
 // Sequence-parallel attention: one sequence of S tokens split over the P ranks of a sequence-parallel
 // (SP) group, each rank holding S/P tokens in the chosen layout (parallel/layout.h), every rank
 // getting the exact O and LSE of its tokens over the whole sequence, and the exact dQ, dK, dV.
-// Four schedules compute the same function (docs/distributed-attention.md describes each):
+// Four ring schedules, and Ulysses (below), compute the same function (docs/distributed-attention.md
+// describes each):
 //
 //   ring       K/V rotate around the SP ring (P steps); the dK/dV accumulator of each K/V block
 //              follows it on the same ring and comes home after P-1 hops. Causal blocks above the
@@ -30,6 +31,11 @@
 //              Layout: either. With zigzag it is balanced like zigzag; with contiguous it is correct
 //              but causal work is as unbalanced as ring's (rank r does r + 1/2 blocks in forward,
 //              P - r - 1/2 in backward), so configs should pair burst with zigzag.
+//
+//   ulysses    head parallelism (ulysses_attention.h): all-to-all to [S tokens, H/P heads], local
+//              attention over the whole sequence, all-to-all back; with `ulysses` / `ulysses_ring` in
+//              the spec, any of the four above runs across Ulysses groups (the 2D hybrid). Not a
+//              DistributedAttention (it has no steps); the cost model (cost_model.h) gives its bytes.
 //
 // Common to all: the next step's inputs are posted (Communicator::start_p2p) before the current
 // block computes and waited for after it, into spare buffers that persist across calls (allocated
@@ -75,10 +81,10 @@
 
 namespace longtrain::attn {
 
-enum class Schedule : uint8_t { ring, zigzag, distflash, burst };
+enum class Schedule : uint8_t { ring, zigzag, distflash, burst, ulysses };
 
 std::string_view schedule_name(Schedule s);
-// "ring", "zigzag", "distflash" or "burst"; anything else is an error naming the accepted values.
+// "ring", "zigzag", "distflash", "burst" or "ulysses" (ulysses_attention.h); anything else is an error naming the accepted values.
 Schedule parse_schedule(std::string_view name);
 
 struct SequenceAttentionSpec {
@@ -97,6 +103,13 @@ struct SequenceAttentionSpec {
   parallel::Communicator* inter_node = nullptr;
   // How the chunk pairs two ranks share become local block calls (block_plan.h).
   ChunkCalls chunk_calls = ChunkCalls::merged;
+  // The 2D hybrid (ulysses_attention.h; not owned): with a ring schedule and `ulysses` of more than one
+  // rank, Ulysses runs inside `ulysses` (U consecutive SP ranks) and the schedule runs over
+  // `ulysses_ring` (the R = P / U ranks at this rank's position in their groups; null or size 1: no
+  // ring, Ulysses alone). burst then runs its single ring over `ulysses_ring`. Ignored by schedule
+  // ulysses, which is Ulysses over the whole of `sp`.
+  parallel::Communicator* ulysses = nullptr;
+  parallel::Communicator* ulysses_ring = nullptr;
 };
 
 // Throws longtrain::Error naming the setting and the fix: zigzag needs the zigzag layout, distflash

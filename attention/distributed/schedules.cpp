@@ -1,6 +1,7 @@
 // The distributed attention's shared parts (the base class, scratch, block calls), the ring/zigzag
 // and burst schedules, and the factory. distflash is in distflash_attention.cpp.
 #include "attention/distributed/schedules.h"
+#include "attention/distributed/ulysses_attention.h"
 
 #include <cmath>
 #include <limits>
@@ -19,14 +20,15 @@ std::string_view schedule_name(Schedule s) {
     case Schedule::zigzag: return "zigzag";
     case Schedule::distflash: return "distflash";
     case Schedule::burst: return "burst";
+    case Schedule::ulysses: return "ulysses";
   }
   return "?";
 }
 
 Schedule parse_schedule(std::string_view name) {
-  for (Schedule s : {Schedule::ring, Schedule::zigzag, Schedule::distflash, Schedule::burst})
+  for (Schedule s : {Schedule::ring, Schedule::zigzag, Schedule::distflash, Schedule::burst, Schedule::ulysses})
     if (schedule_name(s) == name) return s;
-  LT_FAIL("unknown attention schedule '{}': use ring, zigzag, distflash or burst", name);
+  LT_FAIL("unknown attention schedule '{}': use ring, zigzag, distflash, burst or ulysses", name);
 }
 
 int64_t ScheduleTrace::pairs() const {
@@ -452,8 +454,20 @@ void check_sequence_attention_spec(const SequenceAttentionSpec& spec) {
              "queries between ranks); use schedule zigzag or burst with the zigzag layout");
   LT_CHECK((spec.intra_node == nullptr) == (spec.inter_node == nullptr),
            "sequence attention: pass both the intra-node and the inter-node ring (burst's double ring) or neither");
+  if (spec.ulysses != nullptr && spec.ulysses->size() > 1 && spec.schedule != Schedule::ulysses) {
+    const int R = spec.ulysses_ring ? spec.ulysses_ring->size() : 1;
+    const int U = spec.ulysses->size();
+    LT_CHECK(spec.sp == nullptr || spec.sp->size() == U * R,
+             "sequence attention: the Ulysses group ({} ranks) times its ring ({} ranks) must be the sequence-parallel "
+             "group ({} ranks): parallel.sp_size must be a multiple of parallel.ulysses_size",
+             U, R, spec.sp ? spec.sp->size() : 0);
+    LT_CHECK(spec.sp == nullptr || spec.sp->rank() == (R > 1 ? spec.ulysses_ring->rank() : 0) * U + spec.ulysses->rank(),
+             "sequence attention: sequence-parallel rank {} is not member {} of Ulysses group {} (groups must be "
+             "consecutive ranks)", spec.sp ? spec.sp->rank() : -1, spec.ulysses->rank(),
+             R > 1 ? spec.ulysses_ring->rank() : 0);
+  }
   if (spec.sp == nullptr) return;
-  for (const parallel::Communicator* c : {spec.intra_node, spec.inter_node})
+  for (const parallel::Communicator* c : {spec.intra_node, spec.inter_node, spec.ulysses, spec.ulysses_ring})
     LT_CHECK(c == nullptr || c->device() == spec.sp->device(),
              "sequence attention: communicator {} is on another device than the sequence-parallel group {}",
              c ? c->name() : "", spec.sp->name());
@@ -463,11 +477,31 @@ std::unique_ptr<SequenceAttention> make_sequence_attention(const SequenceAttenti
   check_sequence_attention_spec(spec);
   if (spec.sp == nullptr || spec.sp->size() == 1)
     return std::make_unique<LocalSequenceAttention>(spec.causal, spec.scale);
+  if (spec.schedule == Schedule::ulysses)
+    return std::make_unique<UlyssesAttention>(*spec.sp, std::make_unique<LocalSequenceAttention>(spec.causal, spec.scale),
+                                              spec.layout, 1, 0, "parallel.sp_size");
+  if (spec.ulysses != nullptr && spec.ulysses->size() > 1) {
+    const bool ring = spec.ulysses_ring != nullptr && spec.ulysses_ring->size() > 1;
+    std::unique_ptr<SequenceAttention> inner;
+    if (ring) {
+      SequenceAttentionSpec across = spec;
+      across.sp = spec.ulysses_ring;
+      across.intra_node = across.inter_node = nullptr;
+      across.ulysses = across.ulysses_ring = nullptr;
+      inner = make_sequence_attention(across);
+    } else {
+      inner = std::make_unique<LocalSequenceAttention>(spec.causal, spec.scale);
+    }
+    return std::make_unique<UlyssesAttention>(*spec.ulysses, std::move(inner), spec.layout,
+                                              ring ? spec.ulysses_ring->size() : 1, ring ? spec.ulysses_ring->rank() : 0,
+                                              "parallel.ulysses_size");
+  }
   switch (spec.schedule) {
     case Schedule::ring:
     case Schedule::zigzag: return std::make_unique<dist::RingAttention>(spec.schedule, spec);
     case Schedule::distflash: return std::make_unique<dist::DistFlashAttention>(spec);
     case Schedule::burst: return std::make_unique<dist::BurstAttention>(spec);
+    case Schedule::ulysses: break;  // handled above
   }
   LT_FAIL("unknown attention schedule {}", static_cast<int>(spec.schedule));
 }

@@ -1,5 +1,7 @@
 #include "attention/distributed/workspace.h"
 
+#include <algorithm>
+
 #include <string>
 
 #include <fmt/format.h>
@@ -61,6 +63,23 @@ size_t schedule_workspace_bytes(Schedule schedule, bool causal, int sp_size, int
       bytes += slots_bytes(kv, block_slots, dev);
       bytes += slots_bytes(q_side_bwd, block_slots, dev) + slots_bytes(dq, acc_slots, dev);
       break;
+    case Schedule::ulysses: {
+      // ulysses_attention.cpp: per member a send and a receive slot for each direction, and one
+      // slot of gathered head-layout tensors per direction (G = U·T tokens, h and g heads). The
+      // scratch of the other schedules is not allocated (the inner attention is the local one).
+      const int U = sp_size;
+      const int64_t h = Hq / U, g = std::max<int64_t>(Hkv / U, 1), G = T * U;
+      const MessageSpec qkv = {{{T, h, D}, x}, {{T, g, D}, x}, {{T, g, D}, x}};
+      const MessageSpec ret = {{{T, h, D}, x}, {{T, h}, acc}};
+      const MessageSpec bwd_in = {{{T, h, D}, x}, {{T, g, D}, x}, {{T, g, D}, x},
+                                  {{T, h, D}, x}, {{T, h, D}, x}, {{T, h}, acc}};
+      const MessageSpec grads = {{{T, h, D}, x}, {{T, g, D}, x}, {{T, g, D}, x}};
+      const MessageSpec fwd_gathered = {{{G, h, D}, x}, {{G, g, D}, x}, {{G, g, D}, x}, {{G, h, D}, x}, {{G, h}, acc}};
+      const MessageSpec bwd_gathered = {{{G, h, D}, x}, {{G, g, D}, x}, {{G, g, D}, x}, {{G, h, D}, x}, {{G, h, D}, x},
+                                        {{G, h}, acc},   {{G, h, D}, x}, {{G, g, D}, x}, {{G, g, D}, x}};
+      return 2 * slots_bytes(qkv, U, dev) + 2 * slots_bytes(ret, U, dev) + 2 * slots_bytes(bwd_in, U, dev) +
+             2 * slots_bytes(grads, U, dev) + slots_bytes(fwd_gathered, 1, dev) + slots_bytes(bwd_gathered, 1, dev);
+    }
     case Schedule::distflash: {
       // distflash_attention.cpp: own K/V (1), inbound K/V (2); with helpers (causal, P >= 3) own Q side
       // (1), inbound Q sides (2), outbound results (2), inbound result (1).

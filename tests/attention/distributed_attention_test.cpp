@@ -23,7 +23,9 @@
 #include <type_traits>
 
 #include "attention/distributed/distributed_attention.h"
+#include "attention/distributed/cost_model.h"
 #include "attention/distributed/schedules.h"
+#include "attention/distributed/ulysses_attention.h"
 #include "model/llama.h"
 #include "parallel/distributed.h"
 #include "parallel/multiproc_util.h"
@@ -217,6 +219,7 @@ Volumes expected_bytes(Schedule s, bool causal, int P, int r, int64_t T, int64_t
       return {kv_sends * kv + q_sends * q + helper_results * partial,
               kv_sends * kv + q_sends * q_side + owner_results * dkv + helper_results * dq};
     }
+    case Schedule::ulysses: break;  // ulysses_a2a_bytes
   }
   return {-1, -1};
 }
@@ -250,6 +253,7 @@ std::unique_ptr<SequenceAttention> make_schedule_directly(const SequenceAttentio
     case Schedule::zigzag: return std::make_unique<dist::RingAttention>(spec.schedule, spec);
     case Schedule::distflash: return std::make_unique<dist::DistFlashAttention>(spec);
     case Schedule::burst: return std::make_unique<dist::BurstAttention>(spec);
+    case Schedule::ulysses: break;  // not a DistributedAttention (ulysses_attention_test below)
   }
   return nullptr;
 }
@@ -306,6 +310,11 @@ void check_config(Communicator& sp, const Config& cfg, bool causal, Heads heads,
   const Volumes want = expected_bytes(cfg.schedule, causal, P, r, n, p.Hq, p.Hkv, p.D, sizeof(T));
   rep << "CASE " << name << "/bytes_forward " << std::abs(sent1 - sent0 - want.forward) << " 0\n";
   rep << "CASE " << name << "/bytes_backward " << std::abs(sent2 - sent1 - want.backward) << " 0\n";
+  // The cost model's bytes (attention/distributed/cost_model.h) are what the schedule really sent.
+  const TrafficBytes modelled = ring_schedule_bytes(
+      cfg.schedule, causal, P, r, {n, p.Hq, p.Hkv, p.D, int64_t{sizeof(T)}, int64_t{sizeof(T)}, int64_t{sizeof(T)}});
+  rep << "CASE " << name << "/cost_model_bytes "
+      << std::abs(sent1 - sent0 - modelled.forward) + std::abs(sent2 - sent1 - modelled.backward) << " 0\n";
   rep << "CASE " << name << "/bytes_traced "
       << std::abs(da->last_backward().bytes_sent() - (sent2 - sent1)) +
              std::abs(da->last_forward().bytes_sent() - (sp.stats().bytes_sent - sent2))
@@ -481,6 +490,249 @@ TEST_P(DistributedAttentionRanks, EveryScheduleEqualsSingleRankAttention) {
 
 INSTANTIATE_TEST_SUITE_P(Gloo, DistributedAttentionRanks, testing::Values(1, 2, 3, 4, 8),
                          [](const testing::TestParamInfo<int>& i) { return std::to_string(i.param) + "ranks"; });
+
+// ---- Ulysses and the 2D hybrid ---------------------------------------------------------------------------------
+
+// Bytes one rank's all-to-alls send (ulysses_attention.h): Q, K, V out and O, LSE back; Q, K, V, O, dO,
+// LSE out and dQ, dK, dV back.
+Volumes ulysses_a2a_bytes(int U, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t b) {
+  const int64_t h = Hq / U, g = std::max<int64_t>(Hkv / U, 1);
+  return {(U - 1) * T * ((h + 2 * g) * D + h * D + h) * b,
+          (U - 1) * T * ((3 * h + 2 * g) * D + h + (h + 2 * g) * D) * b};
+}
+
+// The head counts a group of U ranks can split: MHA, GQA with K/V heads split, GQA with K/V heads
+// replicated to U/Hkv ranks (when U > 2 is even), MQA.
+std::vector<Heads> ulysses_heads_for(int U) {
+  std::vector<Heads> h = {{"mha", U, U}, {"gqa", 2 * U, U}, {"mqa", U, 1}};
+  if (U > 2 && U % 2 == 0) h.push_back({"gqa_replicated", 2 * U, 2});
+  return h;
+}
+
+// Ulysses (cfg.schedule ulysses: over the whole SP group) or the hybrid (a ring schedule over the rings
+// across the Ulysses groups of `d`) against single-rank attention; bytes against ulysses_a2a_bytes plus
+// the inner ring's expected_bytes over R ranks of U·T tokens with the group member's heads.
+template <class T>
+void check_ulysses(Distributed& d, const Config& cfg, bool causal, Heads heads, int64_t S, int64_t D,
+                   std::ostream& rep) {
+  Communicator& sp = d.sp();
+  const int P = sp.size(), r = sp.rank();
+  const bool hybrid = cfg.schedule != Schedule::ulysses;
+  Communicator& group = hybrid ? *d.ulysses() : sp;
+  const int U = group.size(), R = P / U;
+  const std::string name = fmt::format("U{}xR{}/{}/{}/{}/{}/{}", U, R, schedule_name(cfg.schedule),
+                                       layout_name(cfg.layout), causal ? "causal" : "full", heads.name,
+                                       dtype_name(dtype_of<T>()));
+  const Problem p = make_problem(S, heads, D, causal, /*seed=*/S * 1000 + D * 10 + (causal ? 1 : 0) + heads.kv,
+                                 std::is_same_v<T, float>);
+  SequenceAttentionSpec spec;
+  spec.schedule = cfg.schedule;
+  spec.causal = causal;
+  spec.scale = p.scale;
+  spec.layout = cfg.layout;
+  spec.sp = &sp;
+  if (hybrid) {
+    spec.ulysses = d.ulysses();
+    spec.ulysses_ring = d.ulysses_ring();
+  }
+  std::unique_ptr<SequenceAttention> attention = make_sequence_attention(spec);
+  auto* ua = dynamic_cast<UlyssesAttention*>(attention.get());
+  rep << "CASE " << name << "/is_ulysses " << (ua == nullptr) << " 0\n";
+  if (ua == nullptr) return;
+  Shard<T> sh(p, cfg.layout, P, r, /*seed=*/77 + static_cast<uint64_t>(r));
+  const double tol = tolerance<T>();
+  auto sent = [&] {
+    int64_t b = group.stats().bytes_sent;
+    if (hybrid) b += d.ulysses_ring()->stats().bytes_sent;
+    return b;
+  };
+  const int64_t sent0 = sent();
+  attention->forward(sh.o, sh.lse, sh.q, sh.k, sh.v);
+  const int64_t sent1 = sent();
+  attention->backward(sh.dq, sh.dk, sh.dv, sh.q, sh.k, sh.v, sh.o, sh.lse, sh.d_o);
+  const int64_t sent2 = sent();
+
+  rep << "CASE " << name << "/o " << shard_error(sh.o, p.o, sh.rows) << " " << tol << "\n";
+  rep << "CASE " << name << "/lse " << shard_error(sh.lse, p.lse, sh.rows) << " " << tol << "\n";
+  rep << "CASE " << name << "/dq " << shard_error(sh.dq, p.dq, sh.rows) << " " << tol << "\n";
+  rep << "CASE " << name << "/dk " << shard_error(sh.dk, p.dk, sh.rows) << " " << tol << "\n";
+  rep << "CASE " << name << "/dv " << shard_error(sh.dv, p.dv, sh.rows) << " " << tol << "\n";
+  // Backward runs neither the inner forward (the ring's or the local one) nor a forward all-to-all.
+  const AttentionCounters& in = ua->inner().counters;
+  rep << "CASE " << name << "/calls_counted "
+      << std::abs(attention->counters.forward_calls - 1) + std::abs(attention->counters.backward_calls - 1) +
+             std::abs(in.forward_calls - 1) + std::abs(in.backward_calls - 1)
+      << " 0\n";
+  const int64_t n = static_cast<int64_t>(sh.rows.size());
+  const Volumes a2a = ulysses_a2a_bytes(U, n, p.Hq, p.Hkv, p.D, sizeof(T));
+  Volumes ring{0, 0};
+  if (hybrid) {
+    const int64_t h = p.Hq / U, g = std::max<int64_t>(p.Hkv / U, 1);
+    ring = expected_bytes(cfg.schedule, causal, R, d.ulysses_ring()->rank(), U * n, h, g, p.D, sizeof(T));
+  }
+  rep << "CASE " << name << "/bytes_forward " << std::abs(sent1 - sent0 - a2a.forward - ring.forward) << " 0\n";
+  rep << "CASE " << name << "/bytes_backward " << std::abs(sent2 - sent1 - a2a.backward - ring.backward) << " 0\n";
+  rep << "CASE " << name << "/bytes_a2a "
+      << std::abs(ua->last_forward_a2a_bytes() - a2a.forward) + std::abs(ua->last_backward_a2a_bytes() - a2a.backward)
+      << " 0\n";
+  rep << "CASE " << name << "/bytes_counter " << std::abs(attention->counters.bytes_sent - (sent2 - sent0)) << " 0\n";
+  const TrafficBytes modelled = hybrid_bytes(cfg.schedule, causal, P, U, r,
+                                             {n, p.Hq, p.Hkv, p.D, int64_t{sizeof(T)}, int64_t{sizeof(T)},
+                                              int64_t{sizeof(T)}});
+  rep << "CASE " << name << "/cost_model_bytes "
+      << std::abs(sent1 - sent0 - modelled.forward) + std::abs(sent2 - sent1 - modelled.backward) << " 0\n";
+  const int64_t all_pairs = causal ? S * (S + 1) / 2 : S * S;
+  // Forward and backward each cover every visible pair once per ring of R ranks, and there are U rings.
+  rep << "PAIRS " << name << " " << attention->counters.pairs << " 0 " << 2 * all_pairs * U << "\n";
+
+  // A second forward reuses the persistent buffers and gives the same bits.
+  HostTensor<T> o2({n, p.Hq, p.D}), lse2({n, p.Hq});
+  attention->forward(o2, lse2, sh.q, sh.k, sh.v);
+  rep << "CASE " << name << "/repeat_bitwise " << !(bitwise_equal(o2, sh.o) && bitwise_equal(lse2, sh.lse)) << " 0\n";
+}
+
+std::string ulysses_every_layout(int rank, int P, int port) {
+  one_thread_per_rank();
+  Distributed d(local_world(rank, P, port, P), options(P));
+  std::ostringstream rep;
+  rep.precision(3);
+  for (SeqLayout layout : {SeqLayout::contiguous, SeqLayout::zigzag})
+    for (bool causal : {true, false})
+      for (Heads h : ulysses_heads_for(P)) {
+        check_ulysses<double>(d, {Schedule::ulysses, layout}, causal, h, /*S=*/4 * P, /*D=*/4, rep);
+        check_ulysses<float>(d, {Schedule::ulysses, layout}, causal, h, /*S=*/4 * P, /*D=*/4, rep);
+      }
+  // Heads the group cannot split are refused naming the config keys, on every rank, before anything is sent.
+  for (Heads bad : {Heads{"odd", P + 1, 1}, Heads{"kv3", 3 * P, 3}}) {
+    if (bad.q % bad.kv != 0 || ((bad.kv % P == 0 || P % bad.kv == 0) && bad.q % P == 0)) continue;
+    std::string message;
+    try {
+      check_ulysses<double>(d, {Schedule::ulysses, SeqLayout::contiguous}, true, bad, 4 * P, 4, rep);
+    } catch (const Error& e) {
+      message = e.what();
+    }
+    const bool named = message.find("model.n_heads") != std::string::npos ||
+                       message.find("model.n_kv_heads") != std::string::npos;
+    rep << "CASE P" << P << "/ulysses/refuses_" << bad.name << " "
+        << !(named && message.find("parallel.sp_size") != std::string::npos) << " 0\n";
+  }
+  return rep.str();
+}
+
+class UlyssesRanks : public testing::TestWithParam<int> {};
+
+TEST_P(UlyssesRanks, EqualsSingleRankAttentionWithExactAllToAllBytes) {
+  const int P = GetParam();
+  const int port = parallel::net::pick_free_port();
+  auto out = test::run_ranks(P, [&](int r) { return ulysses_every_layout(r, P, port); }, 90s);
+  Reports rep;
+  expect_cases(out, 2 * 2 * 3 * 2 * 12, &rep);
+  for (const auto& [kind, err] : rep.worst) std::cout << "  worst " << kind << ": " << err << "\n";
+  // Every visible pair is computed once per head shard, forward and backward (pairs count positions,
+  // not heads).
+  EXPECT_FALSE(rep.pairs.empty());
+  for (const auto& [name, v] : rep.pairs) EXPECT_EQ(v[0], v[2]) << name;
+}
+
+INSTANTIATE_TEST_SUITE_P(Gloo, UlyssesRanks, testing::Values(2, 3, 4, 5, 6, 7, 8),
+                         [](const testing::TestParamInfo<int>& i) { return std::to_string(i.param) + "ranks"; });
+
+// U x R: Ulysses inside groups of U consecutive ranks, each ring schedule across the R groups.
+std::string ulysses_hybrid(int rank, int U, int R, int port) {
+  one_thread_per_rank();
+  const int P = U * R;
+  parallel::DistributedOptions o = options(P);
+  o.ulysses_size = U;
+  Distributed d(local_world(rank, P, port, P), o);
+  std::ostringstream rep;
+  rep.precision(3);
+  rep << "CASE groups " << !(d.ulysses() && d.ulysses()->size() == U && d.ulysses_ring()->size() == R) << " 0\n";
+  const std::vector<Config> rings = {{Schedule::ring, SeqLayout::contiguous},
+                                     {Schedule::ring, SeqLayout::zigzag},
+                                     {Schedule::zigzag, SeqLayout::zigzag},
+                                     {Schedule::distflash, SeqLayout::contiguous},
+                                     {Schedule::burst, SeqLayout::zigzag}};
+  for (const Config& cfg : rings)
+    for (bool causal : {true, false})
+      for (Heads h : {Heads{"gqa", 2 * U, U}, Heads{"mqa", U, 1}})
+        check_ulysses<double>(d, cfg, causal, h, /*S=*/4 * P, /*D=*/4, rep);
+  return rep.str();
+}
+
+class UlyssesHybrid : public testing::TestWithParam<std::pair<int, int>> {};
+
+TEST_P(UlyssesHybrid, EveryRingScheduleAcrossUlyssesGroupsEqualsSingleRankAttention) {
+  const int U = GetParam().first, R = GetParam().second;  // not a structured binding: clang 14 cannot capture one
+  const int port = parallel::net::pick_free_port();
+  auto out = test::run_ranks(U * R, [&](int r) { return ulysses_hybrid(r, U, R, port); }, 90s);
+  Reports rep;
+  expect_cases(out, 5 * 2 * 2 * 12, &rep);
+  for (const auto& [kind, err] : rep.worst) std::cout << "  worst " << kind << ": " << err << "\n";
+  EXPECT_FALSE(rep.pairs.empty());
+  for (const auto& [name, v] : rep.pairs) EXPECT_EQ(v[0], v[2]) << name;
+}
+
+INSTANTIATE_TEST_SUITE_P(Gloo, UlyssesHybrid,
+                         testing::Values(std::pair{2, 2}, std::pair{2, 3}, std::pair{4, 2}),
+                         [](const testing::TestParamInfo<std::pair<int, int>>& i) {
+                           return std::to_string(i.param.first) + "x" + std::to_string(i.param.second);
+                         });
+
+// The cost model's predictions follow from its inputs: balance, bytes and link speeds.
+TEST(CostModel, RanksTheSchedulesForATopologyAndLength) {
+  Topology node;  // 8 GPUs per node, NVLink-class inside, one 200 Gb/s NIC per GPU across
+  AttentionShape mha{.seq_len = 64 * 1024, .q_heads = 32, .kv_heads = 32, .head_dim = 128};
+  auto find = [](const std::vector<ScheduleEstimate>& v, const std::string& name) {
+    for (const ScheduleEstimate& e : v)
+      if (e.name == name) return e;
+    ADD_FAILURE() << "no candidate " << name;
+    return ScheduleEstimate{};
+  };
+  auto print = [](const char* what, const std::vector<ScheduleEstimate>& v) {
+    std::cout << "  " << what << ":\n";
+    for (const ScheduleEstimate& e : v)
+      std::cout << fmt::format("    {:<28} {:9.3f} ms  {:9.1f} MiB/layer  comm {:8.3f} ms  compute {:8.3f} ms\n",
+                               e.name, e.seconds * 1e3, e.bytes_per_layer / 1048576.0, e.comm_seconds * 1e3,
+                               e.compute_seconds * 1e3);
+  };
+  // One node, MHA, 64K: Ulysses moves (6Hq + 6Hkv)·(P-1)/P·T·D elements against the K/V ring's
+  // 6·(P-1)·Hkv·T·D, so fewer bytes at P = 8; the causal ring over the contiguous layout is the
+  // slowest (its last rank does 7.5 blocks against 4).
+  const std::vector<ScheduleEstimate> one_node = estimate_schedules(mha, 8, node);
+  print("8 ranks in one node, MHA 32 heads, 64K", one_node);
+  EXPECT_LT(find(one_node, "ulysses").bytes_per_layer, find(one_node, "zigzag").bytes_per_layer);
+  EXPECT_EQ(one_node.back().name, "ring (contiguous)");
+  EXPECT_GT(find(one_node, "ring (contiguous)").compute_seconds, 1.8 * find(one_node, "zigzag").compute_seconds);
+  // GQA 32/4 at 1M over 2 nodes: the K/V ring's bytes are small and hidden behind long blocks, while
+  // Ulysses over 16 ranks pushes Q and O through the NICs: a ring-kind schedule or a hybrid wins.
+  AttentionShape gqa{.seq_len = 1024 * 1024, .q_heads = 32, .kv_heads = 4, .head_dim = 128};
+  const std::vector<ScheduleEstimate> two_nodes = estimate_schedules(gqa, 16, node);
+  print("16 ranks on 2 nodes, GQA 32/4, 1M", two_nodes);
+  EXPECT_NE(two_nodes.front().name, "ulysses");
+  EXPECT_LT(two_nodes.front().seconds, find(two_nodes, "ulysses").seconds);
+  // Short sequences: at 8K over 8 ranks of one node the blocks are too small to hide the K/V ring, so
+  // Ulysses (a fifth of zigzag's bytes) beats every ring-only schedule, and a hybrid, which hides part
+  // of its smaller ring's traffic, is predicted fastest.
+  AttentionShape short_mha = mha;
+  short_mha.seq_len = 8 * 1024;
+  const std::vector<ScheduleEstimate> short_run = estimate_schedules(short_mha, 8, node);
+  print("8 ranks in one node, MHA 32 heads, 8K", short_run);
+  EXPECT_EQ(short_run.front().name.rfind("ulysses", 0), 0u) << short_run.front().name;
+  for (const char* ring_only : {"zigzag", "distflash", "burst (zigzag)", "ring (contiguous)"})
+    EXPECT_LT(find(short_run, "ulysses").seconds, find(short_run, ring_only).seconds) << ring_only;
+  EXPECT_GT(find(short_run, "zigzag").comm_seconds, find(short_run, "zigzag").compute_seconds);
+  for (const auto& v : {one_node, two_nodes, short_run})
+    for (size_t i = 1; i < v.size(); ++i) EXPECT_LE(v[i - 1].seconds, v[i].seconds);
+  // A faster inter-node link never makes a candidate slower.
+  Topology fast = node;
+  fast.inter.bytes_per_second *= 8;
+  for (const ScheduleEstimate& e : estimate_schedules(gqa, 16, fast))
+    EXPECT_LE(e.seconds, find(two_nodes, e.name).seconds * (1 + 1e-12)) << e.name;
+  // Heads the group cannot split are not offered.
+  AttentionShape odd = mha;
+  odd.q_heads = odd.kv_heads = 12;
+  for (const ScheduleEstimate& e : estimate_schedules(odd, 8, node)) EXPECT_NE(e.name, "ulysses");
+}
 
 // ---- burst's double ring -------------------------------------------------------------------------------------
 
@@ -989,7 +1241,7 @@ TEST(SequenceAttentionFactory, RejectsImpossibleCombinationsNamingTheSetting) {
     parse_schedule("rign");
     ADD_FAILURE() << "expected an error";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("use ring, zigzag, distflash or burst"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("use ring, zigzag, distflash, burst or ulysses"), std::string::npos) << e.what();
   }
 }
 

@@ -138,6 +138,33 @@ void expect_error(const std::function<void()>& f, const std::vector<std::string>
   }
 }
 
+// The 2D hybrid's groups: Ulysses groups of U consecutive SP ranks, and rings of the ranks at the same
+// position in their groups; together they tile every SP group as a U x R grid.
+TEST(ProcessGroups, UlyssesGroupsAndTheirRingsTileEachSpGroup) {
+  const ParallelShape s{16, 8, 8, 2};  // two SP groups of 8, Ulysses over pairs
+  EXPECT_EQ(ulysses_group(s, 5).ranks, (std::vector<int>{4, 5}));
+  EXPECT_EQ(ulysses_group(s, 5).name, "sp0.ulysses2");
+  EXPECT_EQ(ulysses_ring_group(s, 5).ranks, (std::vector<int>{1, 3, 5, 7}));
+  EXPECT_EQ(ulysses_ring_group(s, 5).name, "sp0.across1");
+  EXPECT_EQ(ulysses_group(s, 13).ranks, (std::vector<int>{12, 13}));
+  EXPECT_EQ(ulysses_ring_group(s, 13).ranks, (std::vector<int>{9, 11, 13, 15}));
+  for (int U : {1, 2, 4, 8}) {
+    const ParallelShape shape{16, 8, 8, U};
+    for (int r = 0; r < 16; ++r) {
+      const RankGroup u = ulysses_group(shape, r), ring = ulysses_ring_group(shape, r);
+      ASSERT_EQ(static_cast<int>(u.ranks.size()), U);
+      ASSERT_EQ(static_cast<int>(ring.ranks.size()), 8 / U);
+      // SP rank p = g·U + m is member m of group g and member g of its ring.
+      const int p = r % 8;
+      EXPECT_EQ(u.index_of(r), p % U);
+      EXPECT_EQ(ring.index_of(r), p / U);
+      for (int q : u.ranks) EXPECT_EQ(q / 8, r / 8) << "a Ulysses group leaves its SP group";
+      for (int q : ring.ranks) EXPECT_EQ(q % U, r % U);
+    }
+  }
+  EXPECT_THROW(check_parallel_shape(ParallelShape{8, 8, 8, 3}), Error);
+}
+
 TEST(ProcessGroups, BadShapesAreRejectedNamingTheValue) {
   expect_error([] { check_parallel_shape({6, 3, 4}); }, {"parallel.sp_size 4 does not divide the world size 6"});
   expect_error([] { check_parallel_shape({6, 4, 2}); }, {"world size 6 is not a multiple of the ranks per node 4"});

@@ -320,7 +320,8 @@ TEST(TrainerConfig, WrongTypesAreNamed) {
   EXPECT_EQ(load_error("optim:\n  no_decay: [norm, [x]]\n"),
             "cfg/test.yaml:2: optim.no_decay: list items must be non-empty strings, got a list");
   EXPECT_EQ(load_error("attention:\n  schedule: zigzig\n"),
-            "cfg/test.yaml:2: attention.schedule: expected one of ring, zigzag, distflash, burst, got 'zigzig' (did you "
+            "cfg/test.yaml:2: attention.schedule: expected one of ring, zigzag, distflash, burst, ulysses, got 'zigzig' "
+            "(did you "
             "mean zigzag?)");
   EXPECT_EQ(load_error("model:\n  checkpoint: selective\n"),
             "cfg/test.yaml:2: model.checkpoint: expected one of auto, none, full, remat_aware, got 'selective'");
@@ -371,6 +372,21 @@ TEST(TrainerConfig, InconsistentCombinationsAreNamed) {
                           "cfg/test.yaml:4: attention.schedule distflash needs parallel.layout contiguous"));
   load(head + "attention:\n  schedule: burst\n");  // burst and ring work with either layout
   load(head + "attention:\n  schedule: ring\nparallel:\n  layout: contiguous\n");
+  // Ulysses: the group size divides sp_size and the heads; schedule ulysses is Ulysses over the whole group.
+  EXPECT_TRUE(starts_with(load_error(head + "parallel:\n  sp_size: 4\n  ulysses_size: 3\n"),
+                          "cfg/test.yaml:5: parallel.ulysses_size (3) must divide parallel.sp_size (4)"));
+  EXPECT_TRUE(contains(load_error(head + "attention:\n  schedule: ulysses\nparallel:\n  sp_size: 4\n  ulysses_size: 2\n"),
+                       "for Ulysses inside groups of 2 with a ring across them, set attention.schedule to ring"));
+  EXPECT_TRUE(contains(load_error(head + "attention:\n  schedule: ulysses\nmodel:\n  n_heads: 6\n  n_kv_heads: 2\n"
+                                         "  dim: 48\nparallel:\n  sp_size: 4\n"),
+                       "Ulysses splits the heads over parallel.sp_size = 4 ranks, but model.n_heads (6) is not a "
+                       "multiple of 4"));
+  EXPECT_TRUE(contains(load_error(head + "attention:\n  schedule: zigzag\nmodel:\n  n_heads: 12\n  n_kv_heads: 3\n"
+                                         "  dim: 48\nparallel:\n  sp_size: 4\n  ulysses_size: 4\n"),
+                       "Ulysses over parallel.ulysses_size = 4 ranks needs model.n_kv_heads (3)"));
+  load(head + "attention:\n  schedule: ulysses\nmodel:\n  n_heads: 8\n  n_kv_heads: 2\n  dim: 64\nparallel:\n  sp_size: 4\n");
+  load(head + "attention:\n  schedule: burst\nmodel:\n  n_heads: 8\n  n_kv_heads: 1\n  dim: 64\nparallel:\n  sp_size: 8\n"
+              "  ulysses_size: 4\n");
   // The model.
   EXPECT_EQ(load_error(head + "  seq_len: 8192\n"),
             "cfg/test.yaml:3: data.seq_len (8192) exceeds model.max_seq_len (4096): raise model.max_seq_len or shorten "
@@ -513,6 +529,7 @@ const std::vector<KeyChange>& key_changes() {
       {"optim.grad_clip", {"optim.grad_clip=0.5"}, refused},
       {"optim.no_decay", {"optim.no_decay=[norm]"}, refused},
       {"parallel.sp_size", {"parallel.sp_size=4"}, elastic},
+      {"parallel.ulysses_size", {"parallel.ulysses_size=2"}, allowed},
       {"parallel.layout", {"parallel.layout=zigzag", "attention.schedule=zigzag"}, elastic},
       {"parallel.timeout_s", {"parallel.timeout_s=5"}, allowed},
       {"parallel.store_timeout_s", {"parallel.store_timeout_s=5"}, allowed},
@@ -614,7 +631,8 @@ TEST(TrainerConfig, ResolveDevice) {
 TEST(TrainerConfig, SchemaMentionsEveryKeyInItsSection) {
   const std::string schema = schema_text();
   const std::vector<std::string> keys = config_keys();
-  EXPECT_EQ(keys.size(), 68u);  // 65 before model.offload, model.mlp_chunk_tokens, model.loss_chunk_tokens
+  EXPECT_EQ(keys.size(), 69u);  // 65 before model.offload, model.mlp_chunk_tokens, model.loss_chunk_tokens and
+                                 // parallel.ulysses_size
   for (const std::string& full : keys) {
     const std::string section = full.substr(0, full.find('.')), key = full.substr(full.find('.') + 1);
     const size_t at = schema.find("\n" + section + ": ");

@@ -164,6 +164,68 @@ TEST_F(DistributedTrainTest, SequenceParallelTrainingEqualsOneRank) {
   }
 }
 
+// Ulysses and the 2D hybrid train what one rank trains: schedule ulysses over 2 ranks (both layouts,
+// and with document masks against one rank with them), and Ulysses inside pairs with zigzag or
+// distflash across 2 pairs (4 ranks). Under remat_aware attention runs once per layer, and the step
+// log's traffic is the all-to-alls' exact bytes (a 2x2 hybrid with burst also with document masks) (ulysses_attention.h: 16 tokens per rank, 4 query and
+// 2 KV heads of 8, f32: forward 16·((2+2)·8 + 2·8 + 2)·4 = 3200 B, backward 16·((6+2)·8 + 2 + (2+2)·8)·4
+// = 6272 B per layer).
+TEST_F(DistributedTrainTest, UlyssesAndTheHybridTrainLikeOneRank) {
+  const std::vector<std::string> common = {"train.steps=6", "eval.batches=0", "checkpoint.every=0",
+                                           "train.batch_size=1", "optim.warmup_steps=2"};
+  TrainSummary single = train(config("u_single", common));
+  std::vector<std::string> masked_common = common;
+  masked_common.push_back("data.document_mask=true");
+  TrainSummary single_masked = train(config("u_single_masked", masked_common));
+  ASSERT_EQ(single_masked.losses.size(), single.losses.size());
+  ASSERT_NE(single_masked.losses.back(), single.losses.back()) << "the document mask must change what is trained";
+  struct Case {
+    const char* name;
+    int ranks;
+    std::vector<std::string> sets;
+    bool masked;
+  };
+  const std::vector<Case> cases = {
+      {"u_zigzag", 2, {"attention.schedule=ulysses", "parallel.layout=zigzag"}, false},
+      {"u_contiguous", 2, {"attention.schedule=ulysses", "parallel.layout=contiguous"}, false},
+      {"u_masked", 2, {"attention.schedule=ulysses", "parallel.layout=zigzag"}, true},
+      {"u2x2_zigzag", 4, {"parallel.ulysses_size=2", "attention.schedule=zigzag", "parallel.layout=zigzag"}, false},
+      {"u2x2_distflash", 4, {"parallel.ulysses_size=2", "attention.schedule=distflash", "parallel.layout=contiguous"},
+       false},
+      {"u2x2_masked", 4, {"parallel.ulysses_size=2", "attention.schedule=burst", "parallel.layout=zigzag"}, true}};
+  for (const Case& k : cases) {
+    std::vector<std::string> sets = k.masked ? masked_common : common;
+    sets.push_back(fmt::format("parallel.sp_size={}", k.ranks));
+    sets.insert(sets.end(), k.sets.begin(), k.sets.end());
+    ASSERT_EQ(launch(k.ranks, train_args(k.name, sets)), 0) << k.name;
+    const std::vector<double>& want = k.masked ? single_masked.losses : single.losses;
+    std::ifstream in(root_ / "runs" / k.name / "metrics.jsonl");
+    size_t step = 0;
+    double worst = 0;
+    for (std::string line; std::getline(in, line);) {
+      const nlohmann::json j = nlohmann::json::parse(line);
+      if (!j.contains("loss")) continue;
+      ASSERT_LT(step, want.size()) << k.name;
+      worst = std::max(worst, std::abs(j.at("loss").get<double>() - want[step]) / std::abs(want[step]));
+      EXPECT_EQ(j.at("attention_forwards_per_layer").get<double>(), 1.0) << k.name;
+      if (k.ranks == 2)
+        EXPECT_DOUBLE_EQ(j.at("attention_sent_mib_per_layer").get<double>(), (3200.0 + 6272.0) / 1048576.0) << k.name;
+      // The memory plan counts the all-to-all buffers (and the ring's over the gathered tokens).
+      const double peak = j.at("allocated_peak_gib").get<double>(), plan = j.at("plan_gib").get<double>();
+      EXPECT_LE(peak, plan) << k.name;
+      EXPECT_GE(peak, 0.9 * plan) << k.name;
+      if (step == 0)
+        std::cout << "  " << k.name << ": peak " << peak * 1073741824.0 << " B, plan "
+                << plan * 1073741824.0 << " B\n";
+      ++step;
+    }
+    EXPECT_EQ(step, want.size()) << k.name;
+    EXPECT_LT(worst, 1e-5) << k.name;
+    ::testing::Test::RecordProperty(k.name, fmt::format("{:.2e}", worst));
+    std::cout << "  " << k.name << ": worst relative loss difference " << fmt::format("{:.2e}", worst) << "\n";
+  }
+}
+
 // data.document_mask under sequence parallelism: every schedule trains what one rank trains with the
 // mask (same losses), and the step log's pairs per rank add up to the one rank's pairs (each pair
 // inside a document computed once over the group, none across documents), with an idle fraction

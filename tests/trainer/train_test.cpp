@@ -628,6 +628,19 @@ TEST_F(TrainTest, PlanPrintsTheMemoryPlanAndTrainsNothing) {
     EXPECT_NE(out.find(row), std::string::npos) << row << " missing in:\n" << out;
   EXPECT_NE(out.find("free on this host"), std::string::npos) << out;
   EXPECT_FALSE(fs::exists(root_ / "runs/planned")) << "--plan created the run directory";
+  EXPECT_EQ(out.find("attention per layer"), std::string::npos) << "one rank has no attention traffic:\n" << out;
+  // With sequence parallelism the cost model's block: the configured schedule's exact bytes per rank
+  // (Ulysses over 2 ranks: 16 tokens, 4/2 heads of 8, f32; see distributed_train_test) and the fastest.
+  ASSERT_EQ(run_cli("train " + cfg.string() +
+                        " --plan --set parallel.sp_size=2 --set attention.schedule=ulysses --plan-inter-gbs 12",
+                    out),
+            0)
+      << out;
+  EXPECT_NE(out.find("12 GB/s 10 us across"), std::string::npos) << out;
+  EXPECT_TRUE(std::regex_search(out, std::regex(fmt::format(R"(configured +ulysses +sent +{:.3f} MiB per rank)",
+                                                            (3200.0 + 6272.0) / 1048576.0))))
+      << out;
+  EXPECT_NE(out.find("  fastest "), std::string::npos) << out;
   // A bad config is refused by --plan as by train.
   EXPECT_EQ(run_cli("train " + cfg.string() + " --plan --set model.n_kv_heads=3", out), 1) << out;
   EXPECT_NE(out.find("n_kv_heads"), std::string::npos) << out;

@@ -38,11 +38,24 @@ void add_train_commands(CLI::App& app) {
     cmd->add_option("--resume", *resume, "Resume: 'auto' (newest complete checkpoint, if any) or a checkpoint dir");
     auto plan = std::make_shared<bool>(false);
     cmd->add_flag("--plan", *plan, "Print the memory plan per rank (parameters, gradients, optimizer, activations, "
-                                   "workspace) and exit without allocating");
+                                   "workspace) and, with sequence parallelism, the attention cost model's "
+                                   "prediction per schedule; exit without allocating");
     auto device_gib = std::make_shared<double>(0.0);
     cmd->add_option("--device-memory", *device_gib,
                     "With --plan: the free device memory (GiB) to plan model.checkpoint/model.offload auto for "
                     "(default: what this machine's device has free)");
+    auto topo = std::make_shared<attn::Topology>();
+    cmd->add_option("--plan-ranks-per-node", topo->ranks_per_node, "--plan's cost model: GPUs per node")
+        ->capture_default_str()->check(CLI::PositiveNumber);
+    auto intra_gbs = std::make_shared<double>(topo->intra.bytes_per_second / 1e9);
+    auto inter_gbs = std::make_shared<double>(topo->inter.bytes_per_second / 1e9);
+    auto tflops = std::make_shared<double>(topo->flops_per_second / 1e12);
+    cmd->add_option("--plan-intra-gbs", *intra_gbs, "--plan's cost model: GB/s per GPU inside a node")
+        ->capture_default_str()->check(CLI::PositiveNumber);
+    cmd->add_option("--plan-inter-gbs", *inter_gbs, "--plan's cost model: GB/s per GPU across nodes")
+        ->capture_default_str()->check(CLI::PositiveNumber);
+    cmd->add_option("--plan-tflops", *tflops, "--plan's cost model: attention TFLOP/s per GPU")
+        ->capture_default_str()->check(CLI::PositiveNumber);
     cmd->callback([=] {
       trainer::TrainConfig c = trainer::load_config(*config_path, *sets);
       if (*plan) {
@@ -69,6 +82,10 @@ void add_train_commands(CLI::App& app) {
         const model::MemoryChoice choice = trainer::plan_training_memory(c, world, m, host);
         fmt::print("{}", choice.plan.table());
         fmt::print("memory: {}\n", choice.reason);
+        topo->intra.bytes_per_second = *intra_gbs * 1e9;
+        topo->inter.bytes_per_second = *inter_gbs * 1e9;
+        topo->flops_per_second = *tflops * 1e12;
+        fmt::print("{}", trainer::attention_plan_text(c, *topo));
         if (measured || *device_gib > 0) {
           fmt::print("free on this {}{}: {:.2f} GiB of {:.2f} GiB{}\n", dev == Device::cuda ? "GPU" : "host",
                      *device_gib > 0 ? " (as given by --device-memory)" : "", m.free / 1073741824.0,
