@@ -168,15 +168,17 @@ struct AutoCandidate {
   const char* basis;      // where the number comes from
 };
 inline constexpr AutoCandidate kAutoOrder[] = {
-    {CheckpointPolicy::none, Offload::none, 1.174,
-     "measured: 50480 vs 42982 tok/s at 8K (bench/results/llama-h200-2026-11-30-8k-29f5430.json)"},
+    {CheckpointPolicy::none, Offload::none, 1.050,
+     "measured: 16640 vs 15843 tok/s at 64K, 1.1B shape (bench/results/million-tokens-h200-2026-12-02.json; 1.174 "
+     "at 8K)"},
     {CheckpointPolicy::remat_aware, Offload::none, 1.0, "the reference"},
-    {CheckpointPolicy::remat_aware, Offload::checkpoints, 0.95,
-     "not measured: the issue's bound (offload costs at most 5% of tokens/s)"},
-    {CheckpointPolicy::full, Offload::none, 0.835,
-     "measured: 12847 vs 15381 tok/s at 64K (bench/results/llama-h200-2026-11-30.json; 0.937 at 8K, 0.859 at 32K)"},
-    {CheckpointPolicy::full, Offload::checkpoints, 0.79,
-     "not measured: full's measured 0.835 less the 5% offload bound"},
+    {CheckpointPolicy::remat_aware, Offload::checkpoints, 0.997,
+     "measured: 15796 vs 15843 tok/s at 64K, 9019 vs 9006 at 128K (bench/results/million-tokens-h200-2026-12-02.json)"},
+    {CheckpointPolicy::full, Offload::none, 0.828,
+     "measured: 13118 vs 15843 tok/s at 64K (bench/results/million-tokens-h200-2026-12-02.json)"},
+    {CheckpointPolicy::full, Offload::checkpoints, 0.828,
+     "measured: 13130 tok/s at 64K, level with full without offload; listed after it, so a tie keeps the host "
+     "memory free (bench/results/million-tokens-h200-2026-12-02.json)"},
 };
 
 // Whether `plan` fits `device` (and, offloaded on a GPU, `host`) with the headroom check_memory_fits

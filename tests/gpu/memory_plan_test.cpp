@@ -253,9 +253,10 @@ TEST(MemoryPlan, AutoChoosesTheFastestCombinationThatFits) {
                     std::optional<model::Offload> offload = {}) {
     return model::choose_memory(c, Precision::cuda_mixed(), policy, offload, T, 1, {}, {}, h200, host);
   };
-  // The order is the table's and fastest first.
+  // The order is the table's and fastest first (a measured tie keeps the table's order: full without
+  // offload before full with it).
   for (size_t i = 1; i < std::size(model::kAutoOrder); ++i)
-    EXPECT_GT(model::kAutoOrder[i - 1].relative_speed, model::kAutoOrder[i].relative_speed) << i;
+    EXPECT_GE(model::kAutoOrder[i - 1].relative_speed, model::kAutoOrder[i].relative_speed) << i;
   // Short: none fits, nothing is said against it.
   model::MemoryChoice m = choose(8192, host_128);
   EXPECT_EQ(m.policy, CheckpointPolicy::none);
