@@ -11,6 +11,7 @@
 #include <functional>
 #include <queue>
 #include <unordered_map>
+#include <unordered_set>
 
 #include <nlohmann/json.hpp>
 
@@ -612,8 +613,13 @@ struct HfTokenizer::Impl {
   // Model (BPE).
   std::unordered_map<std::string, int32_t> vocab;        // the model's (BPE looks only here)
   std::unordered_map<std::string, int32_t> added_ids;    // the added tokens'
+  // As HF's Tokenizer::id_to_token (what decode reads): an added token's content, normalized when it
+  // is matched normalized (HF's AddedVocabulary::simple_id_to_token), else the vocabulary entry.
   std::vector<std::string> id_to_token;
-  std::vector<char> is_special;  // by id
+  std::vector<std::string> model_token;  // the model's vocabulary entry, what BPE's tokens are named
+  // Whether decode(skip_special_tokens) drops the id: as HF, whether the string it decodes from is
+  // the content of a special token (so a special token that normalization changes is kept).
+  std::vector<char> skipped_as_special;
   std::unordered_map<uint64_t, std::pair<int32_t, int32_t>> merges;  // (left, right) -> (rank, merged id)
   int32_t unk = -1;
   bool fuse_unk = false, byte_fallback = false, ignore_merges = false;
@@ -649,10 +655,12 @@ struct HfTokenizer::Impl {
   void parse_post_processor(const json& j, const std::string& where);
   void encode_word(const std::string& word, std::vector<int32_t>& out) const;
   void encode_word_cached(const std::string& word, std::vector<int32_t>& out) const;
-  // The text split around added tokens: (text, -1) or ("", id) segments.
+  // The text split around added tokens: (text, -1) segments, and (span, id) ones: the added token's
+  // match with the whitespace its lstrip/rstrip took.
   std::vector<std::pair<std::string_view, int32_t>> split_added(std::string_view text, const AddedIndex& index) const;
-  void encode_pieces(std::string text, std::vector<int32_t>& ids) const;  // pre-tokenizer and BPE
-  void encode_text(std::string_view text, std::vector<int32_t>& ids) const;
+  // Pre-tokenizer and BPE; `tokens`, when given, gets each new id's token string.
+  void encode_pieces(std::string text, std::vector<int32_t>& ids, std::vector<std::string>* tokens) const;
+  void encode_text(std::string_view text, std::vector<int32_t>& ids, std::vector<std::string>* tokens) const;
 };
 
 void HfTokenizer::Impl::parse_post_processor(const json& j, const std::string& where) {
@@ -752,7 +760,6 @@ void HfTokenizer::Impl::load(const json& root) {
   }
   LT_CHECK(max_id >= 0, "tokenizer '{}' has an empty vocabulary", path);
   id_to_token.assign(static_cast<size_t>(max_id) + 1, std::string());
-  is_special.assign(id_to_token.size(), 0);
   std::vector<char> has(id_to_token.size(), 0);
   for (const auto& [token, id] : vocab) {
     LT_CHECK(!has[static_cast<size_t>(id)], "tokenizer '{}': id {} is given to two tokens ({} and {})", path, id,
@@ -760,6 +767,7 @@ void HfTokenizer::Impl::load(const json& root) {
     id_to_token[static_cast<size_t>(id)] = token;
     has[static_cast<size_t>(id)] = 1;
   }
+  model_token = id_to_token;
   for (size_t i = 0; i < added.size(); ++i) {
     const AddedToken& a = added[i];
     const size_t id = static_cast<size_t>(a.id);
@@ -768,7 +776,6 @@ void HfTokenizer::Impl::load(const json& root) {
              "vocabulary gives to {}", path, json(a.content).dump(), id, json(id_to_token[id]).dump());
     id_to_token[id] = a.content;
     has[id] = 1;
-    is_special[id] = a.special;
     added_ids.emplace(a.content, a.id);
   }
 
@@ -821,11 +828,21 @@ void HfTokenizer::Impl::load(const json& root) {
   for (size_t i = 0; i < added.size(); ++i) {
     AddedToken& a = added[i];
     a.pattern = a.content;
-    if (a.normalized && normalizer) normalizer(a.pattern);
+    if (a.normalized && normalizer) {
+      normalizer(a.pattern);
+      // HF decodes such a token from its normalized form (normalized_cache, tokenizers >= 0.23).
+      id_to_token[static_cast<size_t>(a.id)] = a.pattern;
+    }
     if (a.pattern.empty()) continue;  // normalized away: it can match nothing
     (a.normalized ? normalized_added : raw_added)[static_cast<unsigned char>(a.pattern[0])].push_back(i);
     any_normalized_added = any_normalized_added || a.normalized;
   }
+  std::unordered_set<std::string> special_contents;
+  for (const AddedToken& a : added)
+    if (a.special) special_contents.insert(a.content);
+  skipped_as_special.assign(id_to_token.size(), 0);
+  for (size_t id = 0; id < id_to_token.size(); ++id)
+    skipped_as_special[id] = special_contents.count(id_to_token[id]) > 0;
   // Longest first, so the first match at a position is the longest.
   for (AddedIndex* index : {&raw_added, &normalized_added})
     for (auto& list : *index)
@@ -1012,38 +1029,49 @@ std::vector<std::pair<std::string_view, int32_t>> HfTokenizer::Impl::split_added
     if (hit->rstrip)
       while (stop < text.size() && is_unicode_whitespace(after(stop))) stop += length_at(stop);
     if (start > segment) out.emplace_back(text.substr(segment, start - segment), -1);
-    out.emplace_back(std::string_view(), hit->id);
+    out.emplace_back(text.substr(start, stop - start), hit->id);
     segment = i = stop;
   }
   if (segment < text.size()) out.emplace_back(text.substr(segment), -1);
   return out;
 }
 
-void HfTokenizer::Impl::encode_pieces(std::string text, std::vector<int32_t>& ids) const {
+void HfTokenizer::Impl::encode_pieces(std::string text, std::vector<int32_t>& ids,
+                                      std::vector<std::string>* tokens) const {
   std::vector<std::string> pieces{std::move(text)};
   if (pre_tokenizer) pre_tokenizer(pieces);
+  const size_t first = ids.size();
   for (const std::string& p : pieces)
     if (!p.empty()) encode_word_cached(p, ids);
+  if (tokens)
+    for (size_t k = first; k < ids.size(); ++k) tokens->push_back(model_token[static_cast<size_t>(ids[k])]);
 }
 
-void HfTokenizer::Impl::encode_text(std::string_view text, std::vector<int32_t>& ids) const {
+void HfTokenizer::Impl::encode_text(std::string_view text, std::vector<int32_t>& ids,
+                                    std::vector<std::string>* tokens) const {
   // As HF: the added tokens matched on raw text split it first; each piece between them is
-  // normalized, then split by the added tokens matched on normalized text.
+  // normalized, then split by the added tokens matched on normalized text. An added token's string
+  // is the text it was matched in, as HF's AddedVocabulary::split_with_indices names it: the raw
+  // span or the normalized one, with the whitespace lstrip/rstrip took.
+  const auto added_token = [&](std::string_view span, int32_t id) {
+    ids.push_back(id);
+    if (tokens) tokens->emplace_back(span);
+  };
   for (const auto& [segment, id] : split_added(text, raw_added)) {
     if (id >= 0) {
-      ids.push_back(id);
+      added_token(segment, id);
       continue;
     }
     std::string s(segment);
     if (normalizer) normalizer(s);
     if (s.empty()) continue;
     if (!any_normalized_added) {
-      encode_pieces(std::move(s), ids);
+      encode_pieces(std::move(s), ids, tokens);
       continue;
     }
     for (const auto& [piece, added_id] : split_added(s, normalized_added)) {
-      if (added_id >= 0) ids.push_back(added_id);
-      else encode_pieces(std::string(piece), ids);
+      if (added_id >= 0) added_token(piece, added_id);
+      else encode_pieces(std::string(piece), ids, tokens);
     }
   }
 }
@@ -1081,15 +1109,17 @@ HfTokenizer& HfTokenizer::operator=(HfTokenizer&&) noexcept = default;
 std::vector<int32_t> HfTokenizer::encode(std::string_view text, bool add_special_tokens) const {
   std::vector<int32_t> ids;
   if (add_special_tokens) ids = impl_->before;
-  if (valid_utf8(text)) impl_->encode_text(text, ids);
-  else impl_->encode_text(lossy_utf8(text), ids);
+  if (valid_utf8(text)) impl_->encode_text(text, ids, nullptr);
+  else impl_->encode_text(lossy_utf8(text), ids, nullptr);
   if (add_special_tokens) ids.insert(ids.end(), impl_->after.begin(), impl_->after.end());
   return ids;
 }
 
 std::vector<std::string> HfTokenizer::encode_tokens(std::string_view text) const {
+  std::vector<int32_t> ids;
   std::vector<std::string> out;
-  for (int32_t id : encode(text, false)) out.push_back(impl_->id_to_token[static_cast<size_t>(id)]);
+  if (valid_utf8(text)) impl_->encode_text(text, ids, &out);
+  else impl_->encode_text(lossy_utf8(text), ids, &out);
   return out;
 }
 
@@ -1098,7 +1128,7 @@ std::string HfTokenizer::decode(std::span<const int32_t> ids, bool skip_special_
   for (int32_t id : ids) {
     // As HF tokenizers: an id with no token (a model's padded embedding rows) decodes to nothing.
     if (id < 0 || id >= vocab_size() || impl_->id_to_token[static_cast<size_t>(id)].empty()) continue;
-    if (skip_special_tokens && impl_->is_special[static_cast<size_t>(id)]) continue;
+    if (skip_special_tokens && impl_->skipped_as_special[static_cast<size_t>(id)]) continue;
     tokens.push_back(impl_->id_to_token[static_cast<size_t>(id)]);
   }
   if (impl_->decoder) impl_->decoder(tokens);

@@ -5,8 +5,12 @@
 //   added_tokens    leftmost-longest; those with normalized: false first, on the raw text, then those
 //                   with normalized: true on each normalized piece between them (as the normalizer
 //                   writes their content); single_word, lstrip and rstrip as HF defines them (Unicode
-//                   words and whitespace: Rust's \w and \s). They are never split; `special` ones
-//                   are dropped by decode(skip_special_tokens).
+//                   words and whitespace: Rust's \w and \s). They are never split. As HF
+//                   tokenizers 0.23: an added token's string (encode_tokens) is the text it matched,
+//                   raw or normalized, with the whitespace lstrip/rstrip took; one with normalized:
+//                   true decodes as its normalized content; decode(skip_special_tokens) drops an id
+//                   whose decoded string is a `special` token's content (so a special normalized
+//                   token that the normalizer changes is kept, as HF keeps it).
 //   normalizer      applied to the text between added tokens: null, Sequence, NFC, NFD, NFKC, NFKD
 //                   (ICU's tables), Lowercase (each code point's full lowercase mapping, without
 //                   context, as HF: 'Σ' is always 'σ'), StripAccents (drops combining marks),
@@ -53,7 +57,9 @@ class HfTokenizer {
   // Ids with no token (beyond the vocabulary: a model's padded embedding rows) decode to nothing,
   // as in HF tokenizers.
   std::string decode(std::span<const int32_t> ids, bool skip_special_tokens = false) const;
-  std::string token(int32_t id) const;  // the vocabulary entry of `id`
+  // The string `id` decodes from (HF's id_to_token): its vocabulary entry, or its added token's
+  // content, normalized when the token is matched normalized.
+  std::string token(int32_t id) const;
   int32_t token_id(std::string_view token) const;  // -1 when not in the vocabulary
 
   int32_t vocab_size() const;  // 1 + the largest id of the vocabulary and the added tokens

@@ -7,6 +7,8 @@
 // files refused naming the file and the field.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include "data/hf_tokenizer.h"
 #include "data/tokenizer.h"
 #include "data_test_util.h"
@@ -300,7 +302,11 @@ TEST(HfTokenizer, QwenTwoPointFiveLayoutLoads) {
 }
 
 // Added tokens: those with normalized: false are matched on the raw text, before normalization;
-// those with normalized: true on the normalized text, as the normalizer writes their content.
+// those with normalized: true on the normalized text, as the normalizer writes their content. As HF
+// tokenizers 0.23 (AddedVocabulary::split_with_indices, simple_id_to_token): such a token is named by
+// the normalized text it matched, and decodes as its normalized content; decode(skip_special_tokens)
+// drops what decodes as a special token's content, so a special token that normalization changes
+// stays.
 TEST(HfTokenizer, AddedTokensAreMatchedOnRawOrNormalizedText) {
   TempDir dir;
   const HfTokenizer plain((kFixture / "llama3_style/tokenizer.json").string());
@@ -310,8 +316,12 @@ TEST(HfTokenizer, AddedTokensAreMatchedOnRawOrNormalizedText) {
     j["normalizer"] = {{"type", "Sequence"}, {"normalizers", {{{"type", "NFKC"}}, {{"type", "Lowercase"}}}}};
     j["added_tokens"].push_back({{"id", darcy + 1}, {"content", "Miss Bennet"}, {"single_word", false},
                                  {"lstrip", false}, {"rstrip", false}, {"normalized", true}, {"special", false}});
+    j["added_tokens"].push_back({{"id", darcy + 2}, {"content", "<SEP>"}, {"single_word", false},
+                                 {"lstrip", false}, {"rstrip", false}, {"normalized", true}, {"special", true}});
+    j["added_tokens"].push_back({{"id", darcy + 3}, {"content", "<cls>"}, {"single_word", false},
+                                 {"lstrip", false}, {"rstrip", false}, {"normalized", true}, {"special", true}});
   }));
-  const int32_t bennet = darcy + 1;
+  const int32_t bennet = darcy + 1, sep = darcy + 2, cls = darcy + 3;
   EXPECT_EQ(tok.encode("Mr. Darcy"), std::vector<int32_t>{darcy});
   EXPECT_EQ(tok.encode("MR. DARCY"), plain.encode("mr. darcy"));  // raw match only
   for (const char* text : {"Miss Bennet", "MISS BENNET", "miss bennet", "\uff2d\uff29\uff33\uff33 BENNET"})
@@ -320,7 +330,17 @@ TEST(HfTokenizer, AddedTokensAreMatchedOnRawOrNormalizedText) {
   expected.push_back(bennet);
   for (int32_t id : plain.encode("!")) expected.push_back(id);
   EXPECT_EQ(tok.encode("Dear MISS BENNET!"), expected);
-  EXPECT_EQ(tok.decode(tok.encode("Dear MISS BENNET!")), "dear Miss Bennet!");  // the token's own content
+  EXPECT_EQ(tok.decode(tok.encode("Dear MISS BENNET!")), "dear miss bennet!");  // the normalized content
+  EXPECT_EQ(tok.token(bennet), "miss bennet");
+  EXPECT_EQ(tok.token(darcy), "Mr. Darcy");  // normalized: false, its content as written
+  const std::vector<std::string> names = tok.encode_tokens("Dear \uff2d\uff29\uff33\uff33 BENNET!");
+  ASSERT_FALSE(names.empty());
+  EXPECT_NE(std::find(names.begin(), names.end(), "miss bennet"), names.end());
+  // "<SEP>" normalizes to "<sep>": decoded as that, which no special token is, so skipping keeps it;
+  // "<cls>" is unchanged by the normalizer and skipped.
+  EXPECT_EQ(tok.encode("<sep><CLS>"), (std::vector<int32_t>{sep, cls}));
+  EXPECT_EQ(tok.decode(std::vector<int32_t>{sep, cls}, false), "<sep><cls>");
+  EXPECT_EQ(tok.decode(std::vector<int32_t>{sep, cls}, true), "<sep>");
 }
 
 // single_word, lstrip and rstrip read words and spaces as HF does, by Unicode (Rust's regex \w and
@@ -342,6 +362,9 @@ TEST(HfTokenizer, AddedTokensSingleWordAndStripReadUnicode) {
     return out;
   };
   EXPECT_EQ(tok.encode("a\u3000 <mask>\u00a0\u2003b"), cat({plain.encode("a"), {mask}, plain.encode("b")}));
+  // As HF, the token is named by the span it took, the stripped whitespace with it.
+  EXPECT_EQ(tok.encode_tokens("a\u3000 <mask>\u00a0\u2003b"),
+            (std::vector<std::string>{"a", "\u3000 <mask>\u00a0\u2003", "b"}));
   EXPECT_EQ(tok.encode("\u2014Zorblax\u2014"), cat({plain.encode("\u2014"), {word}, plain.encode("\u2014")}));
   EXPECT_EQ(tok.encode("Zorblax's"), cat({{word}, plain.encode("'s")}));
   for (const char* glued : {"\u00e9Zorblax", "Zorblax\u0301", "Zorblax_", "Zorblax2", "\u65e5Zorblax"})
