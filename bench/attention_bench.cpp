@@ -76,32 +76,6 @@ Options parse(int argc, char** argv) {
   return o;
 }
 
-// Fills a bf16 buffer with N(0, 1)-like values, generated on the host once.
-void fill_bf16(const Tensor& t, uint32_t seed) {
-  std::vector<bf16> host = normal_bf16(static_cast<size_t>(t.numel()), seed);
-  Tensor src = t;
-  src.data = host.data();
-  src.device = Device::cpu;
-  copy(t, src);
-}
-
-// Median milliseconds of fn over `reps` timed runs after `warmup` untimed ones.
-double time_ms(const std::function<void()>& fn, int warmup, int reps) {
-  for (int i = 0; i < warmup; ++i) fn();
-  LT_CUDA_CHECK(cudaStreamSynchronize(cuda_stream()));
-  CudaEvents ev(2);  // start, stop
-  std::vector<double> ms;
-  for (int i = 0; i < reps; ++i) {
-    ev.record(0);
-    fn();
-    ev.record(1);
-    ev.synchronize(1);
-    ms.push_back(ev.ms(0, 1));
-  }
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
-}
-
 attn::cudnn_sdpa::View view(const Tensor& t) {
   return {t.data, t.shape[0], t.shape[1], t.shape[2], t.stride[0], t.stride[1]};
 }
@@ -155,8 +129,8 @@ int main(int argc, char** argv) try {
       CudaBuffer o(DType::bf16, {S, Hq, D}), d_o(DType::bf16, {S, Hq, D});
       CudaBuffer lse(DType::f32, {S, Hq}), delta(DType::f32, {S, Hq});
       CudaBuffer dq(DType::f32, {S, Hq, D}), dk(DType::f32, {S, hkv, D}), dv(DType::f32, {S, hkv, D});
-      fill_bf16(qkv.t, 1);
-      fill_bf16(d_o.t, 4);
+      fill_normal_bf16(qkv.t, 1);
+      fill_normal_bf16(d_o.t, 4);
       for (const CudaBuffer* b : {&dq, &dk, &dv}) zero(b->t);
       const Tensor q = qkv.t.narrow(1, 0, Hq), k = qkv.t.narrow(1, Hq, hkv), v = qkv.t.narrow(1, Hq + hkv, hkv);
       const Tensor gq = dqkv.t.narrow(1, 0, Hq), gk = dqkv.t.narrow(1, Hq, hkv), gv = dqkv.t.narrow(1, Hq + hkv, hkv);
@@ -187,11 +161,11 @@ int main(int argc, char** argv) try {
                                    stats, true, static_cast<float>(scale));
       };
       const double fwd_flops = 4.0 * Hq * double(S) * double(S) * D / 2.0;
-      const double ms_f = time_ms(fwd, opt.warmup, opt.reps);
-      const double ms_fb = time_ms(fwd_bwd, opt.warmup, opt.reps);
-      const double ms_db = time_ms(block_delta_fwd_bwd, opt.warmup, opt.reps);
-      const double ms_cf = time_ms(cudnn_fwd, opt.warmup, opt.reps);
-      const double ms_cfb = time_ms(cudnn_fwd_bwd, opt.warmup, opt.reps);
+      const double ms_f = median_ms(fwd, opt.warmup, opt.reps);
+      const double ms_fb = median_ms(fwd_bwd, opt.warmup, opt.reps);
+      const double ms_db = median_ms(block_delta_fwd_bwd, opt.warmup, opt.reps);
+      const double ms_cf = median_ms(cudnn_fwd, opt.warmup, opt.reps);
+      const double ms_cfb = median_ms(cudnn_fwd_bwd, opt.warmup, opt.reps);
 
       json row = {{"S", S},
                   {"hq", Hq},
@@ -212,10 +186,10 @@ int main(int argc, char** argv) try {
         CudaBuffer lq(DType::bf16, {S, Hq, D}), lk(DType::bf16, {S, hkv, D}), lv(DType::bf16, {S, hkv, D});
         CudaBuffer lo(DType::bf16, {S, Hq, D}), ldo(DType::bf16, {S, Hq, D});
         CudaBuffer ldq(DType::bf16, {S, Hq, D}), ldk(DType::bf16, {S, hkv, D}), ldv(DType::bf16, {S, hkv, D});
-        fill_bf16(lq.t, 11);
-        fill_bf16(lk.t, 12);
-        fill_bf16(lv.t, 13);
-        fill_bf16(ldo.t, 14);
+        fill_normal_bf16(lq.t, 11);
+        fill_normal_bf16(lk.t, 12);
+        fill_normal_bf16(lv.t, 13);
+        fill_normal_bf16(ldo.t, 14);
         const float sc = static_cast<float>(scale);
         // "+hstats": the LSE stored head-major ([Hq, S], as torch keeps it) instead of token-major.
         const bool head_stats = layout.find("+hstats") != std::string::npos;
@@ -235,7 +209,7 @@ int main(int argc, char** argv) try {
           attn::cudnn_sdpa::backward(pick(ldq, gq), pick(ldk, gk), pick(ldv, gv), pick(lq, q), pick(lk, k),
                                      pick(lv, v), pick(lo, o.t), pick(ldo, d_o.t), lstats, true, sc);
         };
-        const double lms_f = time_ms(lf, opt.warmup, opt.reps), lms_fb = time_ms(lfb, opt.warmup, opt.reps);
+        const double lms_f = median_ms(lf, opt.warmup, opt.reps), lms_fb = median_ms(lfb, opt.warmup, opt.reps);
         row["cudnn_only_" + layout] = {{"fwd_ms", round3(lms_f)},
                                        {"fwd_tflops", round1(fwd_flops / lms_f / 1e9)},
                                        {"fwdbwd_ms", round3(lms_fb)},

@@ -7,6 +7,7 @@
 #include <cuda_runtime_api.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <ctime>
@@ -153,6 +154,15 @@ inline std::vector<bf16> normal_bf16(size_t n, uint32_t seed) {
   return v;
 }
 
+// Fills a contiguous bf16 device buffer with normal_bf16 values, generated on the host once.
+inline void fill_normal_bf16(const Tensor& t, uint32_t seed) {
+  std::vector<bf16> host = normal_bf16(static_cast<size_t>(t.numel()), seed);
+  Tensor src = t;
+  src.data = host.data();
+  src.device = Device::cpu;
+  copy(t, src);
+}
+
 // ---- timing ------------------------------------------------------------------------------------------
 
 // `n` CUDA events (with timing), recorded on the compute stream; destroyed with the object.
@@ -180,6 +190,24 @@ class CudaEvents {
  private:
   std::vector<cudaEvent_t> events_;
 };
+
+// Median milliseconds of fn over `reps` timed runs (CUDA events on the compute stream, as the anchors
+// time theirs) after `warmup` untimed ones.
+inline double median_ms(const std::function<void()>& fn, int warmup, int reps) {
+  for (int i = 0; i < warmup; ++i) fn();
+  LT_CUDA_CHECK(cudaStreamSynchronize(cuda_stream()));
+  CudaEvents ev(2);  // start, stop
+  std::vector<double> ms;
+  for (int i = 0; i < reps; ++i) {
+    ev.record(0);
+    fn();
+    ev.record(1);
+    ev.synchronize(1);
+    ms.push_back(ev.ms(0, 1));
+  }
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
 
 inline double seconds_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

@@ -56,30 +56,6 @@ Options parse(int argc, char** argv) {
   return o;
 }
 
-void fill_bf16(const Tensor& t, uint32_t seed) {
-  std::vector<bf16> host = normal_bf16(static_cast<size_t>(t.numel()), seed);
-  Tensor src = t;
-  src.data = host.data();
-  src.device = Device::cpu;
-  copy(t, src);
-}
-
-double time_ms(const std::function<void()>& fn, int warmup, int reps) {
-  for (int i = 0; i < warmup; ++i) fn();
-  LT_CUDA_CHECK(cudaStreamSynchronize(cuda_stream()));
-  CudaEvents ev(2);
-  std::vector<double> ms;
-  for (int i = 0; i < reps; ++i) {
-    ev.record(0);
-    fn();
-    ev.record(1);
-    ev.synchronize(1);
-    ms.push_back(ev.ms(0, 1));
-  }
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
-}
-
 }  // namespace
 
 int main(int argc, char** argv) try {
@@ -120,8 +96,8 @@ int main(int argc, char** argv) try {
     const int64_t W = Hq + 2 * hkv;
     CudaBuffer qkv(DType::bf16, {S, W, D}), dqkv(DType::bf16, {S, W, D});
     CudaBuffer o(DType::bf16, {S, Hq, D}), d_o(DType::bf16, {S, Hq, D}), lse(DType::f32, {S, Hq});
-    fill_bf16(qkv.t, 1);
-    fill_bf16(d_o.t, 4);
+    fill_normal_bf16(qkv.t, 1);
+    fill_normal_bf16(d_o.t, 4);
     const Tensor q = qkv.t.narrow(1, 0, Hq), k = qkv.t.narrow(1, Hq, hkv), v = qkv.t.narrow(1, Hq + hkv, hkv);
     const Tensor gq = dqkv.t.narrow(1, 0, Hq), gk = dqkv.t.narrow(1, Hq, hkv), gv = dqkv.t.narrow(1, Hq + hkv, hkv);
 
@@ -140,8 +116,8 @@ int main(int argc, char** argv) try {
     run(masked)();
     LT_CUDA_CHECK(cudaStreamSynchronize(cuda_stream()));
     const double first_call_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    const double ms_masked = time_ms(run(masked), opt.warmup, opt.reps);
-    const double ms_dense = time_ms(run(dense), opt.warmup, opt.reps);
+    const double ms_masked = median_ms(run(masked), opt.warmup, opt.reps);
+    const double ms_dense = median_ms(run(dense), opt.warmup, opt.reps);
 
     const double pairs = static_cast<double>(attn::document_pairs(docs, S, true));
     const double dense_pairs = static_cast<double>(S) * static_cast<double>(S + 1) / 2.0;

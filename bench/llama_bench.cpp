@@ -696,10 +696,10 @@ int main(int argc, char** argv) try {
         const double tok_s = static_cast<double>(S) / step_s;
         // With documents the attention term counts the pairs computed (12·L·d per causal pair; the dense
         // window's S²/2 pairs give the anchor's 6·L·S·d per token).
-        const double attention_flops =
-            docs.empty() ? 6.0 * cfg.n_layers * static_cast<double>(S) * cfg.dim * static_cast<double>(S)
-                         : 12.0 * cfg.n_layers * cfg.dim * static_cast<double>(attn::document_pairs(docs, S, true));
-        const double flops = 6.0 * n_matmul * static_cast<double>(S) + attention_flops;
+        const double flops =
+            docs.empty() ? anchor_flops_per_token(S) * static_cast<double>(S)
+                         : 6.0 * n_matmul * static_cast<double>(S) +
+                               12.0 * cfg.n_layers * cfg.dim * static_cast<double>(attn::document_pairs(docs, S, true));
         const double ours_flops = cfg.train_flops_per_token(S) * static_cast<double>(S);
         row["step_s"] = round3(step_s);
         row["tok_per_s"] = std::round(tok_s);
