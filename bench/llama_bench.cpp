@@ -10,6 +10,7 @@
 //               [--schedule zigzag] [--chunk-calls merged|per_chunk] [--longest] [--gpus P]
 //               [--memory FREE_GIB,TOTAL_GIB] [--documents docmask_anchor.json]
 //               [--offload none,checkpoints] [--mlp-chunk N] [--loss-chunk N] [--shape tinyllama|llama3.2-3b]
+//               [--profile]
 //   longtrain-run --nproc-per-node 2 -- llama_bench ...     (sequence parallel over 2 GPUs)
 //   llama_bench --merge result.json --anchor llama_anchor.json --out merged.json
 //
@@ -76,6 +77,7 @@
 #include "model/llama.h"
 #include "model/memory_plan.h"
 #include "model/parameters.h"
+#include "runtime/profile.h"
 #include "trainer/optimizer.h"
 
 using namespace longtrain;
@@ -92,6 +94,7 @@ struct Options {
   std::string anchor, out, commit = "unknown", command, merge;
   int warmup = 1, steps = 3;
   bool plan_only = false, longest = false;
+  bool profile = false;  // --profile: one more step after the timed ones, timed op by op (runtime/profile.h)
   int plan_gpus = 0;  // --gpus: the group size --plan-only and --longest plan for outside the launcher
   double free_gib = 0.0, total_gib = 0.0;  // --memory FREE,TOTAL: --longest for a GPU that is not here
   attn::Schedule schedule = attn::Schedule::zigzag;
@@ -138,6 +141,8 @@ Options parse(int argc, char** argv) {
       o.merge = next();
     } else if (a == "--plan-only") {
       o.plan_only = true;
+    } else if (a == "--profile") {
+      o.profile = true;
     } else if (a == "--longest") {
       o.longest = true;
     } else if (a == "--memory") {
@@ -641,6 +646,7 @@ int main(int argc, char** argv) try {
           m.zero_grads();
           const model::LossSum l = m.forward_backward(tokens, 1.0 / static_cast<double>(valid));
           if (i >= 0) events.record(e + 1);
+          const profile::Region optimizer_region("optimizer", Device::cuda);
           if (group == nullptr) {
             const trainer::AdamW::StepInfo info = adamw.step(m.params(), m.grads());
             grad_norm = info.grad_norm;
@@ -679,6 +685,36 @@ int main(int argc, char** argv) try {
         const double forwards_per_layer =
             static_cast<double>(timed->counters.forward_calls - forwards_timed_before) / (opt.steps * cfg.n_layers);
         const size_t free_after = free_bytes();
+        // --profile: one more step, each op between a pair of events (which adds a few microseconds per
+        // op, so this step is not the timed one); the regions' sum against the step says how much of it
+        // is launch gaps and host work.
+        json op_profile;
+        if (opt.profile) {
+          CudaEvents span(2);
+          profile::enable(true);
+          span.record(0);
+          step(-1);
+          span.record(1);
+          const std::vector<profile::Entry> entries = profile::report();
+          profile::enable(false);
+          double in_ops = 0.0;
+          json ops_json = json::array();
+          for (const profile::Entry& en : entries) {
+            ops_json.push_back({{"name", en.name}, {"ms", round3(en.ms)}, {"calls", en.calls}});
+            // Regions that hold other regions: counted through what they hold.
+            if (en.name != "optimizer") in_ops += en.ms;
+          }
+          const double span_ms = span.ms(0, 1);
+          op_profile = {{"step_ms", round3(span_ms)}, {"in_ops_ms", round3(in_ops)},
+                        {"outside_ops_ms", round3(span_ms - in_ops)}, {"ops", ops_json}};
+          if (main_rank) {
+            std::printf("profile of one step (S=%lld): %.1f ms, %.1f in ops, %.1f outside them\n", (long long)S, span_ms,
+                        in_ops, span_ms - in_ops);
+            for (const profile::Entry& en : entries)
+              std::printf("  %-28s %9.2f ms %6lld calls %5.1f%%\n", en.name.c_str(), en.ms, (long long)en.calls,
+                          100.0 * en.ms / span_ms);
+          }
+        }
         // The slowest rank's times, the largest rank's memory; the loss over the whole sequence.
         std::vector<double> maxes = {step_s, fb_ms, opt_ms, attn_ms, static_cast<double>(baseline_free - free_after),
                                      static_cast<double>(free_before - free_after), warm_s,
@@ -717,6 +753,7 @@ int main(int argc, char** argv) try {
         row["grad_norm"] = round3(grad_norm);
         row["first_steps_s"] = round3(maxes[6]);
         row["attention_forwards_per_layer"] = forwards_per_layer;
+        if (!op_profile.is_null()) row["profile"] = op_profile;
         row["split_ms"] = {{"forward_backward", round1(fb_ms)},
                            {"attention_in_forward_backward", round1(attn_ms)},
                            {"optimizer", round1(opt_ms)}};

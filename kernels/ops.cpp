@@ -2,58 +2,105 @@
 // next to the code that relies on them).
 #include "kernels/backends.h"
 #include "runtime/dispatch.h"
+#include "runtime/profile.h"
 
 namespace longtrain::ops {
 
 void embedding_forward(Tensor out, Tensor tokens, Tensor table) {
-  LT_DISPATCH(common_device("embedding_forward", {&out, &tokens, &table}), embedding_forward, out, tokens, table);
+  const Device device = common_device("embedding_forward", {&out, &tokens, &table});
+  const profile::Region region("embedding_forward", device);
+  LT_DISPATCH(device, embedding_forward, out, tokens, table);
 }
 void embedding_backward(Tensor d_table, Tensor tokens, Tensor d_out) {
-  LT_DISPATCH(common_device("embedding_backward", {&d_table, &tokens, &d_out}), embedding_backward, d_table,
+  const Device device = common_device("embedding_backward", {&d_table, &tokens, &d_out});
+  const profile::Region region("embedding_backward", device);
+  LT_DISPATCH(device, embedding_backward, d_table,
               tokens, d_out);
 }
 void rmsnorm_forward(Tensor y, Tensor rstd, Tensor x, Tensor w, double eps) {
-  LT_DISPATCH(common_device("rmsnorm_forward", {&y, &rstd, &x, &w}), rmsnorm_forward, y, rstd, x, w, eps);
+  const Device device = common_device("rmsnorm_forward", {&y, &rstd, &x, &w});
+  const profile::Region region("rmsnorm_forward", device);
+  LT_DISPATCH(device, rmsnorm_forward, y, rstd, x, w, eps);
 }
 void rmsnorm_backward(Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w, Tensor rstd) {
-  LT_DISPATCH(common_device("rmsnorm_backward", {&dx, &dw, &dy, &x, &w, &rstd}), rmsnorm_backward, dx, dw, dy, x,
+  const Device device = common_device("rmsnorm_backward", {&dx, &dw, &dy, &x, &w, &rstd});
+  const profile::Region region("rmsnorm_backward", device);
+  LT_DISPATCH(device, rmsnorm_backward, dx, dw, dy, x,
               w, rstd);
 }
 void rope_forward(Tensor x, Tensor positions, const RopeParams& p) {
-  LT_DISPATCH(common_device("rope_forward", {&x, &positions}), rope_forward, x, positions, p);
+  const Device device = common_device("rope_forward", {&x, &positions});
+  const profile::Region region("rope_forward", device);
+  LT_DISPATCH(device, rope_forward, x, positions, p);
 }
 void rope_backward(Tensor dx, Tensor positions, const RopeParams& p) {
-  LT_DISPATCH(common_device("rope_backward", {&dx, &positions}), rope_backward, dx, positions, p);
+  const Device device = common_device("rope_backward", {&dx, &positions});
+  const profile::Region region("rope_backward", device);
+  LT_DISPATCH(device, rope_backward, dx, positions, p);
+}
+void rope_table(Tensor table, Tensor positions, const RopeParams& p) {
+  const Device device = common_device("rope_table", {&table, &positions});
+  const profile::Region region("rope_table", device);
+  LT_DISPATCH(device, rope_table, table, positions, p);
+}
+void rope_apply(Tensor x, Tensor table, bool inverse) {
+  const Device device = common_device("rope_apply", {&x, &table});
+  const profile::Region region("rope_apply", device);
+  LT_DISPATCH(device, rope_apply, x, table, inverse);
 }
 void swiglu_forward(Tensor out, Tensor gate_up) {
-  LT_DISPATCH(common_device("swiglu_forward", {&out, &gate_up}), swiglu_forward, out, gate_up);
+  const Device device = common_device("swiglu_forward", {&out, &gate_up});
+  const profile::Region region("swiglu_forward", device);
+  LT_DISPATCH(device, swiglu_forward, out, gate_up);
 }
 void swiglu_backward(Tensor d_gate_up, Tensor d_out, Tensor gate_up) {
-  LT_DISPATCH(common_device("swiglu_backward", {&d_gate_up, &d_out, &gate_up}), swiglu_backward, d_gate_up,
+  const Device device = common_device("swiglu_backward", {&d_gate_up, &d_out, &gate_up});
+  const profile::Region region("swiglu_backward", device);
+  LT_DISPATCH(device, swiglu_backward, d_gate_up,
               d_out, gate_up);
 }
 void linear_forward(Tensor y, Tensor x, Tensor w) {
-  LT_DISPATCH(common_device("linear_forward", {&y, &x, &w}), linear_forward, y, x, w);
+  const Device device = common_device("linear_forward", {&y, &x, &w});
+  const profile::Region region("linear_forward", device);
+  LT_DISPATCH(device, linear_forward, y, x, w);
+}
+void linear_residual_forward(Tensor y, Tensor x, Tensor w, Tensor residual) {
+  const Device device = common_device("linear_residual_forward", {&y, &x, &w, &residual});
+  const profile::Region region("linear_residual_forward", device);
+  LT_DISPATCH(device, linear_residual_forward, y, x, w, residual);
 }
 void linear_backward(Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w) {
-  LT_DISPATCH(common_device("linear_backward", {&dx, &dw, &dy, &x, &w}), linear_backward, dx, dw, dy, x, w);
+  const Device device = common_device("linear_backward", {&dx, &dw, &dy, &x, &w});
+  const profile::Region region("linear_backward", device);
+  LT_DISPATCH(device, linear_backward, dx, dw, dy, x, w);
 }
 void add_inplace(Tensor y, Tensor x) {
-  LT_DISPATCH(common_device("add_inplace", {&y, &x}), add_inplace, y, x);
+  const Device device = common_device("add_inplace", {&y, &x});
+  const profile::Region region("add_inplace", device);
+  LT_DISPATCH(device, add_inplace, y, x);
 }
 void lm_head_cross_entropy(Tensor losses, Tensor dx, Tensor dw, Tensor x, Tensor w, Tensor labels,
                            const CrossEntropyParams& p) {
-  LT_DISPATCH(common_device("lm_head_cross_entropy", {&losses, &dx, &dw, &x, &w, &labels}), lm_head_cross_entropy,
+  const Device device = common_device("lm_head_cross_entropy", {&losses, &dx, &dw, &x, &w, &labels});
+  const profile::Region region("lm_head_cross_entropy", device);
+  LT_DISPATCH(device, lm_head_cross_entropy,
               losses, dx, dw, x, w, labels, p);
 }
 
 void convert(Tensor dst, Tensor src) {
-  LT_DISPATCH(common_device("convert", {&dst, &src}), convert, dst, src);
+  const Device device = common_device("convert", {&dst, &src});
+  const profile::Region region("convert", device);
+  LT_DISPATCH(device, convert, dst, src);
 }
 void adamw_update(Tensor param, Tensor master, Tensor m, Tensor v, Tensor grad, const AdamWParams& p) {
-  LT_DISPATCH(common_device("adamw_update", {&param, &master, &m, &v, &grad}), adamw_update, param, master, m, v,
-              grad, p);
+  const Device device = common_device("adamw_update", {&param, &master, &m, &v, &grad});
+  const profile::Region region("adamw_update", device);
+  LT_DISPATCH(device, adamw_update, param, master, m, v, grad, p);
 }
-double sum_squares(Tensor x) { LT_DISPATCH(common_device("sum_squares", {&x}), sum_squares, x); }
+double sum_squares(Tensor x) {
+  const Device device = common_device("sum_squares", {&x});
+  const profile::Region region("sum_squares", device);
+  LT_DISPATCH(device, sum_squares, x);
+}
 
 }  // namespace longtrain::ops

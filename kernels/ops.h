@@ -53,6 +53,13 @@ struct RopeParams {
 void rope_forward(Tensor x, Tensor positions, const RopeParams& p);
 // The transpose: rotates the gradient by -angle and scales it by the attention factor, in place.
 void rope_backward(Tensor dx, Tensor positions, const RopeParams& p);
+// The same rotation from a table formed once per step: every layer rotates Q and K by the same
+// positions, so the model computes c and s once (rope_table) and each layer reads them (rope_apply),
+// Q and K as one [T, Hq + Hkv, D] view. table [T, D]: c in [0, D/2), s in [D/2, D); f32 on CUDA, f32
+// or f64 on CPU (the model's CPU path keeps f64, so the result equals rope_forward's bit for bit).
+void rope_table(Tensor table, Tensor positions, const RopeParams& p);
+// x [T, H, D] rotated in place by +angle (rope_forward) or, inverse, by -angle (rope_backward).
+void rope_apply(Tensor x, Tensor table, bool inverse);
 
 // ---- swiglu --------------------------------------------------------------------------------
 // gate_up [T, 2F] is the fused gate/up GEMM output: gate = columns [0, F), up = [F, 2F).
@@ -64,6 +71,9 @@ void swiglu_backward(Tensor d_gate_up, Tensor d_out, Tensor gate_up);
 // ---- linear (no bias) ------------------------------------------------------------------------
 // y = x · Wᵀ      x [T, K], w [N, K] (PyTorch/HF layout), y [T, N]
 void linear_forward(Tensor y, Tensor x, Tensor w);
+// y = residual + x · Wᵀ: the residual stream's add done by the GEMM (cuBLASLt's C and beta = 1 on
+// CUDA: one fp32 sum rounded once, no separate pass). y may be residual itself.
+void linear_residual_forward(Tensor y, Tensor x, Tensor w, Tensor residual);
 // dx = dy · W (skipped when dx is empty);  dw += dyᵀ · x
 void linear_backward(Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w);
 

@@ -7,6 +7,7 @@
 
 #include "model/memory_plan.h"
 #include "runtime/device.h"
+#include "runtime/profile.h"
 
 namespace longtrain::model {
 
@@ -138,7 +139,10 @@ LlamaModel::LlamaModel(const LlamaConfig& config, Precision precision, Checkpoin
   }
 }
 
-void LlamaModel::zero_grads() { zero(grads_.flat()); }
+void LlamaModel::zero_grads() {
+  const profile::Region region("zero_grads", precision_.device);
+  zero(grads_.flat());
+}
 
 void LlamaModel::set_rope_length(int64_t seq_len) {
   LT_CHECK(seq_len > 0, "the RoPE sequence length must be positive, got {}", seq_len);
@@ -218,7 +222,7 @@ void LlamaModel::check_shard(const TokenShard& s) const {
 }
 
 // n1 = RMSNorm(x) and qkv = Wqkv·n1 chunk by chunk, then RoPE on the q and k parts: attention's input.
-void LlamaModel::qkv_forward(int64_t l, const LayerActs& a, Tensor x_in, Tensor positions) {
+void LlamaModel::qkv_forward(int64_t l, const LayerActs& a, Tensor x_in) {
   const LayerParams& p = p_.layers[l];
   const int64_t T = x_in.size(0);
   for_chunks(T, tiling_.mlp_chunk_tokens, [&](int64_t t0, int64_t n) {
@@ -226,42 +230,54 @@ void LlamaModel::qkv_forward(int64_t l, const LayerActs& a, Tensor x_in, Tensor 
     ops::rmsnorm_forward(n1, rows(a.rstd1, T, t0, n), x_in.narrow(t0, n), p.input_norm, config_.norm_eps);
     ops::linear_forward(a.qkv.narrow(t0, n), n1, p.qkv);
   });
-  const QkvViews qkv = split_qkv(a.qkv, config_);
-  ops::rope_forward(qkv.q, positions, rope_);
-  ops::rope_forward(qkv.k, positions, rope_);
+  ops::rope_apply(query_key_heads(a.qkv), rope_table(T), /*inverse=*/false);
 }
 
 // Runs layer `l` forward from x_in into x_out, filling `a` (what the policy keeps of it).
-void LlamaModel::layer_forward(int64_t l, const LayerActs& a, Tensor x_in, Tensor x_out, Tensor positions) {
+void LlamaModel::layer_forward(int64_t l, const LayerActs& a, Tensor x_in, Tensor x_out) {
   const LayerParams& p = p_.layers[l];
   const int64_t T = x_in.size(0), D = config_.head_dim, Hq = config_.n_heads;
-  qkv_forward(l, a, x_in, positions);
+  qkv_forward(l, a, x_in);
   const QkvViews qkv = split_qkv(a.qkv, config_);
-  attention_->forward(a.o, a.lse, qkv.q, qkv.k, qkv.v);
+  attention_forward(a, qkv);
 
-  // Everything after attention is token-local: o_proj, the residual, the post-attention norm and the
-  // MLP, one chunk of tokens at a time.
+  // Everything after attention is token-local: o_proj with the residual add in its epilogue, the
+  // post-attention norm and the MLP, one chunk of tokens at a time.
   const Tensor o = a.o.reshape({T, Hq * D});
   for_chunks(T, tiling_.mlp_chunk_tokens, [&](int64_t t0, int64_t n) {
-    const Tensor proj = acts_.get("proj").narrow(0, n), h = rows(a.h, T, t0, n), n2 = rows(a.n2, T, t0, n),
-                 gate_up = rows(a.gate_up, T, t0, n), s = rows(a.s, T, t0, n), out = x_out.narrow(t0, n);
-    ops::linear_forward(proj, o.narrow(t0, n), p.o_proj);
-    copy(h, x_in.narrow(t0, n));
-    ops::add_inplace(h, proj);
+    const Tensor h = rows(a.h, T, t0, n), n2 = rows(a.n2, T, t0, n), gate_up = rows(a.gate_up, T, t0, n),
+                 s = rows(a.s, T, t0, n);
+    ops::linear_residual_forward(h, o.narrow(t0, n), p.o_proj, x_in.narrow(t0, n));
     ops::rmsnorm_forward(n2, rows(a.rstd2, T, t0, n), h, p.post_norm, config_.norm_eps);
     ops::linear_forward(gate_up, n2, p.gate_up);
     ops::swiglu_forward(s, gate_up);
-    ops::linear_forward(proj, s, p.down_proj);
-    copy(out, h);
-    ops::add_inplace(out, proj);
+    ops::linear_residual_forward(x_out.narrow(t0, n), s, p.down_proj, h);
   });
+}
+
+// Q and K as one [T, Hq + Hkv, D] view of the fused buffer (their heads are adjacent), so that one
+// RoPE pass rotates both.
+Tensor LlamaModel::query_key_heads(const Tensor& qkv) const {
+  const int64_t D = config_.head_dim, H = config_.n_heads + config_.n_kv_heads;
+  Tensor v = qkv.narrow(1, 0, H * D);
+  v.ndim = 3;
+  v.shape = {qkv.shape[0], H, D, 0};
+  v.stride = {qkv.stride[0], D, 1, 0};
+  return v;
+}
+
+Tensor LlamaModel::rope_table(int64_t T) const { return acts_.get("rope_table").narrow(0, T); }
+
+void LlamaModel::attention_forward(const LayerActs& a, const QkvViews& qkv) {
+  const profile::Region region("attention_forward", precision_.device);
+  attention_->forward(a.o, a.lse, qkv.q, qkv.k, qkv.v);
 }
 
 // d_residual holds dL/d(layer output) on entry and dL/d(layer input) on return. Under a policy that
 // dropped activations, they are recomputed here: QKV for the whole shard (attention's input; under
 // full attention forward as well), the token-local tensors one chunk at a time right before the
 // chunk's backward uses them.
-void LlamaModel::layer_backward(int64_t l, const LayerActs& a, Tensor x_in, Tensor d_residual, Tensor positions) {
+void LlamaModel::layer_backward(int64_t l, const LayerActs& a, Tensor x_in, Tensor d_residual) {
   const LayerParams& p = p_.layers[l];
   const LayerParams& g = g_.layers[l];
   const int64_t T = x_in.size(0), D = config_.head_dim, Hq = config_.n_heads;
@@ -269,8 +285,8 @@ void LlamaModel::layer_backward(int64_t l, const LayerActs& a, Tensor x_in, Tens
   Tensor d_o = acts_.get("d_o").narrow(0, T), d_qkv = acts_.get("d_qkv").narrow(0, T);
   const QkvViews qkv = split_qkv(a.qkv, config_);
   if (recompute) {
-    qkv_forward(l, a, x_in, positions);
-    if (policy_ == CheckpointPolicy::full) attention_->forward(a.o, a.lse, qkv.q, qkv.k, qkv.v);
+    qkv_forward(l, a, x_in);
+    if (policy_ == CheckpointPolicy::full) attention_forward(a, qkv);
   }
 
   // Per chunk: y = h + Wdown·swiglu(Wgu·n2(h)), h = x + Wo·O, back to dL/dh and dO.
@@ -281,10 +297,7 @@ void LlamaModel::layer_backward(int64_t l, const LayerActs& a, Tensor x_in, Tens
     const Tensor d_norm = acts_.get("d_norm").narrow(0, n), d_s = acts_.get("d_s").narrow(0, n),
                  d_gate_up = acts_.get("d_gate_up").narrow(0, n);
     if (recompute) {
-      const Tensor proj = acts_.get("proj").narrow(0, n);
-      ops::linear_forward(proj, o.narrow(t0, n), p.o_proj);
-      copy(h, x_in.narrow(t0, n));
-      ops::add_inplace(h, proj);
+      ops::linear_residual_forward(h, o.narrow(t0, n), p.o_proj, x_in.narrow(t0, n));
       ops::rmsnorm_forward(n2, rstd2, h, p.post_norm, config_.norm_eps);
       ops::linear_forward(gate_up, n2, p.gate_up);
       ops::swiglu_forward(s, gate_up);
@@ -299,9 +312,11 @@ void LlamaModel::layer_backward(int64_t l, const LayerActs& a, Tensor x_in, Tens
   // Attention: h = x + Wo·Attn(q, k, v). SequenceAttention::backward overwrites dQ/dK/dV (one rank:
   // cuDNN writes straight into d_qkv).
   const QkvViews grad = split_qkv(d_qkv, config_);
-  attention_->backward(grad.q, grad.k, grad.v, qkv.q, qkv.k, qkv.v, a.o, a.lse, d_o.reshape({T, Hq, D}));
-  ops::rope_backward(grad.q, positions, rope_);
-  ops::rope_backward(grad.k, positions, rope_);
+  {
+    const profile::Region region("attention_backward", precision_.device);
+    attention_->backward(grad.q, grad.k, grad.v, qkv.q, qkv.k, qkv.v, a.o, a.lse, d_o.reshape({T, Hq, D}));
+  }
+  ops::rope_apply(query_key_heads(d_qkv), rope_table(T), /*inverse=*/true);
 
   // Per chunk: qkv = Wqkv·n1(x), back to dL/dx. A chunk-sized n1 holds the last chunk only, so the
   // others are recomputed (bit-identical to what qkv_forward made).
@@ -345,13 +360,15 @@ LossSum LlamaModel::forward_backward(const TokenShard& shard, double grad_scale)
   const int64_t T = shard.tokens.numel(), L = config_.n_layers;
   CheckpointOffloader* off = offloader_.get();
 
+  ops::rope_table(rope_table(T), shard.positions, rope_);  // every layer's RoPE, forward and backward
+
   // Forward. Offloaded: layer l writes x_{l+1} into the slot that held x_{l-2} and its kept tensors
   // into the one that held layer l-3's, so it waits for layer l-2's copy to the host (in stream
   // order after l-3's); its own slot goes to the host while layer l+1 computes.
   ops::embedding_forward(residual(0, T), shard.tokens, p_.embed);
   for (int64_t l = 0; l < L; ++l) {
     if (off && l >= 2) off->wait_out(l - 2);
-    layer_forward(l, layer_acts(l, T), residual(l, T), residual(l + 1, T), shard.positions);
+    layer_forward(l, layer_acts(l, T), residual(l, T), residual(l + 1, T));
     if (off) off->out(l, offload_copies(l, T, /*to_host=*/true));
   }
 
@@ -366,7 +383,7 @@ LossSum LlamaModel::forward_backward(const TokenShard& shard, double grad_scale)
   for (int64_t l = L - 1; l >= 0; --l) {
     if (off && !resident(l)) off->wait_in(l);
     if (off && l >= 1 && !resident(l - 1)) off->in(l - 1, offload_copies(l - 1, T, /*to_host=*/false));
-    layer_backward(l, layer_acts(l, T), residual(l, T), d_residual, shard.positions);
+    layer_backward(l, layer_acts(l, T), residual(l, T), d_residual);
     gradients_ready(gradient_ranges_[static_cast<size_t>(L - l)]);
   }
   ops::embedding_backward(g_.embed, shard.tokens, d_residual);
@@ -380,8 +397,9 @@ Tensor LlamaModel::forward_layers(const TokenShard& shard) {
   attention_->set_documents(shard.documents);  // every layer's attention, forward and backward
   const int64_t T = shard.tokens.numel(), L = config_.n_layers;
   // Forward only: nothing goes to the host, the slots (offloaded) are simply reused in turn.
+  ops::rope_table(rope_table(T), shard.positions, rope_);
   ops::embedding_forward(residual(0, T), shard.tokens, p_.embed);
-  for (int64_t l = 0; l < L; ++l) layer_forward(l, layer_acts(l, T), residual(l, T), residual(l + 1, T), shard.positions);
+  for (int64_t l = 0; l < L; ++l) layer_forward(l, layer_acts(l, T), residual(l, T), residual(l + 1, T));
   return residual(L, T);
 }
 

@@ -174,9 +174,12 @@ class LlamaModel {
   Tensor residual(int64_t l, int64_t T) const;  // x_l, the input of layer l (x_L: the last layer's output)
   std::vector<CheckpointOffloader::Copy> offload_copies(int64_t layer, int64_t T, bool to_host) const;
   Tensor forward_layers(const TokenShard& shard);  // embedding and every layer; returns the last residual
-  void layer_forward(int64_t layer, const LayerActs& a, Tensor x_in, Tensor x_out, Tensor positions);
-  void qkv_forward(int64_t layer, const LayerActs& a, Tensor x_in, Tensor positions);
-  void layer_backward(int64_t layer, const LayerActs& a, Tensor x_in, Tensor d_residual, Tensor positions);
+  void layer_forward(int64_t layer, const LayerActs& a, Tensor x_in, Tensor x_out);
+  void qkv_forward(int64_t layer, const LayerActs& a, Tensor x_in);
+  void layer_backward(int64_t layer, const LayerActs& a, Tensor x_in, Tensor d_residual);
+  void attention_forward(const LayerActs& a, const QkvViews& qkv);
+  Tensor query_key_heads(const Tensor& qkv) const;
+  Tensor rope_table(int64_t T) const;  // this step's RoPE table (ops::rope_table), T rows
   LossSum head(const TokenShard& shard, Tensor x_final, Tensor losses, bool with_grad, double grad_scale,
                int64_t T);
   void check_shard(const TokenShard& shard) const;

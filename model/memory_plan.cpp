@@ -103,7 +103,9 @@ void add_activation_entries(Arena& acts, const LlamaConfig& config, const Precis
   }
   // Scratch of the forward (projection outputs) and of the backward (activation gradients): one chunk
   // for token-local work; the shard for the residual stream's gradient and attention's dO and dQKV.
-  acts.add("proj", {M, C}, act);
+  // RoPE's cos | sin per token, formed once per step (ops::rope_table): f32 as the CUDA kernels read
+  // it, f64 on the CPU so the reference rotates exactly as rope_forward does.
+  acts.add("rope_table", {T, config.head_dim}, precision.device == Device::cpu ? DType::f64 : DType::f32);
   acts.add("final_norm", {Lc, C}, act);
   acts.add("final_rstd", {Lc}, stat);
   acts.add("d_final_norm", {Lc, C}, act);

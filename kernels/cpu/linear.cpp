@@ -76,6 +76,34 @@ void linear_forward(Tensor y, Tensor x, Tensor w) {
   return linear_forward_impl<double>(y, x, w);
 }
 
+void linear_residual_forward(Tensor y, Tensor x, Tensor w, Tensor residual) {
+  const char* op = "linear_residual_forward";
+  check_float_dtype(op, x);
+  check_matrix(op, "x", x, x.dtype);
+  check_matrix(op, "w", w, x.dtype);
+  check_matrix(op, "y", y, x.dtype);
+  check_matrix(op, "residual", residual, x.dtype);
+  LT_CHECK(w.shape[1] == x.shape[1] && y.shape[0] == x.shape[0] && y.shape[1] == w.shape[0] &&
+               residual.shape[0] == y.shape[0] && residual.shape[1] == y.shape[1],
+           "{}: shapes disagree: y {}, x {}, w {}, residual {} (expected y and residual [T, N], x [T, K], w [N, K])",
+           op, y.describe(), x.describe(), w.describe(), residual.describe());
+  auto run = [&](auto zero) {
+    using T = decltype(zero);
+    const int64_t rows = y.shape[0], cols = y.shape[1];
+    if (y.data != residual.data) {  // y := residual, then the GEMM adds into it with beta = 1
+      for (int64_t r = 0; r < rows; ++r)
+        std::copy_n(residual.ptr<T>() + r * residual.stride[0], cols, y.ptr<T>() + r * y.stride[0]);
+    } else {
+      LT_CHECK(rows <= 1 || y.stride[0] == residual.stride[0], "{}: y {} and residual {} share memory with different strides",
+               op, y.describe(), residual.describe());
+    }
+    gemm<T>(false, true, rows, cols, x.shape[1], x.ptr<T>(), leading_dim(x), w.ptr<T>(), leading_dim(w), T(1),
+            y.ptr<T>(), leading_dim(y));
+  };
+  if (x.dtype == DType::f32) return run(0.0f);
+  return run(0.0);
+}
+
 void linear_backward(Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w) {
   const char* op = "linear_backward";
   check_float_dtype(op, x);

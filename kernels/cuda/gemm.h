@@ -15,5 +15,9 @@ namespace longtrain::cuda_util {
 // heuristic's algorithm are cached per shape, leading dimensions, dtypes and pointer alignment.
 void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const void* A, int64_t lda, const void* B,
           int64_t ldb, void* D, int64_t ldd, DType ab, DType d, float alpha, float beta);
+// The same with D = alpha · op(A) · op(B) + beta · C for a C apart from D (C has D's dtype, leading
+// dimension ldc): the residual add of linear_residual_forward in the GEMM's epilogue.
+void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const void* A, int64_t lda, const void* B,
+          int64_t ldb, const void* C, int64_t ldc, void* D, int64_t ldd, DType ab, DType d, float alpha, float beta);
 
 }  // namespace longtrain::cuda_util

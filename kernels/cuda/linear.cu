@@ -40,12 +40,12 @@ uint32_t alignment(const void* p, int64_t ld, DType t) {
   return a;
 }
 
-using GemmKey = std::tuple<bool, bool, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, int, uint32_t,
-                           uint32_t, uint32_t, bool>;
+using GemmKey = std::tuple<bool, bool, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, int,
+                           uint32_t, uint32_t, uint32_t, uint32_t, bool>;
 
 struct GemmPlan {
   cublasLtMatmulDesc_t desc = nullptr;
-  cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr, d = nullptr;
   cublasLtMatmulAlgo_t algo{};
 };
 
@@ -69,8 +69,8 @@ Gemms& gemms() {
 }
 
 GemmPlan make_plan(cublasLtHandle_t handle, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
-                   int64_t lda, int64_t ldb, int64_t ldd, DType ab, DType d, uint32_t align_a, uint32_t align_b,
-                   uint32_t align_d, bool accumulate) {
+                   int64_t lda, int64_t ldb, int64_t ldc, int64_t ldd, DType ab, DType d, uint32_t align_a,
+                   uint32_t align_b, uint32_t align_c, uint32_t align_d, bool accumulate) {
   GemmPlan p;
   LT_CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   cublasOperation_t ta = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, tb = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
@@ -79,6 +79,7 @@ GemmPlan make_plan(cublasLtHandle_t handle, bool trans_a, bool trans_b, int64_t 
   // Stored shapes: A is k×m when transposed, else m×k; B is n×k when transposed, else k×n.
   LT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.a, cuda_type(ab), trans_a ? k : m, trans_a ? m : k, lda));
   LT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.b, cuda_type(ab), trans_b ? n : k, trans_b ? k : n, ldb));
+  LT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.c, cuda_type(d), m, n, ldc));
   LT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.d, cuda_type(d), m, n, ldd));
 
   cublasLtMatmulPreference_t pref = nullptr;
@@ -90,20 +91,20 @@ GemmPlan make_plan(cublasLtHandle_t handle, bool trans_a, bool trans_b, int64_t 
                                                        sizeof(align_a)));
   LT_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b,
                                                        sizeof(align_b)));
-  LT_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_d,
-                                                       sizeof(align_d)));
+  LT_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_c,
+                                                       sizeof(align_c)));
   LT_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_d,
                                                        sizeof(align_d)));
   cublasLtMatmulHeuristicResult_t result{};
   int found = 0;
   cublasStatus_t st =
-      cublasLtMatmulAlgoGetHeuristic(handle, p.desc, p.a, p.b, p.d, p.d, pref, 1, &result, &found);
+      cublasLtMatmulAlgoGetHeuristic(handle, p.desc, p.a, p.b, p.c, p.d, pref, 1, &result, &found);
   cublasLtMatmulPreferenceDestroy(pref);
   LT_CHECK(st == CUBLAS_STATUS_SUCCESS && found > 0,
-           "cuBLASLt has no algorithm for m={} n={} k={} (lda={} ldb={} ldd={}, {} inputs, {} output, "
-           "transa={} transb={}, alignments {}/{}/{} bytes, accumulate={}): {}",
-           m, n, k, lda, ldb, ldd, dtype_name(ab), dtype_name(d), trans_a, trans_b, align_a, align_b, align_d,
-           accumulate, cublasLtGetStatusString(st));
+           "cuBLASLt has no algorithm for m={} n={} k={} (lda={} ldb={} ldc={} ldd={}, {} inputs, {} output, "
+           "transa={} transb={}, alignments {}/{}/{}/{} bytes, accumulate={}): {}",
+           m, n, k, lda, ldb, ldc, ldd, dtype_name(ab), dtype_name(d), trans_a, trans_b, align_a, align_b, align_c,
+           align_d, accumulate, cublasLtGetStatusString(st));
   p.algo = result.algo;
   return p;
 }
@@ -111,29 +112,39 @@ GemmPlan make_plan(cublasLtHandle_t handle, bool trans_a, bool trans_b, int64_t 
 }  // namespace
 
 void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const void* A, int64_t lda, const void* B,
-          int64_t ldb, void* D, int64_t ldd, DType ab, DType d, float alpha, float beta) {
+          int64_t ldb, const void* C, int64_t ldc, void* D, int64_t ldd, DType ab, DType d, float alpha, float beta) {
   if (m == 0 || n == 0) return;
-  if (k == 0) {  // an empty sum: D = beta · D; only beta 0 (overwrite) and 1 (accumulate) occur here
+  if (k == 0) {  // an empty sum: D = beta · C; only beta 0 (overwrite) and 1 (accumulate) occur here
     LT_CHECK(beta == 1.0f || beta == 0.0f, "gemm: k = 0 with beta {}", beta);
-    if (beta == 0.0f) LT_CUDA_CHECK(cudaMemset2DAsync(D, ldd * dtype_size(d), 0, m * dtype_size(d), n, cuda_stream()));
+    const size_t row_bytes = static_cast<size_t>(m) * dtype_size(d);
+    if (beta == 0.0f) LT_CUDA_CHECK(cudaMemset2DAsync(D, ldd * dtype_size(d), 0, row_bytes, n, cuda_stream()));
+    else if (C != D)
+      LT_CUDA_CHECK(cudaMemcpy2DAsync(D, ldd * dtype_size(d), C, ldc * dtype_size(d), row_bytes, n,
+                                      cudaMemcpyDeviceToDevice, cuda_stream()));
     return;
   }
   Gemms& g = gemms();
-  const uint32_t align_a = alignment(A, lda, ab), align_b = alignment(B, ldb, ab), align_d = alignment(D, ldd, d);
+  const uint32_t align_a = alignment(A, lda, ab), align_b = alignment(B, ldb, ab), align_c = alignment(C, ldc, d),
+                 align_d = alignment(D, ldd, d);
   const bool accumulate = beta != 0.0f;
-  GemmKey key{trans_a, trans_b, m, n, k, lda, ldb, ldd, static_cast<int>(ab), static_cast<int>(d),
-              align_a, align_b, align_d, accumulate};
+  GemmKey key{trans_a, trans_b, m, n, k, lda, ldb, ldc, ldd, static_cast<int>(ab), static_cast<int>(d),
+              align_a, align_b, align_c, align_d, accumulate};
   const GemmPlan* plan;
   {
     std::lock_guard<std::mutex> lock(g.mutex);
     auto it = g.plans.find(key);
     if (it == g.plans.end())
-      it = g.plans.emplace(key, make_plan(g.handle, trans_a, trans_b, m, n, k, lda, ldb, ldd, ab, d, align_a, align_b,
-                                          align_d, accumulate)).first;
+      it = g.plans.emplace(key, make_plan(g.handle, trans_a, trans_b, m, n, k, lda, ldb, ldc, ldd, ab, d, align_a,
+                                          align_b, align_c, align_d, accumulate)).first;
     plan = &it->second;
   }
-  LT_CUBLAS_CHECK(cublasLtMatmul(g.handle, plan->desc, &alpha, A, plan->a, B, plan->b, &beta, D, plan->d, D, plan->d,
+  LT_CUBLAS_CHECK(cublasLtMatmul(g.handle, plan->desc, &alpha, A, plan->a, B, plan->b, &beta, C, plan->c, D, plan->d,
                                  &plan->algo, g.workspace, kWorkspaceBytes, cuda_stream()));
+}
+
+void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const void* A, int64_t lda, const void* B,
+          int64_t ldb, void* D, int64_t ldd, DType ab, DType d, float alpha, float beta) {
+  gemm(trans_a, trans_b, m, n, k, A, lda, B, ldb, D, ldd, D, ldd, ab, d, alpha, beta);
 }
 
 }  // namespace longtrain::cuda_util
@@ -164,6 +175,24 @@ void linear_forward(Tensor y, Tensor x, Tensor w) {
   LT_CHECK(y.size(0) == T && y.size(1) == N, "{}: y {} must be [{}, {}]", op, y.describe(), T, N);
   gemm(true, false, N, T, K, w.data, w.stride[0], x.data, x.stride[0], y.data, y.stride[0], x.dtype, y.dtype, 1.0f,
        0.0f);
+}
+
+// y [T, N] = residual [T, N] + x · wᵀ: the same product with C = residual and beta = 1.
+void linear_residual_forward(Tensor y, Tensor x, Tensor w, Tensor residual) {
+  const char* op = "linear_residual_forward";
+  check_linear(op, x, "x", w);
+  check_tensor(y, 2, op, "y");
+  check_tensor(residual, 2, op, "residual");
+  LT_CHECK(y.dtype == x.dtype && residual.dtype == x.dtype, "{}: y {} and residual {} must have x's dtype {}", op,
+           y.describe(), residual.describe(), dtype_name(x.dtype));
+  const int64_t T = x.size(0), K = x.size(1), N = w.size(0);
+  LT_CHECK(w.size(1) == K, "{}: w {} must be [N, {}] for x {}", op, w.describe(), K, x.describe());
+  LT_CHECK(y.size(0) == T && y.size(1) == N, "{}: y {} must be [{}, {}]", op, y.describe(), T, N);
+  check_same_shape(residual, y, op);
+  LT_CHECK(residual.data != y.data || residual.stride[0] == y.stride[0],
+           "{}: y {} and residual {} share memory with different strides", op, y.describe(), residual.describe());
+  gemm(true, false, N, T, K, w.data, w.stride[0], x.data, x.stride[0], residual.data, residual.stride[0], y.data,
+       y.stride[0], x.dtype, y.dtype, 1.0f, 1.0f);
 }
 
 // dx [T, K] = dy [T, N] · w [N, K]      ⇔  dxᵀ (K×T) = w (stored K×N) · dyᵀ (N×T)

@@ -109,13 +109,14 @@ TEST(MemoryPlan, TilingLeavesOnlyAttentionTensorsScalingWithTheShard) {
     EXPECT_EQ(tiled.tiling.mlp_chunk_tokens, model::kAutoMlpChunkTokens);
     EXPECT_EQ(tiled.tiling.loss_chunk_tokens, model::kAutoLossChunkTokens);
     EXPECT_EQ(tiled.saved, untiled.saved);  // the checkpoints are what they were
-    // Per token of the shard: QKV, d_residual, dO, dQKV (bf16), losses (f32); full adds O (bf16) and LSE (f32).
-    size_t per_token = 2 * (c.qkv_dim() + C + c.n_heads * c.head_dim + c.qkv_dim()) + 4;
+    // Per token of the shard: QKV, d_residual, dO, dQKV (bf16), losses, RoPE's cos | sin (f32); full adds O
+    // (bf16) and LSE (f32).
+    size_t per_token = 2 * (c.qkv_dim() + C + c.n_heads * c.head_dim + c.qkv_dim()) + 4 + 4 * c.head_dim;
     if (policy == CheckpointPolicy::full) per_token += 2 * c.n_heads * c.head_dim + 4 * c.n_heads;
     const int64_t M = tiled.tiling.mlp_chunk_tokens, Lc = tiled.tiling.loss_chunk_tokens;
-    // Per token of a chunk: n1, h, n2, proj, d_norm, gate_up, s, d_s, d_gate_up (bf16), rstd1, rstd2 (f32);
+    // Per token of a chunk: n1, h, n2, d_norm, gate_up, s, d_s, d_gate_up (bf16), rstd1, rstd2 (f32);
     // per token of a loss chunk: the final norm and its gradient (bf16), its rstd (f32).
-    const size_t per_chunk_token = 2 * (5 * C + 6 * F) + 8, per_loss_token = 4 * C + 4;
+    const size_t per_chunk_token = 2 * (4 * C + 6 * F) + 8, per_loss_token = 4 * C + 4;
     const size_t expected = static_cast<size_t>(T) * per_token + static_cast<size_t>(M) * per_chunk_token +
                             static_cast<size_t>(Lc) * per_loss_token;
     EXPECT_GE(tiled.activation_scratch, expected) << model::checkpoint_policy_name(policy);

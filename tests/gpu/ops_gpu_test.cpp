@@ -11,6 +11,7 @@
 #include <functional>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "gpu_test_util.h"
@@ -238,6 +239,61 @@ TEST_P(GpuOps, LinearForwardBackward) {
       expect_close("linear_backward dw f32 accumulator (+=)" + tag, DType::f32, download(dw32_d), dw_h.values);
     }
   }
+}
+
+// y = residual + x·wᵀ through cuBLASLt's C (beta = 1): apart and in place, against the CPU in double.
+TEST_P(GpuOps, LinearResidualForwardApartAndInPlace) {
+  LT_REQUIRE_GPU();
+  const DType dt = GetParam();
+  for (auto [T, K, N] : {std::tuple<int64_t, int64_t, int64_t>{77, 131, 59}, {64, 256, 128}}) {
+    SCOPED_TRACE(fmt::format("T={} K={} N={}", T, K, N));
+    const auto x = random_values(T * K, 45, dt), w = random_values(N * K, 46, dt), r = random_values(T * N, 47, dt);
+    HostTensor<double> x_h = host_tensor({T, K}, x), w_h = host_tensor({N, K}, w), r_h = host_tensor({T, N}, r),
+                       y_h({T, N});
+    ops::linear_residual_forward(y_h, x_h, w_h, r_h);
+    DeviceTensor x_d(dt, {T, K}), w_d(dt, {N, K}), r_d(dt, {T, N}), y_d(dt, {T, N});
+    upload(x_d, x);
+    upload(w_d, w);
+    upload(r_d, r);
+    ops::linear_residual_forward(y_d, x_d, w_d, r_d);
+    expect_close("linear_residual_forward into y", dt, download(y_d), y_h.values);
+    EXPECT_EQ(download(r_d), r) << "the residual changed";
+    ops::linear_residual_forward(r_d, x_d, w_d, r_d);
+    expect_close("linear_residual_forward in place", dt, download(r_d), y_h.values);
+  }
+}
+
+// The model's RoPE: one table per step (f32 on the GPU), Q and K of the fused buffer as one view:
+// bit for bit what rope_forward / rope_backward give on the GPU, and V untouched.
+TEST_P(GpuOps, RopeTableAndApplyEqualRopeForwardAndBackwardBitForBit) {
+  LT_REQUIRE_GPU();
+  const DType dt = GetParam();
+  const int64_t T = 53, Hq = 8, Hkv = 2, D = 64, W = (Hq + 2 * Hkv) * D;
+  const auto qkv = random_values(T * W, 48, dt);
+  const auto positions = random_ints(T, 49, 0, 1 << 21);
+  std::vector<double> inv(D / 2);
+  for (int64_t i = 0; i < D / 2; ++i) inv[i] = std::pow(5e5, -2.0 * i / D) / (i < D / 4 ? 1.0 : 8.0);
+  const ops::RopeParams p{5e5, inv, 1.07};
+  DeviceTensor a_d(dt, {T, W}), b_d(dt, {T, W}), pos_d(DType::i32, {T}), table_d(DType::f32, {T, D});
+  upload(a_d, qkv);
+  upload(b_d, qkv);
+  upload_ints(pos_d, positions);
+  ops::rope_forward(head_view(a_d, 0, Hq, D), pos_d, p);
+  ops::rope_forward(head_view(a_d, Hq * D, Hkv, D), pos_d, p);
+  ops::rope_table(table_d, pos_d, p);
+  ops::rope_apply(head_view(b_d, 0, Hq + Hkv, D), table_d, /*inverse=*/false);
+  const auto a = download(a_d), b = download(b_d);
+  EXPECT_EQ(a, b) << "rope_apply differs from rope_forward";
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t c = (Hq + Hkv) * D; c < W; ++c) ASSERT_EQ(b[t * W + c], qkv[t * W + c]) << "V changed";
+  // Against the CPU's double reference too, so that both GPU paths are not wrong the same way.
+  HostTensor<double> ref = host_tensor({T, W}, qkv);
+  HostTensor<int32_t> pos_h = host_ints({T}, positions);
+  ops::rope_forward(head_view(ref, 0, Hq + Hkv, D), pos_h, p);
+  expect_close("rope_apply vs the CPU's rope_forward", dt, b, ref.values);
+  ops::rope_backward(head_view(a_d, 0, Hq + Hkv, D), pos_d, p);
+  ops::rope_apply(head_view(b_d, 0, Hq + Hkv, D), table_d, /*inverse=*/true);
+  EXPECT_EQ(download(a_d), download(b_d)) << "rope_apply (inverse) differs from rope_backward";
 }
 
 TEST_P(GpuOps, ResidualAdd) {

@@ -117,6 +117,24 @@ TYPED_TEST(LinearTest, StridedRowViews) {
   test::expect_close("linear dw, strided", dw.values, ref_dw);
 }
 
+TYPED_TEST(LinearTest, ResidualForwardAddsTheResidualInPlaceOrApart) {
+  // y = residual + x·wᵀ, into a separate buffer and into the residual itself (the model's h = x + Wo·O).
+  using T = TypeParam;
+  HostTensor<T> x({kTokens, kIn}), w({kOut, kIn}), residual({kTokens, kOut}), y({kTokens, kOut});
+  test::fill_uniform(x, 41);
+  test::fill_uniform(w, 42);
+  test::fill_uniform(residual, 43);
+  test::fill_uniform(y, 44);  // overwritten
+  std::vector<double> expected = reference_forward(test::as_double(x), test::as_double(w));
+  const std::vector<double> r = test::as_double(residual);
+  for (size_t i = 0; i < expected.size(); ++i) expected[i] += r[i];
+  ops::linear_residual_forward(y, x, w, residual);
+  test::expect_close("linear_residual_forward into y", y.values, expected);
+  EXPECT_EQ(test::as_double(residual), r) << "the residual changed";
+  ops::linear_residual_forward(residual, x, w, residual);
+  test::expect_close("linear_residual_forward in place", residual.values, expected);
+}
+
 TEST(Linear, GradientsMatchFiniteDifferences) {
   HostTensor<double> x({kTokens, kIn}), w({kOut, kIn}), y({kTokens, kOut}), g({kTokens, kOut});
   HostTensor<double> dx({kTokens, kIn}), dw({kOut, kIn});

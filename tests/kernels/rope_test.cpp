@@ -186,6 +186,32 @@ TYPED_TEST(RopeTest, ScaledTableAndAttentionFactor) {
   test::expect_close("rope with a scaled table and attention factor", x.values, ref);
 }
 
+TYPED_TEST(RopeTest, TableOnceThenApplyEqualsRopeForwardAndBackwardBitForBit) {
+  // What the model does each step: one f64 table of cos | sin (scaled inverse frequencies and an
+  // attention factor), then Q and K of the fused buffer as one view, forward and the transpose.
+  using T = TypeParam;
+  HostTensor<T> qkv({kTokens, kFusedHeads * kHeadDim});
+  test::fill_uniform(qkv, 31);
+  HostTensor<T> expected = qkv;
+  HostTensor<int32_t> positions = random_positions(32, 0, 1 << 20);
+  const ops::RopeParams p{kTheta, scaled_table(), 1.1386};
+  auto qk_view = [&](HostTensor<T>& buffer) {
+    return Tensor(buffer).reshape({kTokens, kFusedHeads, kHeadDim}).narrow(1, 0, kHeads + kKvHeads);
+  };
+  HostTensor<double> table({kTokens, kHeadDim});
+  ops::rope_table(table, positions, p);
+  ops::rope_forward(qk_view(expected), positions, p);
+  ops::rope_apply(qk_view(qkv), table, /*inverse=*/false);
+  EXPECT_EQ(qkv.values, expected.values) << "rope_apply differs from rope_forward";
+  ops::rope_backward(qk_view(expected), positions, p);
+  ops::rope_apply(qk_view(qkv), table, /*inverse=*/true);
+  EXPECT_EQ(qkv.values, expected.values) << "rope_apply (inverse) differs from rope_backward";
+  // V was never touched by either.
+  for (int64_t t = 0; t < kTokens; ++t)
+    for (int64_t i = (kHeads + kKvHeads) * kHeadDim; i < kFusedHeads * kHeadDim; ++i)
+      ASSERT_TRUE(std::isfinite(static_cast<double>(qkv[t * kFusedHeads * kHeadDim + i])));
+}
+
 TEST(Rope, ScaledGradientMatchesFiniteDifferences) {
   HostTensor<double> x({kTokens, kHeads, kHeadDim}), y({kTokens, kHeads, kHeadDim}), g({kTokens, kHeads, kHeadDim});
   test::fill_uniform(x, 23);
@@ -203,6 +229,16 @@ TEST(Rope, ScaledGradientMatchesFiniteDifferences) {
   const double err = test::relative_error(dx.values, numeric);
   test::report_error("scaled rope dx vs finite differences", err);
   EXPECT_LT(err, test::kGradientTolerance);
+}
+
+TEST(Rope, TableErrors) {
+  HostTensor<int32_t> positions = random_positions(33, 0, 100);
+  HostTensor<double> table({kTokens, kHeadDim}), short_table({kTokens - 1, kHeadDim});
+  HostTensor<float> x({kTokens, kHeads, kHeadDim});
+  test::expect_error([&] { ops::rope_apply(x, short_table, false); }, {"rope_apply", "RoPE table", "f64[36, 6]"});
+  test::expect_error([&] { ops::rope_table(short_table, positions, {}); }, {"rope_table", "positions must be i32 [T]"});
+  positions[3] = -2;
+  test::expect_error([&] { ops::rope_table(table, positions, {}); }, {"position -2 at token index 3"});
 }
 
 TEST(Rope, Errors) {
