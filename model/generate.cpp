@@ -106,9 +106,8 @@ std::vector<float> decode_tokens(const LlamaModel& model, KvCache& cache, const 
     const LayerParams& lp = p.layers[l];
     ops::rmsnorm_forward(nrm, rstd, x, lp.input_norm, c.norm_eps);
     ops::linear_forward(qkv, nrm, lp.qkv);
-    const auto [q, k, v] = split_qkv(qkv, c);
-    ops::rope_forward(q, ws.get("positions"), rope);
-    ops::rope_forward(k, ws.get("positions"), rope);
+    const auto [q, k, v, qk] = split_qkv(qkv, c);
+    ops::rope_forward(qk, ws.get("positions"), rope);
     // This rank holds positions [first, first + block): the new tokens' rows among them go to the cache.
     Tensor kc = cache.keys(l), vc = cache.values(l);
     const int64_t first = cache.first(), end = first + cache.block();

@@ -84,7 +84,8 @@ QkvViews split_qkv(const Tensor& qkv, const LlamaConfig& c) {
     v.stride = {qkv.stride[0], D, 1, 0};
     return v;
   };
-  return {heads(0, c.n_heads), heads(c.n_heads, c.n_kv_heads), heads(c.n_heads + c.n_kv_heads, c.n_kv_heads)};
+  return {heads(0, c.n_heads), heads(c.n_heads, c.n_kv_heads), heads(c.n_heads + c.n_kv_heads, c.n_kv_heads),
+          heads(0, c.n_heads + c.n_kv_heads)};
 }
 
 LlamaModel::LlamaModel(const LlamaConfig& config, Precision precision, CheckpointPolicy policy, int64_t max_tokens,
@@ -230,7 +231,7 @@ void LlamaModel::qkv_forward(int64_t l, const LayerActs& a, Tensor x_in) {
     ops::rmsnorm_forward(n1, rows(a.rstd1, T, t0, n), x_in.narrow(t0, n), p.input_norm, config_.norm_eps);
     ops::linear_forward(a.qkv.narrow(t0, n), n1, p.qkv);
   });
-  ops::rope_apply(query_key_heads(a.qkv), rope_table(T), /*inverse=*/false);
+  ops::rope_apply(split_qkv(a.qkv, config_).qk, rope_table(T), /*inverse=*/false);
 }
 
 // Runs layer `l` forward from x_in into x_out, filling `a` (what the policy keeps of it).
@@ -253,17 +254,6 @@ void LlamaModel::layer_forward(int64_t l, const LayerActs& a, Tensor x_in, Tenso
     ops::swiglu_forward(s, gate_up);
     ops::linear_residual_forward(x_out.narrow(t0, n), s, p.down_proj, h);
   });
-}
-
-// Q and K as one [T, Hq + Hkv, D] view of the fused buffer (their heads are adjacent), so that one
-// RoPE pass rotates both.
-Tensor LlamaModel::query_key_heads(const Tensor& qkv) const {
-  const int64_t D = config_.head_dim, H = config_.n_heads + config_.n_kv_heads;
-  Tensor v = qkv.narrow(1, 0, H * D);
-  v.ndim = 3;
-  v.shape = {qkv.shape[0], H, D, 0};
-  v.stride = {qkv.stride[0], D, 1, 0};
-  return v;
 }
 
 Tensor LlamaModel::rope_table(int64_t T) const { return acts_.get("rope_table").narrow(0, T); }
@@ -316,7 +306,7 @@ void LlamaModel::layer_backward(int64_t l, const LayerActs& a, Tensor x_in, Tens
     const profile::Region region("attention_backward", precision_.device);
     attention_->backward(grad.q, grad.k, grad.v, qkv.q, qkv.k, qkv.v, a.o, a.lse, d_o.reshape({T, Hq, D}));
   }
-  ops::rope_apply(query_key_heads(d_qkv), rope_table(T), /*inverse=*/true);
+  ops::rope_apply(grad.qk, rope_table(T), /*inverse=*/true);
 
   // Per chunk: qkv = Wqkv·n1(x), back to dL/dx. A chunk-sized n1 holds the last chunk only, so the
   // others are recomputed (bit-identical to what qkv_forward made).

@@ -86,6 +86,7 @@ struct LossSum {
 // [T, H, D] views, read and written in place by RoPE and attention.
 struct QkvViews {
   Tensor q, k, v;
+  Tensor qk;  // Q and K as one [T, Hq + Hkv, D] view (their heads are adjacent): one RoPE pass rotates both
 };
 QkvViews split_qkv(const Tensor& qkv, const LlamaConfig& config);
 
@@ -178,7 +179,6 @@ class LlamaModel {
   void qkv_forward(int64_t layer, const LayerActs& a, Tensor x_in);
   void layer_backward(int64_t layer, const LayerActs& a, Tensor x_in, Tensor d_residual);
   void attention_forward(const LayerActs& a, const QkvViews& qkv);
-  Tensor query_key_heads(const Tensor& qkv) const;
   Tensor rope_table(int64_t T) const;  // this step's RoPE table (ops::rope_table), T rows
   LossSum head(const TokenShard& shard, Tensor x_final, Tensor losses, bool with_grad, double grad_scale,
                int64_t T);

@@ -40,6 +40,15 @@ void check_rope(const char* op, const Tensor& x, const Tensor& positions, const 
   }
 }
 
+// The scaled table, or theta^(-2i/D), for head dim D.
+std::vector<double> inverse_frequencies(const RopeParams& p, int64_t D) {
+  if (!p.inv_freq.empty()) return p.inv_freq;
+  std::vector<double> inv_freq(static_cast<size_t>(D / 2));
+  for (int64_t i = 0; i < D / 2; ++i)
+    inv_freq[i] = std::pow(p.theta, -2.0 * static_cast<double>(i) / static_cast<double>(D));
+  return inv_freq;
+}
+
 // Rotates every head of every token by `direction` · angle (+1: forward, -1: the transpose) and
 // scales it by the attention factor.
 template <class T>
@@ -50,12 +59,7 @@ void rope_rotate(const Tensor& x, const Tensor& positions, const RopeParams& p, 
   T* xp = x.ptr<T>();
   const double a = p.attention_factor;
 
-  std::vector<double> inv_freq = p.inv_freq;  // the scaled table, or theta^(-2i/D)
-  if (inv_freq.empty()) {
-    inv_freq.resize(static_cast<size_t>(half));
-    for (int64_t i = 0; i < half; ++i)
-      inv_freq[i] = std::pow(p.theta, -2.0 * static_cast<double>(i) / static_cast<double>(D));
-  }
+  const std::vector<double> inv_freq = inverse_frequencies(p, D);
 
   // cos and sin of this token's angles, kept in double: the products are rounded once, to T.
   std::vector<double> cos_t(static_cast<size_t>(half)), sin_t(static_cast<size_t>(half));
@@ -116,12 +120,7 @@ void rope_table(Tensor table, Tensor positions, const RopeParams& p) {
   as_x.stride = {table.stride[0], D, 1, 0};
   check_rope("rope_table", as_x, positions, p);
   check_table("rope_table", table, T, D);
-  std::vector<double> inv_freq = p.inv_freq;
-  if (inv_freq.empty()) {
-    inv_freq.resize(static_cast<size_t>(half));
-    for (int64_t i = 0; i < half; ++i)
-      inv_freq[i] = std::pow(p.theta, -2.0 * static_cast<double>(i) / static_cast<double>(D));
-  }
+  const std::vector<double> inv_freq = inverse_frequencies(p, D);
   const int32_t* pos = positions.ptr<int32_t>();
   auto fill = [&](auto* out) {
     using Table = std::remove_pointer_t<decltype(out)>;

@@ -42,15 +42,20 @@ __global__ void rope_kernel(T* x, int64_t t_stride, int64_t h_stride, const int3
   }
 }
 
-void rope(const char* op, Tensor x, Tensor positions, const RopeParams& p, float sign) {
-  check_tensor(x, 3, op, "x");
-  check_float(x, op, "x");
+dim3 rope_block(int half) {
+  const int tx = half >= 128 ? 128 : (half >= 64 ? 64 : 32);
+  return dim3(tx, 256 / tx);
+}
+
+// The checks of the positions (one per row of `rows`: x or the table) and of the parameters for head
+// dim D, and the inverse frequencies the kernels take by value: the scaled table, or theta^(-2i/D).
+InvFreqTable checked_inverse_frequencies(const char* op, const Tensor& positions, const char* rows_name,
+                                         const Tensor& rows, int64_t D, const RopeParams& p) {
   LT_CHECK(positions.device == Device::cuda && positions.ndim == 1, "{}: positions must be a 1-d CUDA tensor, got {}",
            op, positions.describe());
   check_dtype(positions, DType::i32, op, "positions");
-  const int64_t T = x.size(0), H = x.size(1), D = x.size(2);
-  LT_CHECK(positions.size(0) == T, "{}: positions {} must have one entry per token of x {}", op,
-           positions.describe(), x.describe());
+  LT_CHECK(positions.size(0) == rows.size(0), "{}: positions {} must have one entry per token of {} {}", op,
+           positions.describe(), rows_name, rows.describe());
   LT_CHECK(D % 2 == 0, "{}: head dim {} must be even", op, D);
   LT_CHECK(p.theta > 0.0, "{}: rope theta must be positive, got {}", op, p.theta);
   LT_CHECK(D / 2 <= kMaxRopeHalfDim, "{}: head dim {} is above the {} RoPE supports", op, D, 2 * kMaxRopeHalfDim);
@@ -58,13 +63,20 @@ void rope(const char* op, Tensor x, Tensor positions, const RopeParams& p, float
            "{}: the inverse-frequency table has {} entries; head dim {} needs {}", op, p.inv_freq.size(), D, D / 2);
   LT_CHECK(std::isfinite(p.attention_factor) && p.attention_factor > 0.0,
            "{}: the RoPE attention factor must be finite and > 0, got {}", op, p.attention_factor);
+  InvFreqTable table{};
+  for (int64_t i = 0; i < D / 2; ++i)
+    table.v[i] = p.inv_freq.empty() ? std::pow(p.theta, -2.0 * i / static_cast<double>(D)) : p.inv_freq[i];
+  return table;
+}
+
+void rope(const char* op, Tensor x, Tensor positions, const RopeParams& p, float sign) {
+  check_tensor(x, 3, op, "x");
+  check_float(x, op, "x");
+  const int64_t T = x.size(0), H = x.size(1), D = x.size(2);
+  const InvFreqTable table = checked_inverse_frequencies(op, positions, "x", x, D, p);
   if (T == 0) return;
   const int half = static_cast<int>(D / 2);
-  InvFreqTable table{};
-  for (int i = 0; i < half; ++i)
-    table.v[i] = p.inv_freq.empty() ? std::pow(p.theta, -2.0 * i / static_cast<double>(D)) : p.inv_freq[i];
-  const int tx = half >= 128 ? 128 : (half >= 64 ? 64 : 32);
-  const dim3 block(tx, 256 / tx);
+  const dim3 block = rope_block(half);
   const unsigned grid = static_cast<unsigned>((T + block.y - 1) / block.y);
   dispatch_float(x.dtype, op, [&](auto tag) {
     using T_ = typename decltype(tag)::type;
@@ -107,35 +119,16 @@ __global__ void rope_apply_kernel(T* x, int64_t t_stride, int64_t h_stride, cons
   }
 }
 
-dim3 rope_block(int half) {
-  const int tx = half >= 128 ? 128 : (half >= 64 ? 64 : 32);
-  return dim3(tx, 256 / tx);
-}
-
 }  // namespace
 
 void rope_table(Tensor table, Tensor positions, const RopeParams& p) {
   const char* op = "rope_table";
   check_tensor(table, 2, op, "table");
   check_dtype(table, DType::f32, op, "table");
-  LT_CHECK(positions.device == Device::cuda && positions.ndim == 1, "{}: positions must be a 1-d CUDA tensor, got {}",
-           op, positions.describe());
-  check_dtype(positions, DType::i32, op, "positions");
   const int64_t T = table.size(0), D = table.size(1);
-  LT_CHECK(positions.size(0) == T, "{}: positions {} must have one entry per row of the table {}", op,
-           positions.describe(), table.describe());
-  LT_CHECK(D % 2 == 0 && D / 2 <= kMaxRopeHalfDim, "{}: head dim {} must be even and at most {}", op, D,
-           2 * kMaxRopeHalfDim);
-  LT_CHECK(p.theta > 0.0, "{}: rope theta must be positive, got {}", op, p.theta);
-  LT_CHECK(p.inv_freq.empty() || static_cast<int64_t>(p.inv_freq.size()) == D / 2,
-           "{}: the inverse-frequency table has {} entries; head dim {} needs {}", op, p.inv_freq.size(), D, D / 2);
-  LT_CHECK(std::isfinite(p.attention_factor) && p.attention_factor > 0.0,
-           "{}: the RoPE attention factor must be finite and > 0, got {}", op, p.attention_factor);
+  const InvFreqTable inv = checked_inverse_frequencies(op, positions, "the table", table, D, p);
   if (T == 0) return;
   const int half = static_cast<int>(D / 2);
-  InvFreqTable inv{};
-  for (int i = 0; i < half; ++i)
-    inv.v[i] = p.inv_freq.empty() ? std::pow(p.theta, -2.0 * i / static_cast<double>(D)) : p.inv_freq[i];
   const dim3 block = rope_block(half);
   rope_table_kernel<<<static_cast<unsigned>((T + block.y - 1) / block.y), block, 0, cuda_stream()>>>(
       static_cast<float*>(table.data), table.stride[0], static_cast<const int32_t*>(positions.data),
