@@ -55,10 +55,22 @@ class SequenceAttention {
   // buffers, so they keep the default.
   virtual bool head_major_lse() const { return false; }
 
+  // Per-layer state. A model whose checkpoint policy keeps every layer's O and LSE and does not run the
+  // attention forward again in backward (none, remat_aware; not with offloaded checkpoints) calls
+  // keep_forward(n_layers) once, then set_layer(l) before each forward and backward call of layer l.
+  // An attention that can reuse what its forward made keeps it per layer (Ulysses: the head-layout
+  // Q, K, V, O, LSE, so its backward sends only dO out and dQ, dK, dV back) and says so with
+  // keeps_forward(): its backward then reads d_o alone, and q, k, v, o, lse only give the shapes (the
+  // model need not recompute Q, K, V for it). The default keeps nothing and reads them all.
+  virtual void keep_forward(int64_t n_layers) { (void)n_layers; }
+  virtual bool keeps_forward() const { return false; }
+  void set_layer(int64_t layer) { layer_ = layer; }
+
   AttentionCounters counters;
 
  protected:
   Documents documents_;
+  int64_t layer_ = 0;
 };
 
 // One rank holds the whole sequence: a single block, causal or full (with documents: one segmented

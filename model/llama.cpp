@@ -27,6 +27,10 @@ const char* checkpoint_policy_name(CheckpointPolicy p) {
   return "?";
 }
 
+bool attention_keeps_forward(CheckpointPolicy policy, Offload offload) {
+  return policy != CheckpointPolicy::full && offload == Offload::none;
+}
+
 // One layer's activations. Under a policy that does not keep a tensor, its view points into
 // scratch shared by all layers and is recomputed in backward.
 struct LlamaModel::LayerActs {
@@ -100,6 +104,7 @@ LlamaModel::LlamaModel(const LlamaConfig& config, Precision precision, Checkpoin
     attention_ = std::make_unique<attn::LocalSequenceAttention>(
         /*causal=*/true, 1.0 / std::sqrt(static_cast<double>(config_.head_dim)));
 
+  if (attention_keeps_forward(policy_, offload_)) attention_->keep_forward(config_.n_layers);
   set_rope_length(config_.max_seq_len);
 
   add_parameter_entries(params_, config_, precision_.param);
@@ -240,7 +245,7 @@ void LlamaModel::layer_forward(int64_t l, const LayerActs& a, Tensor x_in, Tenso
   const int64_t T = x_in.size(0), D = config_.head_dim, Hq = config_.n_heads;
   qkv_forward(l, a, x_in);
   const QkvViews qkv = split_qkv(a.qkv, config_);
-  attention_forward(a, qkv);
+  attention_forward(l, a, qkv);
 
   // Everything after attention is token-local: o_proj with the residual add in its epilogue, the
   // post-attention norm and the MLP, one chunk of tokens at a time.
@@ -258,25 +263,30 @@ void LlamaModel::layer_forward(int64_t l, const LayerActs& a, Tensor x_in, Tenso
 
 Tensor LlamaModel::rope_table(int64_t T) const { return acts_.get("rope_table").narrow(0, T); }
 
-void LlamaModel::attention_forward(const LayerActs& a, const QkvViews& qkv) {
+void LlamaModel::attention_forward(int64_t l, const LayerActs& a, const QkvViews& qkv) {
   const profile::Region region("attention_forward", precision_.device);
+  attention_->set_layer(l);
   attention_->forward(a.o, a.lse, qkv.q, qkv.k, qkv.v);
 }
 
 // d_residual holds dL/d(layer output) on entry and dL/d(layer input) on return. Under a policy that
 // dropped activations, they are recomputed here: QKV for the whole shard (attention's input; under
-// full attention forward as well), the token-local tensors one chunk at a time right before the
+// full attention forward as well; not when the attention kept its own copy of them,
+// SequenceAttention::keeps_forward), the token-local tensors one chunk at a time right before the
 // chunk's backward uses them.
 void LlamaModel::layer_backward(int64_t l, const LayerActs& a, Tensor x_in, Tensor d_residual) {
   const LayerParams& p = p_.layers[l];
   const LayerParams& g = g_.layers[l];
   const int64_t T = x_in.size(0), D = config_.head_dim, Hq = config_.n_heads;
   const bool recompute = policy_ != CheckpointPolicy::none;
+  // Ulysses keeps the layer's head-layout Q, K, V and reads none of ours: the QKV GEMM and RoPE need
+  // not run again, only the input norm that the QKV weight gradient reads (below, per chunk).
+  const bool qkv_recompute = recompute && !attention_->keeps_forward();
   Tensor d_o = acts_.get("d_o").narrow(0, T), d_qkv = acts_.get("d_qkv").narrow(0, T);
   const QkvViews qkv = split_qkv(a.qkv, config_);
-  if (recompute) {
+  if (qkv_recompute) {
     qkv_forward(l, a, x_in);
-    if (policy_ == CheckpointPolicy::full) attention_forward(a, qkv);
+    if (policy_ == CheckpointPolicy::full) attention_forward(l, a, qkv);
   }
 
   // Per chunk: y = h + Wdown·swiglu(Wgu·n2(h)), h = x + Wo·O, back to dL/dh and dO.
@@ -304,13 +314,15 @@ void LlamaModel::layer_backward(int64_t l, const LayerActs& a, Tensor x_in, Tens
   const QkvViews grad = split_qkv(d_qkv, config_);
   {
     const profile::Region region("attention_backward", precision_.device);
+    attention_->set_layer(l);
     attention_->backward(grad.q, grad.k, grad.v, qkv.q, qkv.k, qkv.v, a.o, a.lse, d_o.reshape({T, Hq, D}));
   }
   ops::rope_apply(grad.qk, rope_table(T), /*inverse=*/true);
 
   // Per chunk: qkv = Wqkv·n1(x), back to dL/dx. A chunk-sized n1 holds the last chunk only, so the
-  // others are recomputed (bit-identical to what qkv_forward made).
-  const bool n1_recompute = a.n1.size(0) < T;
+  // others are recomputed (bit-identical to what qkv_forward made); all of it when qkv_forward did not
+  // run in this backward but the policy recomputes n1.
+  const bool n1_recompute = a.n1.size(0) < T || (recompute && !qkv_recompute);
   for_chunks(T, tiling_.mlp_chunk_tokens, [&](int64_t t0, int64_t n) {
     const Tensor n1 = rows(a.n1, T, t0, n), rstd1 = rows(a.rstd1, T, t0, n), x = x_in.narrow(t0, n),
                  d_norm = acts_.get("d_norm").narrow(0, n);

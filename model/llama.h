@@ -38,6 +38,12 @@ enum class CheckpointPolicy { none, full, remat_aware };
 CheckpointPolicy parse_checkpoint_policy(const std::string& name);  // error names model.checkpoint
 const char* checkpoint_policy_name(CheckpointPolicy p);
 
+// Whether the model lets its attention keep each layer's forward state for the backward
+// (SequenceAttention::keep_forward): when the policy keeps O and LSE and does not run the attention
+// forward again (none, remat_aware) and the checkpoints stay on the device (no offload, which would
+// leave the attention's per-layer state on the device beside the offloaded ones).
+bool attention_keeps_forward(CheckpointPolicy policy, Offload offload);
+
 // Token tiling of the token-local work (model.mlp_chunk_tokens, model.loss_chunk_tokens). Everything
 // after attention in a layer (o_proj, the residual add, the post-attention norm, the MLP) and the
 // input norm feeding the QKV GEMM run over chunks of at most mlp_chunk_tokens tokens, forward and
@@ -178,7 +184,7 @@ class LlamaModel {
   void layer_forward(int64_t layer, const LayerActs& a, Tensor x_in, Tensor x_out);
   void qkv_forward(int64_t layer, const LayerActs& a, Tensor x_in);
   void layer_backward(int64_t layer, const LayerActs& a, Tensor x_in, Tensor d_residual);
-  void attention_forward(const LayerActs& a, const QkvViews& qkv);
+  void attention_forward(int64_t l, const LayerActs& a, const QkvViews& qkv);
   Tensor rope_table(int64_t T) const;  // this step's RoPE table (ops::rope_table), T rows
   LossSum head(const TokenShard& shard, Tensor x_final, Tensor losses, bool with_grad, double grad_scale,
                int64_t T);

@@ -13,9 +13,11 @@
 #include <cuda_runtime_api.h>
 #endif
 
+#include "attention/distributed/ulysses_attention.h"
 #include "attention/distributed/workspace.h"
 #include "kernels/ops.h"
 #include "model/parameters.h"
+#include "parallel/process_group.h"
 
 namespace longtrain::model {
 
@@ -260,15 +262,26 @@ MemoryPlan plan_memory(const LlamaConfig& config, const Precision& precision, Ch
     shape.stat = precision.stat;
     shape.device = dev;
     const int U = sp.ulysses_size;
-    if (U > 1 && U < sp.sp_size && sp.schedule != attn::Schedule::ulysses) {
+    const bool hybrid = U > 1 && U < sp.sp_size && sp.schedule != attn::Schedule::ulysses;
+    const int head_split = sp.schedule == attn::Schedule::ulysses ? sp.sp_size : hybrid ? U : 1;
+    if (head_split > 1 && attention_keeps_forward(policy, offload)) {
+      shape.ulysses_keeps_forward = true;
+      plan.attention_kept = static_cast<size_t>(config.n_layers) *
+                            attn::ulysses_kept_bytes(head_split, T, Hq, Hkv, D, precision.act, precision.stat, dev);
+    }
+    if (hybrid) {
       // The 2D hybrid: Ulysses' buffers over U ranks, and the ring schedule over sp_size / U ranks on the
-      // gathered U·T tokens of this rank's heads (attention/distributed/ulysses_attention.h).
+      // gathered U·T tokens of this rank's heads (attention/distributed/ulysses_attention.h); burst's
+      // ring across the groups is a double ring when it spans nodes that hold whole groups alike.
       attn::ScheduleWorkspaceShape across = shape;
       across.tokens = U * T;
       across.q_heads = Hq / U;
       across.kv_heads = std::max<int64_t>(Hkv / U, 1);
+      const int R = sp.sp_size / U;
+      const parallel::ParallelShape group{sp.sp_size, sp.sp_size / sp.nodes, sp.sp_size, U};
+      const int across_nodes = sp.schedule == attn::Schedule::burst ? parallel::ulysses_ring_nodes(group) : 1;
       plan.schedule_workspace = attn::schedule_workspace_bytes(attn::Schedule::ulysses, sp.causal, U, 1, shape) +
-                                attn::schedule_workspace_bytes(sp.schedule, sp.causal, sp.sp_size / U, 1, across);
+                                attn::schedule_workspace_bytes(sp.schedule, sp.causal, R, across_nodes, across);
     } else {
       plan.schedule_workspace = attn::schedule_workspace_bytes(sp.schedule, sp.causal, sp.sp_size, sp.nodes, shape);
     }
@@ -315,10 +328,15 @@ std::string MemoryPlan::table() const {
       p.device == Device::cuda ? (sp.sp_size > 1 ? "cuDNN workspace, fp32 dQ accumulator, bf16 block dQ/dK/dV"
                                                  : "cuDNN workspace and fp32 dQ accumulator")
                                : "none");
+  if (attention_kept > 0)
+    row("ulysses, kept", attention_kept,
+        fmt::format("head-layout Q, K, V, O, LSE of all {} layers (backward sends only dO)", config.n_layers));
   if (schedule_workspace > 0)
     row("schedule buffers", schedule_workspace,
-        fmt::format("{}: K/V (or Q-side) rotation slots, f32 O and dQ/dK/dV accumulators, block partials",
-                    attn::schedule_name(sp.schedule)));
+        sp.schedule == attn::Schedule::ulysses
+            ? std::string("ulysses: all-to-all send and receive slots, gathered head-layout tensors")
+            : fmt::format("{}: K/V (or Q-side) rotation slots, f32 O and dQ/dK/dV accumulators, block partials",
+                          attn::schedule_name(sp.schedule)));
   row("token buffers", token_buffers, "tokens, labels, positions of a step (and of an eval batch, with its losses)");
   if (gemm_workspace > 0) row("GEMM/op workspace", gemm_workspace, "cuBLASLt workspace, norm partials, index plan");
   row("total", total(), p.device == Device::cuda ? "GPU memory" : "");

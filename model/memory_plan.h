@@ -105,6 +105,9 @@ struct MemoryPlan {
   size_t lm_head_workspace = 0;    // one chunk of f32 logits and of their gradient
   size_t attention_workspace = 0;  // cuDNN's workspace and fp32 dQ accumulator; with sp_size > 1 the block's bf16 dQ/dK/dV
   size_t schedule_workspace = 0;   // sp_size > 1: the schedule's message slots and accumulators
+  // Ulysses under attention_keeps_forward: every layer's head-layout Q, K, V, O, LSE (its backward then
+  // sends only dO; attention/distributed/ulysses_attention.h). Persistent, not a workspace: in total().
+  size_t attention_kept = 0;
   size_t gemm_workspace = 0;       // cuBLASLt workspace, norm partial sums, embedding index plan
 
   // The trainer's token buffers: the step's tokens, labels and positions (i32 [T] each), and during
@@ -113,7 +116,9 @@ struct MemoryPlan {
 
   size_t optimizer() const { return master_weights + adam_m + adam_v; }
   size_t workspace() const { return lm_head_workspace + attention_workspace + schedule_workspace + gemm_workspace; }
-  size_t total() const { return parameters + gradients + optimizer() + activations + workspace() + token_buffers; }
+  size_t total() const {
+    return parameters + gradients + optimizer() + activations + attention_kept + workspace() + token_buffers;
+  }
 
   // A printable table (one line per item, GiB/MiB, what each holds), ending with the total.
   std::string table() const;

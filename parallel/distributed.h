@@ -79,6 +79,9 @@ class Distributed {
   Communicator& inter_node() { return *groups_.inter_node; }
   Communicator* ulysses() { return groups_.ulysses.get(); }            // null unless 1 < U < sp_size
   Communicator* ulysses_ring() { return groups_.ulysses_ring.get(); }  // likewise
+  // burst's double ring over ulysses_ring (null unless it spans nodes: process_group.h ulysses_ring_nodes)
+  Communicator* ulysses_ring_intra_node() { return groups_.ulysses_ring_intra.get(); }
+  Communicator* ulysses_ring_inter_node() { return groups_.ulysses_ring_inter.get(); }
 
  private:
   WorldInfo world_;

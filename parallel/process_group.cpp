@@ -100,6 +100,39 @@ RankGroup ulysses_ring_group(const ParallelShape& s, int rank) {
   return g;
 }
 
+int ulysses_ring_nodes(const ParallelShape& s) {
+  check_parallel_shape(s);
+  const int U = s.ulysses_size, L = s.local_world_size, nodes = s.sp_size / L;
+  if (U <= 1 || U >= s.sp_size || s.sp_size <= L || s.sp_size % L != 0) return 1;
+  if (L % U == 0) return nodes;             // whole groups inside each node: L / U members per node
+  if (U % L == 0) return s.sp_size / U;     // each group spans U / L whole nodes: one member per node
+  return 1;
+}
+
+RankGroup ulysses_ring_intra_node(const ParallelShape& s, int rank) {
+  const RankGroup ring = ulysses_ring_group(s, rank);
+  const int node = rank / s.local_world_size;
+  RankGroup g{fmt::format("{}.node{}", ring.name, node), {}};
+  for (int r : ring.ranks)
+    if (r / s.local_world_size == node) g.ranks.push_back(r);
+  return g;
+}
+
+RankGroup ulysses_ring_inter_node(const ParallelShape& s, int rank) {
+  const RankGroup ring = ulysses_ring_group(s, rank);
+  const int j = ulysses_ring_intra_node(s, rank).index_of(rank);
+  RankGroup g{fmt::format("{}.local{}", ring.name, j), {}};
+  for (int r : ring.ranks) {
+    // r's position among the members on its node
+    const int node = r / s.local_world_size;
+    int position = 0;
+    for (int other : ring.ranks)
+      if (other < r && other / s.local_world_size == node) ++position;
+    if (position == j) g.ranks.push_back(r);
+  }
+  return g;
+}
+
 bool has_regular_rings(const ParallelShape& s) {
   check_parallel_shape(s);
   return s.local_world_size % s.sp_size == 0 || s.sp_size % s.local_world_size == 0;
@@ -134,6 +167,10 @@ ProcessGroups create_process_groups(Backend backend, TcpStore& store, const Para
   if (shape.ulysses_size > 1 && shape.ulysses_size < shape.sp_size) {
     pg.ulysses = make(ulysses_group(shape, rank));
     pg.ulysses_ring = make(ulysses_ring_group(shape, rank));
+    if (ulysses_ring_nodes(shape) > 1) {
+      pg.ulysses_ring_intra = make(ulysses_ring_intra_node(shape, rank));
+      pg.ulysses_ring_inter = make(ulysses_ring_inter_node(shape, rank));
+    }
   }
   return pg;
 }

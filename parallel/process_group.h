@@ -55,6 +55,17 @@ RankGroup inter_node_ring(const ParallelShape& shape, int rank);   // "sp<k>.loc
 // sp 8, U 2:  Ulysses of SP rank 5: {4, 5} ("sp0.ulysses2"); ring of 5: {1, 3, 5, 7} ("sp0.across1").
 RankGroup ulysses_group(const ParallelShape& shape, int rank);       // "sp<k>.ulysses<g>"
 RankGroup ulysses_ring_group(const ParallelShape& shape, int rank);  // "sp<k>.across<u>"
+// burst's double ring over the ring across the Ulysses groups, when that ring spans nodes: its members
+// on this rank's node ("sp<k>.across<u>.node<n>") and its members at this rank's position among their
+// node's members ("sp<k>.across<u>.local<j>").
+// World 8 = 2 nodes x 4, sp 8, U 2: ring of 5 {1, 3, 5, 7}; intra of 5 {5, 7}; inter of 5 {1, 5}.
+RankGroup ulysses_ring_intra_node(const ParallelShape& shape, int rank);
+RankGroup ulysses_ring_inter_node(const ParallelShape& shape, int rank);
+// The nodes those two rings tile the ring across the groups into (every node holding as many of its
+// members): the SP group's nodes when whole Ulysses groups sit inside a node, R when each group spans
+// whole nodes (one member per node); 1 when the SP group lies inside one node, the hybrid is off, or
+// the shape is ragged (the single ring then).
+int ulysses_ring_nodes(const ParallelShape& shape);
 
 // True when the two rings tile every SP group as a grid (nodes x ranks of the group per node): the SP
 // group lies inside one node (sp divides the ranks per node) or spans whole nodes (the ranks per node
@@ -69,8 +80,9 @@ std::vector<RankGroup> all_dp_groups(const ParallelShape& shape);
 // This rank's communicators over the groups above.
 struct ProcessGroups {
   std::unique_ptr<Communicator> world, sp, dp, intra_node, inter_node;
-  // Only when 1 < ulysses_size < sp_size (null otherwise).
-  std::unique_ptr<Communicator> ulysses, ulysses_ring;
+  // Only when 1 < ulysses_size < sp_size (null otherwise); the ring's two rings only when
+  // ulysses_ring_nodes > 1 as well.
+  std::unique_ptr<Communicator> ulysses, ulysses_ring, ulysses_ring_intra, ulysses_ring_inter;
 };
 
 ProcessGroups create_process_groups(Backend backend, TcpStore& store, const ParallelShape& shape, int rank,

@@ -140,6 +140,8 @@ std::unique_ptr<attn::SequenceAttention> make_attention(const TrainConfig& c, co
     spec.inter_node = &r.dist->inter_node();
     spec.ulysses = r.dist->ulysses();  // null unless 1 < parallel.ulysses_size < sp_size
     spec.ulysses_ring = r.dist->ulysses_ring();
+    spec.ulysses_ring_intra_node = r.dist->ulysses_ring_intra_node();  // null unless that ring spans nodes
+    spec.ulysses_ring_inter_node = r.dist->ulysses_ring_inter_node();
     if (c.parallel.ulysses_size == r.sp_size && c.attention.schedule != AttentionSchedule::ulysses) {
       // Ulysses over the whole group and no ring across groups: the ulysses schedule.
       spec.schedule = attn::Schedule::ulysses;
@@ -632,6 +634,11 @@ std::string attention_plan_text(const TrainConfig& c, const attn::Topology& topo
   a.grad_bytes = a.elem_bytes;
   a.causal = c.attention.causal;
   a.layout = c.parallel.layout;
+  // Ulysses keeps its forward for the backward unless the policy is full or checkpoints are offloaded
+  // (model.checkpoint auto, unset here, usually picks a policy that keeps it).
+  a.ulysses_keeps_forward =
+      model::attention_keeps_forward(c.model.checkpoint.value_or(model::CheckpointPolicy::remat_aware),
+                                     c.model.offload.value_or(model::Offload::none));
   const attn::Schedule configured = attn::parse_schedule(enum_name(c.attention.schedule));
   const int U = configured == attn::Schedule::ulysses ? P : static_cast<int>(c.parallel.ulysses_size);
   const attn::ScheduleEstimate mine = attn::estimate_schedule(configured, U, c.parallel.layout, a, P, topo);

@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 
 #include "attention/distributed/ulysses_attention.h"
+#include "parallel/process_group.h"
 
 namespace longtrain::attn {
 
@@ -49,8 +50,9 @@ struct UlyssesParts {
 UlyssesParts ulysses_parts(int U, const AttentionTraffic& t) {
   const int64_t h = t.q_heads / U, g = std::max<int64_t>(t.kv_heads / U, 1);
   const int64_t T = t.tokens, D = t.head_dim, x = t.elem_bytes, a = t.acc_bytes;
-  return {(U - 1) * T * (h + 2 * g) * D * x, (U - 1) * T * h * (D * x + a),
-          (U - 1) * T * ((3 * h + 2 * g) * D * x + h * a), (U - 1) * T * (h + 2 * g) * D * t.grad_bytes};
+  const int64_t backward_in = t.ulysses_keeps_forward ? h * D * x : (3 * h + 2 * g) * D * x + h * a;
+  return {(U - 1) * T * (h + 2 * g) * D * x, (U - 1) * T * h * (D * x + a), (U - 1) * T * backward_in,
+          (U - 1) * T * (h + 2 * g) * D * t.grad_bytes};
 }
 
 }  // namespace
@@ -91,17 +93,19 @@ double worst_pairs(Schedule s, SeqLayout layout, bool causal, int n, int64_t T) 
   return S * (S + 1) / 2 / n;
 }
 
-// A ring-kind schedule over n ranks (one node when n <= ranks_per_node, else spanning nodes): time for
-// forward + backward given the compute and the bytes of each direction.
-double ring_seconds(Schedule s, bool causal, int n, bool spans_nodes, bool double_ring, const Topology& topo,
+// A ring-kind schedule over n ranks (one node, or spanning nodes): time for forward + backward given
+// the compute and the bytes of each direction. double_ring_per_node > 0: burst's double ring with that
+// many of the n ranks on each node.
+double ring_seconds(Schedule s, bool causal, int n, bool spans_nodes, int double_ring_per_node, const Topology& topo,
                     double compute_fwd, double compute_bwd, const TrafficBytes& bytes, double& comm) {
   if (n <= 1) return compute_fwd + compute_bwd;
   const int steps = s == Schedule::distflash && causal ? n / 2 + 1 : n;  // compute steps
   const int transfers = std::max(1, steps - 1);
   double bw = topo.intra.bytes_per_second, lat = topo.intra.latency_seconds;
   if (spans_nodes) {
-    if (double_ring) {
-      bw = std::min(topo.intra.bytes_per_second, topo.ranks_per_node * topo.inter.bytes_per_second);
+    if (double_ring_per_node > 0) {
+      // One inter-node hop per intra-node cycle of double_ring_per_node steps.
+      bw = std::min(topo.intra.bytes_per_second, double_ring_per_node * topo.inter.bytes_per_second);
     } else {
       bw = topo.inter.bytes_per_second;
       lat = topo.inter.latency_seconds;
@@ -140,6 +144,7 @@ AttentionTraffic traffic_of(const AttentionShape& a, int P) {
   t.elem_bytes = a.elem_bytes;
   t.acc_bytes = a.acc_bytes;
   t.grad_bytes = a.grad_bytes;
+  t.ulysses_keeps_forward = a.ulysses_keeps_forward;
   return t;
 }
 
@@ -173,8 +178,9 @@ ScheduleEstimate estimate_schedule(Schedule s, int U, SeqLayout layout, const At
     e.seconds = 0;
     for (int r = 0; r < P; ++r) {
       double comm = 0;
-      const double sec = ring_seconds(s, a.causal, P, P > topo.ranks_per_node,
-                                      s == Schedule::burst && P % topo.ranks_per_node == 0, topo, fwd,
+      const int double_ring_per_node =
+          s == Schedule::burst && P > topo.ranks_per_node && P % topo.ranks_per_node == 0 ? topo.ranks_per_node : 0;
+      const double sec = ring_seconds(s, a.causal, P, P > topo.ranks_per_node, double_ring_per_node, topo, fwd,
                                       fwd * kBackwardFlopsFactor, ring_schedule_bytes(s, a.causal, P, r, t), comm);
       e.seconds = std::max(e.seconds, sec);
       worst_comm = std::max(worst_comm, comm);
@@ -202,9 +208,15 @@ ScheduleEstimate estimate_schedule(Schedule s, int U, SeqLayout layout, const At
     across.q_heads = h;
     across.kv_heads = g;
     ring_time = 0;
+    // burst across the groups: the double ring when that ring tiles the nodes (process_group.h).
+    const int across_nodes =
+        s == Schedule::burst && P % topo.ranks_per_node == 0
+            ? parallel::ulysses_ring_nodes(parallel::ParallelShape{P, topo.ranks_per_node, P, U})
+            : 1;
+    const int double_ring_per_node = across_nodes > 1 ? R / across_nodes : 0;
     for (int r = 0; r < R; ++r) {
       double comm = 0;
-      ring_time = std::max(ring_time, ring_seconds(s, a.causal, R, P > topo.ranks_per_node, false, topo, fwd,
+      ring_time = std::max(ring_time, ring_seconds(s, a.causal, R, P > topo.ranks_per_node, double_ring_per_node, topo, fwd,
                                                    fwd * kBackwardFlopsFactor,
                                                    ring_schedule_bytes(s, a.causal, R, r, across), comm));
       ring_comm = std::max(ring_comm, comm);

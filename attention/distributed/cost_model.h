@@ -36,6 +36,8 @@ struct AttentionTraffic {
   int64_t elem_bytes = 2;   // Q, K, V, O, dO (bf16 on CUDA; 4 or 8 on CPU)
   int64_t acc_bytes = 4;    // LSE, D and the accumulators that travel (f32 on CUDA; the tensor dtype on CPU)
   int64_t grad_bytes = 2;   // the model's dQ/dK/dV (Ulysses returns them in that dtype)
+  // Ulysses under keep_forward (the model's policy keeps O and LSE): the backward sends dO alone out.
+  bool ulysses_keeps_forward = false;
 };
 
 struct TrafficBytes {
@@ -68,6 +70,7 @@ struct AttentionShape {
   int64_t q_heads = 0, kv_heads = 0, head_dim = 0;
   int64_t elem_bytes = 2, acc_bytes = 4, grad_bytes = 2;
   bool causal = true;
+  bool ulysses_keeps_forward = true;  // the model's none and remat_aware policies (full: false)
   SeqLayout layout = SeqLayout::zigzag;  // for ring and burst (zigzag and distflash pick their own)
 };
 

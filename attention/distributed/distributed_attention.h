@@ -106,10 +106,14 @@ struct SequenceAttentionSpec {
   // The 2D hybrid (ulysses_attention.h; not owned): with a ring schedule and `ulysses` of more than one
   // rank, Ulysses runs inside `ulysses` (U consecutive SP ranks) and the schedule runs over
   // `ulysses_ring` (the R = P / U ranks at this rank's position in their groups; null or size 1: no
-  // ring, Ulysses alone). burst then runs its single ring over `ulysses_ring`. Ignored by schedule
-  // ulysses, which is Ulysses over the whole of `sp`.
+  // ring, Ulysses alone). burst then runs over `ulysses_ring`: its double ring when the two rings of
+  // `ulysses_ring` across nodes are given (parallel/process_group.h ulysses_ring_intra_node,
+  // ulysses_ring_inter_node), else its single ring. Ignored by schedule ulysses, which is Ulysses over
+  // the whole of `sp`.
   parallel::Communicator* ulysses = nullptr;
   parallel::Communicator* ulysses_ring = nullptr;
+  parallel::Communicator* ulysses_ring_intra_node = nullptr;
+  parallel::Communicator* ulysses_ring_inter_node = nullptr;
 };
 
 // Throws longtrain::Error naming the setting and the fix: zigzag needs the zigzag layout, distflash

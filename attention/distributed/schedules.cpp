@@ -454,6 +454,9 @@ void check_sequence_attention_spec(const SequenceAttentionSpec& spec) {
              "queries between ranks); use schedule zigzag or burst with the zigzag layout");
   LT_CHECK((spec.intra_node == nullptr) == (spec.inter_node == nullptr),
            "sequence attention: pass both the intra-node and the inter-node ring (burst's double ring) or neither");
+  LT_CHECK((spec.ulysses_ring_intra_node == nullptr) == (spec.ulysses_ring_inter_node == nullptr),
+           "sequence attention: pass both rings of the ring across the Ulysses groups (burst's double ring) or "
+           "neither");
   if (spec.ulysses != nullptr && spec.ulysses->size() > 1 && spec.schedule != Schedule::ulysses) {
     const int R = spec.ulysses_ring ? spec.ulysses_ring->size() : 1;
     const int U = spec.ulysses->size();
@@ -467,7 +470,8 @@ void check_sequence_attention_spec(const SequenceAttentionSpec& spec) {
              R > 1 ? spec.ulysses_ring->rank() : 0);
   }
   if (spec.sp == nullptr) return;
-  for (const parallel::Communicator* c : {spec.intra_node, spec.inter_node, spec.ulysses, spec.ulysses_ring})
+  for (const parallel::Communicator* c : {spec.intra_node, spec.inter_node, spec.ulysses, spec.ulysses_ring,
+                                          spec.ulysses_ring_intra_node, spec.ulysses_ring_inter_node})
     LT_CHECK(c == nullptr || c->device() == spec.sp->device(),
              "sequence attention: communicator {} is on another device than the sequence-parallel group {}",
              c ? c->name() : "", spec.sp->name());
@@ -486,8 +490,9 @@ std::unique_ptr<SequenceAttention> make_sequence_attention(const SequenceAttenti
     if (ring) {
       SequenceAttentionSpec across = spec;
       across.sp = spec.ulysses_ring;
-      across.intra_node = across.inter_node = nullptr;
-      across.ulysses = across.ulysses_ring = nullptr;
+      across.intra_node = spec.ulysses_ring_intra_node;
+      across.inter_node = spec.ulysses_ring_inter_node;
+      across.ulysses = across.ulysses_ring = across.ulysses_ring_intra_node = across.ulysses_ring_inter_node = nullptr;
       inner = make_sequence_attention(across);
     } else {
       inner = std::make_unique<LocalSequenceAttention>(spec.causal, spec.scale);

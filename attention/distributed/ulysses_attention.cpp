@@ -1,5 +1,6 @@
 #include "attention/distributed/ulysses_attention.h"
 
+#include <algorithm>
 #include <chrono>
 
 #include <fmt/format.h>
@@ -110,6 +111,39 @@ std::string UlyssesAttention::describe() const {
                      ring_rank_);
 }
 
+namespace {
+
+// The gathered head-layout tensors of one forward: Q, K, V, O [G, heads, D] and LSE [G, h].
+dist::MessageSpec gathered_spec(int64_t G, int64_t h, int64_t g, int64_t D, DType elem, DType stat) {
+  return {{{G, h, D}, elem}, {{G, g, D}, elem}, {{G, g, D}, elem}, {{G, h, D}, elem}, {{G, h}, stat}};
+}
+
+}  // namespace
+
+size_t ulysses_kept_bytes(int group_size, int64_t tokens, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim,
+                          DType elem, DType stat, Device device) {
+  const int U = group_size;
+  const dist::MessageSpec spec = gathered_spec(U * tokens, n_heads / U, std::max<int64_t>(n_kv_heads / U, 1),
+                                               head_dim, elem, stat);
+  Arena table("ulysses kept", device);  // the table MessageSlots::ensure(spec, 1) allocates; never allocated
+  for (size_t p = 0; p < spec.size(); ++p) table.add(fmt::format("slot0.part{}", p), spec[p].shape, spec[p].dtype);
+  return table.allocation_bytes();
+}
+
+void UlyssesAttention::keep_forward(int64_t n_layers) {
+  LT_CHECK(n_layers >= 0, "ulysses attention: keep_forward needs a layer count >= 0, got {}", n_layers);
+  kept_.clear();
+  for (int64_t l = 0; l < n_layers; ++l)
+    kept_.push_back(std::make_unique<dist::MessageSlots>(fmt::format("ulysses kept forward of layer {}", l)));
+  kept_filled_.assign(static_cast<size_t>(n_layers), false);
+}
+
+dist::MessageSlots& UlyssesAttention::kept_slot(const char* op) {
+  LT_CHECK(layer_ >= 0 && layer_ < static_cast<int64_t>(kept_.size()),
+           "ulysses attention {}: layer {} is outside the {} layers keep_forward was given", op, layer_, kept_.size());
+  return *kept_[static_cast<size_t>(layer_)];
+}
+
 void UlyssesAttention::plan(const Tensor& q, const Tensor& k) {
   const int U = group_.size();
   heads_.clear();
@@ -188,10 +222,10 @@ void UlyssesAttention::forward(Tensor o, Tensor lse, Tensor q, Tensor k, Tensor 
     ulysses_pack_heads(fwd_out_[u][2], v, hd.kv_begin);
   }
   int64_t bytes = exchange(messages(fwd_out_), messages(fwd_in_));
-  fwd_gathered_.ensure({{{G, h, D}, q.dtype}, {{G, g, D}, k.dtype}, {{G, g, D}, v.dtype}, {{G, h, D}, o.dtype},
-                        {{G, h}, lse.dtype}},
-                       1, dev);
-  const dist::Message& gat = fwd_gathered_[0];
+  // Kept (keep_forward): this layer's own slot, which its backward reads; else one shared slot.
+  dist::MessageSlots& gathered = keeps_forward() ? kept_slot("forward") : fwd_gathered_;
+  gathered.ensure(gathered_spec(G, h, g, D, q.dtype, lse.dtype), 1, dev);
+  const dist::Message& gat = gathered[0];
   for (int u = 0; u < U; ++u)
     for (int part = 0; part < 3; ++part)
       ulysses_place_rows(gat[static_cast<size_t>(part)], fwd_in_[u][static_cast<size_t>(part)],
@@ -212,6 +246,7 @@ void UlyssesAttention::forward(Tensor o, Tensor lse, Tensor q, Tensor k, Tensor 
     ulysses_place_heads(lse, fwd_ret_in_[u][1], heads_[static_cast<size_t>(u)].q_begin, false);
   }
   forward_a2a_bytes_ = bytes;
+  if (keeps_forward()) kept_filled_[static_cast<size_t>(layer_)] = true;
   counters.wall_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
@@ -231,37 +266,61 @@ void UlyssesAttention::backward(Tensor dq, Tensor dk, Tensor dv, Tensor q, Tenso
   const int64_t h = mine.q_count, g = mine.kv_count, G = T * U;
   const Device dev = q.device;
 
-  // Q, K, V, O, dO, LSE: token shards -> head shards.
-  const dist::MessageSpec in_spec = {{{T, h, D}, q.dtype},   {{T, g, D}, k.dtype},   {{T, g, D}, v.dtype},
-                                     {{T, h, D}, o.dtype},   {{T, h, D}, d_o.dtype}, {{T, h}, lse.dtype}};
-  bwd_out_.ensure(in_spec, U, dev);
-  bwd_in_.ensure(in_spec, U, dev);
-  for (int u = 0; u < U; ++u) {
-    const UlyssesHeads& hd = heads_[static_cast<size_t>(u)];
-    const dist::Message& m = bwd_out_[u];
-    ulysses_pack_heads(m[0], q, hd.q_begin);
-    ulysses_pack_heads(m[1], k, hd.kv_begin);
-    ulysses_pack_heads(m[2], v, hd.kv_begin);
-    ulysses_pack_heads(m[3], o, hd.q_begin);
-    ulysses_pack_heads(m[4], d_o, hd.q_begin);
-    ulysses_pack_heads(m[5], lse, hd.q_begin);
+  // To the head shards: dO alone when this layer's forward kept the gathered Q, K, V, O, LSE; else
+  // Q, K, V, O, dO and LSE.
+  int64_t bytes = 0;
+  Tensor grads[3];  // the gathered dQ, dK, dV the inner backward writes
+  if (keeps_forward()) {
+    const dist::Message& kept = kept_slot("backward")[0];
+    LT_CHECK(kept_filled_[static_cast<size_t>(layer_)] && kept[0].size(0) == G && kept[0].size(1) == h &&
+                 kept[1].size(1) == g && kept[0].size(2) == D && kept[0].dtype == q.dtype,
+             "ulysses attention backward of layer {} on rank {} of group '{}': no forward of this layer with these "
+             "shapes since keep_forward (the model runs each layer's forward, then its backward)",
+             layer_, me, group_.name());
+    const dist::MessageSpec in_spec = {{{T, h, D}, d_o.dtype}};
+    bwd_out_.ensure(in_spec, U, dev);
+    bwd_in_.ensure(in_spec, U, dev);
+    for (int u = 0; u < U; ++u) ulysses_pack_heads(bwd_out_[u][0], d_o, heads_[static_cast<size_t>(u)].q_begin);
+    bytes = exchange(messages(bwd_out_), messages(bwd_in_));
+    bwd_gathered_.ensure(
+        {{{G, h, D}, d_o.dtype}, {{G, h, D}, dq.dtype}, {{G, g, D}, dk.dtype}, {{G, g, D}, dv.dtype}}, 1, dev);
+    const dist::Message& gat = bwd_gathered_[0];
+    for (int u = 0; u < U; ++u) ulysses_place_rows(gat[0], bwd_in_[u][0], runs_[static_cast<size_t>(u)]);
+    run_inner([&] { inner_->backward(gat[1], gat[2], gat[3], kept[0], kept[1], kept[2], kept[3], kept[4], gat[0]); });
+    for (size_t part = 0; part < 3; ++part) grads[part] = gat[1 + part];
+  } else {
+    const dist::MessageSpec in_spec = {{{T, h, D}, q.dtype},   {{T, g, D}, k.dtype},   {{T, g, D}, v.dtype},
+                                       {{T, h, D}, o.dtype},   {{T, h, D}, d_o.dtype}, {{T, h}, lse.dtype}};
+    bwd_out_.ensure(in_spec, U, dev);
+    bwd_in_.ensure(in_spec, U, dev);
+    for (int u = 0; u < U; ++u) {
+      const UlyssesHeads& hd = heads_[static_cast<size_t>(u)];
+      const dist::Message& m = bwd_out_[u];
+      ulysses_pack_heads(m[0], q, hd.q_begin);
+      ulysses_pack_heads(m[1], k, hd.kv_begin);
+      ulysses_pack_heads(m[2], v, hd.kv_begin);
+      ulysses_pack_heads(m[3], o, hd.q_begin);
+      ulysses_pack_heads(m[4], d_o, hd.q_begin);
+      ulysses_pack_heads(m[5], lse, hd.q_begin);
+    }
+    bytes = exchange(messages(bwd_out_), messages(bwd_in_));
+    bwd_gathered_.ensure({{{G, h, D}, q.dtype},
+                          {{G, g, D}, k.dtype},
+                          {{G, g, D}, v.dtype},
+                          {{G, h, D}, o.dtype},
+                          {{G, h, D}, d_o.dtype},
+                          {{G, h}, lse.dtype},
+                          {{G, h, D}, dq.dtype},
+                          {{G, g, D}, dk.dtype},
+                          {{G, g, D}, dv.dtype}},
+                         1, dev);
+    const dist::Message& gat = bwd_gathered_[0];
+    for (int u = 0; u < U; ++u)
+      for (size_t part = 0; part < 6; ++part)
+        ulysses_place_rows(gat[part], bwd_in_[u][part], runs_[static_cast<size_t>(u)]);
+    run_inner([&] { inner_->backward(gat[6], gat[7], gat[8], gat[0], gat[1], gat[2], gat[3], gat[5], gat[4]); });
+    for (size_t part = 0; part < 3; ++part) grads[part] = gat[6 + part];
   }
-  int64_t bytes = exchange(messages(bwd_out_), messages(bwd_in_));
-  bwd_gathered_.ensure({{{G, h, D}, q.dtype},
-                        {{G, g, D}, k.dtype},
-                        {{G, g, D}, v.dtype},
-                        {{G, h, D}, o.dtype},
-                        {{G, h, D}, d_o.dtype},
-                        {{G, h}, lse.dtype},
-                        {{G, h, D}, dq.dtype},
-                        {{G, g, D}, dk.dtype},
-                        {{G, g, D}, dv.dtype}},
-                       1, dev);
-  const dist::Message& gat = bwd_gathered_[0];
-  for (int u = 0; u < U; ++u)
-    for (size_t part = 0; part < 6; ++part) ulysses_place_rows(gat[part], bwd_in_[u][part], runs_[static_cast<size_t>(u)]);
-
-  run_inner([&] { inner_->backward(gat[6], gat[7], gat[8], gat[0], gat[1], gat[2], gat[3], gat[5], gat[4]); });
 
   // dQ, dK, dV: head shards -> token shards. A replicated K/V head's partials (one per rank that read
   // it) are summed at the owner.
@@ -270,7 +329,7 @@ void UlyssesAttention::backward(Tensor dq, Tensor dk, Tensor dv, Tensor q, Tenso
   bwd_ret_in_.ensure(out_spec, U, dev);
   for (int u = 0; u < U; ++u)
     for (size_t part = 0; part < 3; ++part)
-      ulysses_pack_rows(bwd_ret_out_[u][part], gat[6 + part], runs_[static_cast<size_t>(u)]);
+      ulysses_pack_rows(bwd_ret_out_[u][part], grads[part], runs_[static_cast<size_t>(u)]);
   bytes += exchange(messages(bwd_ret_out_), messages(bwd_ret_in_));
   if (replicated_kv_) {
     dist::fill_tensor(dk, 0.0);

@@ -25,11 +25,17 @@
 // per member, head_dim D, b bytes per element (LSE: the accumulator dtype's), U-1 peers:
 //   forward   (U-1)·T·(h + 2g)·D·b  (Q, K, V out)  +  (U-1)·T·h·(D·b + b_lse)  (O, LSE back)
 //   backward  (U-1)·T·((3h + 2g)·D·b + h·b_lse)  (Q, K, V, O, dO, LSE out)  +  (U-1)·T·(h + 2g)·D·b_grad
-// plus the inner ring schedule's own traffic (over R ranks, on U·T tokens and h, g heads). Under
-// remat_aware the backward gets the recomputed Q, K, V and the saved O, LSE in token layout, so its
-// all-to-all carries them again: the attention forward and the ring forward do not run again, but
-// those bytes are sent twice (keeping the head-layout tensors of every layer instead would trade that
-// for memory).
+// plus the inner ring schedule's own traffic (over R ranks, on U·T tokens and h, g heads).
+//
+// Kept forward (SequenceAttention::keep_forward: the model's policy keeps O and LSE, none or
+// remat_aware): each layer's gathered head-layout Q, K, V, O, LSE stay in a slot of their own, so the
+// backward sends only dO out and dQ, dK, dV back, and neither the forward all-to-alls nor the inner
+// forward (the ring's) run again:
+//   backward  (U-1)·T·h·D·b  (dO out)  +  (U-1)·T·(h + 2g)·D·b_grad
+// for U·T·((2h + 2g)·D·b + h·b_lse) bytes a layer, the size of the layer's Q, K, V, O and LSE on this
+// rank (under remat_aware that about doubles what a layer keeps; ulysses_kept_bytes, in the memory
+// plan). Without it (policy full, offloaded checkpoints) the backward's all-to-all carries Q, K, V,
+// O, dO and LSE, as above.
 //
 // Buffers (head-layout tensors, one send and one receive message per peer) persist across calls
 // and are reallocated only when the shapes change. Packing and placing are strided copies
@@ -87,6 +93,8 @@ class UlyssesAttention final : public SequenceAttention {
   void forward(Tensor o, Tensor lse, Tensor q, Tensor k, Tensor v) override;
   void backward(Tensor dq, Tensor dk, Tensor dv, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse,
                 Tensor d_o) override;
+  void keep_forward(int64_t n_layers) override;
+  bool keeps_forward() const override { return !kept_.empty(); }
 
   int group_size() const { return group_.size(); }
   int ring_size() const { return ring_size_; }
@@ -104,6 +112,8 @@ class UlyssesAttention final : public SequenceAttention {
   template <class F>
   void run_inner(F&& f);
   int64_t exchange(const std::vector<dist::Message>& send, const std::vector<dist::Message>& recv);
+  // keep_forward's slot of the current layer (set_layer); `op` names the call in errors.
+  dist::MessageSlots& kept_slot(const char* op);
 
   parallel::Communicator& group_;
   std::unique_ptr<SequenceAttention> inner_;
@@ -114,6 +124,10 @@ class UlyssesAttention final : public SequenceAttention {
   std::vector<std::vector<UlyssesRun>> runs_;
   bool replicated_kv_ = false;
   int64_t forward_a2a_bytes_ = 0, backward_a2a_bytes_ = 0;
+  // keep_forward: per layer, the gathered Q, K, V, O, LSE of its last forward (and whether there was one
+  // since keep_forward, for the shapes `kept_spec_` records).
+  std::vector<std::unique_ptr<dist::MessageSlots>> kept_;
+  std::vector<bool> kept_filled_;
   // Forward: packed Q/K/V per peer out and in, the gathered head-layout tensors, O/LSE per peer out
   // and in. Backward: the same with Q, K, V, O, dO, LSE in and dQ, dK, dV back.
   // One slot per member (the own one is copied locally).
@@ -123,5 +137,11 @@ class UlyssesAttention final : public SequenceAttention {
       bwd_ret_out_{"ulysses grads out"}, bwd_ret_in_{"ulysses grads in"};
   dist::MessageSlots fwd_gathered_{"ulysses forward gathered"}, bwd_gathered_{"ulysses backward gathered"};
 };
+
+// The bytes one layer's kept head-layout Q, K, V, O, LSE take on a member of a Ulysses group of
+// `group_size` (T tokens per rank; `elem` Q/K/V/O's dtype, `stat` LSE's): the memory plan's count of
+// what keep_forward keeps, laid out as UlyssesAttention allocates it.
+size_t ulysses_kept_bytes(int group_size, int64_t tokens, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim,
+                          DType elem, DType stat, Device device);
 
 }  // namespace longtrain::attn

@@ -71,9 +71,15 @@ size_t schedule_workspace_bytes(Schedule schedule, bool causal, int sp_size, int
       const int64_t h = Hq / U, g = std::max<int64_t>(Hkv / U, 1), G = T * U;
       const MessageSpec qkv = {{{T, h, D}, x}, {{T, g, D}, x}, {{T, g, D}, x}};
       const MessageSpec ret = {{{T, h, D}, x}, {{T, h}, acc}};
+      const MessageSpec grads = {{{T, h, D}, x}, {{T, g, D}, x}, {{T, g, D}, x}};
+      if (s.ulysses_keeps_forward) {
+        const MessageSpec d_o = {{{T, h, D}, x}};
+        const MessageSpec bwd_gathered = {{{G, h, D}, x}, {{G, h, D}, x}, {{G, g, D}, x}, {{G, g, D}, x}};
+        return 2 * slots_bytes(qkv, U, dev) + 2 * slots_bytes(ret, U, dev) + 2 * slots_bytes(d_o, U, dev) +
+               2 * slots_bytes(grads, U, dev) + slots_bytes(bwd_gathered, 1, dev);
+      }
       const MessageSpec bwd_in = {{{T, h, D}, x}, {{T, g, D}, x}, {{T, g, D}, x},
                                   {{T, h, D}, x}, {{T, h, D}, x}, {{T, h}, acc}};
-      const MessageSpec grads = {{{T, h, D}, x}, {{T, g, D}, x}, {{T, g, D}, x}};
       const MessageSpec fwd_gathered = {{{G, h, D}, x}, {{G, g, D}, x}, {{G, g, D}, x}, {{G, h, D}, x}, {{G, h}, acc}};
       const MessageSpec bwd_gathered = {{{G, h, D}, x}, {{G, g, D}, x}, {{G, g, D}, x}, {{G, h, D}, x}, {{G, h, D}, x},
                                         {{G, h}, acc},   {{G, h, D}, x}, {{G, g, D}, x}, {{G, g, D}, x}};

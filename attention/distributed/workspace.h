@@ -27,6 +27,9 @@ struct ScheduleWorkspaceShape {
   DType dtype = DType::bf16;  // Q/K/V/O/dO and the model's dQ/dK/dV (bf16 on CUDA; f32/f64 on CPU)
   DType stat = DType::f32;    // LSE (the accumulator dtype: f32 for bf16 tensors)
   Device device = Device::cuda;
+  // Ulysses under SequenceAttention::keep_forward: the gathered forward tensors live in the per-layer
+  // slots (ulysses_kept_bytes, not counted here) and the backward's buffers carry dO alone.
+  bool ulysses_keeps_forward = false;
 };
 
 // Bytes the schedule's slots hold after one forward and one backward call with `sp_size` ranks

@@ -494,11 +494,11 @@ INSTANTIATE_TEST_SUITE_P(Gloo, DistributedAttentionRanks, testing::Values(1, 2, 
 // ---- Ulysses and the 2D hybrid ---------------------------------------------------------------------------------
 
 // Bytes one rank's all-to-alls send (ulysses_attention.h): Q, K, V out and O, LSE back; Q, K, V, O, dO,
-// LSE out and dQ, dK, dV back.
-Volumes ulysses_a2a_bytes(int U, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t b) {
+// LSE out and dQ, dK, dV back (kept forward: dO out and dQ, dK, dV back).
+Volumes ulysses_a2a_bytes(int U, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t b, bool kept) {
   const int64_t h = Hq / U, g = std::max<int64_t>(Hkv / U, 1);
-  return {(U - 1) * T * ((h + 2 * g) * D + h * D + h) * b,
-          (U - 1) * T * ((3 * h + 2 * g) * D + h + (h + 2 * g) * D) * b};
+  const int64_t backward_in = kept ? h * D : (3 * h + 2 * g) * D + h;
+  return {(U - 1) * T * ((h + 2 * g) * D + h * D + h) * b, (U - 1) * T * (backward_in + (h + 2 * g) * D) * b};
 }
 
 // The head counts a group of U ranks can split: MHA, GQA with K/V heads split, GQA with K/V heads
@@ -512,17 +512,20 @@ std::vector<Heads> ulysses_heads_for(int U) {
 // Ulysses (cfg.schedule ulysses: over the whole SP group) or the hybrid (a ring schedule over the rings
 // across the Ulysses groups of `d`) against single-rank attention; bytes against ulysses_a2a_bytes plus
 // the inner ring's expected_bytes over R ranks of U·T tokens with the group member's heads.
+// keep: keep_forward over two layers, a second layer with other inputs running forward and backward
+// between this layer's forward and backward, and every backward handed NaN for q, k, v, o and lse, so
+// it must use what its own layer's forward kept and send only dO out.
 template <class T>
 void check_ulysses(Distributed& d, const Config& cfg, bool causal, Heads heads, int64_t S, int64_t D,
-                   std::ostream& rep) {
+                   std::ostream& rep, bool keep = false) {
   Communicator& sp = d.sp();
   const int P = sp.size(), r = sp.rank();
   const bool hybrid = cfg.schedule != Schedule::ulysses;
   Communicator& group = hybrid ? *d.ulysses() : sp;
   const int U = group.size(), R = P / U;
-  const std::string name = fmt::format("U{}xR{}/{}/{}/{}/{}/{}", U, R, schedule_name(cfg.schedule),
+  const std::string name = fmt::format("U{}xR{}/{}/{}/{}/{}/{}{}", U, R, schedule_name(cfg.schedule),
                                        layout_name(cfg.layout), causal ? "causal" : "full", heads.name,
-                                       dtype_name(dtype_of<T>()));
+                                       dtype_name(dtype_of<T>()), keep ? "/kept" : "");
   const Problem p = make_problem(S, heads, D, causal, /*seed=*/S * 1000 + D * 10 + (causal ? 1 : 0) + heads.kv,
                                  std::is_same_v<T, float>);
   SequenceAttentionSpec spec;
@@ -534,6 +537,8 @@ void check_ulysses(Distributed& d, const Config& cfg, bool causal, Heads heads, 
   if (hybrid) {
     spec.ulysses = d.ulysses();
     spec.ulysses_ring = d.ulysses_ring();
+    spec.ulysses_ring_intra_node = d.ulysses_ring_intra_node();  // burst's double ring when it spans nodes
+    spec.ulysses_ring_inter_node = d.ulysses_ring_inter_node();
   }
   std::unique_ptr<SequenceAttention> attention = make_sequence_attention(spec);
   auto* ua = dynamic_cast<UlyssesAttention*>(attention.get());
@@ -544,12 +549,43 @@ void check_ulysses(Distributed& d, const Config& cfg, bool causal, Heads heads, 
   auto sent = [&] {
     int64_t b = group.stats().bytes_sent;
     if (hybrid) b += d.ulysses_ring()->stats().bytes_sent;
+    // burst's double ring across the groups sends over the ring's two rings
+    for (Communicator* c : {d.ulysses_ring_intra_node(), d.ulysses_ring_inter_node()})
+      if (hybrid && c != nullptr) b += c->stats().bytes_sent;
     return b;
   };
+  const int64_t n = static_cast<int64_t>(sh.rows.size());
+  // What a kept backward is handed for q, k, v, o, lse: NaN, which must not reach its results.
+  HostTensor<T> nan_qkv({n, p.Hq + 2 * p.Hkv, p.D}), nan_o({n, p.Hq, p.D}), nan_lse({n, p.Hq});
+  for (HostTensor<T>* t : {&nan_qkv, &nan_o, &nan_lse})
+    for (T& x : t->values) x = std::numeric_limits<T>::quiet_NaN();
+  const Tensor nan_q = nan_qkv.view.narrow(1, 0, p.Hq), nan_k = nan_qkv.view.narrow(1, p.Hq, p.Hkv),
+               nan_v = nan_qkv.view.narrow(1, p.Hq + p.Hkv, p.Hkv);
+  auto backward = [&](Shard<T>& x) {
+    if (keep)
+      attention->backward(x.dq, x.dk, x.dv, nan_q, nan_k, nan_v, nan_o, nan_lse, x.d_o);
+    else
+      attention->backward(x.dq, x.dk, x.dv, x.q, x.k, x.v, x.o, x.lse, x.d_o);
+  };
+  if (keep) attention->keep_forward(2);
   const int64_t sent0 = sent();
+  attention->set_layer(0);
   attention->forward(sh.o, sh.lse, sh.q, sh.k, sh.v);
   const int64_t sent1 = sent();
-  attention->backward(sh.dq, sh.dk, sh.dv, sh.q, sh.k, sh.v, sh.o, sh.lse, sh.d_o);
+  if (keep) {
+    const Problem p2 = make_problem(S, heads, D, causal, /*seed=*/S * 1000 + D * 10 + 7, std::is_same_v<T, float>);
+    Shard<T> sh2(p2, cfg.layout, P, r, /*seed=*/99 + static_cast<uint64_t>(r));
+    attention->set_layer(1);
+    attention->forward(sh2.o, sh2.lse, sh2.q, sh2.k, sh2.v);
+    backward(sh2);
+    rep << "CASE " << name << "/layer1_o " << shard_error(sh2.o, p2.o, sh2.rows) << " " << tol << "\n";
+    rep << "CASE " << name << "/layer1_dq " << shard_error(sh2.dq, p2.dq, sh2.rows) << " " << tol << "\n";
+    rep << "CASE " << name << "/layer1_dk " << shard_error(sh2.dk, p2.dk, sh2.rows) << " " << tol << "\n";
+    rep << "CASE " << name << "/layer1_dv " << shard_error(sh2.dv, p2.dv, sh2.rows) << " " << tol << "\n";
+  }
+  const int64_t sent_before_backward = sent();
+  attention->set_layer(0);
+  backward(sh);
   const int64_t sent2 = sent();
 
   rep << "CASE " << name << "/o " << shard_error(sh.o, p.o, sh.rows) << " " << tol << "\n";
@@ -559,31 +595,33 @@ void check_ulysses(Distributed& d, const Config& cfg, bool causal, Heads heads, 
   rep << "CASE " << name << "/dv " << shard_error(sh.dv, p.dv, sh.rows) << " " << tol << "\n";
   // Backward runs neither the inner forward (the ring's or the local one) nor a forward all-to-all.
   const AttentionCounters& in = ua->inner().counters;
+  const int64_t layers = keep ? 2 : 1;
   rep << "CASE " << name << "/calls_counted "
-      << std::abs(attention->counters.forward_calls - 1) + std::abs(attention->counters.backward_calls - 1) +
-             std::abs(in.forward_calls - 1) + std::abs(in.backward_calls - 1)
+      << std::abs(attention->counters.forward_calls - layers) + std::abs(attention->counters.backward_calls - layers) +
+             std::abs(in.forward_calls - layers) + std::abs(in.backward_calls - layers)
       << " 0\n";
-  const int64_t n = static_cast<int64_t>(sh.rows.size());
-  const Volumes a2a = ulysses_a2a_bytes(U, n, p.Hq, p.Hkv, p.D, sizeof(T));
+  const Volumes a2a = ulysses_a2a_bytes(U, n, p.Hq, p.Hkv, p.D, sizeof(T), keep);
   Volumes ring{0, 0};
   if (hybrid) {
     const int64_t h = p.Hq / U, g = std::max<int64_t>(p.Hkv / U, 1);
     ring = expected_bytes(cfg.schedule, causal, R, d.ulysses_ring()->rank(), U * n, h, g, p.D, sizeof(T));
   }
   rep << "CASE " << name << "/bytes_forward " << std::abs(sent1 - sent0 - a2a.forward - ring.forward) << " 0\n";
-  rep << "CASE " << name << "/bytes_backward " << std::abs(sent2 - sent1 - a2a.backward - ring.backward) << " 0\n";
+  rep << "CASE " << name << "/bytes_backward "
+      << std::abs(sent2 - sent_before_backward - a2a.backward - ring.backward) << " 0\n";
   rep << "CASE " << name << "/bytes_a2a "
       << std::abs(ua->last_forward_a2a_bytes() - a2a.forward) + std::abs(ua->last_backward_a2a_bytes() - a2a.backward)
       << " 0\n";
   rep << "CASE " << name << "/bytes_counter " << std::abs(attention->counters.bytes_sent - (sent2 - sent0)) << " 0\n";
   const TrafficBytes modelled = hybrid_bytes(cfg.schedule, causal, P, U, r,
                                              {n, p.Hq, p.Hkv, p.D, int64_t{sizeof(T)}, int64_t{sizeof(T)},
-                                              int64_t{sizeof(T)}});
+                                              int64_t{sizeof(T)}, keep});
   rep << "CASE " << name << "/cost_model_bytes "
-      << std::abs(sent1 - sent0 - modelled.forward) + std::abs(sent2 - sent1 - modelled.backward) << " 0\n";
+      << std::abs(sent1 - sent0 - modelled.forward) + std::abs(sent2 - sent_before_backward - modelled.backward)
+      << " 0\n";
   const int64_t all_pairs = causal ? S * (S + 1) / 2 : S * S;
   // Forward and backward each cover every visible pair once per ring of R ranks, and there are U rings.
-  rep << "PAIRS " << name << " " << attention->counters.pairs << " 0 " << 2 * all_pairs * U << "\n";
+  rep << "PAIRS " << name << " " << attention->counters.pairs << " 0 " << 2 * all_pairs * U * layers << "\n";
 
   // A second forward reuses the persistent buffers and gives the same bits.
   HostTensor<T> o2({n, p.Hq, p.D}), lse2({n, p.Hq});
@@ -601,6 +639,7 @@ std::string ulysses_every_layout(int rank, int P, int port) {
       for (Heads h : ulysses_heads_for(P)) {
         check_ulysses<double>(d, {Schedule::ulysses, layout}, causal, h, /*S=*/4 * P, /*D=*/4, rep);
         check_ulysses<float>(d, {Schedule::ulysses, layout}, causal, h, /*S=*/4 * P, /*D=*/4, rep);
+        check_ulysses<double>(d, {Schedule::ulysses, layout}, causal, h, /*S=*/4 * P, /*D=*/4, rep, /*keep=*/true);
       }
   // Heads the group cannot split are refused naming the config keys, on every rank, before anything is sent.
   for (Heads bad : {Heads{"odd", P + 1, 1}, Heads{"kv3", 3 * P, 3}}) {
@@ -626,7 +665,7 @@ TEST_P(UlyssesRanks, EqualsSingleRankAttentionWithExactAllToAllBytes) {
   const int port = parallel::net::pick_free_port();
   auto out = test::run_ranks(P, [&](int r) { return ulysses_every_layout(r, P, port); }, 90s);
   Reports rep;
-  expect_cases(out, 2 * 2 * 3 * 2 * 12, &rep);
+  expect_cases(out, 2 * 2 * 3 * (12 + 12 + 16), &rep);
   for (const auto& [kind, err] : rep.worst) std::cout << "  worst " << kind << ": " << err << "\n";
   // Every visible pair is computed once per head shard, forward and backward (pairs count positions,
   // not heads).
@@ -637,45 +676,87 @@ TEST_P(UlyssesRanks, EqualsSingleRankAttentionWithExactAllToAllBytes) {
 INSTANTIATE_TEST_SUITE_P(Gloo, UlyssesRanks, testing::Values(2, 3, 4, 5, 6, 7, 8),
                          [](const testing::TestParamInfo<int>& i) { return std::to_string(i.param) + "ranks"; });
 
-// U x R: Ulysses inside groups of U consecutive ranks, each ring schedule across the R groups.
-std::string ulysses_hybrid(int rank, int U, int R, int port) {
+// U x R: Ulysses inside groups of U consecutive ranks, each ring schedule across the R groups. With
+// per_node < P ranks per node the ring across the groups spans nodes: burst alone, over its double ring.
+std::string ulysses_hybrid(int rank, int U, int R, int per_node, int port) {
   one_thread_per_rank();
   const int P = U * R;
   parallel::DistributedOptions o = options(P);
   o.ulysses_size = U;
-  Distributed d(local_world(rank, P, port, P), o);
+  Distributed d(local_world(rank, P, port, per_node), o);
   std::ostringstream rep;
   rep.precision(3);
   rep << "CASE groups " << !(d.ulysses() && d.ulysses()->size() == U && d.ulysses_ring()->size() == R) << " 0\n";
-  const std::vector<Config> rings = {{Schedule::ring, SeqLayout::contiguous},
-                                     {Schedule::ring, SeqLayout::zigzag},
-                                     {Schedule::zigzag, SeqLayout::zigzag},
-                                     {Schedule::distflash, SeqLayout::contiguous},
-                                     {Schedule::burst, SeqLayout::zigzag}};
+  const bool nodes = per_node < P;
+  std::vector<Config> rings = {{Schedule::burst, SeqLayout::zigzag}};
+  if (!nodes)
+    rings = {{Schedule::ring, SeqLayout::contiguous},
+             {Schedule::ring, SeqLayout::zigzag},
+             {Schedule::zigzag, SeqLayout::zigzag},
+             {Schedule::distflash, SeqLayout::contiguous},
+             {Schedule::burst, SeqLayout::zigzag}};
+  else {
+    // The two rings of the ring across the groups exist and tile it; burst's double ring runs on them.
+    const bool rings_given = d.ulysses_ring_intra_node() != nullptr && d.ulysses_ring_inter_node() != nullptr;
+    rep << "CASE across_rings " << !rings_given << " 0\n";
+    if (!rings_given) return rep.str();
+    rep << "CASE across_rings_tile "
+        << (d.ulysses_ring_intra_node()->size() * d.ulysses_ring_inter_node()->size() != R ||
+            d.ulysses_ring_inter_node()->size() < 2)
+        << " 0\n";
+    SequenceAttentionSpec spec;
+    spec.schedule = Schedule::burst;
+    spec.causal = true;
+    spec.scale = 0.5;
+    spec.layout = SeqLayout::zigzag;
+    spec.sp = &d.sp();
+    spec.ulysses = d.ulysses();
+    spec.ulysses_ring = d.ulysses_ring();
+    spec.ulysses_ring_intra_node = d.ulysses_ring_intra_node();
+    spec.ulysses_ring_inter_node = d.ulysses_ring_inter_node();
+    std::unique_ptr<SequenceAttention> a = make_sequence_attention(spec);
+    auto* ua = dynamic_cast<UlyssesAttention*>(a.get());
+    auto* burst = ua ? dynamic_cast<dist::BurstAttention*>(&ua->inner()) : nullptr;
+    rep << "CASE across_uses_double_ring " << !(burst && burst->uses_double_ring()) << " 0\n";
+  }
   for (const Config& cfg : rings)
     for (bool causal : {true, false})
-      for (Heads h : {Heads{"gqa", 2 * U, U}, Heads{"mqa", U, 1}})
+      for (Heads h : {Heads{"gqa", 2 * U, U}, Heads{"mqa", U, 1}}) {
         check_ulysses<double>(d, cfg, causal, h, /*S=*/4 * P, /*D=*/4, rep);
+        check_ulysses<double>(d, cfg, causal, h, /*S=*/4 * P, /*D=*/4, rep, /*keep=*/true);
+      }
   return rep.str();
 }
 
-class UlyssesHybrid : public testing::TestWithParam<std::pair<int, int>> {};
+struct HybridShape {
+  int U, R, per_node;
+};
+
+class UlyssesHybrid : public testing::TestWithParam<HybridShape> {};
 
 TEST_P(UlyssesHybrid, EveryRingScheduleAcrossUlyssesGroupsEqualsSingleRankAttention) {
-  const int U = GetParam().first, R = GetParam().second;  // not a structured binding: clang 14 cannot capture one
+  const HybridShape shape = GetParam();
+  const int U = shape.U, R = shape.R, per_node = shape.per_node;
   const int port = parallel::net::pick_free_port();
-  auto out = test::run_ranks(U * R, [&](int r) { return ulysses_hybrid(r, U, R, port); }, 90s);
+  auto out = test::run_ranks(U * R, [&](int r) { return ulysses_hybrid(r, U, R, per_node, port); }, 90s);
   Reports rep;
-  expect_cases(out, 5 * 2 * 2 * 12, &rep);
+  const int schedules = per_node < U * R ? 1 : 5;
+  expect_cases(out, schedules * 2 * 2 * (12 + 16), &rep);
   for (const auto& [kind, err] : rep.worst) std::cout << "  worst " << kind << ": " << err << "\n";
   EXPECT_FALSE(rep.pairs.empty());
   for (const auto& [name, v] : rep.pairs) EXPECT_EQ(v[0], v[2]) << name;
 }
 
+// One node (2x2, 2x3, 4x2); the ring across the groups over two nodes: one member on each (2x2 with 2
+// ranks per node) and two on each (2x4 with 4 ranks per node), burst's double ring of 2 x 1 and 2 x 2.
 INSTANTIATE_TEST_SUITE_P(Gloo, UlyssesHybrid,
-                         testing::Values(std::pair{2, 2}, std::pair{2, 3}, std::pair{4, 2}),
-                         [](const testing::TestParamInfo<std::pair<int, int>>& i) {
-                           return std::to_string(i.param.first) + "x" + std::to_string(i.param.second);
+                         testing::Values(HybridShape{2, 2, 4}, HybridShape{2, 3, 6}, HybridShape{4, 2, 8},
+                                         HybridShape{2, 2, 2}, HybridShape{2, 4, 4}),
+                         [](const testing::TestParamInfo<HybridShape>& i) {
+                           return fmt::format("{}x{}{}", i.param.U, i.param.R,
+                                              i.param.per_node < i.param.U * i.param.R
+                                                  ? fmt::format("_{}per_node", i.param.per_node)
+                                                  : "");
                          });
 
 // The cost model's predictions follow from its inputs: balance, bytes and link speeds.

@@ -1,6 +1,6 @@
 // The memory plan's figure for a sequence-parallel schedule (attention/distributed/workspace.h) is
 // what the schedule really keeps: for every schedule over 2 and 3 real processes (Gloo on loopback),
-// and burst's double ring over 2 nodes x 2 ranks,
+// burst's double ring over 2 nodes x 2 ranks, and Ulysses with and without its kept forward,
 // the bytes a forward + backward leaves allocated through device_alloc (runtime/device.h
 // allocation_stats) equal schedule_workspace_bytes exactly; a second step allocates nothing more, and
 // destroying the attention gives everything back.
@@ -13,6 +13,7 @@
 #include <utility>
 
 #include "attention/distributed/distributed_attention.h"
+#include "attention/distributed/ulysses_attention.h"
 #include "attention/distributed/workspace.h"
 #include "parallel/distributed.h"
 #include "parallel/multiproc_util.h"
@@ -102,6 +103,53 @@ std::string rank_main(int rank, int P, int per_node, int port) {
     rep << name << " planned " << planned << " kept " << (live1 - live0) << " second_step " << (live2 - live1)
         << " after_destroy " << (live3 - live0) << "\n";
   }
+  // Ulysses over the whole group (one node), with and without keep_forward over two layers: the
+  // schedule's buffers plus, kept, a slot of head-layout Q, K, V, O, LSE per layer.
+  for (bool keep : {false, true}) {
+    if (nodes > 1 || Hq % P != 0) break;  // heads that split over the group
+    const std::string name = fmt::format("ulysses{}/P{}", keep ? "_kept" : "", P);
+    SequenceAttentionSpec spec;
+    spec.schedule = Schedule::ulysses;
+    spec.layout = SeqLayout::contiguous;
+    spec.scale = 1.0 / std::sqrt(static_cast<double>(D));
+    spec.sp = &d.sp();
+    ScheduleWorkspaceShape shape;
+    shape.tokens = T;
+    shape.q_heads = Hq;
+    shape.kv_heads = Hkv;
+    shape.head_dim = D;
+    shape.dtype = DType::f32;
+    shape.stat = DType::f32;
+    shape.device = Device::cpu;
+    shape.ulysses_keeps_forward = keep;
+    const int layers = 2;
+    const size_t planned =
+        schedule_workspace_bytes(Schedule::ulysses, true, P, 1, shape) +
+        (keep ? layers * ulysses_kept_bytes(P, T, Hq, Hkv, D, DType::f32, DType::f32, Device::cpu) : 0);
+    const size_t live0 = allocation_stats(Device::cpu).live;
+    size_t live1 = 0, live2 = 0;
+    {
+      std::unique_ptr<SequenceAttention> a = make_sequence_attention(spec);
+      if (keep) a->keep_forward(layers);
+      auto step = [&] {
+        for (int l = 0; l < layers; ++l) {
+          a->set_layer(l);
+          a->forward(o_, lse, q, k, v);
+        }
+        for (int l = layers - 1; l >= 0; --l) {
+          a->set_layer(l);
+          a->backward(dq, dk, dv, q, k, v, o_, lse, d_o);
+        }
+      };
+      step();
+      live1 = allocation_stats(Device::cpu).live;
+      step();
+      live2 = allocation_stats(Device::cpu).live;
+    }
+    const size_t live3 = allocation_stats(Device::cpu).live;
+    rep << name << " planned " << planned << " kept " << (live1 - live0) << " second_step " << (live2 - live1)
+        << " after_destroy " << (live3 - live0) << "\n";
+  }
   return rep.str();
 }
 
@@ -139,6 +187,7 @@ TEST_P(ScheduleWorkspace, PlanEqualsWhatTheScheduleKeeps) {
   }
   int expected = 0;
   for (const Case& c : kCases) expected += per_node == P || c.schedule == Schedule::burst;
+  if (per_node == P && P % 2 == 0) expected += 2;  // ulysses, ulysses_kept (4 query heads split over P)
   EXPECT_EQ(lines, P * expected);
 }
 

@@ -165,6 +165,39 @@ TEST(ProcessGroups, UlyssesGroupsAndTheirRingsTileEachSpGroup) {
   EXPECT_THROW(check_parallel_shape(ParallelShape{8, 8, 8, 3}), Error);
 }
 
+// burst's double ring over the ring across the Ulysses groups: the header's example, and for every
+// regular shape the two rings tile that ring as nodes x members per node, node-major in ring order.
+TEST(ProcessGroups, RingAcrossUlyssesGroupsSplitsIntoNodesForTheDoubleRing) {
+  const ParallelShape s{8, 4, 8, 2};  // 2 nodes x 4, sp 8, U 2
+  EXPECT_EQ(ulysses_ring_nodes(s), 2);
+  EXPECT_EQ(ulysses_ring_intra_node(s, 5).ranks, (std::vector<int>{5, 7}));
+  EXPECT_EQ(ulysses_ring_intra_node(s, 5).name, "sp0.across1.node1");
+  EXPECT_EQ(ulysses_ring_inter_node(s, 5).ranks, (std::vector<int>{1, 5}));
+  EXPECT_EQ(ulysses_ring_inter_node(s, 5).name, "sp0.across1.local0");
+  EXPECT_EQ(ulysses_ring_inter_node(s, 7).ranks, (std::vector<int>{3, 7}));
+  // One node, no hybrid, groups spanning nodes (one member per node), ragged.
+  EXPECT_EQ(ulysses_ring_nodes(ParallelShape{8, 8, 8, 2}), 1);
+  EXPECT_EQ(ulysses_ring_nodes(ParallelShape{16, 4, 16, 1}), 1);
+  EXPECT_EQ(ulysses_ring_nodes(ParallelShape{16, 4, 16, 8}), 2);
+  EXPECT_EQ(ulysses_ring_nodes(ParallelShape{12, 3, 12, 2}), 1);
+  for (const ParallelShape& shape : {ParallelShape{16, 4, 16, 2}, ParallelShape{32, 8, 16, 4},
+                                     ParallelShape{16, 2, 16, 4}, ParallelShape{8, 2, 8, 2}}) {
+    const int nodes = ulysses_ring_nodes(shape);
+    ASSERT_GT(nodes, 1);
+    for (int r = 0; r < shape.world_size; ++r) {
+      const RankGroup ring = ulysses_ring_group(shape, r), intra = ulysses_ring_intra_node(shape, r),
+                      inter = ulysses_ring_inter_node(shape, r);
+      const int per_node = static_cast<int>(ring.ranks.size()) / nodes;
+      ASSERT_EQ(static_cast<int>(intra.ranks.size()), per_node) << r;
+      ASSERT_EQ(static_cast<int>(inter.ranks.size()), nodes) << r;
+      // Ring position = node · per_node + position inside the node.
+      EXPECT_EQ(ring.index_of(r), inter.index_of(r) * per_node + intra.index_of(r)) << r;
+      for (int q : intra.ranks) EXPECT_EQ(q / shape.local_world_size, r / shape.local_world_size);
+      for (int q : inter.ranks) EXPECT_NE(ring.index_of(q), -1);
+    }
+  }
+}
+
 TEST(ProcessGroups, BadShapesAreRejectedNamingTheValue) {
   expect_error([] { check_parallel_shape({6, 3, 4}); }, {"parallel.sp_size 4 does not divide the world size 6"});
   expect_error([] { check_parallel_shape({6, 4, 2}); }, {"world size 6 is not a multiple of the ranks per node 4"});

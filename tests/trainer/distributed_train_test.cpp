@@ -166,10 +166,13 @@ TEST_F(DistributedTrainTest, SequenceParallelTrainingEqualsOneRank) {
 
 // Ulysses and the 2D hybrid train what one rank trains: schedule ulysses over 2 ranks (both layouts,
 // and with document masks against one rank with them), and Ulysses inside pairs with zigzag or
-// distflash across 2 pairs (4 ranks). Under remat_aware attention runs once per layer, and the step
-// log's traffic is the all-to-alls' exact bytes (a 2x2 hybrid with burst also with document masks) (ulysses_attention.h: 16 tokens per rank, 4 query and
-// 2 KV heads of 8, f32: forward 16·((2+2)·8 + 2·8 + 2)·4 = 3200 B, backward 16·((6+2)·8 + 2 + (2+2)·8)·4
-// = 6272 B per layer).
+// distflash across 2 pairs (4 ranks), burst across them (also with document masks), and ulysses under
+// the full policy. Under the default policy (it keeps O and LSE) attention runs once per layer and
+// Ulysses keeps its forward, so the step log's traffic is the all-to-alls' exact bytes with only dO in
+// the backward's; under full the forward runs twice and the backward carries Q, K, V, O, dO and LSE
+// (ulysses_attention.h: 16 tokens per rank, 4 query and 2 KV heads of 8, f32: forward
+// 16·((2+2)·8 + 2·8 + 2)·4 = 3200 B; backward kept 16·(2·8 + (2+2)·8)·4 = 3072 B, otherwise
+// 16·((6+2)·8 + 2 + (2+2)·8)·4 = 6272 B per layer).
 TEST_F(DistributedTrainTest, UlyssesAndTheHybridTrainLikeOneRank) {
   const std::vector<std::string> common = {"train.steps=6", "eval.batches=0", "checkpoint.every=0",
                                            "train.batch_size=1", "optim.warmup_steps=2"};
@@ -184,9 +187,11 @@ TEST_F(DistributedTrainTest, UlyssesAndTheHybridTrainLikeOneRank) {
     int ranks;
     std::vector<std::string> sets;
     bool masked;
+    bool full = false;  // model.checkpoint full
   };
   const std::vector<Case> cases = {
       {"u_zigzag", 2, {"attention.schedule=ulysses", "parallel.layout=zigzag"}, false},
+      {"u_full", 2, {"attention.schedule=ulysses", "parallel.layout=zigzag", "model.checkpoint=full"}, false, true},
       {"u_contiguous", 2, {"attention.schedule=ulysses", "parallel.layout=contiguous"}, false},
       {"u_masked", 2, {"attention.schedule=ulysses", "parallel.layout=zigzag"}, true},
       {"u2x2_zigzag", 4, {"parallel.ulysses_size=2", "attention.schedule=zigzag", "parallel.layout=zigzag"}, false},
@@ -207,9 +212,11 @@ TEST_F(DistributedTrainTest, UlyssesAndTheHybridTrainLikeOneRank) {
       if (!j.contains("loss")) continue;
       ASSERT_LT(step, want.size()) << k.name;
       worst = std::max(worst, std::abs(j.at("loss").get<double>() - want[step]) / std::abs(want[step]));
-      EXPECT_EQ(j.at("attention_forwards_per_layer").get<double>(), 1.0) << k.name;
+      EXPECT_EQ(j.at("attention_forwards_per_layer").get<double>(), k.full ? 2.0 : 1.0) << k.name;
       if (k.ranks == 2)
-        EXPECT_DOUBLE_EQ(j.at("attention_sent_mib_per_layer").get<double>(), (3200.0 + 6272.0) / 1048576.0) << k.name;
+        EXPECT_DOUBLE_EQ(j.at("attention_sent_mib_per_layer").get<double>(),
+                         (k.full ? 2 * 3200.0 + 6272.0 : 3200.0 + 3072.0) / 1048576.0)
+            << k.name;
       // The memory plan counts the all-to-all buffers (and the ring's over the gathered tokens).
       const double peak = j.at("allocated_peak_gib").get<double>(), plan = j.at("plan_gib").get<double>();
       EXPECT_LE(peak, plan) << k.name;
