@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "runtime/device.h"
+#include "runtime/error.h"
 #include "runtime/tensor.h"
 
 namespace longtrain::test {
@@ -244,6 +245,20 @@ inline std::vector<double> finite_difference(std::vector<double>& x, const std::
     g[i] = (up - down) / (2.0 * h);
   }
   return g;
+}
+
+// Runs f, which must throw longtrain::Error whose message contains every one of `parts` (a
+// message names the file, key or value a user has to fix).
+template <class F>
+void expect_error(F&& f, std::initializer_list<std::string> parts) {
+  try {
+    f();
+    ADD_FAILURE() << "expected a longtrain::Error mentioning '" << *parts.begin() << "'";
+  } catch (const Error& e) {
+    const std::string message = e.what();
+    for (const std::string& part : parts)
+      EXPECT_NE(message.find(part), std::string::npos) << "missing \"" << part << "\" in: " << message;
+  }
 }
 
 }  // namespace longtrain::test

@@ -18,6 +18,7 @@
 #include "parallel/layout.h"
 #include "data/tokenizer.h"
 #include "runtime/error.h"
+#include "test_util.h"
 
 namespace longtrain {
 // Readable parameter names in gtest output.
@@ -27,6 +28,7 @@ inline void PrintTo(SeqLayout layout, std::ostream* os) { *os << layout_name(lay
 namespace longtrain::data::test {
 
 namespace fs = std::filesystem;
+using longtrain::test::expect_error;
 
 // A fresh directory under the system temp dir, removed with everything in it at scope exit.
 struct TempDir {
@@ -58,18 +60,6 @@ inline void write_file(const std::string& path, const std::string& bytes) {
 inline std::string read_bytes(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-}
-
-// Expects `f` to throw longtrain::Error whose message contains every one of `parts`.
-template <class F>
-void expect_error(F&& f, std::initializer_list<std::string> parts) {
-  try {
-    f();
-    ADD_FAILURE() << "expected an error mentioning '" << *parts.begin() << "'";
-  } catch (const longtrain::Error& e) {
-    const std::string msg = e.what();
-    for (const std::string& p : parts) EXPECT_NE(msg.find(p), std::string::npos) << "'" << p << "' not in: " << msg;
-  }
 }
 
 // Writes a shard set by hand (the format of shards.h): each split's documents through ShardWriter

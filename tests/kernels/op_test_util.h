@@ -84,17 +84,4 @@ void expect_close(const std::string& what, const std::vector<T>& got, const std:
   EXPECT_LT(error, tolerance<T>()) << what;
 }
 
-// Runs f, which must throw longtrain::Error whose message contains every one of `parts`.
-template <class F>
-void expect_error(F&& f, std::initializer_list<std::string> parts) {
-  try {
-    f();
-    ADD_FAILURE() << "expected a longtrain::Error";
-  } catch (const Error& e) {
-    const std::string message = e.what();
-    for (const std::string& part : parts)
-      EXPECT_NE(message.find(part), std::string::npos) << "missing \"" << part << "\" in: " << message;
-  }
-}
-
 }  // namespace longtrain::test

@@ -14,20 +14,9 @@
 namespace longtrain::model {
 namespace {
 
-constexpr double kPi = std::numbers::pi;
+using test::expect_error;
 
-// Runs f, which must throw longtrain::Error whose message contains every one of `parts`.
-template <class F>
-void expect_error(F&& f, std::initializer_list<std::string> parts) {
-  try {
-    f();
-    ADD_FAILURE() << "expected a longtrain::Error";
-  } catch (const Error& e) {
-    const std::string message = e.what();
-    for (const std::string& part : parts)
-      EXPECT_NE(message.find(part), std::string::npos) << "missing \"" << part << "\" in: " << message;
-  }
-}
+constexpr double kPi = std::numbers::pi;
 
 std::vector<double> plain_inv_freq(double theta, int64_t D) {
   std::vector<double> out;

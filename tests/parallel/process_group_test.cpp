@@ -9,9 +9,12 @@
 
 #include "parallel/distributed.h"
 #include "parallel/process_group.h"
+#include "test_util.h"
 
 namespace longtrain::parallel {
 namespace {
+
+using test::expect_error;
 
 struct Shape {
   int world, per_node, sp;
@@ -127,15 +130,6 @@ TEST(ProcessGroups, WorkedExamplesFromTheHeader) {
   EXPECT_EQ(dp_group(two_nodes_sp2, 5).ranks, (std::vector<int>{1, 3, 5, 7}));
   EXPECT_EQ(intra_node_ring(two_nodes_sp2, 5).ranks, (std::vector<int>{4, 5}));
   EXPECT_EQ(inter_node_ring(two_nodes_sp2, 5).ranks, (std::vector<int>{5}));
-}
-
-void expect_error(const std::function<void()>& f, const std::vector<std::string>& parts) {
-  try {
-    f();
-    ADD_FAILURE() << "expected an error";
-  } catch (const Error& e) {
-    for (const auto& p : parts) EXPECT_NE(std::string(e.what()).find(p), std::string::npos) << e.what();
-  }
 }
 
 // The 2D hybrid's groups: Ulysses groups of U consecutive SP ranks, and rings of the ranks at the same
