@@ -6,10 +6,10 @@
 
 namespace longtrain::ops {
 
-void embedding_forward(Tensor out, Tensor tokens, Tensor table) {
+void embedding_forward(Tensor out, Tensor tokens, Tensor table, bool ids_checked) {
   const Device device = common_device("embedding_forward", {&out, &tokens, &table});
   const profile::Region region("embedding_forward", device);
-  LT_DISPATCH(device, embedding_forward, out, tokens, table);
+  LT_DISPATCH(device, embedding_forward, out, tokens, table, ids_checked);
 }
 void embedding_backward(Tensor d_table, Tensor tokens, Tensor d_out) {
   const Device device = common_device("embedding_backward", {&d_table, &tokens, &d_out});

@@ -23,8 +23,10 @@ namespace longtrain::ops {
 
 // ---- embedding -----------------------------------------------------------------------------
 // out[t, :] = table[tokens[t], :]             tokens [T] i32, table [V, C], out [T, C]
-// A token id outside [0, V) is an error naming the id and position.
-void embedding_forward(Tensor out, Tensor tokens, Tensor table);
+// A token id outside [0, V) is an error naming the id and position. ids_checked: the caller has checked
+// every id on the host when it made the batch (model::check_token_ids), so the CUDA backend skips its
+// device check and the host read it costs (the CPU checks anyway: it is free there).
+void embedding_forward(Tensor out, Tensor tokens, Tensor table, bool ids_checked = false);
 // d_table[tokens[t], :] += d_out[t, :]        (deterministic: rows are added in token order)
 void embedding_backward(Tensor d_table, Tensor tokens, Tensor d_out);
 

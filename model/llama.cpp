@@ -79,6 +79,21 @@ int64_t count_valid_labels(const Tensor& labels, int32_t ignore_index, int64_t v
 
 }  // namespace
 
+int64_t check_token_ids(const Tensor& tokens, const Tensor& labels, int64_t vocab, int32_t ignore_index) {
+  LT_CHECK(tokens.device == Device::cpu && labels.device == Device::cpu && tokens.dtype == DType::i32 &&
+               labels.dtype == DType::i32 && tokens.numel() == labels.numel() && tokens.is_contiguous() &&
+               labels.is_contiguous(),
+           "check_token_ids needs host i32 tokens and labels of one length; got {} and {}", tokens.describe(),
+           labels.describe());
+  const int32_t* ids = tokens.ptr<int32_t>();
+  for (int64_t t = 0; t < tokens.numel(); ++t)
+    LT_CHECK(ids[t] >= 0 && ids[t] < vocab,
+             "embedding_forward: token id {} at position {} is outside the vocabulary [0, {}); check the tokenizer "
+             "and model.vocab_size",
+             ids[t], t, vocab);
+  return count_valid_labels(labels, ignore_index, vocab);
+}
+
 QkvViews split_qkv(const Tensor& qkv, const LlamaConfig& c) {
   const int64_t D = c.head_dim;
   auto heads = [&](int64_t first_head, int64_t n) {
@@ -337,7 +352,8 @@ void LlamaModel::layer_backward(int64_t l, const LayerActs& a, Tensor x_in, Tens
 LossSum LlamaModel::head(const TokenShard& shard, Tensor x_final, Tensor losses, bool with_grad, double grad_scale,
                          int64_t T) {
   // Every label is checked before any gradient is touched, so a bad batch leaves them as they were.
-  const int64_t valid = count_valid_labels(shard.labels, kIgnoreIndex, config_.vocab_size);
+  const int64_t valid =
+      shard.valid_labels >= 0 ? shard.valid_labels : count_valid_labels(shard.labels, kIgnoreIndex, config_.vocab_size);
   Tensor d_residual = acts_.get("d_residual").narrow(0, T);
   if (with_grad) zero(d_residual);
   ops::CrossEntropyParams ce;
@@ -367,7 +383,7 @@ LossSum LlamaModel::forward_backward(const TokenShard& shard, double grad_scale)
   // Forward. Offloaded: layer l writes x_{l+1} into the slot that held x_{l-2} and its kept tensors
   // into the one that held layer l-3's, so it waits for layer l-2's copy to the host (in stream
   // order after l-3's); its own slot goes to the host while layer l+1 computes.
-  ops::embedding_forward(residual(0, T), shard.tokens, p_.embed);
+  ops::embedding_forward(residual(0, T), shard.tokens, p_.embed, /*ids_checked=*/shard.valid_labels >= 0);
   for (int64_t l = 0; l < L; ++l) {
     if (off && l >= 2) off->wait_out(l - 2);
     layer_forward(l, layer_acts(l, T), residual(l, T), residual(l + 1, T));
@@ -400,7 +416,7 @@ Tensor LlamaModel::forward_layers(const TokenShard& shard) {
   const int64_t T = shard.tokens.numel(), L = config_.n_layers;
   // Forward only: nothing goes to the host, the slots (offloaded) are simply reused in turn.
   ops::rope_table(rope_table(T), shard.positions, rope_);
-  ops::embedding_forward(residual(0, T), shard.tokens, p_.embed);
+  ops::embedding_forward(residual(0, T), shard.tokens, p_.embed, /*ids_checked=*/shard.valid_labels >= 0);
   for (int64_t l = 0; l < L; ++l) layer_forward(l, layer_acts(l, T), residual(l, T), residual(l + 1, T));
   return residual(L, T);
 }

@@ -81,7 +81,16 @@ struct TokenShard {
   Tensor labels;
   Tensor positions;
   attn::Documents documents = {};  // empty: no document mask
+  // The labels that count (not ignore_index), when the ids were checked on the host as the batch was
+  // made (check_token_ids): the model then reads nothing back from the device to check them or to
+  // count them. -1: unchecked, the model checks on the device (a host read each).
+  int64_t valid_labels = -1;
 };
+
+// Checks host token ids and labels against a vocabulary of `vocab` (ids in [0, vocab); labels there or
+// ignore_index) and returns the count of labels that are not ignore_index: TokenShard::valid_labels.
+// The errors name the token position and the id, as the device checks do.
+int64_t check_token_ids(const Tensor& tokens, const Tensor& labels, int64_t vocab, int32_t ignore_index);
 
 struct LossSum {
   double sum = 0.0;     // Σ per-token losses over valid labels of this shard

@@ -177,17 +177,19 @@ data::LoaderOptions loader_options(const TrainConfig& c, const std::string& spli
 }
 
 // A batch as the model's shard: on the CPU views of the batch's vectors, on a GPU copies of them in
-// `staging` (three i32 [T] entries: tokens, labels, positions).
+// `staging` (three i32 [T] entries: tokens, labels, positions). Its ids and labels are checked here on
+// the host against `vocab` (model::check_token_ids), so the model's step reads nothing back for them.
 // With document masking the shard also carries the window's documents (global offsets).
 static_assert(data::kIgnoreLabel == model::LlamaModel::kIgnoreIndex, "the loader's ignored label is the model's");
-model::TokenShard shard_of(data::Batch& b, const Arena* staging = nullptr) {
+model::TokenShard shard_of(data::Batch& b, int64_t vocab, const Arena* staging = nullptr) {
   const int64_t n = static_cast<int64_t>(b.tokens.size());
   attn::Documents docs = b.document_mask ? attn::documents_from_starts(b.doc_starts, b.seq_len) : attn::Documents{};
   model::TokenShard host{Tensor(b.tokens.data(), DType::i32, {n}), Tensor(b.labels.data(), DType::i32, {n}),
                          Tensor(b.positions.data(), DType::i32, {n}), docs};
+  host.valid_labels = model::check_token_ids(host.tokens, host.labels, vocab, model::LlamaModel::kIgnoreIndex);
   if (!staging || staging->device() == Device::cpu) return host;
   model::TokenShard dev{staging->get("tokens").narrow(0, n), staging->get("labels").narrow(0, n),
-                        staging->get("positions").narrow(0, n), std::move(docs)};
+                        staging->get("positions").narrow(0, n), std::move(docs), host.valid_labels};
   copy(dev.tokens, host.tokens);
   copy(dev.labels, host.labels);
   copy(dev.positions, host.positions);
@@ -551,7 +553,7 @@ EvalResult evaluate(model::LlamaModel& model, data::Loader& loader, int64_t batc
   const Arena staging = shard_staging(model.precision().device, T);
   for (int64_t i = 0; i < n; ++i) {
     data::Batch b = loader.next();
-    model.forward(shard_of(b, &staging), losses.get("losses"));
+    model.forward(shard_of(b, model.config().vocab_size, &staging), losses.get("losses"));
     std::vector<double> per_token = host_values(losses.get("losses"));
     for (size_t t = 0; t < per_token.size(); ++t) {
       if (b.labels[t] == model::LlamaModel::kIgnoreIndex) continue;
@@ -869,7 +871,7 @@ TrainSummary train(TrainConfig c, const std::string& resume, const TrainHooks& h
           reductions.push_back(ranks.dist->world().start_reduce_scatter_range(grads, begin, end));
         });
       }
-      loss_sum += model.forward_backward(shard_of(batches[i], &staging), 1.0 / count).sum;
+      loss_sum += model.forward_backward(shard_of(batches[i], model.config().vocab_size, &staging), 1.0 / count).sum;
       model.set_gradients_ready(nullptr);
       if (hooks.after_backward) {
         // What the test hook does to the gradients must come after the in-place reduction (NCCL runs

@@ -44,7 +44,7 @@ int block_size_for(int64_t C) { return C >= 256 ? 256 : (C >= 128 ? 128 : 64); }
 }  // namespace
 
 // out [T, C] = table[tokens] ; tokens [T] i32, table [V, C]
-void embedding_forward(Tensor out, Tensor tokens, Tensor table) {
+void embedding_forward(Tensor out, Tensor tokens, Tensor table, bool ids_checked) {
   const char* op = "embedding_forward";
   check_tensor(out, 2, op, "out");
   check_tensor(table, 2, op, "table");
@@ -59,9 +59,13 @@ void embedding_forward(Tensor out, Tensor tokens, Tensor table) {
            out.describe(), T, C);
   if (T == 0) return;
 
-  int* flag = reset_bad_index_flag();
-  find_bad_index(static_cast<const int32_t*>(tokens.data), tokens.stride[0], T, V, INT32_MIN, flag);
-  int bad = read_bad_index_flag();
+  // The device check ends in a host read (a sync per call); a batch checked when it was made skips it.
+  int bad = kNoBadIndex;
+  if (!ids_checked) {
+    int* flag = reset_bad_index_flag();
+    find_bad_index(static_cast<const int32_t*>(tokens.data), tokens.stride[0], T, V, INT32_MIN, flag);
+    bad = read_bad_index_flag();
+  }
   if (bad != kNoBadIndex) {
     int32_t id = read_device_int(static_cast<const int32_t*>(tokens.data) + bad * tokens.stride[0]);
     LT_FAIL("{}: token id {} at position {} is outside the vocabulary [0, {}); check the tokenizer and "

@@ -13,6 +13,8 @@
 namespace longtrain::model {
 namespace {
 
+using test::expect_error;
+
 LlamaConfig tiny_config() {
   LlamaConfig c;
   c.vocab_size = 50;
@@ -267,6 +269,38 @@ TEST(LlamaModel, BadLabelInALaterLossChunkLeavesGradientsUntouched) {
   }
   for (double v : arena_values(model.grads())) ASSERT_EQ(v, 0.0);
   EXPECT_THROW(LlamaModel(c, Precision::cpu(DType::f64), CheckpointPolicy::none, T, nullptr, 1, Tiling{-1, 0}), Error);
+}
+
+// Ids checked when the batch is made (what the trainer does): the count of labels that count, and the
+// same errors the model's own checks give, naming the position and the id; a checked shard trains the
+// same loss as an unchecked one.
+TEST(LlamaModel, TokenIdsCheckedOnTheHostCountTheLabelsAndRefuseBadIds) {
+  LlamaConfig c = tiny_config();
+  const int64_t T = 12;
+  ShardData data(T, c.vocab_size);
+  data.labels[3] = LlamaModel::kIgnoreIndex;  // with ShardData's own: labels 3, 4 and 9 are ignored
+  const TokenShard shard = data.shard();
+  const int64_t valid = T - 3;
+  EXPECT_EQ(check_token_ids(shard.tokens, shard.labels, c.vocab_size, LlamaModel::kIgnoreIndex), valid);
+  LlamaModel model(c, Precision::cpu(DType::f64), CheckpointPolicy::remat_aware, T, nullptr, 1, Tiling{4, 4});
+  model.initialize(1);
+  model.zero_grads();
+  const LossSum unchecked = model.forward_backward(shard, 1.0);
+  TokenShard checked = shard;
+  checked.valid_labels = valid;
+  model.zero_grads();
+  const LossSum with_check = model.forward_backward(checked, 1.0);
+  EXPECT_EQ(with_check.count, valid);
+  EXPECT_EQ(with_check.count, unchecked.count);
+  EXPECT_EQ(with_check.sum, unchecked.sum);
+
+  data.tokens[7] = static_cast<int32_t>(c.vocab_size + 2);
+  expect_error([&] { check_token_ids(shard.tokens, shard.labels, c.vocab_size, LlamaModel::kIgnoreIndex); },
+               {"token id 52 at position 7", "model.vocab_size"});
+  data.tokens[7] = 1;
+  data.labels[5] = -3;
+  expect_error([&] { check_token_ids(shard.tokens, shard.labels, c.vocab_size, LlamaModel::kIgnoreIndex); },
+               {"label -3 at token index 5", "model.vocab_size"});
 }
 
 // model.offload: checkpoints moves what each policy keeps per layer to host memory and back (on CPU
