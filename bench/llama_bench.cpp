@@ -13,6 +13,7 @@
 //               [--profile]
 //   longtrain-run --nproc-per-node 2 -- llama_bench ...     (sequence parallel over 2 GPUs)
 //   llama_bench --merge result.json --anchor llama_anchor.json --out merged.json
+//   llama_bench --merge result.json --anchor compiled_llama_anchor_1b.json   (rows matched by length and policy)
 //
 // Under the launcher (WORLD_SIZE = P > 1) the P ranks form one sequence-parallel group over NCCL: each
 // holds S/P tokens in the schedule's layout (zigzag for ring, zigzag and burst; contiguous for
@@ -353,10 +354,16 @@ int main(int argc, char** argv) try {
   if (!opt.merge.empty()) {  // the anchor's numbers beside a result written earlier: runs without a GPU
     json result = read_json("llama_bench --merge", "the result", opt.merge);
     json anchor = read_json("llama_bench --merge", "the anchor", opt.anchor);
-    result["anchor"] = {{"script", "bench/anchors/llama_anchor.py"}, {"file", opt.anchor}};
+    // llama_anchor.py keys its rows by length ("8192"), compiled_llama_anchor.py by length and policy
+    // ("8192:remat_aware", each policy against its PyTorch twin; it also records the shape).
+    const bool compiled = anchor.contains("shape");
+    result["anchor"] = {
+        {"script", compiled ? "bench/anchors/compiled_llama_anchor.py" : "bench/anchors/llama_anchor.py"},
+        {"file", opt.anchor}};
     if (anchor.contains("params")) result["anchor_params"] = anchor["params"];
     for (json& row : result["rows"]) {
-      const std::string key = std::to_string(row["S"].get<int64_t>());
+      const std::string by_length = std::to_string(row["S"].get<int64_t>());
+      const std::string key = compiled ? by_length + ":" + row["policy"].get<std::string>() : by_length;
       if (!anchor.contains(key)) continue;
       row["anchor"] = anchor[key];
       if (anchor[key].is_object() && anchor[key].contains("tok_per_s") && row.contains("tok_per_s"))

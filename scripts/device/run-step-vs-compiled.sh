@@ -1,0 +1,35 @@
+#!/bin/bash
+# One GPU call for [gpu-speed]: the GPU tests (skipped with SKIP_TESTS=1), then the 1.1B step at each
+# LENGTH:POLICIES item (default 8192:none,remat_aware) with a per-op profile, beside
+# bench/anchors/compiled_llama_anchor.py (each policy against its PyTorch twin) in the same call, and
+# the ratios merged into one result. Run with .device carried (devroot, run/bin.tar.xz, commit,
+# anchors/compiled_llama_anchor.py); everything comes back in $OUT/all.tar.gz.
+#   scripts/device/run-step-vs-compiled.sh 8192:none,remat_aware
+set -u
+W=$OUT/w; mkdir -p $W
+trap 'cd $OUT && tar -czf all.tar.gz -C w . && rm -rf w && ls -la all.tar.gz' EXIT
+t0=$(date +%s)
+stamp() { echo "[$(( $(date +%s) - t0 )) s] $*" | tee -a $W/timeline.txt; }
+source scripts/device/env.sh
+source scripts/device/unpack-build.sh || exit 1
+B=build-carry; COMMIT=$(cat .device/commit 2>/dev/null || echo unknown)
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > $W/gpu.txt 2>&1
+if [ "${SKIP_TESTS:-0}" != 1 ]; then
+  timeout 240 $B/tests/gpu/gpu_test --gtest_print_time=1 --gtest_output=json:$W/gpu_test.json > $W/gpu_test.log 2>&1
+  stamp "gpu_test rc $?"; grep -E "FAILED|PASSED|SKIPPED \]" $W/gpu_test.log | tail -12
+  timeout 60 $B/tests/gpu/ulysses_gpu_test > $W/ulysses_gpu_test.log 2>&1
+  stamp "ulysses_gpu_test rc $?"; grep -E "FAILED|PASSED" $W/ulysses_gpu_test.log | tail -3
+  grep -q FAILED $W/gpu_test.log && exit 1
+fi
+for item in "${@:-8192:none,remat_aware}"; do
+  S=${item%%:*}; P=${item#*:}
+  timeout 200 $B/bench/llama_bench --lengths $S --policies $P --warmup 1 --steps 3 --profile --commit $COMMIT \
+    --out $W/ours-$S.json > $W/ours-$S.log 2>&1
+  stamp "llama_bench $item rc $?"; grep -E "^S=|tok/s" $W/ours-$S.log | tail -4
+  OUT=$W timeout 300 python3 .device/anchors/compiled_llama_anchor.py $item > $W/anchor-$S.log 2>&1
+  stamp "compiled anchor $item rc $?"; grep -E "^$S:" $W/anchor-$S.log
+  [ -f $W/compiled_llama_anchor_1b.json ] && mv $W/compiled_llama_anchor_1b.json $W/compiled-$S.json
+  [ -f $W/compiled-$S.json ] && $B/bench/llama_bench --merge $W/ours-$S.json --anchor $W/compiled-$S.json \
+    --out $W/merged-$S.json > $W/merge-$S.log 2>&1
+  stamp "merge $S rc $?"; cat $W/merge-$S.log
+done
