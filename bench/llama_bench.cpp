@@ -638,7 +638,12 @@ int main(int argc, char** argv) try {
         const int64_t flat = m.params().flat().numel(), shard = flat / P;
         trainer::AdamW adamw(m.params(), ocfg, rank * shard, (rank + 1) * shard);
         CudaBuffer d_ids(ids), d_labels(labels), d_pos(positions);
-        const model::TokenShard tokens{d_ids.t, d_labels.t, d_pos.t, docs};
+        // Checked on the host as the trainer checks a batch when it makes it (no device read in the step).
+        const int64_t valid_labels = model::check_token_ids(
+            Tensor(ids.data(), DType::i32, {static_cast<int64_t>(ids.size())}),
+            Tensor(labels.data(), DType::i32, {static_cast<int64_t>(labels.size())}), cfg.vocab_size,
+            model::LlamaModel::kIgnoreIndex);
+        const model::TokenShard tokens{d_ids.t, d_labels.t, d_pos.t, docs, valid_labels};
         CudaBuffer norm_sq(DType::f64, {1});
 
         // Three events per timed step (start, after forward+backward, after the optimizer), read after
