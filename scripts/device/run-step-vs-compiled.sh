@@ -5,6 +5,7 @@
 # the ratios merged into one result. Run with .device carried (devroot, run/bin.tar.xz, commit,
 # anchors/compiled_llama_anchor.py); everything comes back in $OUT/all.tar.gz.
 #   scripts/device/run-step-vs-compiled.sh 8192:none,remat_aware
+#   SKIP_TESTS=1 SHAPE=3b scripts/device/run-step-vs-compiled.sh 32768:none,remat_aware,full
 set -u
 W=$OUT/w; mkdir -p $W
 trap 'cd $OUT && tar -czf all.tar.gz -C w . && rm -rf w && ls -la all.tar.gz' EXIT
@@ -21,14 +22,18 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
   stamp "ulysses_gpu_test rc $?"; grep -E "FAILED|PASSED" $W/ulysses_gpu_test.log | tail -3
   grep -q FAILED $W/gpu_test.log && exit 1
 fi
+# SHAPE=3b: the Llama-3.2-3B shape on both sides (the anchor with our vocabulary, 128256).
+SHAPE=${SHAPE:-1b}
+if [ "$SHAPE" = 3b ]; then BSHAPE=llama3.2-3b; export VOCAB=128256; else BSHAPE=tinyllama; fi
 for item in "${@:-8192:none,remat_aware}"; do
-  S=${item%%:*}; P=${item#*:}
-  timeout 200 $B/bench/llama_bench --lengths $S --policies $P --warmup 1 --steps 3 --profile --commit $COMMIT \
-    --out $W/ours-$S.json > $W/ours-$S.log 2>&1
-  stamp "llama_bench $item rc $?"; grep -E "^S=|tok/s" $W/ours-$S.log | tail -4
-  OUT=$W timeout 300 python3 .device/anchors/compiled_llama_anchor.py $item > $W/anchor-$S.log 2>&1
-  stamp "compiled anchor $item rc $?"; grep -E "^$S:" $W/anchor-$S.log
-  [ -f $W/compiled_llama_anchor_1b.json ] && mv $W/compiled_llama_anchor_1b.json $W/compiled-$S.json
+  S=${item%%:*}; P=${item#*:}; N=$SHAPE-$S
+  timeout 200 $B/bench/llama_bench --shape $BSHAPE --lengths $S --policies $P --warmup 1 --steps 3 --profile \
+    --commit $COMMIT --out $W/ours-$N.json > $W/ours-$N.log 2>&1
+  stamp "llama_bench $SHAPE $item rc $?"; grep -E "^S=|tok/s" $W/ours-$N.log | tail -4
+  OUT=$W SHAPE=$SHAPE timeout 300 python3 .device/anchors/compiled_llama_anchor.py $item > $W/anchor-$N.log 2>&1
+  stamp "compiled anchor $SHAPE $item rc $?"; grep -E "^$S:" $W/anchor-$N.log
+  [ -f $W/compiled_llama_anchor_$SHAPE.json ] && mv $W/compiled_llama_anchor_$SHAPE.json $W/compiled-$N.json
+  S=$N
   [ -f $W/compiled-$S.json ] && $B/bench/llama_bench --merge $W/ours-$S.json --anchor $W/compiled-$S.json \
     --out $W/merged-$S.json > $W/merge-$S.log 2>&1
   stamp "merge $S rc $?"; cat $W/merge-$S.log
