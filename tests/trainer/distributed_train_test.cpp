@@ -166,8 +166,8 @@ TEST_F(DistributedTrainTest, SequenceParallelTrainingEqualsOneRank) {
 
 // Ulysses and the 2D hybrid train what one rank trains: schedule ulysses over 2 ranks (both layouts,
 // and with document masks against one rank with them), and Ulysses inside pairs with zigzag or
-// distflash across 2 pairs (4 ranks), burst across them (also with document masks), and ulysses under
-// the full policy. Under the default policy (it keeps O and LSE) attention runs once per layer and
+// distflash across 2 pairs (4 ranks), burst across them (also with document masks), ulysses and a hybrid
+// under remat_aware, and ulysses under the full policy. Under the default policy (it keeps O and LSE) attention runs once per layer and
 // Ulysses keeps its forward, so the step log's traffic is the all-to-alls' exact bytes with only dO in
 // the backward's; under full the forward runs twice and the backward carries Q, K, V, O, dO and LSE
 // (ulysses_attention.h: 16 tokens per rank, 4 query and 2 KV heads of 8, f32: forward
@@ -192,6 +192,11 @@ TEST_F(DistributedTrainTest, UlyssesAndTheHybridTrainLikeOneRank) {
   const std::vector<Case> cases = {
       {"u_zigzag", 2, {"attention.schedule=ulysses", "parallel.layout=zigzag"}, false},
       {"u_full", 2, {"attention.schedule=ulysses", "parallel.layout=zigzag", "model.checkpoint=full"}, false, true},
+      // remat_aware: the model recomputes only the input norm for Ulysses, which kept Q, K, V itself.
+      {"u_remat", 2, {"attention.schedule=ulysses", "parallel.layout=zigzag", "model.checkpoint=remat_aware"}, false},
+      {"u2x2_remat", 4,
+       {"parallel.ulysses_size=2", "attention.schedule=zigzag", "parallel.layout=zigzag", "model.checkpoint=remat_aware"},
+       false},
       {"u_contiguous", 2, {"attention.schedule=ulysses", "parallel.layout=contiguous"}, false},
       {"u_masked", 2, {"attention.schedule=ulysses", "parallel.layout=zigzag"}, true},
       {"u2x2_zigzag", 4, {"parallel.ulysses_size=2", "attention.schedule=zigzag", "parallel.layout=zigzag"}, false},
