@@ -178,15 +178,22 @@ std::unique_ptr<Communicator> make_communicator(Backend backend, TcpStore& store
   LT_FAIL("unknown communicator backend {}", static_cast<int>(backend));
 }
 
+Tensor Communicator::host_values_staging(int64_t n) {
+  if (!host_values_ || host_values_->get("values").numel() < n) {
+    host_values_ = std::make_unique<Arena>(fmt::format("host values of '{}'", name_), device());
+    host_values_->add("values", {std::max<int64_t>(n, 16)}, DType::f64);
+    host_values_->allocate();
+  }
+  return host_values_->get("values").narrow(0, n);
+}
+
 void all_reduce_host_values(Communicator& comm, double* values, int64_t n, ReduceOp op) {
   Tensor host(values, DType::f64, {n});
   if (comm.device() == Device::cpu) return comm.all_reduce(host, op);
-  Arena staging("host values", comm.device());
-  staging.add("values", {n}, DType::f64);
-  staging.allocate();
-  copy(staging.get("values"), host);
-  comm.all_reduce(staging.get("values"), op);
-  copy(host, staging.get("values"));
+  const Tensor staging = comm.host_values_staging(n);
+  copy(staging, host);
+  comm.all_reduce(staging, op);
+  copy(host, staging);
 }
 
 }  // namespace longtrain::parallel

@@ -24,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "runtime/arena.h"
 #include "runtime/tensor.h"
 
 namespace longtrain::parallel {
@@ -145,6 +146,10 @@ class Communicator {
   Millis timeout() const { return timeout_; }
   void set_timeout(Millis t) { timeout_ = t; }
 
+  // A device buffer of at least n f64 values, kept by the communicator for all_reduce_host_values (so a
+  // step's loss and count reductions allocate nothing after the first); grows, never shrinks.
+  Tensor host_values_staging(int64_t n);
+
   // "rank 3" or "ranks 3, 5" from group ranks, shown as global ranks.
   std::string describe_ranks(const std::vector<int>& group_ranks) const;
   std::string describe_group() const;  // "'sp1' (global ranks 2, 3)"
@@ -164,6 +169,7 @@ class Communicator {
 
  private:
   std::atomic<int64_t> bytes_sent_{0}, bytes_received_{0}, collectives_{0}, p2p_messages_{0};
+  std::unique_ptr<Arena> host_values_;
 };
 
 // Argument checks shared by the backends; throw naming the operation, the group and the tensors.
@@ -190,7 +196,8 @@ struct RangeVolumes {
 RangeVolumes reduce_scatter_range_volumes(int64_t range_begin, int64_t range_end, int64_t n, int size, int rank);
 
 // In place over the ranks of `comm`: the sum (or max) of a few host values (losses, counts, timings).
-// NCCL reduces device memory, so there they travel through a small device buffer.
+// NCCL reduces device memory, so there they travel through the communicator's small device buffer
+// (host_values_staging: allocated once, not per call).
 void all_reduce_host_values(Communicator& comm, double* values, int64_t n, ReduceOp op = ReduceOp::sum);
 
 // Creates the communicator `name` over `global_ranks` (ascending or ring order) for this process,

@@ -17,6 +17,7 @@
 #include "multiproc_util.h"
 #include "parallel/distributed.h"
 #include "parallel/net.h"
+#include "runtime/device.h"
 
 namespace longtrain::parallel {
 namespace {
@@ -414,6 +415,25 @@ TEST(OneRankWorld, CollectivesAreTheIdentity) {
   EXPECT_EQ(gathered, (std::vector<float>{1.5f, -2.0f, 3.25f}));
   EXPECT_EQ(c.stats().bytes_sent, 0);
   EXPECT_EQ(c.stats().collectives, 6);
+}
+
+// all_reduce_host_values' device buffer (host_values_staging) is the communicator's: asked again for as
+// many values or fewer it allocates nothing and hands out the same memory; asked for more it grows.
+TEST(OneRankWorld, HostValuesStagingIsKeptAcrossCallsAndGrows) {
+  Distributed d(WorldInfo{}, options(5s));
+  Communicator& c = d.world();
+  const Tensor first = c.host_values_staging(3);
+  EXPECT_EQ(first.numel(), 3);
+  const size_t live = allocation_stats(c.device()).live;
+  const Tensor again = c.host_values_staging(2);
+  EXPECT_EQ(again.data, first.data);
+  EXPECT_EQ(again.numel(), 2);
+  EXPECT_EQ(allocation_stats(c.device()).live, live) << "a second call must not allocate";
+  const Tensor larger = c.host_values_staging(1000);
+  EXPECT_EQ(larger.numel(), 1000);
+  std::vector<double> v = {1.0, 2.0};
+  all_reduce_host_values(c, v.data(), 2);  // one rank: the identity
+  EXPECT_EQ(v, (std::vector<double>{1.0, 2.0}));
 }
 
 TEST(OneRankWorld, BadArgumentsNameTheOperationAndTheGroup) {
