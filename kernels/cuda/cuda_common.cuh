@@ -59,6 +59,43 @@ __device__ __forceinline__ void store4(__nv_bfloat16* p, const float (&v)[4]) {
   *reinterpret_cast<uint2*>(p) = x;
 }
 
+// N consecutive elements as floats in 16-byte accesses where that is N's width (N = 8 bf16 or 4 f32;
+// N = 4 bf16 is one 8-byte access, N = 8 f32 two 16-byte ones); p must be aligned to N elements.
+template <int N, class T> __device__ __forceinline__ void load_n(const T* p, float (&v)[N]) {
+  static_assert(N == 4 || N == 8, "load_n: 4 or 8 elements");
+  if constexpr (N == 4) {
+    load4(p, v);
+  } else if constexpr (sizeof(T) == 2) {
+    const uint4 x = *reinterpret_cast<const uint4*>(p);
+    const uint32_t w[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[i]));
+      v[2 * i] = f.x, v[2 * i + 1] = f.y;
+    }
+  } else {
+    load4(p, *reinterpret_cast<float(*)[4]>(&v[0]));
+    load4(p + 4, *reinterpret_cast<float(*)[4]>(&v[4]));
+  }
+}
+template <int N, class T> __device__ __forceinline__ void store_n(T* p, const float (&v)[N]) {
+  static_assert(N == 4 || N == 8, "store_n: 4 or 8 elements");
+  if constexpr (N == 4) {
+    store4(p, v);
+  } else if constexpr (sizeof(T) == 2) {
+    uint32_t w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      __nv_bfloat162 b = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
+      w[i] = *reinterpret_cast<uint32_t*>(&b);
+    }
+    *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
+  } else {
+    store4(p, *reinterpret_cast<const float(*)[4]>(&v[0]));
+    store4(p + 4, *reinterpret_cast<const float(*)[4]>(&v[4]));
+  }
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

@@ -7,6 +7,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 
 #include "runtime/cuda_check.h"
 #include "runtime/tensor.h"
@@ -92,6 +93,26 @@ inline dim3 grid_2d(int64_t rows, int64_t cols, int threads) {
   if (gx > 65536) gx = 65536;
   int64_t gy = rows < 1 ? 1 : (rows > 65535 ? 65535 : rows);
   return dim3(static_cast<unsigned>(gx), static_cast<unsigned>(gy));
+}
+
+// The widest vector access (elements per thread: 8 for bf16, 4 for f32; 16 bytes either way) that rows
+// of `cols` columns allow in every tensor (2-d with unit column stride, or 1-d contiguous): cols, the
+// row strides and the base addresses in multiples of it. 4 (8-byte bf16 accesses) when only that fits,
+// 0 when not even 4 does (the scalar kernels).
+inline int vector_width(int64_t cols, std::initializer_list<const Tensor*> tensors) {
+  int width = 8;
+  for (const Tensor* t : tensors)
+    if (dtype_size(t->dtype) != 2) width = 4;
+  for (; width >= 4; width /= 2) {
+    bool ok = cols % width == 0;
+    for (const Tensor* t : tensors) {
+      const size_t align = static_cast<size_t>(width) * dtype_size(t->dtype);
+      const bool rows_ok = t->ndim == 2 ? t->stride[0] % width == 0 && t->stride[1] == 1 : t->stride[0] == 1;
+      ok = ok && rows_ok && reinterpret_cast<uintptr_t>(t->data) % align == 0;
+    }
+    if (ok) return width;
+  }
+  return 0;
 }
 
 inline unsigned blocks_for(int64_t n, int threads, int64_t cap = 65535LL * 16) {

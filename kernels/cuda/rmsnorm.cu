@@ -2,7 +2,6 @@
 // deterministically: each block keeps fp32 partial sums for its rows in shared memory, writes them
 // to a [blocks, C] buffer, and a second kernel adds the blocks in a fixed order.
 #include <cstdint>
-#include <initializer_list>
 
 #include "kernels/backends.h"
 #include "kernels/cuda/cuda_common.cuh"
@@ -62,39 +61,40 @@ __global__ void rmsnorm_backward_kernel(T* dx, int64_t dx_rs, float* partial, co
   for (int64_t c = threadIdx.x; c < C; c += blockDim.x) out[c] = dw_acc[c];
 }
 
-// The same two kernels over 4 consecutive columns per thread (one 8-byte bf16 or 16-byte f32 access
-// per operand), for rows whose columns, strides and base addresses are multiples of 4 elements
-// (vec4_ok). Scalar 2-byte accesses held the norms well below the H200's bandwidth: at 8K tokens of the
-// 1.1B shape 46 backward calls took 8.2 ms (with the old partial sums below) against about 1.3 ms of
-// DRAM traffic.
-template <class T, class W>
-__global__ void rmsnorm_forward_vec4_kernel(T* y, int64_t y_rs, float* rstd, int64_t rstd_stride, const T* x,
+// The same two kernels over N consecutive columns per thread (16-byte accesses: N = 8 bf16 or 4 f32;
+// N = 4 bf16 where rows are aligned only to 4), for rows whose columns, strides and base addresses are
+// multiples of N elements (vector_width). Scalar 2-byte accesses held the norms well below the H200's
+// bandwidth: at 8K tokens of the 1.1B shape 46 backward calls took 8.2 ms (with the old partial sums
+// below) against about 1.3 ms of DRAM traffic; 2.8 ms with 8-byte accesses.
+template <class T, class W, int N>
+__global__ void rmsnorm_forward_vec_kernel(T* y, int64_t y_rs, float* rstd, int64_t rstd_stride, const T* x,
                                             int64_t x_rs, const W* w, int64_t C, float eps) {
   __shared__ float red[32];
   const int64_t row = blockIdx.x;
   const T* xr = x + row * x_rs;
   float ss = 0.0f;
-  for (int64_t c = threadIdx.x * 4; c < C; c += blockDim.x * 4) {
-    float v[4];
-    load4(xr + c, v);
-    ss += v[0] * v[0] + v[1] * v[1] + v[2] * v[2] + v[3] * v[3];
+  for (int64_t c = threadIdx.x * N; c < C; c += blockDim.x * N) {
+    float v[N];
+    load_n<N>(xr + c, v);
+#pragma unroll
+    for (int k = 0; k < N; ++k) ss += v[k] * v[k];
   }
   ss = block_sum(ss, red);
   const float r = 1.0f / sqrtf(ss / static_cast<float>(C) + eps);
   if (threadIdx.x == 0) rstd[row * rstd_stride] = r;
   T* yr = y + row * y_rs;
-  for (int64_t c = threadIdx.x * 4; c < C; c += blockDim.x * 4) {
-    float v[4], wv[4], out[4];
-    load4(xr + c, v);
-    load4(w + c, wv);
+  for (int64_t c = threadIdx.x * N; c < C; c += blockDim.x * N) {
+    float v[N], wv[N], out[N];
+    load_n<N>(xr + c, v);
+    load_n<N>(w + c, wv);
 #pragma unroll
-    for (int k = 0; k < 4; ++k) out[k] = v[k] * r * wv[k];
-    store4(yr + c, out);
+    for (int k = 0; k < N; ++k) out[k] = v[k] * r * wv[k];
+    store_n<N>(yr + c, out);
   }
 }
 
-template <class T, class W>
-__global__ void rmsnorm_backward_vec4_kernel(T* dx, int64_t dx_rs, float* partial, const T* dy, int64_t dy_rs,
+template <class T, class W, int N>
+__global__ void rmsnorm_backward_vec_kernel(T* dx, int64_t dx_rs, float* partial, const T* dy, int64_t dy_rs,
                                              const T* x, int64_t x_rs, const W* w, const float* rstd,
                                              int64_t rstd_stride, int64_t rows, int64_t C) {
   extern __shared__ float dw_acc[];  // [C]
@@ -106,29 +106,29 @@ __global__ void rmsnorm_backward_vec4_kernel(T* dx, int64_t dx_rs, float* partia
     const T* dyr = dy + row * dy_rs;
     const float r = rstd[row * rstd_stride];
     float dot = 0.0f;
-    for (int64_t c = threadIdx.x * 4; c < C; c += blockDim.x * 4) {
-      float g[4], wv[4], v[4];
-      load4(dyr + c, g);
-      load4(w + c, wv);
-      load4(xr + c, v);
+    for (int64_t c = threadIdx.x * N; c < C; c += blockDim.x * N) {
+      float g[N], wv[N], v[N];
+      load_n<N>(dyr + c, g);
+      load_n<N>(w + c, wv);
+      load_n<N>(xr + c, v);
 #pragma unroll
-      for (int k = 0; k < 4; ++k) dot += g[k] * wv[k] * v[k];
+      for (int k = 0; k < N; ++k) dot += g[k] * wv[k] * v[k];
     }
     dot = block_sum(dot, red) * r / static_cast<float>(C);  // mean(dn * n)
     T* dxr = dx + row * dx_rs;
-    for (int64_t c = threadIdx.x * 4; c < C; c += blockDim.x * 4) {
-      float g[4], wv[4], v[4], d[4];
-      load4(dyr + c, g);
-      load4(w + c, wv);
-      load4(xr + c, v);
-      load4(dxr + c, d);
+    for (int64_t c = threadIdx.x * N; c < C; c += blockDim.x * N) {
+      float g[N], wv[N], v[N], d[N];
+      load_n<N>(dyr + c, g);
+      load_n<N>(w + c, wv);
+      load_n<N>(xr + c, v);
+      load_n<N>(dxr + c, d);
 #pragma unroll
-      for (int k = 0; k < 4; ++k) {
+      for (int k = 0; k < N; ++k) {
         const float n = v[k] * r;
         d[k] += r * (g[k] * wv[k] - n * dot);
         dw_acc[c + k] += g[k] * n;  // each thread owns its columns: no race
       }
-      store4(dxr + c, d);
+      store_n<N>(dxr + c, d);
     }
   }
   __syncthreads();
@@ -159,18 +159,6 @@ __global__ void sum_partials_kernel(G* dw, const float* partial, int64_t blocks,
   }
 }
 
-// Whether rows of C columns in every tensor start on 4-element boundaries (strides and base addresses).
-bool vec4_ok(int64_t C, std::initializer_list<const Tensor*> tensors) {
-  if (C % 4 != 0) return false;
-  for (const Tensor* t : tensors) {
-    const size_t align = 4 * dtype_size(t->dtype);
-    if ((t->ndim == 2 && (t->stride[0] % 4 != 0 || t->stride[1] != 1)) || (t->ndim == 1 && t->stride[0] != 1) ||
-        reinterpret_cast<uintptr_t>(t->data) % align != 0)
-      return false;
-  }
-  return true;
-}
-
 void check_common(const char* op, const Tensor& x, const Tensor& w, const Tensor& rstd) {
   check_tensor(x, 2, op, "x");
   check_tensor(w, 1, op, "w");
@@ -193,12 +181,14 @@ void rmsnorm_forward(Tensor y, Tensor rstd, Tensor x, Tensor w, double eps) {
   LT_CHECK(y.dtype == x.dtype, "{}: y {} and x {} must have the same dtype", op, y.describe(), x.describe());
   const int64_t T = x.size(0), C = x.size(1);
   if (T == 0) return;
-  const bool vec = vec4_ok(C, {&y, &x, &w});
+  const int width = vector_width(C, {&y, &x, &w});
   dispatch_float(x.dtype, op, [&](auto ttag) {
     using T_ = typename decltype(ttag)::type;
     dispatch_float(w.dtype, op, [&](auto wtag) {
       using W = typename decltype(wtag)::type;
-      auto kernel = vec ? rmsnorm_forward_vec4_kernel<T_, W> : rmsnorm_forward_kernel<T_, W>;
+      auto kernel = width == 8   ? rmsnorm_forward_vec_kernel<T_, W, 8>
+                    : width == 4 ? rmsnorm_forward_vec_kernel<T_, W, 4>
+                                 : rmsnorm_forward_kernel<T_, W>;
       kernel<<<static_cast<unsigned>(T), kThreads, 0, cuda_stream()>>>(
           static_cast<T_*>(y.data), y.stride[0], static_cast<float*>(rstd.data), rstd.stride[0],
           static_cast<const T_*>(x.data), x.stride[0], static_cast<const W*>(w.data), C, static_cast<float>(eps));
@@ -225,12 +215,14 @@ void rmsnorm_backward(Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w, Tenso
   const int64_t blocks = std::min<int64_t>(T, 4LL * num_sms());
   const size_t smem = static_cast<size_t>(C) * sizeof(float);
   float* partial = static_cast<float*>(scratch(Scratch::partials, static_cast<size_t>(blocks * C) * sizeof(float)));
-  const bool vec = vec4_ok(C, {&dx, &dy, &x, &w});
+  const int width = vector_width(C, {&dx, &dy, &x, &w});
   dispatch_float(x.dtype, op, [&](auto ttag) {
     using T_ = typename decltype(ttag)::type;
     dispatch_float(w.dtype, op, [&](auto wtag) {
       using W = typename decltype(wtag)::type;
-      auto kernel = vec ? rmsnorm_backward_vec4_kernel<T_, W> : rmsnorm_backward_kernel<T_, W>;
+      auto kernel = width == 8   ? rmsnorm_backward_vec_kernel<T_, W, 8>
+                    : width == 4 ? rmsnorm_backward_vec_kernel<T_, W, 4>
+                                 : rmsnorm_backward_kernel<T_, W>;
       if (smem > 48 * 1024)
         LT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
       kernel<<<static_cast<unsigned>(blocks), kThreads, smem, cuda_stream()>>>(

@@ -79,15 +79,15 @@ TEST_P(GpuOps, EmbeddingForwardBackwardAndBadToken) {
   expect_error([&] { ops::embedding_forward(out_d, tok_d, table_d); }, {"token id 100", "position 17"});
 }
 
-// Odd columns run the scalar kernels; columns in multiples of 4 the vectorised ones (4 per thread), with
-// enough rows that the backward's dw partials span many blocks.
+// Odd columns run the scalar kernels; 256 columns the widest vectorised ones (8 bf16 or 4 f32 per
+// thread), 260 the 4-wide bf16 ones; 1031 rows spread the backward's dw partials over many blocks.
 TEST_P(GpuOps, RmsnormForwardBackward) {
   LT_REQUIRE_GPU();
   const DType dt = GetParam();
   struct Shape {
     int64_t T, C;
   };
-  for (Shape shape : {Shape{67, 203}, Shape{1031, 256}}) {
+  for (Shape shape : {Shape{67, 203}, Shape{1031, 256}, Shape{33, 260}}) {
     const int64_t T = shape.T, C = shape.C;
     SCOPED_TRACE(fmt::format("T={} C={}", T, C));
     const double eps = 1e-5;
@@ -175,11 +175,11 @@ TEST_P(GpuOps, RopeWithScaledTableAndAttentionFactor) {
   expect_close("rope_backward with a scaled table and attention factor", dt, download(x_d), back_h.values);
 }
 
-// F odd: the scalar kernels; F a multiple of 4: the vectorised ones.
+// F odd: the scalar kernels; 172: 4 per thread; 176: 8 bf16 (4 f32) per thread.
 TEST_P(GpuOps, SwigluForwardBackward) {
   LT_REQUIRE_GPU();
   const DType dt = GetParam();
-  for (int64_t F : {173, 176}) {
+  for (int64_t F : {173, 172, 176}) {
     SCOPED_TRACE(fmt::format("F={}", F));
     const int64_t T = 53;
     const auto gate_up = random_values(T * 2 * F, 31, dt, -3.0, 3.0);
