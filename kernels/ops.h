@@ -109,7 +109,9 @@ void convert(Tensor dst, Tensor src);
 // ---- optimizer ---------------------------------------------------------------------------------
 // One AdamW step (decoupled weight decay, bias correction) over a flat range, with g = grad·grad_scale:
 //   m = β1·m + (1−β1)·g;  v = β2·v + (1−β2)·g²;
-//   w = w − lr·(weight_decay·w + (m / bias_correction1) / (sqrt(v / bias_correction2) + eps))
+//   w = w − lr·(weight_decay·w + (m · (1 / bias_correction1)) / (sqrt(v) · (1 / sqrt(bias_correction2)) + eps))
+// (PyTorch's arrangement: the two bias corrections are per-step constants, so an element costs one
+// division and one square root; both backends compute the constants on the host alike.)
 // w is the master copy when `master` is non-empty (f32; param then receives w rounded to its dtype,
 // e.g. bf16), else param itself (f32/f64). m and v have the master's (or param's) dtype; grad may be
 // bf16. All tensors are 1-d with the same length.

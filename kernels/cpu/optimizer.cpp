@@ -39,6 +39,8 @@ inline double widen(bf16 x) { return static_cast<float>(x); }
 // the master's (or param's) precision through double arithmetic.
 template <class W, class G>
 void adamw_loop(W* w, W* m, W* v, const G* grad, int64_t n, const AdamWParams& p, const Tensor* param_lowp) {
+  // The per-step constants, computed as the CUDA backend computes them (kernels/cuda/optimizer.cu).
+  const double inv_bc1 = 1.0 / p.bias_correction1, inv_sqrt_bc2 = 1.0 / std::sqrt(p.bias_correction2);
   for (int64_t i = 0; i < n; ++i) {
     const double g = widen(grad[i]) * p.grad_scale;
     const double mi = p.beta1 * static_cast<double>(m[i]) + (1.0 - p.beta1) * g;
@@ -46,7 +48,7 @@ void adamw_loop(W* w, W* m, W* v, const G* grad, int64_t n, const AdamWParams& p
     m[i] = static_cast<W>(mi);
     v[i] = static_cast<W>(vi);
     double wi = static_cast<double>(w[i]);
-    wi -= p.lr * (p.weight_decay * wi + (mi / p.bias_correction1) / (std::sqrt(vi / p.bias_correction2) + p.eps));
+    wi -= p.lr * (p.weight_decay * wi + (mi * inv_bc1) / (std::sqrt(vi) * inv_sqrt_bc2 + p.eps));
     w[i] = static_cast<W>(wi);
     if (param_lowp) store(*param_lowp, i, static_cast<double>(w[i]));
   }

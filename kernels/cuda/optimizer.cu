@@ -9,6 +9,7 @@
 //   block adding the per-block partials in block order. Same input, same bits, on any run.
 // - convert rounds to bf16 to nearest even (as the CPU's bf16 does).
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 
 #include "kernels/backends.h"
@@ -83,8 +84,8 @@ __global__ void convert_kernel(D* dst, const S* src, int64_t n, bool aligned) {
 
 // The CPU reference's constants, computed on the host in double exactly as it computes them.
 struct AdamWArgs {
-  double lr, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay, bias_correction1,
-      bias_correction2, grad_scale;
+  double lr, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay, inv_bias_correction1,
+      inv_sqrt_bias_correction2, grad_scale;
 };
 
 // One element, in the order of kernels/cpu/optimizer.cpp's adamw_loop, each operation rounded alone.
@@ -96,8 +97,10 @@ __device__ __forceinline__ void adamw_element(float& w, float& m, float& v, floa
   m = static_cast<float>(mi);
   v = static_cast<float>(vi);
   double wi = static_cast<double>(w);
-  const double denom = __dadd_rn(__dsqrt_rn(__ddiv_rn(vi, a.bias_correction2)), a.eps);
-  const double update = __dadd_rn(__dmul_rn(a.weight_decay, wi), __ddiv_rn(__ddiv_rn(mi, a.bias_correction1), denom));
+  // One division and one square root per element: the bias corrections are per-step constants.
+  const double denom = __dadd_rn(__dmul_rn(__dsqrt_rn(vi), a.inv_sqrt_bias_correction2), a.eps);
+  const double update =
+      __dadd_rn(__dmul_rn(a.weight_decay, wi), __ddiv_rn(__dmul_rn(mi, a.inv_bias_correction1), denom));
   wi = __dsub_rn(wi, __dmul_rn(a.lr, update));
   w = static_cast<float>(wi);
 }
@@ -212,7 +215,7 @@ void adamw_update(Tensor param, Tensor master, Tensor m, Tensor v, Tensor grad, 
   if (n == 0) return;
   const AdamWArgs a{p.lr,  p.beta1,        p.beta2,
                     1.0 - p.beta1, 1.0 - p.beta2, p.eps,
-                    p.weight_decay, p.bias_correction1, p.bias_correction2,
+                    p.weight_decay, 1.0 / p.bias_correction1, 1.0 / std::sqrt(p.bias_correction2),
                     p.grad_scale};
   const bool aligned = aligned4(param) && aligned4(w) && aligned4(m) && aligned4(v) && aligned4(grad);
   dispatch_float(grad.dtype, op, [&](auto gtag) {
