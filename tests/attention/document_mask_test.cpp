@@ -208,6 +208,7 @@ std::unique_ptr<SequenceAttention> make_attention(Communicator& sp, const Config
     case Schedule::zigzag: return std::make_unique<dist::RingAttention>(cfg.schedule, spec);
     case Schedule::distflash: return std::make_unique<dist::DistFlashAttention>(spec);
     case Schedule::burst: return std::make_unique<dist::BurstAttention>(spec);
+    case Schedule::ulysses: break;  // not a ring schedule: only through make_sequence_attention
   }
   return nullptr;
 }

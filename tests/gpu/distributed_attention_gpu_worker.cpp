@@ -362,6 +362,7 @@ std::pair<int64_t, int64_t> expected_bytes(Schedule s, int rank, int64_t T) {
     case Schedule::zigzag: return {kv, kv + dkv};
     case Schedule::burst: return {kv, q_side + dq};
     case Schedule::distflash: return rank == 0 ? std::pair<int64_t, int64_t>{kv, kv} : std::pair<int64_t, int64_t>{0, dkv};
+    case Schedule::ulysses: break;  // not run by this worker
   }
   return {-1, -1};
 }

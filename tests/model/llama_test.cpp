@@ -219,8 +219,9 @@ TEST(LlamaModel, TiledEqualsUntiled) {
         std::vector<double> r(reference.begin() + off, reference.begin() + off + e.numel);
         EXPECT_LT(test::relative_error(a, r), 1e-12) << what << ": " << e.name;
       }
-      if (tiling.mlp_chunk_tokens < T && policy != CheckpointPolicy::none)
+      if (tiling.mlp_chunk_tokens < T && policy != CheckpointPolicy::none) {
         EXPECT_LT(bytes, untiled_bytes) << what;
+      }
     }
   }
   std::printf("tiled against untiled: worst gradient relative error %.3e\n", worst);

@@ -218,10 +218,11 @@ TEST_F(DistributedTrainTest, UlyssesAndTheHybridTrainLikeOneRank) {
       ASSERT_LT(step, want.size()) << k.name;
       worst = std::max(worst, std::abs(j.at("loss").get<double>() - want[step]) / std::abs(want[step]));
       EXPECT_EQ(j.at("attention_forwards_per_layer").get<double>(), k.full ? 2.0 : 1.0) << k.name;
-      if (k.ranks == 2)
+      if (k.ranks == 2) {
         EXPECT_DOUBLE_EQ(j.at("attention_sent_mib_per_layer").get<double>(),
                          (k.full ? 2 * 3200.0 + 6272.0 : 3200.0 + 3072.0) / 1048576.0)
             << k.name;
+      }
       // The memory plan counts the all-to-all buffers (and the ring's over the gathered tokens).
       const double peak = j.at("allocated_peak_gib").get<double>(), plan = j.at("plan_gib").get<double>();
       EXPECT_LE(peak, plan) << k.name;
@@ -582,7 +583,9 @@ TEST_P(ElasticResume, ContinuesTheUninterruptedRun) {
   const std::vector<double> a = logged_losses(root_ / "runs" / whole), b = logged_losses(root_ / "runs" / resumed);
   ASSERT_EQ(a.size(), 4u);
   ASSERT_EQ(b.size(), 2u);
-  if (k.first_step_bit_exact) EXPECT_EQ(b[0], a[2]) << "step 3";
+  if (k.first_step_bit_exact) {
+    EXPECT_EQ(b[0], a[2]) << "step 3";
+  }
   double worst = 0;
   for (size_t i = 0; i < 2; ++i) {
     const double rel = ::longtrain::test::scalar_relative_error(b[i], a[2 + i]);
@@ -697,7 +700,9 @@ TEST_P(StoreHostDies, EveryOtherRankFailsWithinItsStoreTimeoutNamingTheStore) {
   // Within the store timeout (2 s) and scheduling slack; a hung store is only noticed by its silence,
   // so not before the timeout either.
   EXPECT_LT(waited, 6.0) << node1;
-  if (fate == StoreHostFate::hung) EXPECT_GE(waited, 1.9) << node1;
+  if (fate == StoreHostFate::hung) {
+    EXPECT_GE(waited, 1.9) << node1;
+  }
   const std::string address = fmt::format("rendezvous store at 127.0.0.1:{}", port);
   const size_t named = node1.find(address);
   if (named != std::string::npos) {
@@ -706,7 +711,9 @@ TEST_P(StoreHostDies, EveryOtherRankFailsWithinItsStoreTimeoutNamingTheStore) {
   }
   EXPECT_NE(node1.find("[rank 1]"), std::string::npos) << node1;
   EXPECT_NE(node1.find(address), std::string::npos) << node1;
-  if (fate == StoreHostFate::hung) EXPECT_NE(node1.find("did not answer rank 1 for 2 s"), std::string::npos) << node1;
+  if (fate == StoreHostFate::hung) {
+    EXPECT_NE(node1.find("did not answer rank 1 for 2 s"), std::string::npos) << node1;
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Fates, StoreHostDies, ::testing::Values(StoreHostFate::killed, StoreHostFate::hung),
