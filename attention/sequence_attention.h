@@ -62,6 +62,9 @@ class SequenceAttention {
   // Q, K, V, O, LSE, so its backward sends only dO out and dQ, dK, dV back) and says so with
   // keeps_forward(): its backward then reads d_o alone, and q, k, v, o, lse only give the shapes (the
   // model need not recompute Q, K, V for it). The default keeps nothing and reads them all.
+  // A forward-only pass (evaluation, generation) sets kNoLayer: nothing is kept for it, so its lengths
+  // need not be the training step's and the kept state of the step is not disturbed.
+  static constexpr int64_t kNoLayer = -1;
   virtual void keep_forward(int64_t n_layers) { (void)n_layers; }
   virtual bool keeps_forward() const { return false; }
   void set_layer(int64_t layer) { layer_ = layer; }

@@ -280,7 +280,8 @@ Tensor LlamaModel::rope_table(int64_t T) const { return acts_.get("rope_table").
 
 void LlamaModel::attention_forward(int64_t l, const LayerActs& a, const QkvViews& qkv) {
   const profile::Region region("attention_forward", precision_.device);
-  attention_->set_layer(l);
+  // A forward with no backward after it (evaluation, forward_logits) keeps nothing in the attention.
+  attention_->set_layer(training_forward_ ? l : attn::SequenceAttention::kNoLayer);
   attention_->forward(a.o, a.lse, qkv.q, qkv.k, qkv.v);
 }
 
@@ -384,6 +385,11 @@ LossSum LlamaModel::forward_backward(const TokenShard& shard, double grad_scale)
   // into the one that held layer l-3's, so it waits for layer l-2's copy to the host (in stream
   // order after l-3's); its own slot goes to the host while layer l+1 computes.
   ops::embedding_forward(residual(0, T), shard.tokens, p_.embed, /*ids_checked=*/shard.valid_labels >= 0);
+  training_forward_ = true;
+  struct EndTrainingForward {
+    bool& flag;
+    ~EndTrainingForward() { flag = false; }
+  } end_training_forward{training_forward_};
   for (int64_t l = 0; l < L; ++l) {
     if (off && l >= 2) off->wait_out(l - 2);
     layer_forward(l, layer_acts(l, T), residual(l, T), residual(l + 1, T));

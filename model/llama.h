@@ -194,6 +194,9 @@ class LlamaModel {
   void qkv_forward(int64_t layer, const LayerActs& a, Tensor x_in);
   void layer_backward(int64_t layer, const LayerActs& a, Tensor x_in, Tensor d_residual);
   void attention_forward(int64_t l, const LayerActs& a, const QkvViews& qkv);
+  // True inside forward_backward, whose layers' backward follows their forward (the attention may keep
+  // state for it); false in forward-only passes.
+  bool training_forward_ = false;
   Tensor rope_table(int64_t T) const;  // this step's RoPE table (ops::rope_table), T rows
   LossSum head(const TokenShard& shard, Tensor x_final, Tensor losses, bool with_grad, double grad_scale,
                int64_t T);

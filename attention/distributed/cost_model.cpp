@@ -104,8 +104,10 @@ double ring_seconds(Schedule s, bool causal, int n, bool spans_nodes, int double
   double bw = topo.intra.bytes_per_second, lat = topo.intra.latency_seconds;
   if (spans_nodes) {
     if (double_ring_per_node > 0) {
-      // One inter-node hop per intra-node cycle of double_ring_per_node steps.
+      // One inter-node hop per intra-node cycle of double_ring_per_node steps (one rank per node: every
+      // hop crosses nodes, at their latency).
       bw = std::min(topo.intra.bytes_per_second, double_ring_per_node * topo.inter.bytes_per_second);
+      if (double_ring_per_node == 1) lat = topo.inter.latency_seconds;
     } else {
       bw = topo.inter.bytes_per_second;
       lat = topo.inter.latency_seconds;

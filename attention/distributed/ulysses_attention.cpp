@@ -223,7 +223,8 @@ void UlyssesAttention::forward(Tensor o, Tensor lse, Tensor q, Tensor k, Tensor 
   }
   int64_t bytes = exchange(messages(fwd_out_), messages(fwd_in_));
   // Kept (keep_forward): this layer's own slot, which its backward reads; else one shared slot.
-  dist::MessageSlots& gathered = keeps_forward() ? kept_slot("forward") : fwd_gathered_;
+  const bool keep = keeps_forward() && layer_ != kNoLayer;  // a forward-only pass keeps nothing
+  dist::MessageSlots& gathered = keep ? kept_slot("forward") : fwd_gathered_;
   gathered.ensure(gathered_spec(G, h, g, D, q.dtype, lse.dtype), 1, dev);
   const dist::Message& gat = gathered[0];
   for (int u = 0; u < U; ++u)
@@ -246,7 +247,7 @@ void UlyssesAttention::forward(Tensor o, Tensor lse, Tensor q, Tensor k, Tensor 
     ulysses_place_heads(lse, fwd_ret_in_[u][1], heads_[static_cast<size_t>(u)].q_begin, false);
   }
   forward_a2a_bytes_ = bytes;
-  if (keeps_forward()) kept_filled_[static_cast<size_t>(layer_)] = true;
+  if (keep) kept_filled_[static_cast<size_t>(layer_)] = true;
   counters.wall_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
