@@ -8,6 +8,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <functional>
 #include <sstream>
 #include <string>
 #include <utility>
@@ -66,6 +67,33 @@ std::string rank_main(int rank, int P, int per_node, int port) {
 
   const int nodes = P / per_node;
   std::ostringstream rep;
+  ScheduleWorkspaceShape cpu_shape;
+  cpu_shape.tokens = T;
+  cpu_shape.q_heads = Hq;
+  cpu_shape.kv_heads = Hkv;
+  cpu_shape.head_dim = D;
+  cpu_shape.dtype = DType::f32;
+  cpu_shape.stat = DType::f32;
+  cpu_shape.device = Device::cpu;
+  // Two steps of `step` on an attention made from `spec` (`prepare` runs first), reported against the
+  // plan: what the first step leaves allocated, what the second adds, what destroying it leaves.
+  auto measure = [&](const std::string& name, size_t planned, const SequenceAttentionSpec& spec,
+                     const std::function<void(SequenceAttention&)>& prepare,
+                     const std::function<void(SequenceAttention&)>& step) {
+    const size_t live0 = allocation_stats(Device::cpu).live;
+    size_t live1 = 0, live2 = 0;
+    {
+      std::unique_ptr<SequenceAttention> a = make_sequence_attention(spec);
+      prepare(*a);
+      step(*a);
+      live1 = allocation_stats(Device::cpu).live;
+      step(*a);
+      live2 = allocation_stats(Device::cpu).live;
+    }
+    const size_t live3 = allocation_stats(Device::cpu).live;
+    rep << name << " planned " << planned << " kept " << (live1 - live0) << " second_step " << (live2 - live1)
+        << " after_destroy " << (live3 - live0) << "\n";
+  };
   for (const Case& c : kCases) {
     if (nodes > 1 && c.schedule != Schedule::burst) continue;  // only burst changes with the topology
     const std::string name =
@@ -78,30 +106,12 @@ std::string rank_main(int rank, int P, int per_node, int port) {
     spec.sp = &d.sp();
     spec.intra_node = &d.intra_node();
     spec.inter_node = &d.inter_node();
-    ScheduleWorkspaceShape shape;
-    shape.tokens = T;
-    shape.q_heads = Hq;
-    shape.kv_heads = Hkv;
-    shape.head_dim = D;
-    shape.dtype = DType::f32;
-    shape.stat = DType::f32;
-    shape.device = Device::cpu;
-    const size_t planned = schedule_workspace_bytes(c.schedule, c.causal, P, nodes, shape);
-
-    const size_t live0 = allocation_stats(Device::cpu).live;
-    size_t live1 = 0, live2 = 0;
-    {
-      std::unique_ptr<SequenceAttention> a = make_sequence_attention(spec);
-      a->forward(o_, lse, q, k, v);
-      a->backward(dq, dk, dv, q, k, v, o_, lse, d_o);
-      live1 = allocation_stats(Device::cpu).live;
-      a->forward(o_, lse, q, k, v);
-      a->backward(dq, dk, dv, q, k, v, o_, lse, d_o);
-      live2 = allocation_stats(Device::cpu).live;
-    }
-    const size_t live3 = allocation_stats(Device::cpu).live;
-    rep << name << " planned " << planned << " kept " << (live1 - live0) << " second_step " << (live2 - live1)
-        << " after_destroy " << (live3 - live0) << "\n";
+    measure(name, schedule_workspace_bytes(c.schedule, c.causal, P, nodes, cpu_shape), spec,
+            [](SequenceAttention&) {},
+            [&](SequenceAttention& a) {
+              a.forward(o_, lse, q, k, v);
+              a.backward(dq, dk, dv, q, k, v, o_, lse, d_o);
+            });
   }
   // Ulysses over the whole group (one node), with and without keep_forward over two layers: the
   // schedule's buffers plus, kept, a slot of head-layout Q, K, V, O, LSE per layer.
@@ -113,42 +123,26 @@ std::string rank_main(int rank, int P, int per_node, int port) {
     spec.layout = SeqLayout::contiguous;
     spec.scale = 1.0 / std::sqrt(static_cast<double>(D));
     spec.sp = &d.sp();
-    ScheduleWorkspaceShape shape;
-    shape.tokens = T;
-    shape.q_heads = Hq;
-    shape.kv_heads = Hkv;
-    shape.head_dim = D;
-    shape.dtype = DType::f32;
-    shape.stat = DType::f32;
-    shape.device = Device::cpu;
+    ScheduleWorkspaceShape shape = cpu_shape;
     shape.ulysses_keeps_forward = keep;
     const int layers = 2;
     const size_t planned =
         schedule_workspace_bytes(Schedule::ulysses, true, P, 1, shape) +
         (keep ? layers * ulysses_kept_bytes(P, T, Hq, Hkv, D, DType::f32, DType::f32, Device::cpu) : 0);
-    const size_t live0 = allocation_stats(Device::cpu).live;
-    size_t live1 = 0, live2 = 0;
-    {
-      std::unique_ptr<SequenceAttention> a = make_sequence_attention(spec);
-      if (keep) a->keep_forward(layers);
-      auto step = [&] {
-        for (int l = 0; l < layers; ++l) {
-          a->set_layer(l);
-          a->forward(o_, lse, q, k, v);
-        }
-        for (int l = layers - 1; l >= 0; --l) {
-          a->set_layer(l);
-          a->backward(dq, dk, dv, q, k, v, o_, lse, d_o);
-        }
-      };
-      step();
-      live1 = allocation_stats(Device::cpu).live;
-      step();
-      live2 = allocation_stats(Device::cpu).live;
-    }
-    const size_t live3 = allocation_stats(Device::cpu).live;
-    rep << name << " planned " << planned << " kept " << (live1 - live0) << " second_step " << (live2 - live1)
-        << " after_destroy " << (live3 - live0) << "\n";
+    measure(name, planned, spec,
+            [&](SequenceAttention& a) {
+              if (keep) a.keep_forward(layers);
+            },
+            [&](SequenceAttention& a) {
+              for (int l = 0; l < layers; ++l) {
+                a.set_layer(l);
+                a.forward(o_, lse, q, k, v);
+              }
+              for (int l = layers - 1; l >= 0; --l) {
+                a.set_layer(l);
+                a.backward(dq, dk, dv, q, k, v, o_, lse, d_o);
+              }
+            });
   }
   return rep.str();
 }
