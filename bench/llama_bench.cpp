@@ -644,7 +644,9 @@ int main(int argc, char** argv) try {
             Tensor(labels.data(), DType::i32, {static_cast<int64_t>(labels.size())}), cfg.vocab_size,
             model::LlamaModel::kIgnoreIndex);
         const model::TokenShard tokens{d_ids.t, d_labels.t, d_pos.t, docs, valid_labels};
-        CudaBuffer norm_sq(DType::f64, {1});
+        // The step's loss and squared gradient norm stay on the device until its one host read, as in
+        // the trainer.
+        CudaBuffer sums(DType::f64, {2});
 
         // Three events per timed step (start, after forward+backward, after the optimizer), read after
         // the wall-clock measurement so that reading them adds no synchronisation inside it.
@@ -656,25 +658,27 @@ int main(int argc, char** argv) try {
           const size_t e = static_cast<size_t>(3 * std::max(i, 0));
           if (i >= 0) events.record(e);
           m.zero_grads();
-          const model::LossSum l = m.forward_backward(tokens, 1.0 / static_cast<double>(valid));
+          zero(sums.t);
+          m.forward_backward(tokens, 1.0 / static_cast<double>(valid), sums.t.narrow(0, 0, 1));
           if (i >= 0) events.record(e + 1);
           const profile::Region optimizer_region("optimizer", Device::cuda);
-          if (group == nullptr) {
-            const trainer::AdamW::StepInfo info = adamw.step(m.params(), m.grads());
-            grad_norm = info.grad_norm;
-          } else {  // the trainer's step: reduce-scatter, Σ of squares over the group, shard update, all-gather
-            const Tensor grads = m.grads().flat();
-            const Tensor grad_shard = grads.narrow(0, adamw.shard_begin(), shard);
-            group->reduce_scatter(grad_shard, grads);
-            std::vector<double> sq = {ops::sum_squares(grad_shard)};
-            reduce_host(group, sq, parallel::ReduceOp::sum);
-            grad_norm = std::sqrt(sq[0]);
-            adamw.step_shard(m.params(), grad_shard, grad_norm);
+          // The trainer's step: (reduce-scatter,) Σ of squares (over the group), the one host read,
+          // the shard update (, all-gather).
+          const Tensor grads = m.grads().flat();
+          const Tensor grad_shard = grads.narrow(0, adamw.shard_begin(), shard);
+          if (group != nullptr) group->reduce_scatter(grad_shard, grads);
+          ops::sum_into(sums.t.narrow(0, 1, 1), grad_shard, ops::SumOf::squares, /*accumulate=*/false);
+          if (group != nullptr) group->all_reduce(sums.t);
+          double host[2];
+          copy(Tensor(host, DType::f64, {2}), sums.t);
+          grad_norm = std::sqrt(host[1]);
+          adamw.step_shard(m.params(), grad_shard, grad_norm);
+          if (group != nullptr) {
             const Tensor params = m.params().flat();
             group->all_gather(params, params.narrow(0, adamw.shard_begin(), shard));
           }
           if (i >= 0) events.record(e + 2);
-          loss_sum = l.sum;
+          loss_sum = host[0];  // over the group already
         };
         const auto t_warm = std::chrono::steady_clock::now();
         for (int i = 0; i < opt.warmup; ++i) step(-1);
@@ -732,14 +736,12 @@ int main(int argc, char** argv) try {
                                      static_cast<double>(free_before - free_after), warm_s,
                                      static_cast<double>(allocation_stats(Device::cuda).peak)};
         reduce_host(group, maxes, parallel::ReduceOp::max);
-        std::vector<double> sums = {loss_sum};
-        reduce_host(group, sums, parallel::ReduceOp::sum);
         step_s = maxes[0];
         fb_ms = maxes[1];
         opt_ms = maxes[2];
         attn_ms = maxes[3];
         const double peak = maxes[4], model_bytes = maxes[5], tracked = maxes[7];
-        const double loss = sums[0] / static_cast<double>(valid);
+        const double loss = loss_sum / static_cast<double>(valid);
 
         const double tok_s = static_cast<double>(S) / step_s;
         // With documents the attention term counts the pairs computed (12·L·d per causal pair; the dense

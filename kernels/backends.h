@@ -11,5 +11,7 @@ namespace longtrain::ops::cpu {
 #ifdef LONGTRAIN_HAS_CUDA
 namespace longtrain::ops::cuda {
 #include "kernels/op_signatures.inc"
+// Not an op: ops::embedding_backward_scratch_bytes on CUDA.
+size_t embedding_backward_scratch_bytes(int64_t tokens, int64_t vocab);
 }  // namespace longtrain::ops::cuda
 #endif

@@ -17,6 +17,16 @@ void embedding_backward(Tensor d_table, Tensor tokens, Tensor d_out) {
   LT_DISPATCH(device, embedding_backward, d_table,
               tokens, d_out);
 }
+size_t embedding_backward_scratch_bytes(Device device, int64_t tokens, int64_t vocab) {
+  if (device != Device::cuda) return 0;
+#ifdef LONGTRAIN_HAS_CUDA
+  return cuda::embedding_backward_scratch_bytes(tokens, vocab);
+#else
+  // Planned without the CUDA backend: the four [T] arrays and the radix sort's double buffer and
+  // histograms, which take less than another two arrays and 1 MiB.
+  return static_cast<size_t>(tokens) * 4 * 6 + (size_t{1} << 20);
+#endif
+}
 void rmsnorm_forward(Tensor y, Tensor rstd, Tensor x, Tensor w, double eps) {
   const Device device = common_device("rmsnorm_forward", {&y, &rstd, &x, &w});
   const profile::Region region("rmsnorm_forward", device);
@@ -95,12 +105,27 @@ void convert(Tensor dst, Tensor src) {
 void adamw_update(Tensor param, Tensor master, Tensor m, Tensor v, Tensor grad, const AdamWParams& p) {
   const Device device = common_device("adamw_update", {&param, &master, &m, &v, &grad});
   const profile::Region region("adamw_update", device);
+  int64_t last = 0;
+  for (const ElementRange& r : p.no_decay) {
+    LT_CHECK(last <= r.begin && r.begin <= r.end && r.end <= param.numel(),
+             "adamw_update: no-decay range [{}, {}) is out of order or outside the {} elements updated", r.begin,
+             r.end, param.numel());
+    last = r.end;
+  }
   LT_DISPATCH(device, adamw_update, param, master, m, v, grad, p);
 }
 double sum_squares(Tensor x) {
   const Device device = common_device("sum_squares", {&x});
   const profile::Region region("sum_squares", device);
   LT_DISPATCH(device, sum_squares, x);
+}
+void sum_into(Tensor out, Tensor x, SumOf what, bool accumulate) {
+  const Device device = common_device("sum_into", {&out, &x});
+  const profile::Region region("sum_into", device);
+  LT_CHECK(out.dtype == DType::f64 && out.numel() == 1, "sum_into: out must be one f64 element, got {}",
+           out.describe());
+  LT_CHECK(x.is_contiguous(), "sum_into: non-contiguous {}", x.describe());
+  LT_DISPATCH(device, sum_into, out, x, what, accumulate);
 }
 
 }  // namespace longtrain::ops

@@ -28,7 +28,12 @@ namespace longtrain::ops {
 // device check and the host read it costs (the CPU checks anyway: it is free there).
 void embedding_forward(Tensor out, Tensor tokens, Tensor table, bool ids_checked = false);
 // d_table[tokens[t], :] += d_out[t, :]        (deterministic: rows are added in token order)
+// The ids are those embedding_forward checked (the same batch): CUDA groups them on the device, with
+// no host read.
 void embedding_backward(Tensor d_table, Tensor tokens, Tensor d_out);
+// The device scratch embedding_backward takes on `device` for `tokens` ids below `vocab` (the memory
+// plan's count; 0 on the CPU).
+size_t embedding_backward_scratch_bytes(Device device, int64_t tokens, int64_t vocab);
 
 // ---- rmsnorm -------------------------------------------------------------------------------
 // rstd[t] = 1 / sqrt(mean_c(x[t, c]^2) + eps);  y[t, c] = x[t, c] * rstd[t] * w[c]
@@ -115,10 +120,16 @@ void convert(Tensor dst, Tensor src);
 // w is the master copy when `master` is non-empty (f32; param then receives w rounded to its dtype,
 // e.g. bf16), else param itself (f32/f64). m and v have the master's (or param's) dtype; grad may be
 // bf16. All tensors are 1-d with the same length.
+// One call updates a whole flat buffer of parameter tensors (the trainer's every tensor at once, one
+// launch on CUDA): weight decay applies to every element outside the `no_decay` ranges.
+struct ElementRange {
+  int64_t begin = 0, end = 0;  // [begin, end) of the call's elements
+};
 struct AdamWParams {
   double lr = 0.0;
   double beta1 = 0.9, beta2 = 0.95, eps = 1e-8;
   double weight_decay = 0.0;
+  std::vector<ElementRange> no_decay;  // sorted, disjoint, inside the call: decay 0 there
   double bias_correction1 = 1.0;  // 1 − β1^step
   double bias_correction2 = 1.0;  // 1 − β2^step
   double grad_scale = 1.0;        // gradient clipping factor
@@ -127,6 +138,13 @@ void adamw_update(Tensor param, Tensor master, Tensor m, Tensor v, Tensor grad, 
 
 // Σ x² accumulated in double (returned on the host; a CUDA call synchronises). NaN/Inf propagate.
 double sum_squares(Tensor x);
+
+// out[0] (+)= Σ x or Σ x² in double, left on x's device: no host read. A training step sums its
+// losses and its gradient norm this way and reads them once, with its metrics, at the end. out is a
+// one-element f64 tensor on x's device; the order of summation is fixed (the same bits every run),
+// and NaN/Inf propagate.
+enum class SumOf { values, squares };
+void sum_into(Tensor out, Tensor x, SumOf what, bool accumulate);
 
 // ---- CPU threads -------------------------------------------------------------------------------
 // Threads of the CPU GEMMs (OpenBLAS) and, through it, of the CPU attention; 0 = every core.

@@ -351,7 +351,7 @@ void LlamaModel::layer_backward(int64_t l, const LayerActs& a, Tensor x_in, Tens
 // Final norm, LM head and cross-entropy, forward and backward fused one chunk of loss_chunk_tokens
 // at a time: neither the [T, V] logits nor a [T, C] normed copy of the last residual ever exist.
 LossSum LlamaModel::head(const TokenShard& shard, Tensor x_final, Tensor losses, bool with_grad, double grad_scale,
-                         int64_t T) {
+                         int64_t T, Tensor loss_sum) {
   // Every label is checked before any gradient is touched, so a bad batch leaves them as they were.
   const int64_t valid =
       shard.valid_labels >= 0 ? shard.valid_labels : count_valid_labels(shard.labels, kIgnoreIndex, config_.vocab_size);
@@ -370,10 +370,14 @@ LossSum LlamaModel::head(const TokenShard& shard, Tensor x_final, Tensor losses,
                                normed, p_.lm_head, shard.labels.narrow(t0, n), ce);
     if (with_grad) ops::rmsnorm_backward(d_residual.narrow(t0, n), g_.final_norm, d_normed, x, p_.final_norm, rstd);
   });
+  if (!loss_sum.empty()) {
+    ops::sum_into(loss_sum, losses, ops::SumOf::values, /*accumulate=*/true);
+    return {0.0, valid};
+  }
   return {sum_to_host(losses), valid};
 }
 
-LossSum LlamaModel::forward_backward(const TokenShard& shard, double grad_scale) {
+LossSum LlamaModel::forward_backward(const TokenShard& shard, double grad_scale, Tensor loss_sum) {
   check_shard(shard);
   attention_->set_documents(shard.documents);  // every layer's attention, forward and backward
   const int64_t T = shard.tokens.numel(), L = config_.n_layers;
@@ -396,7 +400,8 @@ LossSum LlamaModel::forward_backward(const TokenShard& shard, double grad_scale)
     if (off) off->out(l, offload_copies(l, T, /*to_host=*/true));
   }
 
-  LossSum loss = head(shard, residual(L, T), acts_.get("losses").narrow(0, T), /*with_grad=*/true, grad_scale, T);
+  LossSum loss =
+      head(shard, residual(L, T), acts_.get("losses").narrow(0, T), /*with_grad=*/true, grad_scale, T, loss_sum);
   gradients_ready(gradient_ranges_[0]);  // final norm, LM head (tied: it is the embedding, reported last)
 
   // Backward. Offloaded: the last layers are still in their slots (x_l's slot was last written by

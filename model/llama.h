@@ -134,7 +134,10 @@ class LlamaModel {
   // Forward and backward over one shard. Gradients are ACCUMULATED into grads() (call zero_grads()
   // between optimizer steps), scaled by grad_scale: pass 1 / (valid labels in the global batch) so
   // the loss is the global mean whatever the parallel layout. Returns this shard's loss sum/count.
-  LossSum forward_backward(const TokenShard& shard, double grad_scale);
+  // With `loss_sum` (one f64 element on the model's device) the loss sum is added to it on the
+  // device instead, and the returned sum is 0: no host read, for a step that reads its sums once at
+  // its end (the trainer).
+  LossSum forward_backward(const TokenShard& shard, double grad_scale, Tensor loss_sum = {});
 
   // Gradient-ready notification, for overlapping the data-parallel gradient reduction with
   // backward. When set, forward_backward calls hook(begin, end) each time the element range
@@ -199,7 +202,7 @@ class LlamaModel {
   bool training_forward_ = false;
   Tensor rope_table(int64_t T) const;  // this step's RoPE table (ops::rope_table), T rows
   LossSum head(const TokenShard& shard, Tensor x_final, Tensor losses, bool with_grad, double grad_scale,
-               int64_t T);
+               int64_t T, Tensor loss_sum = {});
   void check_shard(const TokenShard& shard) const;
   void gradients_ready(const FlatRange& r) const {
     if (gradients_ready_) gradients_ready_(r.begin, r.end);

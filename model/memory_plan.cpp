@@ -233,11 +233,11 @@ MemoryPlan plan_memory(const LlamaConfig& config, const Precision& precision, Ch
         plan.attention_workspace += scratch_bytes(q_elems * 2);
     }
     // linear.cu's cuBLASLt workspace (32 MiB), rmsnorm_backward's partial sums, embedding_backward's
-    // index plan, the bad-index flag.
+    // sort, the bad-index flag, sum_squares' result.
     const int64_t norm_blocks = std::min<int64_t>(T, 4LL * cuda_sm_count());
-    const int64_t unique_ids = std::min(V, T);
     plan.gemm_workspace = scratch_bytes(32 * kMiB) + scratch_bytes(static_cast<size_t>(norm_blocks * C) * 4) +
-                          scratch_bytes(static_cast<size_t>(2 * unique_ids + 1 + T) * 4) + scratch_bytes(4);
+                          scratch_bytes(ops::embedding_backward_scratch_bytes(Device::cuda, T, V)) + scratch_bytes(4) +
+                          scratch_bytes(8);
   } else {
     // kernels/cpu/cross_entropy.cpp: one chunk of logits (then their gradient) in the model's dtype.
     plan.lm_head_workspace = static_cast<size_t>(chunk * V) * act;
@@ -251,7 +251,8 @@ MemoryPlan plan_memory(const LlamaConfig& config, const Precision& precision, Ch
     return a.allocation_bytes();
   };
   const size_t staging = arena_allocation({{T, DType::i32}, {T, DType::i32}, {T, DType::i32}});
-  plan.token_buffers = 2 * staging + arena_allocation({{T, precision.stat}});
+  // ... and the training step's device sums (loss, squared gradient norm, stop flag).
+  plan.token_buffers = 2 * staging + arena_allocation({{T, precision.stat}}) + arena_allocation({{3, DType::f64}});
   if (sp.sp_size > 1) {
     attn::ScheduleWorkspaceShape shape;
     shape.tokens = T;

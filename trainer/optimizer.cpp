@@ -59,16 +59,20 @@ AdamW::AdamW(const Arena& params, const AdamWConfig& config, int64_t shard_begin
   end_ = shard_end < 0 ? flat.numel() : shard_end;
   LT_CHECK(0 <= begin_ && begin_ <= end_ && end_ <= flat.numel(), "optimizer shard [{}, {}) outside the {} parameters",
            begin_, end_, flat.numel());
-  // Which elements decay: one segment per parameter tensor, by name (padding between tensors is
-  // zero and stays zero either way).
+  // Which elements do not decay, by tensor name. Padding between tensors is zero and stays zero
+  // under the update (zero gradient, zero moments, zero weight) whether it decays or not.
   const size_t elem = dtype_size(flat.dtype);
   for (const ArenaEntry& e : params.table()) {
     bool decay = true;
     for (const std::string& pattern : config_.no_decay)
       if (e.name.find(pattern) != std::string::npos) decay = false;
-    const int64_t b = std::max(begin_, static_cast<int64_t>(e.offset / elem));
-    const int64_t en = std::min(end_, static_cast<int64_t>(e.offset / elem) + e.numel);
-    if (b < en) segments_.push_back({b, en, decay});
+    const int64_t b = std::max(begin_, static_cast<int64_t>(e.offset / elem)) - begin_;
+    const int64_t en = std::min(end_, static_cast<int64_t>(e.offset / elem) + e.numel) - begin_;
+    if (decay || b >= en) continue;
+    if (!no_decay_.empty() && no_decay_.back().end == b)
+      no_decay_.back().end = en;
+    else
+      no_decay_.push_back({b, en});
   }
   // Moments (and master weights for bf16 parameters) in f32; f64 when the model itself is f64.
   const DType sdt = flat.dtype == DType::f64 ? DType::f64 : DType::f32;
@@ -107,14 +111,12 @@ AdamW::StepInfo AdamW::step_shard(Arena& params, Tensor grad_shard, double grad_
   p.bias_correction1 = 1.0 - std::pow(config_.beta1, static_cast<double>(step_));
   p.bias_correction2 = 1.0 - std::pow(config_.beta2, static_cast<double>(step_));
   p.grad_scale = info.clip_scale;
-  const Tensor flat = params.flat();
-  for (const Segment& s : segments_) {
-    const int64_t n = s.end - s.begin, local = s.begin - begin_;
-    p.weight_decay = s.decay ? config_.weight_decay : 0.0;
-    ops::adamw_update(flat.narrow(0, s.begin, n), has_master() ? master_.flat().narrow(0, local, n) : Tensor{},
-                      m_.flat().narrow(0, local, n), v_.flat().narrow(0, local, n), grad_shard.narrow(0, local, n),
-                      p);
-  }
+  p.weight_decay = config_.weight_decay;
+  p.no_decay = no_decay_;
+  const int64_t n = end_ - begin_;
+  if (n == 0) return info;
+  ops::adamw_update(params.flat().narrow(0, begin_, n), has_master() ? master_.flat().narrow(0, 0, n) : Tensor{},
+                    m_.flat().narrow(0, 0, n), v_.flat().narrow(0, 0, n), grad_shard, p);
   return info;
 }
 

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/ops.h"
 #include "runtime/arena.h"
 #include "trainer/config.h"
 
@@ -85,16 +86,12 @@ class AdamW {
   Arena& master() { return master_; }
 
  private:
-  // A run of flat elements with one weight-decay setting (one parameter tensor, clipped to the shard).
-  struct Segment {
-    int64_t begin, end;  // flat element range
-    bool decay;
-  };
-
   AdamWConfig config_;
   int64_t step_ = 0;
   int64_t begin_ = 0, end_ = 0;
-  std::vector<Segment> segments_;
+  // The shard's elements that take no weight decay (parameter tensors matched by no_decay, adjacent
+  // ones merged), relative to the shard: one update call covers the whole shard.
+  std::vector<ops::ElementRange> no_decay_;
   Arena master_, m_, v_;
 };
 

@@ -833,6 +833,12 @@ TrainSummary train(TrainConfig c, const std::string& resume, const TrainHooks& h
   int64_t steps_timed = 0;
   std::vector<data::Batch> batches(static_cast<size_t>(micro));
   const Arena staging = shard_staging(precision.device, loader.local_len());
+  // The step's sums stay on the device until its one host read: the loss (added by each micro-batch),
+  // the squared gradient norm and the stop flag, reduced over the ranks in place.
+  Arena step_sums("step sums", precision.device);
+  step_sums.add("sums", {3}, DType::f64);
+  step_sums.allocate();
+  const Tensor sums_dev = step_sums.get("sums");
   while (rs.step < c.train.steps) {
     const auto t0 = clock::now();
     // Attention forwards per layer and micro-batch this step: 1 under remat_aware and none, 2 under
@@ -850,7 +856,7 @@ TrainSummary train(TrainConfig c, const std::string& resume, const TrainHooks& h
     ranks.sum(&count, 1);
     LT_CHECK(count > 0, "step {}: no valid label in the step's {} sequences", step, micro * ranks.dp_size);
     model.zero_grads();
-    double loss_sum = 0.0;
+    zero(sums_dev);
     // Each rank's gradient is its share of the global one (its tokens, its data). They are summed
     // into the owners of the ZeRO-1 shards (rank r gets the sum over ranks of its shard, all the
     // optimizer needs) bucket by bucket during the last micro-batch's backward: each layer's range
@@ -871,7 +877,8 @@ TrainSummary train(TrainConfig c, const std::string& resume, const TrainHooks& h
           reductions.push_back(ranks.dist->world().start_reduce_scatter_range(grads, begin, end));
         });
       }
-      loss_sum += model.forward_backward(shard_of(batches[i], model.config().vocab_size, &staging), 1.0 / count).sum;
+      model.forward_backward(shard_of(batches[i], model.config().vocab_size, &staging), 1.0 / count,
+                             sums_dev.narrow(0, 0, 1));
       model.set_gradients_ready(nullptr);
       if (hooks.after_backward) {
         // What the test hook does to the gradients must come after the in-place reduction (NCCL runs
@@ -881,10 +888,15 @@ TrainSummary train(TrainConfig c, const std::string& resume, const TrainHooks& h
       }
     }
     for (auto& r : reductions) r->wait();  // NCCL: the compute stream waits before reading the shard
-    // A stop request rides on the step's one host reduction, so every rank stops after the same step
-    // even when the signal reached them on either side of it.
-    double sums[3] = {loss_sum, ops::sum_squares(grad_shard), stop_signals.requested() ? 1.0 : 0.0};
-    ranks.sum(sums, 3);
+    // A stop request rides on the step's one reduction, so every rank stops after the same step even
+    // when the signal reached them on either side of it; then the step's one host read.
+    ops::sum_into(sums_dev.narrow(0, 1, 1), grad_shard, ops::SumOf::squares, /*accumulate=*/false);
+    double sums[3] = {0.0, 0.0, stop_signals.requested() ? 1.0 : 0.0};
+    if (ranks.dist) {
+      copy(sums_dev.narrow(0, 2, 1), Tensor(&sums[2], DType::f64, {1}));
+      ranks.sum(sums_dev);
+    }
+    copy(Tensor(sums, DType::f64, {ranks.dist ? 3 : 2}), sums_dev.narrow(0, 0, ranks.dist ? 3 : 2));
     const bool stop_requested = sums[2] > 0;
     // With documents the attention work per rank follows where the documents fall: every rank's
     // pairs computed this step, and its measured idle fraction (host time inside attention not spent

@@ -38,20 +38,33 @@ inline double widen(bf16 x) { return static_cast<float>(x); }
 // The update of one element, written once for every dtype combination: w is read and written in
 // the master's (or param's) precision through double arithmetic.
 template <class W, class G>
-void adamw_loop(W* w, W* m, W* v, const G* grad, int64_t n, const AdamWParams& p, const Tensor* param_lowp) {
+void adamw_loop(W* w, W* m, W* v, const G* grad, int64_t begin, int64_t end, const AdamWParams& p,
+                double weight_decay, const Tensor* param_lowp) {
   // The per-step constants, computed as the CUDA backend computes them (kernels/cuda/optimizer.cu).
   const double inv_bc1 = 1.0 / p.bias_correction1, inv_sqrt_bc2 = 1.0 / std::sqrt(p.bias_correction2);
-  for (int64_t i = 0; i < n; ++i) {
+  for (int64_t i = begin; i < end; ++i) {
     const double g = widen(grad[i]) * p.grad_scale;
     const double mi = p.beta1 * static_cast<double>(m[i]) + (1.0 - p.beta1) * g;
     const double vi = p.beta2 * static_cast<double>(v[i]) + (1.0 - p.beta2) * g * g;
     m[i] = static_cast<W>(mi);
     v[i] = static_cast<W>(vi);
     double wi = static_cast<double>(w[i]);
-    wi -= p.lr * (p.weight_decay * wi + (mi * inv_bc1) / (std::sqrt(vi) * inv_sqrt_bc2 + p.eps));
+    wi -= p.lr * (weight_decay * wi + (mi * inv_bc1) / (std::sqrt(vi) * inv_sqrt_bc2 + p.eps));
     w[i] = static_cast<W>(wi);
     if (param_lowp) store(*param_lowp, i, static_cast<double>(w[i]));
   }
+}
+
+// The runs between and inside p.no_decay, each with its weight decay.
+template <class W, class G>
+void adamw_ranges(W* w, W* m, W* v, const G* grad, int64_t n, const AdamWParams& p, const Tensor* param_lowp) {
+  int64_t at = 0;
+  for (const ElementRange& r : p.no_decay) {
+    adamw_loop(w, m, v, grad, at, r.begin, p, p.weight_decay, param_lowp);
+    adamw_loop(w, m, v, grad, r.begin, r.end, p, 0.0, param_lowp);
+    at = r.end;
+  }
+  adamw_loop(w, m, v, grad, at, n, p, p.weight_decay, param_lowp);
 }
 
 }  // namespace
@@ -74,6 +87,16 @@ double sum_squares(Tensor x) {
   return s;
 }
 
+void sum_into(Tensor out, Tensor x, SumOf what, bool accumulate) {
+  double s = 0.0;
+  for (int64_t i = 0; i < x.numel(); ++i) {
+    const double v = load(x, i);
+    s += what == SumOf::squares ? v * v : v;
+  }
+  double* o = out.ptr<double>();
+  *o = accumulate ? *o + s : s;
+}
+
 void adamw_update(Tensor param, Tensor master, Tensor m, Tensor v, Tensor grad, const AdamWParams& p) {
   const int64_t n = param.numel();
   check_flat("adamw_update", param, n, "param");
@@ -88,11 +111,11 @@ void adamw_update(Tensor param, Tensor master, Tensor m, Tensor v, Tensor grad, 
   const Tensor* lowp = master.empty() ? nullptr : &param;
   if (w.dtype == DType::f64) {
     LT_CHECK(grad.dtype == DType::f64, "adamw_update: f64 weights take f64 gradients, got {}", grad.describe());
-    adamw_loop(w.ptr<double>(), m.ptr<double>(), v.ptr<double>(), grad.ptr<double>(), n, p, lowp);
+    adamw_ranges(w.ptr<double>(), m.ptr<double>(), v.ptr<double>(), grad.ptr<double>(), n, p, lowp);
   } else if (grad.dtype == DType::bf16) {
-    adamw_loop(w.ptr<float>(), m.ptr<float>(), v.ptr<float>(), grad.ptr<bf16>(), n, p, lowp);
+    adamw_ranges(w.ptr<float>(), m.ptr<float>(), v.ptr<float>(), grad.ptr<bf16>(), n, p, lowp);
   } else {
-    adamw_loop(w.ptr<float>(), m.ptr<float>(), v.ptr<float>(), grad.ptr<float>(), n, p, lowp);
+    adamw_ranges(w.ptr<float>(), m.ptr<float>(), v.ptr<float>(), grad.ptr<float>(), n, p, lowp);
   }
 }
 

@@ -45,7 +45,8 @@ enum class Scratch : int {
   cublas_workspace,
   logits,           // lm_head_cross_entropy: f32 logits of one chunk
   dlogits,          // lm_head_cross_entropy: d(loss)/d(logits) of one chunk
-  partials,         // rmsnorm_backward: per-block dw partial sums
+  partials,         // rmsnorm_backward: per-block dw partial sums; sum_squares, sum_into: per-block sums
+  sum_result,       // sum_squares: the sum before it is read
   index_plan,       // embedding_backward: grouped token positions
   attn_workspace,   // cuDNN workspace
   attn_fwd_out,     // attention forward: bf16 O when the caller's O is f32

@@ -1,7 +1,8 @@
 // Token embedding on CUDA. Forward gathers rows; backward adds d_out rows into d_table
-// deterministically: positions are grouped by token id on the host (in token order), and one block
-// per distinct id sums its rows in fp32 in that fixed order, then adds once into d_table.
-#include <vector>
+// deterministically and without a host read: a stable radix sort on the device groups positions by
+// token id (in token order within an id), and one block per run of an id sums its rows in fp32 in that
+// fixed order, then adds once into d_table.
+#include <cub/device/device_radix_sort.cuh>
 
 #include "kernels/backends.h"
 #include "kernels/cuda/cuda_common.cuh"
@@ -22,21 +23,51 @@ __global__ void embedding_forward_kernel(T* out, int64_t out_rs, const int32_t* 
   for (int64_t c = threadIdx.x; c < C; c += blockDim.x) dst[c] = src[c];
 }
 
-// One block per distinct token id u: d_table[ids[u], :] += Σ_{p in positions[offsets[u]:offsets[u+1]]} d_out[p, :]
+// keys[t] = tokens[t], positions[t] = t: the radix sort's input (tokens may be strided).
+__global__ void sort_input_kernel(int32_t* keys, int32_t* positions, const int32_t* tokens, int64_t tok_stride,
+                                  int64_t T) {
+  const int64_t t = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+  if (t >= T) return;
+  keys[t] = tokens[t * tok_stride];
+  positions[t] = static_cast<int32_t>(t);
+}
+
+// Block b starts a run when ids[b] differs from ids[b - 1]; it then adds
+// Σ_{i in the run} d_out[positions[i], :] into d_table[ids[b], :]. Other blocks return at once.
+// ids were checked against the vocabulary when the batch was made or by embedding_forward (the same
+// tokens); an id outside [0, V) is skipped rather than written out of bounds.
 template <class G, class T>
-__global__ void embedding_backward_kernel(G* d_table, int64_t dt_rs, const T* d_out, int64_t do_rs,
-                                          const int32_t* plan, int64_t n_unique, int64_t C) {
-  const int32_t* ids = plan;
-  const int32_t* offsets = plan + n_unique;
-  const int32_t* positions = plan + 2 * n_unique + 1;
-  const int64_t u = blockIdx.x;
-  const int32_t begin = offsets[u], end = offsets[u + 1];
-  G* row = d_table + static_cast<int64_t>(ids[u]) * dt_rs;
+__global__ void embedding_backward_kernel(G* d_table, int64_t dt_rs, int64_t V, const T* d_out, int64_t do_rs,
+                                          const int32_t* ids, const int32_t* positions, int64_t n, int64_t C) {
+  const int64_t b = blockIdx.x;
+  const int32_t id = ids[b];
+  if ((b > 0 && ids[b - 1] == id) || id < 0 || id >= V) return;
+  int64_t end = b + 1;
+  while (end < n && ids[end] == id) ++end;
+  G* row = d_table + static_cast<int64_t>(id) * dt_rs;
   for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
     float acc = 0.0f;
-    for (int32_t i = begin; i < end; ++i) acc += to_float(d_out[static_cast<int64_t>(positions[i]) * do_rs + c]);
+    for (int64_t i = b; i < end; ++i) acc += to_float(d_out[static_cast<int64_t>(positions[i]) * do_rs + c]);
     row[c] = from_float<G>(to_float(row[c]) + acc);
   }
+}
+
+// Bits that hold every id below V (the radix sort looks at no others).
+int id_bits(int64_t V) {
+  int bits = 1;
+  while (bits < 31 && (int64_t{1} << bits) < V) ++bits;
+  return bits;
+}
+
+// Scratch: [keys in | positions in | keys sorted | positions sorted | the sort's temporary storage],
+// the same size for the same T every step (no allocation once the first step has run).
+size_t sort_array_bytes(int64_t T) { return (static_cast<size_t>(T) * sizeof(int32_t) + 255) / 256 * 256; }
+size_t sort_temp_bytes(int64_t T, int64_t V) {
+  size_t bytes = 0;
+  LT_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, bytes, static_cast<const int32_t*>(nullptr),
+                                                static_cast<int32_t*>(nullptr), static_cast<const int32_t*>(nullptr),
+                                                static_cast<int32_t*>(nullptr), static_cast<int>(T), 0, id_bits(V)));
+  return bytes;
 }
 
 int block_size_for(int64_t C) { return C >= 256 ? 256 : (C >= 128 ? 128 : 64); }
@@ -96,47 +127,43 @@ void embedding_backward(Tensor d_table, Tensor tokens, Tensor d_out) {
   LT_CHECK(d_out.size(0) == T && d_out.size(1) == C, "{}: d_out {} must be [{}, {}]", op, d_out.describe(), T, C);
   if (T == 0) return;
 
-  // Group positions by token id on the host (a counting sort keeps token order within an id).
-  std::vector<int32_t> ids_host(static_cast<size_t>(T));
-  LT_CUDA_CHECK(cudaMemcpy2DAsync(ids_host.data(), sizeof(int32_t), tokens.data, tokens.stride[0] * sizeof(int32_t),
-                                  sizeof(int32_t), static_cast<size_t>(T), cudaMemcpyDeviceToHost, cuda_stream()));
-  LT_CUDA_CHECK(cudaStreamSynchronize(cuda_stream()));
-  std::vector<int32_t> count(static_cast<size_t>(V) + 1, 0);
-  for (int64_t t = 0; t < T; ++t) {
-    int32_t id = ids_host[t];
-    LT_CHECK(id >= 0 && id < V, "{}: token id {} at position {} is outside the vocabulary [0, {})", op, id, t, V);
-    ++count[id];
-  }
-  // plan = [ids (U) | offsets (U + 1) | positions (T)]
-  std::vector<int32_t> unique_ids, offsets{0};
-  std::vector<int32_t> start(static_cast<size_t>(V), -1);
-  for (int64_t v = 0; v < V; ++v) {
-    if (count[v] == 0) continue;
-    start[v] = offsets.back();
-    unique_ids.push_back(static_cast<int32_t>(v));
-    offsets.push_back(offsets.back() + count[v]);
-  }
-  const int64_t U = static_cast<int64_t>(unique_ids.size());
-  std::vector<int32_t> plan(static_cast<size_t>(2 * U + 1 + T));
-  std::copy(unique_ids.begin(), unique_ids.end(), plan.begin());
-  std::copy(offsets.begin(), offsets.end(), plan.begin() + U);
-  int32_t* positions = plan.data() + 2 * U + 1;
-  for (int64_t t = 0; t < T; ++t) positions[start[ids_host[t]]++] = static_cast<int32_t>(t);
-
-  void* plan_dev = scratch(Scratch::index_plan, plan.size() * sizeof(int32_t));
-  // Pageable source: the call returns once the data is staged, so `plan` may be freed afterwards.
-  LT_CUDA_CHECK(cudaMemcpyAsync(plan_dev, plan.data(), plan.size() * sizeof(int32_t), cudaMemcpyHostToDevice,
-                                cuda_stream()));
+  LT_CHECK(T <= INT32_MAX, "{}: {} tokens in one call; at most {}", op, T, INT32_MAX);
+  const int n = static_cast<int>(T);
+  const size_t temp_bytes = sort_temp_bytes(T, V), array_bytes = sort_array_bytes(T);
+  char* base = static_cast<char*>(scratch(Scratch::index_plan, 4 * array_bytes + temp_bytes));
+  int32_t* keys_in = reinterpret_cast<int32_t*>(base);
+  int32_t* pos_in = reinterpret_cast<int32_t*>(base + array_bytes);
+  int32_t* keys = reinterpret_cast<int32_t*>(base + 2 * array_bytes);
+  int32_t* positions = reinterpret_cast<int32_t*>(base + 3 * array_bytes);
+  sort_input_kernel<<<blocks_for(T, 256), 256, 0, cuda_stream()>>>(
+      keys_in, pos_in, static_cast<const int32_t*>(tokens.data), tokens.stride[0], T);
+  LT_CUDA_LAUNCH_CHECK("sort_input_kernel");
+  // LSD radix sort: stable, so positions stay in token order within an id.
+  LT_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(base + 4 * array_bytes, temp_bytes, keys_in, keys, pos_in, positions,
+                                                n, 0, id_bits(V), cuda_stream()));
   dispatch_float(d_table.dtype, op, [&](auto gtag) {
     using G = typename decltype(gtag)::type;
     dispatch_float(d_out.dtype, op, [&](auto ttag) {
       using T_ = typename decltype(ttag)::type;
-      embedding_backward_kernel<G, T_><<<static_cast<unsigned>(U), block_size_for(C), 0, cuda_stream()>>>(
-          static_cast<G*>(d_table.data), d_table.stride[0], static_cast<const T_*>(d_out.data), d_out.stride[0],
-          static_cast<const int32_t*>(plan_dev), U, C);
+      embedding_backward_kernel<G, T_><<<static_cast<unsigned>(T), block_size_for(C), 0, cuda_stream()>>>(
+          static_cast<G*>(d_table.data), d_table.stride[0], V, static_cast<const T_*>(d_out.data), d_out.stride[0],
+          keys, positions, T, C);
     });
   });
   LT_CUDA_LAUNCH_CHECK("embedding_backward_kernel");
+}
+
+size_t embedding_backward_scratch_bytes(int64_t tokens, int64_t vocab) {
+  if (tokens == 0) return 0;
+  size_t temp = 0;
+  const cudaError_t e = cub::DeviceRadixSort::SortPairs(
+      nullptr, temp, static_cast<const int32_t*>(nullptr), static_cast<int32_t*>(nullptr),
+      static_cast<const int32_t*>(nullptr), static_cast<int32_t*>(nullptr), static_cast<int>(tokens), 0, id_bits(vocab));
+  if (e != cudaSuccess) {  // no GPU here (a plan made on a CPU machine): the bound ops.cpp documents
+    (void)cudaGetLastError();
+    temp = 2 * sort_array_bytes(tokens) + (size_t{1} << 20);
+  }
+  return 4 * sort_array_bytes(tokens) + temp;
 }
 
 }  // namespace longtrain::ops::cuda

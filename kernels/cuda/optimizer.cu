@@ -105,25 +105,74 @@ __device__ __forceinline__ void adamw_element(float& w, float& m, float& v, floa
   w = static_cast<float>(wi);
 }
 
+// The no-decay ranges of one launch, in its kernel arguments (2 KB: a call with more ranges is split
+// into several launches at range boundaries; a Llama has two per layer).
+constexpr int kMaxNoDecay = 128;
+struct NoDecay {
+  int count;
+  int64_t begin[kMaxNoDecay], end[kMaxNoDecay];
+};
+
+// The first range that ends after element i (count when none does).
+__device__ __forceinline__ int first_range_ending_after(const NoDecay& nd, int64_t i) {
+  int lo = 0, hi = nd.count;
+  while (lo < hi) {
+    const int mid = (lo + hi) / 2;
+    if (nd.end[mid] <= i)
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
+  return lo;
+}
+
+// The weight decay of element e; r is the first range ending after an earlier element, advanced.
+__device__ __forceinline__ double decay_of(const NoDecay& nd, int& r, int64_t e, double weight_decay) {
+  while (r < nd.count && nd.end[r] <= e) ++r;
+  return r < nd.count && e >= nd.begin[r] ? 0.0 : weight_decay;
+}
+
+// Elements per thread per iteration of adamw_kernel: two 4-element groups, so a thread has 8 loads of
+// each stream in flight (the kernel is bound by memory).
+constexpr int kAdamPerThread = 8;
+
 // w (f32 master, or the f32 parameter itself when lowp is null), m, v f32; grad G; lowp receives w
 // rounded to P.
 template <class P, class G>
 __global__ void adamw_kernel(P* lowp, float* w, float* m, float* v, const G* grad, int64_t n, AdamWArgs a,
-                             bool aligned) {
-  for (int64_t i = (blockIdx.x * (int64_t)blockDim.x + threadIdx.x) * kPerThread; i < n;
-       i += (int64_t)gridDim.x * blockDim.x * kPerThread) {
-    const bool vec = aligned && i + kPerThread <= n;
-    float wv[4], mv[4], vv[4], gv[4];
-    load_4(w, i, n, vec, wv);
-    load_4(m, i, n, vec, mv);
-    load_4(v, i, n, vec, vv);
-    load_4(grad, i, n, vec, gv);
+                             const __grid_constant__ NoDecay nd, bool aligned) {
+  for (int64_t i = (blockIdx.x * (int64_t)blockDim.x + threadIdx.x) * kAdamPerThread; i < n;
+       i += (int64_t)gridDim.x * blockDim.x * kAdamPerThread) {
+    float wv[2][4], mv[2][4], vv[2][4], gv[2][4];
+    bool vec[2];
 #pragma unroll
-    for (int k = 0; k < 4; ++k) adamw_element(wv[k], mv[k], vv[k], gv[k], a);
-    store_4(w, i, n, vec, wv);
-    store_4(m, i, n, vec, mv);
-    store_4(v, i, n, vec, vv);
-    if (lowp != nullptr) store_4(lowp, i, n, vec, wv);
+    for (int h = 0; h < 2; ++h) {
+      const int64_t at = i + 4 * h;
+      vec[h] = aligned && at + 4 <= n;
+      load_4(w, at, n, vec[h], wv[h]);
+      load_4(m, at, n, vec[h], mv[h]);
+      load_4(v, at, n, vec[h], vv[h]);
+      load_4(grad, at, n, vec[h], gv[h]);
+    }
+    int r = first_range_ending_after(nd, i);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        AdamWArgs ak = a;
+        ak.weight_decay = decay_of(nd, r, i + 4 * h + k, a.weight_decay);
+        adamw_element(wv[h][k], mv[h][k], vv[h][k], gv[h][k], ak);
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int64_t at = i + 4 * h;
+      if (at >= n) break;
+      store_4(w, at, n, vec[h], wv[h]);
+      store_4(m, at, n, vec[h], mv[h]);
+      store_4(v, at, n, vec[h], vv[h]);
+      if (lowp != nullptr) store_4(lowp, at, n, vec[h], wv[h]);
+    }
   }
 }
 
@@ -142,8 +191,8 @@ __device__ __forceinline__ double block_sum_double(double x, double* shared) {
   return x;
 }
 
-// partial[blockIdx.x] = Σ x² over this block's grid-stride share.
-template <class T>
+// partial[blockIdx.x] = Σ x² (SQUARES) or Σ x over this block's grid-stride share.
+template <class T, bool SQUARES = true>
 __global__ void sum_squares_partial_kernel(double* partial, const T* x, int64_t n, bool aligned) {
   __shared__ double shared[32];
   double acc = 0.0;
@@ -152,18 +201,19 @@ __global__ void sum_squares_partial_kernel(double* partial, const T* x, int64_t 
     float v[4];
     load_4(x, i, n, aligned && i + kPerThread <= n, v);
 #pragma unroll
-    for (int k = 0; k < 4; ++k) acc += static_cast<double>(v[k]) * static_cast<double>(v[k]);
+    for (int k = 0; k < 4; ++k) acc += SQUARES ? static_cast<double>(v[k]) * static_cast<double>(v[k]) : v[k];
   }
   acc = block_sum_double(acc, shared);
   if (threadIdx.x == 0) partial[blockIdx.x] = acc;
 }
 
-// *result = Σ partial[0 .. count) (one block of kMaxSumBlocks threads: thread b takes partial b).
-__global__ void sum_partials_double_kernel(double* result, const double* partial, int64_t count) {
+// *result (+)= Σ partial[0 .. count) (one block of kMaxSumBlocks threads: thread b takes partial b).
+__global__ void sum_partials_double_kernel(double* result, const double* partial, int64_t count,
+                                           bool accumulate = false) {
   __shared__ double shared[32];
   const double x = threadIdx.x < count ? partial[threadIdx.x] : 0.0;
   const double s = block_sum_double(x, shared);
-  if (threadIdx.x == 0) *result = s;
+  if (threadIdx.x == 0) *result = accumulate ? *result + s : s;
 }
 
 void check_flat(const char* op, const Tensor& t, int64_t n, const char* name) {
@@ -217,53 +267,97 @@ void adamw_update(Tensor param, Tensor master, Tensor m, Tensor v, Tensor grad, 
                     1.0 - p.beta1, 1.0 - p.beta2, p.eps,
                     p.weight_decay, 1.0 / p.bias_correction1, 1.0 / std::sqrt(p.bias_correction2),
                     p.grad_scale};
-  const bool aligned = aligned4(param) && aligned4(w) && aligned4(m) && aligned4(v) && aligned4(grad);
-  dispatch_float(grad.dtype, op, [&](auto gtag) {
-    using G = typename decltype(gtag)::type;
-    if (master.empty()) {
-      adamw_kernel<float, G><<<grid_for(n), kThreads, 0, cuda_stream()>>>(
-          nullptr, static_cast<float*>(param.data), static_cast<float*>(m.data), static_cast<float*>(v.data),
-          static_cast<const G*>(grad.data), n, a, aligned);
-      return;
+  // Launches of at most kMaxNoDecay ranges each: launch j starts where its first range starts (the
+  // first launch at 0) and ends where the next launch's does (the last at n).
+  const std::vector<ElementRange>& ranges = p.no_decay;
+  const size_t launches = std::max<size_t>(1, (ranges.size() + kMaxNoDecay - 1) / kMaxNoDecay);
+  for (size_t j = 0; j < launches; ++j) {
+    const size_t first = j * kMaxNoDecay, last = std::min(ranges.size(), first + kMaxNoDecay);
+    const int64_t start = j == 0 ? 0 : ranges[first].begin, stop = j + 1 == launches ? n : ranges[last].begin;
+    if (stop == start) continue;
+    NoDecay nd{};
+    nd.count = static_cast<int>(last - first);
+    for (size_t r = first; r < last; ++r) {
+      nd.begin[r - first] = ranges[r].begin - start;
+      nd.end[r - first] = ranges[r].end - start;
     }
-    dispatch_float(param.dtype, op, [&](auto ptag) {
-      using P = typename decltype(ptag)::type;
-      adamw_kernel<P, G><<<grid_for(n), kThreads, 0, cuda_stream()>>>(
-          static_cast<P*>(param.data), static_cast<float*>(master.data), static_cast<float*>(m.data),
-          static_cast<float*>(v.data), static_cast<const G*>(grad.data), n, a, aligned);
+    const Tensor pj = param.narrow(0, start, stop - start), wj = w.narrow(0, start, stop - start),
+                 mj = m.narrow(0, start, stop - start), vj = v.narrow(0, start, stop - start),
+                 gj = grad.narrow(0, start, stop - start);
+    const int64_t nj = stop - start;
+    const bool aligned = aligned4(pj) && aligned4(wj) && aligned4(mj) && aligned4(vj) && aligned4(gj);
+    const unsigned grid = blocks_for((nj + kAdamPerThread - 1) / kAdamPerThread, kThreads, 65535LL * 8);
+    dispatch_float(grad.dtype, op, [&](auto gtag) {
+      using G = typename decltype(gtag)::type;
+      if (master.empty()) {
+        adamw_kernel<float, G><<<grid, kThreads, 0, cuda_stream()>>>(
+            nullptr, static_cast<float*>(pj.data), static_cast<float*>(mj.data), static_cast<float*>(vj.data),
+            static_cast<const G*>(gj.data), nj, a, nd, aligned);
+        return;
+      }
+      dispatch_float(param.dtype, op, [&](auto ptag) {
+        using P = typename decltype(ptag)::type;
+        adamw_kernel<P, G><<<grid, kThreads, 0, cuda_stream()>>>(
+            static_cast<P*>(pj.data), static_cast<float*>(wj.data), static_cast<float*>(mj.data),
+            static_cast<float*>(vj.data), static_cast<const G*>(gj.data), nj, a, nd, aligned);
+      });
     });
-  });
-  LT_CUDA_LAUNCH_CHECK("adamw_kernel");
+    LT_CUDA_LAUNCH_CHECK("adamw_kernel");
+  }
 }
+
+namespace {
+
+// *result (+)= Σ x or Σ x² on the device, in double, in an order fixed by n alone (the grid depends on
+// n only, so the same input gives the same bits on every run).
+void launch_sum(const char* op, double* result, const Tensor& x, SumOf what, bool accumulate) {
+  const int64_t n = x.numel();
+  const int64_t per_block = static_cast<int64_t>(kThreads) * kPerThread;
+  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(kMaxSumBlocks, (n + per_block - 1) / per_block));
+  // Stream order makes reusing the shared `partials` scratch (rmsnorm_backward's) safe.
+  double* partial = static_cast<double*>(scratch(Scratch::partials, kMaxSumBlocks * sizeof(double)));
+  const bool aligned = aligned4(x);
+  dispatch_float(x.dtype, op, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    if (what == SumOf::squares)
+      sum_squares_partial_kernel<T, true><<<static_cast<unsigned>(blocks), kThreads, 0, cuda_stream()>>>(
+          partial, static_cast<const T*>(x.data), n, aligned);
+    else
+      sum_squares_partial_kernel<T, false><<<static_cast<unsigned>(blocks), kThreads, 0, cuda_stream()>>>(
+          partial, static_cast<const T*>(x.data), n, aligned);
+  });
+  LT_CUDA_LAUNCH_CHECK("sum_squares_partial_kernel");
+  sum_partials_double_kernel<<<1, static_cast<unsigned>(kMaxSumBlocks), 0, cuda_stream()>>>(result, partial, blocks,
+                                                                                          accumulate);
+  LT_CUDA_LAUNCH_CHECK("sum_partials_double_kernel");
+}
+
+}  // namespace
 
 double sum_squares(Tensor x) {
   const char* op = "sum_squares";
   LT_CHECK(x.device == Device::cuda, "{}: expected a CUDA tensor, got {}", op, x.describe());
   LT_CHECK(x.is_contiguous(), "{}: non-contiguous {}", op, x.describe());
   check_float(x, op, "x");
-  const int64_t n = x.numel();
-  if (n == 0) return 0.0;
-  // The grid depends on n alone, so the summation order (and the result) is the same on every run.
-  const int64_t per_block = static_cast<int64_t>(kThreads) * kPerThread;
-  const int64_t blocks = std::min<int64_t>(kMaxSumBlocks, (n + per_block - 1) / per_block);
-  // partials in [0, blocks), the result in [kMaxSumBlocks]; stream order makes reusing the shared
-  // `partials` scratch (rmsnorm_backward's) safe.
-  double* partial = static_cast<double*>(scratch(Scratch::partials, (kMaxSumBlocks + 1) * sizeof(double)));
-  const bool aligned = aligned4(x);
-  dispatch_float(x.dtype, op, [&](auto tag) {
-    using T = typename decltype(tag)::type;
-    sum_squares_partial_kernel<T><<<static_cast<unsigned>(blocks), kThreads, 0, cuda_stream()>>>(
-        partial, static_cast<const T*>(x.data), n, aligned);
-  });
-  LT_CUDA_LAUNCH_CHECK("sum_squares_partial_kernel");
-  sum_partials_double_kernel<<<1, static_cast<unsigned>(kMaxSumBlocks), 0, cuda_stream()>>>(partial + kMaxSumBlocks,
-                                                                                          partial, blocks);
-  LT_CUDA_LAUNCH_CHECK("sum_partials_double_kernel");
-  double result = 0.0;
-  LT_CUDA_CHECK(cudaMemcpyAsync(&result, partial + kMaxSumBlocks, sizeof(double), cudaMemcpyDeviceToHost,
-                                cuda_stream()));
+  if (x.numel() == 0) return 0.0;
+  double* result = static_cast<double*>(scratch(Scratch::sum_result, sizeof(double)));
+  launch_sum(op, result, x, SumOf::squares, /*accumulate=*/false);
+  double host = 0.0;
+  LT_CUDA_CHECK(cudaMemcpyAsync(&host, result, sizeof(double), cudaMemcpyDeviceToHost, cuda_stream()));
   LT_CUDA_CHECK(cudaStreamSynchronize(cuda_stream()));
-  return result;
+  return host;
+}
+
+void sum_into(Tensor out, Tensor x, SumOf what, bool accumulate) {
+  const char* op = "sum_into";
+  LT_CHECK(x.device == Device::cuda && out.device == Device::cuda, "{}: expected CUDA tensors, got {} into {}", op,
+           x.describe(), out.describe());
+  check_float(x, op, "x");
+  if (x.numel() == 0) {
+    if (!accumulate) LT_CUDA_CHECK(cudaMemsetAsync(out.data, 0, sizeof(double), cuda_stream()));
+    return;
+  }
+  launch_sum(op, static_cast<double*>(out.data), x, what, accumulate);
 }
 
 }  // namespace longtrain::ops::cuda

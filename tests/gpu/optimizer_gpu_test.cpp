@@ -157,6 +157,9 @@ TEST(GpuOptimizerOps, AdamWUpdateMatchesTheCpuWithinFloatRounding) {
         prm.bias_correction1 = 1.0 - std::pow(prm.beta1, step);
         prm.bias_correction2 = 1.0 - std::pow(prm.beta2, step);
         prm.grad_scale = 0.7;
+        // 300 no-decay ranges of 1-5 elements at odd offsets: more than one launch holds (128), and
+        // boundaries inside 4- and 8-element vector groups.
+        for (int64_t r = 0; r < 300; ++r) prm.no_decay.push_back({3 + 13 * r, 3 + 13 * r + 1 + r % 5});
 
         HostBuffer cp(c.param, p), cm(DType::f32, m), cv(DType::f32, v), cg(c.grad, g), cw(DType::f32, w);
         ops::adamw_update(cp.view, c.master ? cw.view : Tensor{}, cm.view, cv.view, cg.view, prm);
@@ -229,6 +232,41 @@ TEST(GpuOptimizerOps, SumSquaresMatchesTheCpuAndIsDeterministic) {
     x[54321] = std::numeric_limits<double>::quiet_NaN();
     upload(d, x);
     EXPECT_TRUE(std::isnan(ops::sum_squares(d)));
+  }
+}
+
+// sum_into (the training step's device sums): Σx and Σx² left on the device, added to what the slot
+// holds or replacing it, against the CPU's double sums; the same bits on every run; NaN propagates.
+TEST(GpuOptimizerOps, SumIntoAddsOnTheDeviceAsTheCpuDoes) {
+  LT_REQUIRE_GPU();
+  for (DType dt : {DType::bf16, DType::f32}) {
+    for (int64_t n : {int64_t{5}, int64_t{3000017}}) {
+      const std::vector<double> x = random_values(n, 7 + n, dt, -2.0, 2.0);
+      HostBuffer hx(dt, x);
+      DeviceTensor d(dt, {n});
+      upload(d, x);
+      for (ops::SumOf what : {ops::SumOf::values, ops::SumOf::squares}) {
+        double ref = 0.25;
+        ops::sum_into(Tensor(&ref, DType::f64, {1}), hx.view, what, /*accumulate=*/true);
+        DeviceTensor slot(DType::f64, {2});
+        upload(slot, {0.25, 0.25});
+        ops::sum_into(slot.view.narrow(0, 0, 1), d, what, /*accumulate=*/true);
+        ops::sum_into(slot.view.narrow(0, 1, 1), d, what, /*accumulate=*/true);
+        const std::vector<double> got = download(slot);
+        const char* name = what == ops::SumOf::values ? "values" : "squares";
+        EXPECT_NEAR(got[0], ref, 1e-11 * std::max(1.0, std::abs(ref))) << name_of(dt) << " " << name << " n=" << n;
+        EXPECT_EQ(std::memcmp(&got[0], &got[1], sizeof(double)), 0) << "two runs differ";
+        ops::sum_into(slot.view.narrow(0, 1, 1), d, what, /*accumulate=*/false);
+        EXPECT_NEAR(download(slot)[1], ref - 0.25, 1e-11 * std::max(1.0, std::abs(ref))) << name << ": overwrite";
+      }
+    }
+    std::vector<double> x = random_values(1001, 3, dt);
+    x[500] = std::numeric_limits<double>::quiet_NaN();
+    DeviceTensor d(dt, {1001}), slot(DType::f64, {1});
+    upload(d, x);
+    upload(slot, {0.0});
+    ops::sum_into(slot, d, ops::SumOf::values, /*accumulate=*/true);
+    EXPECT_TRUE(std::isnan(download(slot)[0]));
   }
 }
 

@@ -160,6 +160,51 @@ TEST(AdamW, Bf16ParametersKeepF32MasterWeights) {
   EXPECT_NE(master[40], static_cast<float>(bf16(4.0f)));
 }
 
+// One update over a flat buffer with no-decay ranges is, element for element, the update of each run
+// on its own with its weight decay: what lets the trainer update every tensor in one call.
+TEST(FlatOps, AdamWNoDecayRangesEqualUpdatesRunByRun) {
+  const int64_t n = 103;
+  test::HostTensor<float> w0({n}), g({n});
+  test::fill_uniform(w0, 4);
+  test::fill_uniform(g, 5);
+  ops::AdamWParams p;
+  p.lr = 1e-2;
+  p.weight_decay = 0.5;
+  p.bias_correction1 = 0.1;
+  p.bias_correction2 = 0.05;
+  const std::vector<ops::ElementRange> ranges = {{0, 3}, {10, 11}, {11, 40}, {97, 103}};
+  test::HostTensor<float> w = w0, m({n}), v({n});
+  ops::AdamWParams with_ranges = p;
+  with_ranges.no_decay = ranges;
+  ops::adamw_update(w, Tensor{}, m, v, g, with_ranges);
+
+  test::HostTensor<float> wr = w0, mr({n}), vr({n});
+  auto run = [&](int64_t b, int64_t e, double decay) {
+    ops::AdamWParams q = p;
+    q.weight_decay = decay;
+    Tensor tw = wr, tm = mr, tv = vr, tg = g;
+    ops::adamw_update(tw.narrow(0, b, e - b), Tensor{}, tm.narrow(0, b, e - b), tv.narrow(0, b, e - b),
+                      tg.narrow(0, b, e - b), q);
+  };
+  run(0, 3, 0.0);
+  run(3, 10, 0.5);
+  run(10, 40, 0.0);
+  run(40, 97, 0.5);
+  run(97, 103, 0.0);
+  for (int64_t i = 0; i < n; ++i) {
+    EXPECT_EQ(w[i], wr[i]) << i;
+    EXPECT_EQ(m[i], mr[i]) << i;
+    EXPECT_EQ(v[i], vr[i]) << i;
+  }
+  EXPECT_NE(w[5], w0[5]);  // the update did run
+
+  ops::AdamWParams bad = p;
+  bad.no_decay = {{10, 20}, {15, 30}};
+  test::expect_error([&] { ops::adamw_update(w, Tensor{}, m, v, g, bad); }, {"no-decay range [15, 30)"});
+  bad.no_decay = {{90, 104}};
+  test::expect_error([&] { ops::adamw_update(w, Tensor{}, m, v, g, bad); }, {"outside the 103 elements"});
+}
+
 TEST(FlatOps, SumSquaresAndConvert) {
   test::HostTensor<float> x({1001});
   test::fill_uniform(x, 9);
