@@ -110,20 +110,33 @@ static __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
 
+static __device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done;
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+      "selp.u32 %0, 1, 0, p;\n"
+      "}\n"
+      : "=r"(done)
+      : "r"(bar), "r"(parity)
+      : "memory");
+  return done != 0;
+}
+
+// No wait in this kernel lasts more than milliseconds; one that lasts ~10 s is a pipeline bug (a
+// barrier that never completes: wrong expected bytes, parity or arrival count). It traps, so the host
+// sees a launch failure ("unspecified launch failure" / illegal instruction at the next
+// synchronisation) instead of a hang. (No printf: a function call in the kernel serialises wgmma.)
+constexpr long long kHangCycles = 1ll << 34;
+
 // Waits until the barrier's phase of the given parity has completed.
 static __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  uint32_t done;
-  do {
-    asm volatile(
-        "{\n"
-        ".reg .pred p;\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        "selp.u32 %0, 1, 0, p;\n"
-        "}\n"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-  } while (!done);
+  if (mbar_try_wait(bar, parity)) return;
+  const long long start = clock64();
+  while (!mbar_try_wait(bar, parity)) {
+    if (clock64() - start > kHangCycles) __trap();
+  }
 }
 
 // A 3-d tiled TMA load (coordinates innermost first: head_dim element, head, token) into shared
