@@ -8,11 +8,14 @@
 // (cudnn_sdpa::forward/backward). Given the anchor's JSON from the same machine and run, it writes
 // them side by side with ratios. --layouts adds the bare cuDNN graphs on separate buffers in other
 // memory layouts (bshd: [S, H, D] per tensor; bhsd: head-major [H, S, D], as the anchor's tensors are),
-// to show what the fused token-major layout costs cuDNN.
+// to show what the fused token-major layout costs cuDNN. --kernel picks what is timed: cudnn (the
+// default: everything above), hopper (our sm_90a forward, attention/cuda/hopper_attention.cu, on the
+// same fused buffers, forward only for now), or cudnn,hopper for both in one run, which adds the
+// forward speed ratio and the largest |O_hopper - O_cudnn| of the two forwards.
 //
 //   attention_bench [--lengths 4096,16384,65536] [--anchor attn_anchor.json] [--out result.json]
 //                   [--commit SHA] [--warmup 3] [--reps 10] [--kv-heads 32,8] [--head-dim 128]
-//                   [--layouts bshd,bhsd]
+//                   [--layouts bshd,bhsd] [--kernel cudnn|hopper|cudnn,hopper]
 //
 // Timing as the anchor does it: CUDA events around each call, the median of the timed runs.
 // FLOPs count the causal half: fwd = 4·Hq·S²·D / 2, fwd+bwd = 3.5 × fwd.
@@ -24,6 +27,7 @@
 #include <vector>
 
 #include "attention/cuda/cudnn_sdpa.h"
+#include "attention/cuda/hopper_attention.h"
 #include "attention/local_attention.h"
 #include "attention/sequence_attention.h"
 #include "bench/bench_common.h"
@@ -38,6 +42,7 @@ struct Options {
   std::vector<int64_t> kv_heads{32, 8};
   int64_t head_dim = 128;
   std::vector<std::string> layouts;
+  std::vector<std::string> kernels{"cudnn"};
   std::string anchor, out, commit = "unknown";
   int warmup = 3, reps = 10;
   std::string command;
@@ -58,6 +63,12 @@ Options parse(int argc, char** argv) {
       for (const std::string& l : o.layouts)
         LT_CHECK(l == "bshd" || l == "bhsd" || l == "fused+hstats" || l == "bhsd+hstats",
                  "attention_bench: --layouts takes bshd, bhsd, bhsd+hstats and fused+hstats, got '{}'", l);
+    } else if (a == "--kernel") {
+      o.kernels = split_list(next());
+      LT_CHECK(!o.kernels.empty(), "attention_bench: --kernel takes cudnn, hopper or cudnn,hopper");
+      for (const std::string& k : o.kernels)
+        LT_CHECK(k == "cudnn" || k == "hopper", "attention_bench: --kernel takes cudnn, hopper or cudnn,hopper, got '{}'",
+                 k);
     } else if (a == "--anchor") {
       o.anchor = next();
     } else if (a == "--out") {
@@ -88,6 +99,24 @@ attn::cudnn_sdpa::View layout_view(const CudaBuffer& b, const std::string& layou
   return {t.data, S, H, D, H * D, D};
 }
 
+// The contiguous bf16 or f32 device tensor t as host floats.
+std::vector<float> download_floats(const Tensor& t) {
+  const size_t n = static_cast<size_t>(t.numel());
+  std::vector<float> out(n);
+  Tensor dst = t;
+  dst.device = Device::cpu;
+  if (t.dtype == DType::f32) {
+    dst.data = out.data();
+    copy(dst, t);
+    return out;
+  }
+  std::vector<bf16> tmp(n);
+  dst.data = tmp.data();
+  copy(dst, t);
+  for (size_t i = 0; i < n; ++i) out[i] = static_cast<float>(tmp[i]);
+  return out;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) try {
@@ -116,6 +145,17 @@ int main(int argc, char** argv) try {
   result["ours_cudnn_only"] =
       "the bare cuDNN forward and backward graphs on the same fused buffers (backward from O, bf16 dQ/dK/dV "
       "written in place), LSE token-major";
+  const bool run_cudnn = std::find(opt.kernels.begin(), opt.kernels.end(), "cudnn") != opt.kernels.end();
+  const bool run_hopper = std::find(opt.kernels.begin(), opt.kernels.end(), "hopper") != opt.kernels.end();
+  result["kernels"] = opt.kernels;
+  if (run_hopper) {
+    LT_CHECK(attn::hopper::supported(opt.head_dim, 32, opt.kv_heads.empty() ? 1 : opt.kv_heads[0]),
+             "attention_bench: --kernel hopper needs an sm_90 GPU and head dim 64 or 128, got head dim {}",
+             opt.head_dim);
+    result["hopper"] =
+        "our sm_90a forward (attention/cuda/hopper_attention.cu) on the same fused QKV views, bf16 O, LSE "
+        "token-major; forward only";
+  }
   if (!anchor.is_null()) result["anchor"] = {{"script", "bench/anchors/attn_anchor.py"}, {"file", opt.anchor}};
   json rows = json::array();
 
@@ -161,17 +201,55 @@ int main(int argc, char** argv) try {
                                    stats, true, static_cast<float>(scale));
       };
       const double fwd_flops = 4.0 * Hq * double(S) * double(S) * D / 2.0;
+      json row = {{"S", S}, {"hq", Hq}, {"hkv", hkv}, {"d", D}};
+      double ms_hopper = 0.0;
+      if (run_hopper) {
+        // Our kernel's forward, on the views the cuDNN rows use (LSE token-major as ours_cudnn_only).
+        auto hopper_fwd = [&] {
+          attn::hopper::forward({o.t.data, false, S, Hq, D, o.t.stride[0], o.t.stride[1]}, stats, view(q), view(k),
+                                view(v), true, static_cast<float>(scale), false);
+        };
+        ms_hopper = median_ms(hopper_fwd, opt.warmup, opt.reps);
+        row["hopper"] = {{"fwd_ms", round3(ms_hopper)}, {"fwd_tflops", round1(fwd_flops / ms_hopper / 1e9)}};
+        std::printf("hkv=%2lld S=%6lld: hopper fwd %8.3f ms (%5.1f TFLOP/s)\n", static_cast<long long>(hkv),
+                    static_cast<long long>(S), ms_hopper, fwd_flops / ms_hopper / 1e9);
+        if (run_cudnn) {
+          // The two kernels' outputs on the same inputs: the largest difference of O (bf16) and LSE.
+          hopper_fwd();
+          const std::vector<float> o_h = download_floats(o.t), l_h = download_floats(lse.t);
+          cudnn_fwd();
+          const std::vector<float> o_c = download_floats(o.t), l_c = download_floats(lse.t);
+          double do_max = 0.0, dl_max = 0.0;
+          int64_t nonfinite = 0;  // NaN/Inf in hopper's O or LSE (std::max would hide a NaN)
+          for (size_t i = 0; i < o_h.size(); ++i) {
+            nonfinite += !std::isfinite(o_h[i]);
+            do_max = std::max(do_max, double(std::fabs(o_h[i] - o_c[i])));
+          }
+          for (size_t i = 0; i < l_h.size(); ++i) {
+            nonfinite += !std::isfinite(l_h[i]);
+            dl_max = std::max(dl_max, double(std::fabs(l_h[i] - l_c[i])));
+          }
+          row["hopper"]["max_abs_diff_o_vs_cudnn"] = do_max;
+          row["hopper"]["max_abs_diff_lse_vs_cudnn"] = dl_max;
+          row["hopper"]["nonfinite_outputs"] = nonfinite;
+          std::printf("hkv=%2lld S=%6lld: hopper vs cuDNN forward: max|dO| %.3e, max|dLSE| %.3e, %lld NaN/Inf\n",
+                      static_cast<long long>(hkv), static_cast<long long>(S), do_max, dl_max,
+                      static_cast<long long>(nonfinite));
+        }
+      }
+      if (!run_cudnn) {
+        rows.push_back(row);
+        std::fflush(stdout);
+        continue;
+      }
       const double ms_f = median_ms(fwd, opt.warmup, opt.reps);
       const double ms_fb = median_ms(fwd_bwd, opt.warmup, opt.reps);
       const double ms_db = median_ms(block_delta_fwd_bwd, opt.warmup, opt.reps);
       const double ms_cf = median_ms(cudnn_fwd, opt.warmup, opt.reps);
       const double ms_cfb = median_ms(cudnn_fwd_bwd, opt.warmup, opt.reps);
 
-      json row = {{"S", S},
-                  {"hq", Hq},
-                  {"hkv", hkv},
-                  {"d", D},
-                  {"ours", {{"fwd_ms", round3(ms_f)},
+      if (run_hopper) row["hopper"]["fwd_speedup_vs_cudnn_only"] = round3(ms_cf / ms_hopper);
+      row.update(json{{"ours", {{"fwd_ms", round3(ms_f)},
                             {"fwd_tflops", round1(fwd_flops / ms_f / 1e9)},
                             {"fwdbwd_ms", round3(ms_fb)},
                             {"fwdbwd_tflops", round1(3.5 * fwd_flops / ms_fb / 1e9)}}},
@@ -180,7 +258,7 @@ int main(int argc, char** argv) try {
                   {"ours_cudnn_only", {{"fwd_ms", round3(ms_cf)},
                                        {"fwd_tflops", round1(fwd_flops / ms_cf / 1e9)},
                                        {"fwdbwd_ms", round3(ms_cfb)},
-                                       {"fwdbwd_tflops", round1(3.5 * fwd_flops / ms_cfb / 1e9)}}}};
+                                       {"fwdbwd_tflops", round1(3.5 * fwd_flops / ms_cfb / 1e9)}}}});
       for (const std::string& layout : opt.layouts) {
         // Separate Q/K/V/O/dO and dQ/dK/dV buffers in this layout, the bare cuDNN graphs.
         CudaBuffer lq(DType::bf16, {S, Hq, D}), lk(DType::bf16, {S, hkv, D}), lv(DType::bf16, {S, hkv, D});

@@ -13,11 +13,17 @@
 //   per row, whose rowsum(dO ⊙ O') is delta up to one bf16 rounding of O' (relative error ≤ 2^-9, the
 //   same as rounding O itself to bf16).
 // - an f32 O: rounded to bf16 in scratch, since cuDNN reads bf16.
+//
+// The block forward can run our own Hopper kernel instead (attention/cuda/hopper_attention.cu) when
+// LONGTRAIN_ATTENTION_KERNEL=hopper is set and the GPU and views allow it; cuDNN stays the default.
 #include <cmath>
+#include <cstdlib>
+#include <string>
 #include <type_traits>
 
 #include "attention/backends.h"
 #include "attention/cuda/cudnn_sdpa.h"
+#include "attention/cuda/hopper_attention.h"
 #include "kernels/cuda/cuda_common.cuh"
 
 namespace longtrain::attn::cuda {
@@ -299,6 +305,23 @@ void zero_rows(const char* op, const Tensor& t) {
   LT_CUDA_LAUNCH_CHECK("zero_rows_kernel");
 }
 
+// LONGTRAIN_ATTENTION_KERNEL (read once): "cudnn" or unset for cuDNN, "hopper" for our Hopper kernel
+// where it supports the call (hopper::unsupported_reason is empty), cuDNN elsewhere.
+bool hopper_kernel_selected() {
+  static const bool selected = [] {
+    const char* env = std::getenv("LONGTRAIN_ATTENTION_KERNEL");
+    const std::string value = env ? env : "";
+    LT_CHECK(value.empty() || value == "cudnn" || value == "hopper",
+             "LONGTRAIN_ATTENTION_KERNEL must be cudnn or hopper (or unset for cudnn), got '{}'", value);
+    return value == "hopper";
+  }();
+  return selected;
+}
+
+hopper::OutView hopper_out(const Tensor& o) {
+  return {o.data, o.dtype == DType::f32, o.shape[0], o.shape[1], o.shape[2], o.stride[0], o.stride[1]};
+}
+
 }  // namespace
 
 void attention_block_forward(Tensor o, Tensor lse, Tensor q, Tensor k, Tensor v, BlockMask mask, double scale) {
@@ -319,6 +342,14 @@ void attention_block_forward(Tensor o, Tensor lse, Tensor q, Tensor k, Tensor v,
     LT_CUDA_LAUNCH_CHECK("empty_block_kernel");
     return;
   }
+  if (hopper_kernel_selected() && hopper::supported(q.size(2), hq, k.size(1)) &&
+      hopper::unsupported_reason(hopper_out(o), stats_view(lse), sdpa_view(q), sdpa_view(k), sdpa_view(v), causal,
+                                 false)
+          .empty()) {
+    hopper::forward(hopper_out(o), stats_view(lse), sdpa_view(q), sdpa_view(k), sdpa_view(v), causal,
+                    static_cast<float>(scale), /*merge=*/false);
+    return;
+  }
   if (o.dtype == DType::bf16) {
     cudnn_sdpa::forward(sdpa_view(o), stats_view(lse), sdpa_view(q), sdpa_view(k), sdpa_view(v), causal,
                         static_cast<float>(scale));
@@ -336,6 +367,22 @@ void attention_block_forward(Tensor o, Tensor lse, Tensor q, Tensor k, Tensor v,
         static_cast<float*>(o.data), row_view(o), static_cast<const __nv_bfloat16*>(o16), tmp, false);
   });
   LT_CUDA_LAUNCH_CHECK("add_rows_kernel");
+}
+
+// hopper::attention_block_forward_merge (hopper_attention.h), with this file's argument checks.
+void hopper_block_forward_merge(Tensor o_acc, Tensor lse_acc, Tensor q, Tensor k, Tensor v, BlockMask mask,
+                                double scale) {
+  const char* op = "hopper::attention_block_forward_merge";
+  check_qkv(op, q, k, v);
+  check_rows(op, o_acc, "o_acc", q);
+  check_dtype(o_acc, DType::f32, op, "o_acc");
+  const int64_t tq = q.size(0), tk = k.size(0), hq = q.size(1);
+  check_stats(op, lse_acc, "lse_acc", tq, hq);
+  const bool causal = mask == BlockMask::causal_diagonal;
+  LT_CHECK(!causal || tq == tk, "{}: a causal_diagonal block needs as many queries as keys, got {} and {}", op, tq, tk);
+  if (tq == 0 || tk == 0) return;  // an empty block merges as nothing
+  hopper::forward(hopper_out(o_acc), stats_view(lse_acc), sdpa_view(q), sdpa_view(k), sdpa_view(v), causal,
+                  static_cast<float>(scale), /*merge=*/true);
 }
 
 void attention_delta(Tensor delta, Tensor o, Tensor d_o) {
@@ -607,3 +654,12 @@ void segments_backward(Tensor dq, Tensor dk, Tensor dv, Tensor q, Tensor k, Tens
 }
 
 }  // namespace longtrain::attn::cuda
+
+namespace longtrain::attn::hopper {
+
+void attention_block_forward_merge(Tensor o_acc, Tensor lse_acc, Tensor q, Tensor k, Tensor v, BlockMask mask,
+                                   double scale) {
+  cuda::hopper_block_forward_merge(o_acc, lse_acc, q, k, v, mask, scale);
+}
+
+}  // namespace longtrain::attn::hopper

@@ -479,3 +479,313 @@ INSTANTIATE_TEST_SUITE_P(
 
 }  // namespace
 }  // namespace longtrain::test
+
+// ---- our Hopper kernel (attention/cuda/hopper_attention.cu) ----------------------------------------
+// hopper::forward against the CPU reference on the same bf16-rounded inputs, called directly (not
+// through LONGTRAIN_ATTENTION_KERNEL, which is read once per process): head dims 64 and 128, MHA, GQA
+// and MQA, causal and unmasked, lengths of 1, odd and not multiples of the 128-row tiles, Tq != Tk,
+// bf16 and f32 O written through padded strides (every element outside the view must keep its
+// sentinel), token-major and head-major LSE, Q/K/V as views of one fused QKV buffer; then merge mode
+// (a block merged into a running f32 partial, including empty NaN rows) against the whole, and
+// hopper against cuDNN on a larger shape, bitwise run twice. Skips without an sm_90 GPU.
+#ifdef LONGTRAIN_HAS_CUDA
+#include <algorithm>
+
+#include "attention/cuda/hopper_attention.h"
+#include "runtime/cuda_check.h"
+
+namespace longtrain::test {
+namespace {
+
+using attn::BlockMask;
+
+#define LT_REQUIRE_HOPPER()                                                                            \
+  do {                                                                                                 \
+    LT_REQUIRE_GPU();                                                                                  \
+    if (!attn::hopper::supported(64, 1, 1)) GTEST_SKIP() << "the hopper attention kernel needs an sm_90 GPU"; \
+  } while (0)
+
+constexpr double kSentinel = 7.0;  // what the buffers around the views hold before the call
+
+attn::hopper::View hview(const Tensor& t) {
+  return {t.data, t.shape[0], t.shape[1], t.shape[2], t.stride[0], t.stride[1]};
+}
+attn::hopper::OutView hout(const Tensor& t) {
+  return {t.data, t.dtype == DType::f32, t.shape[0], t.shape[1], t.shape[2], t.stride[0], t.stride[1]};
+}
+attn::hopper::StatsView hstats(const Tensor& t) {
+  return {static_cast<float*>(t.data), t.shape[0], t.shape[1], t.stride[0], t.stride[1]};
+}
+
+// The elements of a strided [T, H, D] (or [T, H] with D = 1) view, from a download of its whole buffer.
+std::vector<double> gather(const std::vector<double>& buffer, int64_t T, int64_t H, int64_t D, int64_t ts, int64_t hs) {
+  std::vector<double> out;
+  out.reserve(static_cast<size_t>(T * H * D));
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t d = 0; d < D; ++d) out.push_back(buffer[t * ts + h * hs + d]);
+  return out;
+}
+
+// The debugging evidence for one output: the largest absolute error and where, the first element
+// beyond the tolerance (tol · max|ref|), and how many elements are not finite or beyond it; then
+// expect_close's checks. Index (t, h, d) of a [T, H, D] tensor (d = 0 for the LSE).
+void check_output(const std::string& what, DType storage, const std::vector<double>& got,
+                  const std::vector<double>& ref, int64_t H, int64_t D) {
+  ASSERT_EQ(got.size(), ref.size()) << what;
+  double ref_max = 0.0;
+  for (double r : ref)
+    if (std::isfinite(r)) ref_max = std::max(ref_max, std::fabs(r));
+  const double limit = gpu_tolerance(storage) * std::max(ref_max, 1e-30);
+  size_t worst = 0, first_bad = got.size(), bad = 0, nonfinite = 0;
+  double worst_err = -1.0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const bool both_inf = std::isinf(got[i]) && got[i] == ref[i];
+    const double err = both_inf ? 0.0 : std::fabs(got[i] - ref[i]);
+    if (!std::isfinite(got[i]) && !both_inf) ++nonfinite;
+    if (!(err <= limit)) {  // NaN counts as bad
+      ++bad;
+      if (first_bad == got.size()) first_bad = i;
+    }
+    if (!(err <= worst_err)) worst_err = err, worst = i;
+  }
+  auto where = [&](size_t i) {
+    const int64_t d = static_cast<int64_t>(i) % D, h = (static_cast<int64_t>(i) / D) % H,
+                  t = static_cast<int64_t>(i) / (D * H);
+    return fmt::format("(t={}, h={}, d={}) got {:.6g} ref {:.6g}", t, h, d, got[i], ref[i]);
+  };
+  std::printf("  %-56s max|err| %.3e at %s; %zu of %zu beyond %.2e, %zu not finite%s%s\n", what.c_str(), worst_err,
+              where(worst).c_str(), bad, got.size(), limit, nonfinite, bad ? "; first " : "",
+              bad ? where(first_bad).c_str() : "");
+  EXPECT_EQ(nonfinite, 0u) << what << ": NaN or Inf in the output";
+  expect_close(what, storage, got, ref);
+}
+
+// Every element of `buffer` outside the view's elements still holds the sentinel.
+void expect_untouched(const std::string& what, const std::vector<double>& buffer, int64_t T, int64_t H, int64_t D,
+                      int64_t ts, int64_t hs) {
+  std::vector<char> inside(buffer.size(), 0);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t d = 0; d < D; ++d) inside[t * ts + h * hs + d] = 1;
+  for (size_t i = 0; i < buffer.size(); ++i) {
+    if (!inside[i] && buffer[i] != kSentinel) {
+      ADD_FAILURE() << what << ": element " << i << " of the buffer, outside the view, was overwritten with "
+                    << buffer[i];
+      return;
+    }
+  }
+}
+
+// Device copies of q, k, v: separate [T, H, D] tensors, or views of one fused [T, (Hq + 2·Hkv)·D] buffer.
+struct QkvOnDevice {
+  DeviceTensor fused, q_sep, k_sep, v_sep;
+  Tensor q, k, v;
+  QkvOnDevice(const std::vector<double>& qv, const std::vector<double>& kv, const std::vector<double>& vv, int64_t Tq,
+              int64_t Tk, int64_t Hq, int64_t Hkv, int64_t D, bool use_fused)
+      : fused(DType::bf16, {use_fused ? Tq : 1, (Hq + 2 * Hkv) * D}),
+        q_sep(DType::bf16, {Tq, Hq, D}),
+        k_sep(DType::bf16, {Tk, Hkv, D}),
+        v_sep(DType::bf16, {Tk, Hkv, D}) {
+    q = q_sep, k = k_sep, v = v_sep;
+    if (use_fused) {
+      const int64_t W = (Hq + 2 * Hkv) * D, wq = Hq * D, wk = Hkv * D;
+      std::vector<double> all(static_cast<size_t>(Tq * W));
+      for (int64_t t = 0; t < Tq; ++t) {
+        for (int64_t i = 0; i < wq; ++i) all[t * W + i] = qv[t * wq + i];
+        for (int64_t i = 0; i < wk; ++i) all[t * W + wq + i] = kv[t * wk + i];
+        for (int64_t i = 0; i < wk; ++i) all[t * W + wq + wk + i] = vv[t * wk + i];
+      }
+      upload(fused, all);
+      q = head_view(fused, 0, Hq, D);
+      k = head_view(fused, wq, Hkv, D);
+      v = head_view(fused, wq + wk, Hkv, D);
+    } else {
+      upload(q_sep, qv);
+      upload(k_sep, kv);
+      upload(v_sep, vv);
+    }
+  }
+};
+
+struct HopperCase {
+  const char* name;
+  int64_t Tq, Tk, Hq, Hkv, D;
+  BlockMask mask;
+  bool fused_qkv;  // q, k, v views of one fused QKV buffer (Tq == Tk); the LSE is then head-major
+  DType o_dtype;
+};
+
+void PrintTo(const HopperCase& c, std::ostream* os) { *os << c.name; }
+
+class HopperAttention : public ::testing::TestWithParam<HopperCase> {};
+
+TEST_P(HopperAttention, ForwardMatchesCpuReference) {
+  LT_REQUIRE_HOPPER();
+  const HopperCase c = GetParam();
+  const double scale = 1.0 / std::sqrt(static_cast<double>(c.D));
+  const int64_t nq = c.Tq * c.Hq * c.D, nk = c.Tk * c.Hkv * c.D;
+  const auto q = random_values(nq, 501, DType::bf16), k = random_values(nk, 502, DType::bf16);
+  const auto v = random_values(nk, 503, DType::bf16);
+
+  HostTensor<double> q_h = host_tensor({c.Tq, c.Hq, c.D}, q), k_h = host_tensor({c.Tk, c.Hkv, c.D}, k);
+  HostTensor<double> v_h = host_tensor({c.Tk, c.Hkv, c.D}, v), o_h({c.Tq, c.Hq, c.D}), lse_h({c.Tq, c.Hq});
+  attn::attention_block_forward(o_h, lse_h, q_h, k_h, v_h, c.mask, scale);
+
+  QkvOnDevice in(q, k, v, c.Tq, c.Tk, c.Hq, c.Hkv, c.D, c.fused_qkv);
+  // O inside a buffer with 3 extra rows and 8 extra elements per row; the LSE token-major [Tq + 3, Hq]
+  // or head-major [Hq, Tq + 3] (as the model keeps it).
+  const int64_t o_ts = c.Hq * c.D + 8, rows = c.Tq + 3;
+  DeviceTensor o_buf(c.o_dtype, {rows, o_ts}), lse_buf(DType::f32, {rows * c.Hq});
+  upload(o_buf, std::vector<double>(static_cast<size_t>(rows * o_ts), kSentinel));
+  upload(lse_buf, std::vector<double>(static_cast<size_t>(rows * c.Hq), kSentinel));
+  Tensor o = head_view(o_buf, 0, c.Hq, c.D);
+  o.shape[0] = c.Tq;
+  Tensor lse = lse_buf;
+  lse.ndim = 2;
+  lse.shape = {c.Tq, c.Hq, 0, 0};
+  const bool head_major = c.fused_qkv;
+  const int64_t l_ts = head_major ? 1 : c.Hq, l_hs = head_major ? rows : 1;
+  lse.stride = {l_ts, l_hs, 0, 0};
+
+  const bool causal = c.mask == BlockMask::causal_diagonal;
+  const std::string why =
+      attn::hopper::unsupported_reason(hout(o), hstats(lse), hview(in.q), hview(in.k), hview(in.v), causal, false);
+  ASSERT_TRUE(why.empty()) << why;
+  attn::hopper::forward(hout(o), hstats(lse), hview(in.q), hview(in.k), hview(in.v), causal,
+                        static_cast<float>(scale), false);
+  LT_CUDA_CHECK(cudaStreamSynchronize(cuda_stream()));
+
+  const std::string tag = std::string(" [") + c.name + "]";
+  const std::vector<double> o_all = download(o_buf), lse_all = download(lse_buf);
+  // O comes from bf16 P·V (like cuDNN's), so an f32 O is held to the bf16 tolerance too.
+  check_output("hopper O" + tag, DType::bf16, gather(o_all, c.Tq, c.Hq, c.D, o_ts, c.D), o_h.values, c.Hq, c.D);
+  check_output("hopper LSE" + tag, DType::f32, gather(lse_all, c.Tq, c.Hq, 1, l_ts, l_hs), lse_h.values, c.Hq, 1);
+  expect_untouched("hopper O buffer" + tag, o_all, c.Tq, c.Hq, c.D, o_ts, c.D);
+  expect_untouched("hopper LSE buffer" + tag, lse_all, c.Tq, c.Hq, 1, l_ts, l_hs);
+}
+
+constexpr BlockMask kCausal = BlockMask::causal_diagonal, kNone = BlockMask::none;
+
+INSTANTIATE_TEST_SUITE_P(
+    Blocks, HopperAttention,
+    ::testing::Values(HopperCase{"causal_mha8_t1_d64_fused", 1, 1, 8, 8, 64, kCausal, true, DType::bf16},
+                      HopperCase{"causal_gqa8x2_t77_d128_fused", 77, 77, 8, 2, 128, kCausal, true, DType::bf16},
+                      HopperCase{"causal_mqa4x1_t130_d64_f32o", 130, 130, 4, 1, 64, kCausal, false, DType::f32},
+                      HopperCase{"causal_gqa32x4_t255_d128_fused_f32o", 255, 255, 32, 4, 128, kCausal, true,
+                                 DType::f32},
+                      HopperCase{"causal_mha8_t1000_d64_fused", 1000, 1000, 8, 8, 64, kCausal, true, DType::bf16},
+                      HopperCase{"causal_gqa8x2_t1000_d128", 1000, 1000, 8, 2, 128, kCausal, false, DType::bf16},
+                      HopperCase{"none_mha8_t130_d128_fused", 130, 130, 8, 8, 128, kNone, true, DType::bf16},
+                      HopperCase{"none_gqa8x2_t255_d64_f32o", 255, 255, 8, 2, 64, kNone, false, DType::f32},
+                      HopperCase{"none_gqa32x4_t1000_d64_fused", 1000, 1000, 32, 4, 64, kNone, true, DType::bf16},
+                      HopperCase{"none_mqa4x1_q77_k1000_d128", 77, 1000, 4, 1, 128, kNone, false, DType::bf16},
+                      HopperCase{"none_gqa8x2_q1000_k77_d64_f32o", 1000, 77, 8, 2, 64, kNone, false, DType::f32},
+                      HopperCase{"none_mha8_q1_k255_d128_f32o", 1, 255, 8, 8, 128, kNone, false, DType::f32}),
+    [](const ::testing::TestParamInfo<HopperCase>& info) { return std::string(info.param.name); });
+
+// Merge mode: K/V split into two blocks (at a row that is not a tile multiple), the second merged into
+// the first's f32 result in the kernel's epilogue, equals the whole; so does merging both blocks into
+// an empty accumulator (lse = -inf, O = NaN: the empty side's O must not be read) through the
+// Tensor-level entry; and the ring's causal decomposition (rows of the second half: an unmasked
+// block, then the causal diagonal block merged in).
+TEST(HopperAttention, MergeIntoRunningPartialEqualsTheWhole) {
+  LT_REQUIRE_HOPPER();
+  const double nan = std::numeric_limits<double>::quiet_NaN(), inf = std::numeric_limits<double>::infinity();
+  for (int64_t D : {64, 128}) {
+    SCOPED_TRACE("D = " + std::to_string(D));
+    const int64_t Tq = 300, Tk = 517, split = 200, Hq = 8, Hkv = 2;
+    const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+    const auto q = random_values(Tq * Hq * D, 601, DType::bf16), k = random_values(Tk * Hkv * D, 602, DType::bf16);
+    const auto v = random_values(Tk * Hkv * D, 603, DType::bf16);
+    HostTensor<double> q_h = host_tensor({Tq, Hq, D}, q), k_h = host_tensor({Tk, Hkv, D}, k);
+    HostTensor<double> v_h = host_tensor({Tk, Hkv, D}, v), o_h({Tq, Hq, D}), lse_h({Tq, Hq});
+    attn::attention_block_forward(o_h, lse_h, q_h, k_h, v_h, kNone, scale);
+
+    QkvOnDevice in(q, k, v, Tq, Tk, Hq, Hkv, D, false);
+    const Tensor k1 = in.k.narrow(0, 0, split), v1 = in.v.narrow(0, 0, split);
+    const Tensor k2 = in.k.narrow(0, split, Tk - split), v2 = in.v.narrow(0, split, Tk - split);
+    DeviceTensor o_acc(DType::f32, {Tq, Hq, D}), lse_acc(DType::f32, {Tq, Hq});
+    const std::string dtag = " D=" + std::to_string(D);
+
+    // (a) block 1 overwrites garbage, block 2 merges into it.
+    upload(o_acc, std::vector<double>(static_cast<size_t>(Tq * Hq * D), nan));
+    upload(lse_acc, std::vector<double>(static_cast<size_t>(Tq * Hq), nan));
+    attn::hopper::forward(hout(o_acc), hstats(lse_acc), hview(in.q), hview(k1), hview(v1), false,
+                          static_cast<float>(scale), false);
+    attn::hopper::forward(hout(o_acc), hstats(lse_acc), hview(in.q), hview(k2), hview(v2), false,
+                          static_cast<float>(scale), true);
+    check_output("merge: block 1, then block 2 merged, O" + dtag, DType::bf16, download(o_acc), o_h.values, Hq, D);
+    check_output("merge: block 1, then block 2 merged, LSE" + dtag, DType::f32, download(lse_acc), lse_h.values, Hq,
+                 1);
+
+    // (b) both blocks merged into an empty accumulator (O NaN, LSE -inf), through the Tensor entry.
+    upload(o_acc, std::vector<double>(static_cast<size_t>(Tq * Hq * D), nan));
+    upload(lse_acc, std::vector<double>(static_cast<size_t>(Tq * Hq), -inf));
+    attn::hopper::attention_block_forward_merge(o_acc, lse_acc, in.q, k1, v1, kNone, scale);
+    attn::hopper::attention_block_forward_merge(o_acc, lse_acc, in.q, k2, v2, kNone, scale);
+    check_output("merge: both into an empty (NaN, -inf) partial, O" + dtag, DType::bf16, download(o_acc), o_h.values,
+                 Hq, D);
+    check_output("merge: both into an empty (NaN, -inf) partial, LSE" + dtag, DType::f32, download(lse_acc),
+                 lse_h.values, Hq, 1);
+
+    // (c) the ring's causal decomposition of 2·B tokens.
+    const int64_t B = 191, S2 = 2 * B;
+    const auto cq = random_values(S2 * Hq * D, 611, DType::bf16), ck = random_values(S2 * Hkv * D, 612, DType::bf16);
+    const auto cv = random_values(S2 * Hkv * D, 613, DType::bf16);
+    HostTensor<double> cq_h = host_tensor({S2, Hq, D}, cq), ck_h = host_tensor({S2, Hkv, D}, ck);
+    HostTensor<double> cv_h = host_tensor({S2, Hkv, D}, cv), co_h({S2, Hq, D}), clse_h({S2, Hq});
+    attn::attention_block_forward(co_h, clse_h, cq_h, ck_h, cv_h, kCausal, scale);
+    QkvOnDevice ring(cq, ck, cv, S2, S2, Hq, Hkv, D, true);
+    DeviceTensor co(DType::f32, {S2, Hq, D}), clse(DType::f32, {S2, Hq});
+    upload(co, std::vector<double>(static_cast<size_t>(S2 * Hq * D), nan));
+    upload(clse, std::vector<double>(static_cast<size_t>(S2 * Hq), -inf));
+    const Tensor Q1 = ring.q.narrow(0, 0, B), Q2 = ring.q.narrow(0, B, B), K1 = ring.k.narrow(0, 0, B),
+                 K2 = ring.k.narrow(0, B, B), V1 = ring.v.narrow(0, 0, B), V2 = ring.v.narrow(0, B, B);
+    const Tensor O1 = Tensor(co).narrow(0, 0, B), O2 = Tensor(co).narrow(0, B, B);
+    const Tensor L1 = Tensor(clse).narrow(0, 0, B), L2 = Tensor(clse).narrow(0, B, B);
+    const float sc = static_cast<float>(scale);
+    attn::hopper::forward(hout(O1), hstats(L1), hview(Q1), hview(K1), hview(V1), true, sc, false);
+    attn::hopper::forward(hout(O2), hstats(L2), hview(Q2), hview(K1), hview(V1), false, sc, false);
+    attn::hopper::forward(hout(O2), hstats(L2), hview(Q2), hview(K2), hview(V2), true, sc, true);
+    check_output("merge: causal ring blocks, O" + dtag, DType::bf16, download(co), co_h.values, Hq, D);
+    check_output("merge: causal ring blocks, LSE" + dtag, DType::f32, download(clse), clse_h.values, Hq, 1);
+  }
+}
+
+// Hopper against cuDNN on larger shapes from one fused QKV buffer (the model's layout), and bitwise
+// identical results from two runs.
+TEST(HopperAttention, MatchesCudnnAndIsDeterministic) {
+  LT_REQUIRE_HOPPER();
+  struct Shape {
+    int64_t S, Hq, Hkv, D;
+    bool causal;
+  };
+  for (const Shape& s : {Shape{4096, 32, 4, 64, true}, Shape{2048, 32, 8, 128, false}, Shape{3000, 16, 2, 128, true}}) {
+    const std::string tag = fmt::format(" [S={} {}/{} D={} {}]", s.S, s.Hq, s.Hkv, s.D, s.causal ? "causal" : "none");
+    SCOPED_TRACE(tag);
+    const double scale = 1.0 / std::sqrt(static_cast<double>(s.D));
+    const auto q = random_values(s.S * s.Hq * s.D, 701, DType::bf16);
+    const auto k = random_values(s.S * s.Hkv * s.D, 702, DType::bf16);
+    const auto v = random_values(s.S * s.Hkv * s.D, 703, DType::bf16);
+    QkvOnDevice in(q, k, v, s.S, s.S, s.Hq, s.Hkv, s.D, true);
+    DeviceTensor o_ref(DType::bf16, {s.S, s.Hq, s.D}), lse_ref(DType::f32, {s.S, s.Hq});
+    DeviceTensor o_a(DType::bf16, {s.S, s.Hq, s.D}), lse_a(DType::f32, {s.S, s.Hq});
+    DeviceTensor o_b(DType::bf16, {s.S, s.Hq, s.D}), lse_b(DType::f32, {s.S, s.Hq});
+    attn::cudnn_sdpa::forward(hview(o_ref), hstats(lse_ref), hview(in.q), hview(in.k), hview(in.v), s.causal,
+                              static_cast<float>(scale));
+    for (const DeviceTensor* o : {&o_a, &o_b}) {
+      const DeviceTensor* lse = o == &o_a ? &lse_a : &lse_b;
+      attn::hopper::forward(hout(*o), hstats(*lse), hview(in.q), hview(in.k), hview(in.v), s.causal,
+                            static_cast<float>(scale), false);
+    }
+    check_output("hopper O vs cuDNN" + tag, DType::bf16, download(o_a), download(o_ref), s.Hq, s.D);
+    check_output("hopper LSE vs cuDNN" + tag, DType::f32, download(lse_a), download(lse_ref), s.Hq, 1);
+    EXPECT_TRUE(download_bytes(o_a) == download_bytes(o_b)) << "hopper O differs between two runs" << tag;
+    EXPECT_TRUE(download_bytes(lse_a) == download_bytes(lse_b)) << "hopper LSE differs between two runs" << tag;
+  }
+}
+
+}  // namespace
+}  // namespace longtrain::test
+#endif  // LONGTRAIN_HAS_CUDA

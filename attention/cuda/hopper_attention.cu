@@ -1,0 +1,673 @@
+// Our Hopper flash-attention forward (hopper_attention.h): one CTA per (128 query rows, query head).
+//
+// Warp specialization, FlashAttention-3's structure:
+// - warpgroup 0 (the producer) shrinks to 24 registers; one of its threads issues TMA loads: the Q tile
+//   once, then K and V tiles of 128 keys into a ring of kStages shared-memory stages, each guarded by
+//   "full" mbarriers (TMA completes them with the bytes it wrote) and an "empty" mbarrier (the 256
+//   consumer threads arrive when they are done reading the stage);
+// - warpgroups 1 and 2 (the consumers) grow to 240 registers and own 64 query rows each: per K/V tile,
+//   S = Q·Kᵀ with wgmma (both operands from shared memory), the online softmax in registers (exp2 with
+//   scale·log2(e) folded in), P rounded to bf16 in registers and used directly as the register A
+//   operand of O += P·V (V from shared memory, N-major: the transposed B operand).
+// Causal blocks skip the K/V tiles wholly above the diagonal and mask only the tiles that cross it;
+// keys >= Tk (TMA zero-fills the rows past the end) are masked in the last tile. The grid runs the
+// longest (causal) query tiles first.
+//
+// Shared-memory layout. TMA writes every tile in 128-byte swizzled rows (CU_TENSOR_MAP_SWIZZLE_128B):
+// a box is 64 bf16 of head_dim (128 bytes) by `rows` tokens, stored as rows × 128 bytes in 1024-byte
+// atoms of 8 rows in which the 16-byte chunk c of row r lands at chunk c ^ (r % 8). A tile of D = 128
+// is two such column blocks (d 0..63, then 64..127), one after the other. The wgmma descriptors
+// describe exactly this layout (PTX ISA, "Shared Memory Matrix Layout", 128B swizzling):
+// - Q and K are K-major operands (the reduction dim, head_dim, is contiguous): SBO = 1024 bytes (the
+//   next 8 rows); LBO unused. The k-th 16-element slice of a column block starts 32·k bytes into it
+//   (the hardware applies the swizzle to the address it computes, so the start may sit inside a
+//   128-byte row as long as the atom is 1024-byte aligned, base offset 0).
+// - V is the N-major B operand of P·V (rows are keys = the reduction dim, head_dim contiguous):
+//   LBO = the distance between column blocks (the next 64 of head_dim), SBO = 1024 bytes (the next 8
+//   keys); the 16 keys of the k-th step start 16·128·k bytes in.
+#include "attention/cuda/hopper_attention.h"
+
+#include <cuda.h>  // CUtensorMap and its enums only: the encode function comes from the driver at run time
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+#include <utility>
+
+#include "runtime/cuda_check.h"
+#include "runtime/error.h"
+
+// wgmma and setmaxnreg exist only in sm_90a code; any other device pass compiles the kernel as an
+// empty body (it is never launched there: supported() requires an sm_90 device).
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define LT_HOPPER_DEVICE_CODE 1
+#else
+#define LT_HOPPER_DEVICE_CODE 0
+#endif
+
+namespace longtrain::attn::hopper {
+namespace {
+
+constexpr int kBlockM = 128;        // query rows per CTA
+constexpr int kWarpgroupRows = 64;  // query rows per consumer warpgroup (the wgmma M)
+constexpr int kBlockN = 128;        // keys per K/V tile
+constexpr int kThreads = 384;       // producer warpgroup + 2 consumer warpgroups
+constexpr int kSwizzleElems = 64;   // bf16 elements in one 128-byte swizzled row
+constexpr int kProducerRegs = 24, kConsumerRegs = 240;  // 128·24 + 256·240 <= 64K registers
+
+template <int D> struct Tiles {
+  static_assert(D == 64 || D == 128, "head_dim 64 or 128");
+  static constexpr int kStages = D == 64 ? 4 : 2;
+  static constexpr int kColBlocks = D / kSwizzleElems;
+  static constexpr uint32_t kQColBlockBytes = kBlockM * 128;
+  static constexpr uint32_t kKVColBlockBytes = kBlockN * 128;
+  static constexpr uint32_t kQBytes = kColBlocks * kQColBlockBytes;
+  static constexpr uint32_t kKVBytes = kColBlocks * kKVColBlockBytes;  // one K (or V) tile
+  static constexpr uint32_t kKOffset = kQBytes;
+  static constexpr uint32_t kVOffset = kKOffset + kStages * kKVBytes;
+  static constexpr uint32_t kBarrierOffset = kVOffset + kStages * kKVBytes;
+  static constexpr int kBarriers = 1 + 3 * kStages;  // q_full, k_full[s], v_full[s], empty[s]
+  // +1024: the dynamic shared memory base is only 16-byte aligned; the tiles are moved up to 1024.
+  static constexpr uint32_t kSmemBytes = kBarrierOffset + 8 * kBarriers + 1024;
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory per CTA");
+};
+
+struct Params {
+  void* o;
+  int64_t o_ts, o_hs;
+  float* lse;
+  int64_t lse_ts, lse_hs;
+  int tq, tk;
+  int group;        // q heads per kv head
+  int num_q_tiles;
+  float scale;      // natural-log scale (for the LSE)
+  float scale_log2; // scale · log2(e) (for exp2)
+};
+
+// ---- PTX wrappers ----------------------------------------------------------------------------------
+
+static __device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+static __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+
+// Makes the initialised barriers visible to the async proxy (TMA) before anyone uses them.
+static __device__ __forceinline__ void fence_barrier_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+
+static __device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+static __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+
+static __device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done;
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+      "selp.u32 %0, 1, 0, p;\n"
+      "}\n"
+      : "=r"(done)
+      : "r"(bar), "r"(parity)
+      : "memory");
+  return done != 0;
+}
+
+// No wait in this kernel lasts more than milliseconds; one that lasts ~10 s is a pipeline bug (a
+// barrier that never completes: wrong expected bytes, parity or arrival count). It traps, so the host
+// sees a launch failure ("unspecified launch failure" / illegal instruction at the next
+// synchronisation) instead of a hang. (No printf: a function call in the kernel serialises wgmma.)
+constexpr long long kHangCycles = 1ll << 34;
+
+// Waits until the barrier's phase of the given parity has completed.
+static __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  if (mbar_try_wait(bar, parity)) return;
+  const long long start = clock64();
+  while (!mbar_try_wait(bar, parity)) {
+    if (clock64() - start > kHangCycles) __trap();
+  }
+}
+
+// A 3-d tiled TMA load (coordinates innermost first: head_dim element, head, token) into shared
+// memory, completing `bar` with the box's bytes (out-of-bounds elements are written as zeros).
+static __device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0,
+                                                   int c1, int c2) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], "
+      "[%2];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2)
+      : "memory");
+}
+
+static __device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap* map) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
+
+template <int N> static __device__ __forceinline__ void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+template <int N> static __device__ __forceinline__ void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+
+static __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+static __device__ __forceinline__ void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+template <int N> static __device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+
+// Keeps the compiler from moving reads or writes of wgmma accumulators across the wait/fence that
+// orders them with the asynchronous MMA (the asm statements above carry no register dependencies).
+template <int N> static __device__ __forceinline__ void fence_operands(float (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+
+// A shared-memory matrix descriptor with 128-byte swizzling (layout type 1 in bits 62-63); addresses
+// and offsets in bytes, encoded >> 4 (PTX ISA "Matrix Descriptor Format").
+static __device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>((lbo & 0x3FFFF) >> 4) << 16) |
+         (static_cast<uint64_t>((sbo & 0x3FFFF) >> 4) << 32) | (1ull << 62);
+}
+
+static __device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Two floats as bf16 in one register, `lo` in the low half (the lower k index of an A fragment pair).
+static __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// D[64 x 128] (+)= A[64 x 16] · B[16 x 128]: A and B K-major in shared memory (descriptors).
+static __device__ __forceinline__ void wgmma_m64n128k16_ss(float (&d)[64], uint64_t desc_a, uint64_t desc_b,
+                                                           uint32_t accumulate) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "%64, %65, p, 1, 1, 0, 0;\n"
+      "}\n"
+      :
+        "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+
+// D[64 x 64] += A[64 x 16] · B[16 x 64]: A (bf16 pairs) in registers, B N-major in shared memory
+// (imm-trans-b = 1: the tile is stored [k][n] with n contiguous).
+static __device__ __forceinline__ void wgmma_m64n64k16_rs(float (&d)[32], uint32_t a0, uint32_t a1, uint32_t a2,
+                                                          uint32_t a3, uint64_t desc_b) {
+  asm volatile(
+      "{\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "{%32, %33, %34, %35}, %36, 1, 1, 1, 1;\n"
+      "}\n"
+      :
+        "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc_b));
+}
+
+// D[64 x 128] += A[64 x 16] · B[16 x 128]: A (bf16 pairs) in registers, B N-major in shared memory
+// (imm-trans-b = 1: the tile is stored [k][n] with n contiguous).
+static __device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d)[64], uint32_t a0, uint32_t a1, uint32_t a2,
+                                                          uint32_t a3, uint64_t desc_b) {
+  asm volatile(
+      "{\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "{%64, %65, %66, %67}, %68, 1, 1, 1, 1;\n"
+      "}\n"
+      :
+        "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc_b));
+}
+
+// ---- the kernel ------------------------------------------------------------------------------------
+//
+// Accumulator fragments (PTX ISA, wgmma .m64nNk16 register fragment for D): thread `lane` of warp `w`
+// (within its warpgroup) holds element i of N/2 at row 16·w + lane/4 + 8·((i/2) % 2) and column
+// 8·(i/4) + 2·(lane % 4) + i % 2. So each thread owns two rows ("halves" h = 0, 1; h = (i/2) % 2), and
+// the four lanes of a quad share a row. The same pairs, read 8 at a time, are exactly the bf16 A
+// fragment of the next MMA over those columns: for the k-th 16 columns, registers
+// (S[8k], S[8k+1]), (S[8k+2], S[8k+3]), (S[8k+4], S[8k+5]), (S[8k+6], S[8k+7]) are a0..a3.
+
+template <int D, bool kCausal, bool kF32Out, bool kMerge>
+__global__ void __launch_bounds__(kThreads, 1)
+    hopper_attention_fwd_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
+                                const __grid_constant__ CUtensorMap tm_v, const Params p) {
+#if LT_HOPPER_DEVICE_CODE
+  using Tl = Tiles<D>;
+  constexpr int S = Tl::kStages;
+  extern __shared__ unsigned char smem_raw[];
+  const uint32_t smem = (smem_u32(smem_raw) + 1023u) & ~1023u;
+  const uint32_t sQ = smem, sK = smem + Tl::kKOffset, sV = smem + Tl::kVOffset;
+  const uint32_t bars = smem + Tl::kBarrierOffset;
+  const uint32_t q_full = bars;
+  auto k_full = [&](int s) { return bars + 8u * (1 + s); };
+  auto v_full = [&](int s) { return bars + 8u * (1 + S + s); };
+  auto empty = [&](int s) { return bars + 8u * (1 + 2 * S + s); };
+
+  const int head = blockIdx.x;
+  const int q_tile = p.num_q_tiles - 1 - static_cast<int>(blockIdx.y);  // longest causal tiles first
+  const int m0 = q_tile * kBlockM;
+  const int kv_head = head / p.group;
+  const int q_end = min(m0 + kBlockM, p.tq);
+  const int kv_tiles_all = (p.tk + kBlockN - 1) / kBlockN;
+  // Causal (Tq == Tk): the last query row of this tile sees keys up to q_end - 1; later tiles are skipped.
+  const int n_tiles = kCausal ? min(kv_tiles_all, (q_end - 1) / kBlockN + 1) : kv_tiles_all;
+
+  if (threadIdx.x == 0) {
+    mbar_init(q_full, 1);
+    for (int s = 0; s < S; ++s) {
+      mbar_init(k_full(s), 1);
+      mbar_init(v_full(s), 1);
+      mbar_init(empty(s), 2 * 128);  // every consumer thread arrives once per tile
+    }
+    fence_barrier_init();
+  }
+  __syncthreads();
+
+  const int warpgroup = threadIdx.x / 128;
+  if (warpgroup == 0) {
+    // ---- producer ----
+    setmaxnreg_dec<kProducerRegs>();
+    if (threadIdx.x == 0) {
+      prefetch_tensor_map(&tm_q);
+      prefetch_tensor_map(&tm_k);
+      prefetch_tensor_map(&tm_v);
+      mbar_arrive_expect_tx(q_full, Tl::kQBytes);
+#pragma unroll
+      for (int c = 0; c < Tl::kColBlocks; ++c)
+        tma_load_3d(sQ + c * Tl::kQColBlockBytes, &tm_q, q_full, c * kSwizzleElems, head, m0);
+      for (int n = 0; n < n_tiles; ++n) {
+        const int s = n % S;
+        // A fresh barrier counts as having completed the phase before phase 0, so the first pass
+        // through the ring (parity 1) does not wait.
+        mbar_wait(empty(s), ((n / S) & 1) ^ 1);
+        mbar_arrive_expect_tx(k_full(s), Tl::kKVBytes);
+#pragma unroll
+        for (int c = 0; c < Tl::kColBlocks; ++c)
+          tma_load_3d(sK + s * Tl::kKVBytes + c * Tl::kKVColBlockBytes, &tm_k, k_full(s), c * kSwizzleElems, kv_head,
+                      n * kBlockN);
+        mbar_arrive_expect_tx(v_full(s), Tl::kKVBytes);
+#pragma unroll
+        for (int c = 0; c < Tl::kColBlocks; ++c)
+          tma_load_3d(sV + s * Tl::kKVBytes + c * Tl::kKVColBlockBytes, &tm_v, v_full(s), c * kSwizzleElems, kv_head,
+                      n * kBlockN);
+      }
+      // Stay until the consumers have released every stage, so no load is in flight when this
+      // thread leaves.
+      for (int n = max(0, n_tiles - S); n < n_tiles; ++n) mbar_wait(empty(n % S), (n / S) & 1);
+    }
+    return;
+  }
+
+  // ---- consumers ----
+  setmaxnreg_inc<kConsumerRegs>();
+  const int cw = warpgroup - 1;  // consumer warpgroup: query rows m0 + 64·cw + [0, 64)
+  const int t = threadIdx.x % 128;
+  const int warp = t / 32, lane = t % 32;
+  const int wg_row0 = m0 + kWarpgroupRows * cw;
+  const int row_lo = wg_row0 + 16 * warp + lane / 4;  // this thread's half-0 row; half 1 is row_lo + 8
+  const int col_lane = 2 * (lane % 4);
+
+  float o[D / 2];
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
+  float m_run[2] = {-INFINITY, -INFINITY};  // running max of the raw (unscaled) scores, per row half
+  float l_run[2] = {0.0f, 0.0f};            // this thread's part of the running softmax denominator
+
+  const uint32_t sQ_wg = sQ + cw * kWarpgroupRows * 128;  // this warpgroup's 64 rows of each column block
+  mbar_wait(q_full, 0);
+
+  for (int n = 0; n < n_tiles; ++n) {
+    const int s = n % S;
+    const uint32_t parity = (n / S) & 1;
+
+    // S = Q·Kᵀ over head_dim in steps of 16.
+    float sc[kBlockN / 2];
+    mbar_wait(k_full(s), parity);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const uint32_t in_block = (kk % 4) * 32;
+      const uint64_t da = smem_desc(sQ_wg + (kk / 4) * Tl::kQColBlockBytes + in_block, 16, 1024);
+      const uint64_t db = smem_desc(sK + s * Tl::kKVBytes + (kk / 4) * Tl::kKVColBlockBytes + in_block, 16, 1024);
+      wgmma_m64n128k16_ss(sc, da, db, kk > 0 ? 1u : 0u);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_operands(sc);
+
+    // Masks: keys past Tk (zero-filled by TMA) and, causal, keys after the query.
+    const int key0 = n * kBlockN;
+    const bool mask_tile = key0 + kBlockN > p.tk || (kCausal && key0 + kBlockN - 1 > wg_row0);
+    if (mask_tile) {
+#pragma unroll
+      for (int i = 0; i < kBlockN / 2; ++i) {
+        const int key = key0 + 8 * (i / 4) + col_lane + (i % 2);
+        const int row = row_lo + 8 * ((i / 2) % 2);
+        if (key >= p.tk || (kCausal && key > row)) sc[i] = -INFINITY;
+      }
+    }
+
+    // Online softmax: new row max (over the quad that shares the row), rescale factor of what came before.
+    float mx[2] = {m_run[0], m_run[1]};
+#pragma unroll
+    for (int i = 0; i < kBlockN / 2; ++i) mx[(i / 2) % 2] = fmaxf(mx[(i / 2) % 2], sc[i]);
+    float base[2], alpha[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+      // A row with no visible key yet keeps max -inf; 0 stands in so that exp2(-inf - base) = 0, not NaN.
+      base[h] = mx[h] == -INFINITY ? 0.0f : mx[h] * p.scale_log2;
+      alpha[h] = fast_exp2(m_run[h] * p.scale_log2 - base[h]);
+      m_run[h] = mx[h];
+    }
+    float rowsum[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int i = 0; i < kBlockN / 2; ++i) {
+      const int h = (i / 2) % 2;
+      sc[i] = fast_exp2(fmaf(sc[i], p.scale_log2, -base[h]));
+      rowsum[h] += sc[i];
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) l_run[h] = l_run[h] * alpha[h] + rowsum[h];
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) o[i] *= alpha[(i / 2) % 2];
+
+    uint32_t pa[kBlockN / 4];
+#pragma unroll
+    for (int j = 0; j < kBlockN / 4; ++j) pa[j] = pack_bf16(sc[2 * j], sc[2 * j + 1]);
+
+    // O += P·V over the tile's keys in steps of 16.
+    mbar_wait(v_full(s), parity);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      const uint64_t db = smem_desc(sV + s * Tl::kKVBytes + kk * 16 * 128, Tl::kKVColBlockBytes, 1024);
+      if constexpr (D == 128) {
+        wgmma_m64n128k16_rs(o, pa[4 * kk], pa[4 * kk + 1], pa[4 * kk + 2], pa[4 * kk + 3], db);
+      } else {
+        wgmma_m64n64k16_rs(o, pa[4 * kk], pa[4 * kk + 1], pa[4 * kk + 2], pa[4 * kk + 3], db);
+      }
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_operands(o);
+    mbar_arrive(empty(s));  // this thread has finished reading stage s (K and V)
+  }
+
+  // ---- epilogue: normalise, LSE, merge into the running partial, store ----
+  float inv[2], lse_blk[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float l = l_run[h];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    inv[h] = l > 0.0f ? 1.0f / l : 0.0f;
+    lse_blk[h] = l > 0.0f ? m_run[h] * p.scale + logf(l) : -INFINITY;
+  }
+  // Per row half: the weights of the old partial and of this block, the LSE to store, and whether to
+  // write at all (a row of this block without keys leaves a merged accumulator as it is).
+  float w_old[2] = {0.0f, 0.0f}, w_new[2] = {1.0f, 1.0f}, lse_out[2] = {lse_blk[0], lse_blk[1]};
+  bool write[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = row_lo + 8 * h;
+    write[h] = row < p.tq;
+    if constexpr (kMerge) {
+      const float l1 = write[h] ? p.lse[row * p.lse_ts + head * p.lse_hs] : -INFINITY;
+      const float l2 = lse_blk[h];
+      if (l2 == -INFINITY) {
+        write[h] = false;
+      } else if (l1 != -INFINITY) {  // as lse_merge_kernel (local_attention.cu)
+        const float m = fmaxf(l1, l2);
+        lse_out[h] = m + log1pf(expf(-fabsf(l1 - l2)));
+        w_old[h] = expf(l1 - lse_out[h]);
+        w_new[h] = expf(l2 - lse_out[h]);
+      }
+    }
+  }
+  if constexpr (kMerge) __syncwarp();  // every lane of the quad has read the old LSE before lane 0 writes it
+
+  using Out = std::conditional_t<kF32Out, float, __nv_bfloat16>;
+  Out* const out = static_cast<Out*>(p.o) + static_cast<int64_t>(head) * p.o_hs;
+#pragma unroll
+  for (int i = 0; i < D / 2; i += 2) {
+    const int h = (i / 2) % 2;
+    if (!write[h]) continue;
+    const int64_t row = row_lo + 8 * h;
+    Out* dst = out + row * p.o_ts + 8 * (i / 4) + col_lane;
+    float v0 = o[i] * inv[h], v1 = o[i + 1] * inv[h];
+    if constexpr (kMerge) {
+      const float2 old = w_old[h] == 0.0f ? make_float2(0.0f, 0.0f) : *reinterpret_cast<const float2*>(dst);
+      v0 = (w_old[h] == 0.0f ? 0.0f : w_old[h] * old.x) + w_new[h] * v0;
+      v1 = (w_old[h] == 0.0f ? 0.0f : w_old[h] * old.y) + w_new[h] * v1;
+    }
+    if constexpr (kF32Out) {
+      *reinterpret_cast<float2*>(dst) = make_float2(v0, v1);
+    } else {
+      *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(v0, v1);
+    }
+  }
+  if (lane % 4 == 0) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int64_t row = row_lo + 8 * h;
+      if (write[h]) p.lse[row * p.lse_ts + head * p.lse_hs] = lse_out[h];
+    }
+  }
+#endif  // LT_HOPPER_DEVICE_CODE
+}
+
+// ---- host side ---------------------------------------------------------------------------------------
+
+using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+// cuTensorMapEncodeTiled from the driver through the runtime, so longtrain does not link libcuda.
+EncodeTiledFn encode_tiled() {
+  static const EncodeTiledFn fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    LT_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &found));
+    LT_CHECK(found == cudaDriverEntryPointSuccess && f != nullptr,
+             "hopper attention: the CUDA driver does not provide cuTensorMapEncodeTiled (a CUDA 12 or newer driver "
+             "is needed); unset LONGTRAIN_ATTENTION_KERNEL to use cuDNN");
+    return reinterpret_cast<EncodeTiledFn>(f);
+  }();
+  return fn;
+}
+
+// A TMA map over the bf16 [tokens, heads, dim] view: dims (dim, heads, tokens) innermost first, byte
+// strides of heads and tokens, box (64 of dim, 1 head, `rows` tokens), 128-byte swizzle, zero fill.
+CUtensorMap tensor_map(const View& v, int rows, const char* name) {
+  CUtensorMap map;
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(v.dim), static_cast<cuuint64_t>(v.heads),
+                              static_cast<cuuint64_t>(v.tokens)};
+  // With one head its stride is never used; any multiple of 16 bytes satisfies the encoder.
+  const int64_t head_bytes = v.heads > 1 ? v.head_stride * 2 : v.dim * 2;
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(head_bytes), static_cast<cuuint64_t>(v.token_stride * 2)};
+  const cuuint32_t box[3] = {static_cast<cuuint32_t>(kSwizzleElems), 1u, static_cast<cuuint32_t>(rows)};
+  const cuuint32_t elem_strides[3] = {1u, 1u, 1u};
+  const CUresult r = encode_tiled()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, v.data, dims, strides, box,
+                                    elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                    CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  LT_CHECK(r == CUDA_SUCCESS,
+           "hopper attention: cuTensorMapEncodeTiled rejected {} (tokens {}, heads {}, dim {}, token stride {}, head "
+           "stride {} elements, address {}): CUresult {}",
+           name, v.tokens, v.heads, v.dim, v.token_stride, v.head_stride, v.data, static_cast<int>(r));
+  return map;
+}
+
+template <int D, bool kCausal, bool kF32Out, bool kMerge>
+void launch(const CUtensorMap& mq, const CUtensorMap& mk, const CUtensorMap& mv, const Params& p, int q_heads) {
+  auto* kernel = hopper_attention_fwd_kernel<D, kCausal, kF32Out, kMerge>;
+  static const bool configured = [kernel] {
+    LT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       static_cast<int>(Tiles<D>::kSmemBytes)));
+    return true;
+  }();
+  (void)configured;
+  const dim3 grid(static_cast<unsigned>(q_heads), static_cast<unsigned>(p.num_q_tiles));
+  kernel<<<grid, kThreads, Tiles<D>::kSmemBytes, cuda_stream()>>>(mq, mk, mv, p);
+  LT_CUDA_LAUNCH_CHECK("hopper_attention_fwd_kernel");
+}
+
+bool sm90_device() {
+  static const bool yes = [] {
+    int dev = 0, major = 0, minor = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess) return false;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) return false;
+    if (cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess) return false;
+    return major == 9 && minor == 0;
+  }();
+  return yes;
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+std::string check_input(const View& v, const char* name) {
+  if (v.data == nullptr) return fmt::format("{} has no data", name);
+  if (!aligned16(v.data))
+    return fmt::format("{} must start at a 16-byte aligned address for TMA, got {}", name, v.data);
+  if (v.token_stride % 8 != 0 || (v.heads > 1 && v.head_stride % 8 != 0))
+    return fmt::format("{}'s token stride {} and head stride {} (elements) must be multiples of 8 (16 bytes) for TMA",
+                       name, v.token_stride, v.head_stride);
+  if (v.token_stride <= 0 || (v.heads > 1 && v.head_stride <= 0))
+    return fmt::format("{}'s strides must be positive, got token stride {} and head stride {}", name, v.token_stride,
+                       v.head_stride);
+  return {};
+}
+
+}  // namespace
+
+bool supported(int64_t head_dim, int64_t q_heads, int64_t kv_heads) {
+  return (head_dim == 64 || head_dim == 128) && kv_heads > 0 && q_heads > 0 && q_heads % kv_heads == 0 &&
+         sm90_device();
+}
+
+std::string unsupported_reason(const OutView& o, const StatsView& lse, const View& q, const View& k, const View& v,
+                               bool causal, bool merge) {
+  if (!sm90_device()) return "the hopper attention kernel needs an sm_90 (H100/H200) GPU";
+  if (q.dim != 64 && q.dim != 128) return fmt::format("head_dim must be 64 or 128, got {}", q.dim);
+  if (k.dim != q.dim || v.dim != q.dim || o.dim != q.dim)
+    return fmt::format("q, k, v and o must share head_dim, got {}, {}, {}, {}", q.dim, k.dim, v.dim, o.dim);
+  if (k.heads <= 0 || q.heads % k.heads != 0 || v.heads != k.heads)
+    return fmt::format("q heads {} must be a multiple of k/v heads {} / {}", q.heads, k.heads, v.heads);
+  if (q.tokens <= 0 || k.tokens <= 0)
+    return fmt::format("needs at least one query and one key, got Tq = {}, Tk = {}", q.tokens, k.tokens);
+  if (v.tokens != k.tokens) return fmt::format("k and v must have as many tokens, got {} and {}", k.tokens, v.tokens);
+  if (causal && q.tokens != k.tokens)
+    return fmt::format("a causal block needs Tq == Tk, got {} and {}", q.tokens, k.tokens);
+  if (q.tokens > int64_t{65535} * kBlockM || k.tokens > (int64_t{1} << 30))
+    return fmt::format("Tq {} / Tk {} too long for one call", q.tokens, k.tokens);
+  for (const auto& [view, name] : {std::pair{&q, "q"}, std::pair{&k, "k"}, std::pair{&v, "v"}}) {
+    std::string why = check_input(*view, name);
+    if (!why.empty()) return why;
+  }
+  if (o.tokens != q.tokens || o.heads != q.heads)
+    return fmt::format("o [{}, {}, {}] must have q's shape [{}, {}, {}]", o.tokens, o.heads, o.dim, q.tokens, q.heads,
+                       q.dim);
+  const size_t pair_bytes = o.f32 ? 8 : 4;
+  if (o.data == nullptr || reinterpret_cast<uintptr_t>(o.data) % pair_bytes != 0 || o.token_stride % 2 != 0 ||
+      o.head_stride % 2 != 0)
+    return fmt::format("o needs a {}-byte aligned base and even strides (it is written in element pairs), got {} "
+                       "with strides {}, {}",
+                       pair_bytes, o.data, o.token_stride, o.head_stride);
+  if (merge && !o.f32) return "merge needs an f32 o (the running partial)";
+  if (lse.data == nullptr || lse.tokens != q.tokens || lse.heads != q.heads)
+    return fmt::format("lse must be [{}, {}], got [{}, {}]", q.tokens, q.heads, lse.tokens, lse.heads);
+  return {};
+}
+
+void forward(const OutView& o, const StatsView& lse, const View& q, const View& k, const View& v, bool causal,
+             float scale, bool merge) {
+  const std::string why = unsupported_reason(o, lse, q, k, v, causal, merge);
+  LT_CHECK(why.empty(), "hopper attention forward: {}", why);
+  LT_CHECK(scale > 0.0f && std::isfinite(scale), "hopper attention forward: scale must be positive and finite, got {}",
+           scale);
+  const CUtensorMap mq = tensor_map(q, kBlockM, "q"), mk = tensor_map(k, kBlockN, "k"), mv = tensor_map(v, kBlockN, "v");
+  Params p{};
+  p.o = o.data;
+  p.o_ts = o.token_stride;
+  p.o_hs = o.head_stride;
+  p.lse = lse.data;
+  p.lse_ts = lse.token_stride;
+  p.lse_hs = lse.head_stride;
+  p.tq = static_cast<int>(q.tokens);
+  p.tk = static_cast<int>(k.tokens);
+  p.group = static_cast<int>(q.heads / k.heads);
+  p.num_q_tiles = static_cast<int>((q.tokens + kBlockM - 1) / kBlockM);
+  p.scale = scale;
+  p.scale_log2 = scale * 1.4426950408889634f;
+  const int hq = static_cast<int>(q.heads);
+  auto go = [&](auto d, auto causal_tag, auto f32_tag, auto merge_tag) {
+    launch<decltype(d)::value, decltype(causal_tag)::value, decltype(f32_tag)::value, decltype(merge_tag)::value>(
+        mq, mk, mv, p, hq);
+  };
+  using T = std::true_type;
+  using F = std::false_type;
+  auto by_out = [&](auto d, auto c) {
+    if (merge) {
+      go(d, c, T{}, T{});
+    } else if (o.f32) {
+      go(d, c, T{}, F{});
+    } else {
+      go(d, c, F{}, F{});
+    }
+  };
+  auto by_mask = [&](auto d) {
+    if (causal) {
+      by_out(d, T{});
+    } else {
+      by_out(d, F{});
+    }
+  };
+  if (q.dim == 64) {
+    by_mask(std::integral_constant<int, 64>{});
+  } else {
+    by_mask(std::integral_constant<int, 128>{});
+  }
+}
+
+}  // namespace longtrain::attn::hopper

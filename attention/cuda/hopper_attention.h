@@ -1,0 +1,63 @@
+// Our own Hopper (sm_90a) flash-attention forward: wgmma tensor-core MMAs fed by TMA loads through a
+// multi-stage shared-memory ring, one producer warpgroup and two consumer warpgroups per CTA
+// (FlashAttention-3's structure, our code). hopper_attention.cu is compiled for sm_90a only; on any
+// other device supported() is false and callers keep cuDNN (attention/cuda/local_attention.cu picks
+// this kernel only when LONGTRAIN_ATTENTION_KERNEL=hopper).
+//
+// Plain views in, as cudnn_sdpa.h: q, k, v bf16 [tokens, heads, dim] with element strides (dim is
+// unit-stride; views into one fused QKV buffer are the common case), o bf16 or f32 of q's shape, lse
+// f32 [Tq, Hq] strided. GQA/MQA without expanding K/V: query head h reads kv head h / (Hq / Hkv).
+// LSE is natural-log and includes the scale, as cuDNN's: lse = log Σ_j exp(scale · q·k_j).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "attention/cuda/cudnn_sdpa.h"
+#include "attention/local_attention.h"
+
+namespace longtrain::attn::hopper {
+
+using View = cudnn_sdpa::View;            // bf16 [tokens, heads, dim]
+using StatsView = cudnn_sdpa::StatsView;  // f32 [tokens, heads]
+
+// The output rows: bf16 or f32 [tokens, heads, dim], strides in elements.
+struct OutView {
+  void* data = nullptr;
+  bool f32 = false;
+  int64_t tokens = 0, heads = 0, dim = 0;
+  int64_t token_stride = 0, head_stride = 0;
+};
+
+// Whether this GPU and shape can run the kernel at all: an sm_90 device (the code is sm_90a),
+// head_dim 64 or 128, q_heads a positive multiple of kv_heads.
+bool supported(int64_t head_dim, int64_t q_heads, int64_t kv_heads);
+
+// Empty when forward() accepts these views; else why not (the first failed requirement, naming the
+// argument), for a fallback decision or an error message. Besides supported(): TMA needs 16-byte
+// aligned base addresses and token/head strides of q, k, v; o needs even strides and an 8-byte (f32)
+// or 4-byte (bf16) aligned base (pairs of elements are stored together); merge needs an f32 o;
+// causal needs Tq == Tk; every length must be positive.
+std::string unsupported_reason(const OutView& o, const StatsView& lse, const View& q, const View& k, const View& v,
+                               bool causal, bool merge);
+
+// o = softmax(scale · q·kᵀ [+ causal mask]) · v and lse, for this (Q block, K/V block) pair. Causal is
+// top-left aligned (query i sees keys j <= i, Tq == Tk). scale must be positive.
+// merge == false: o and lse are overwritten with the block's result.
+// merge == true: o (f32) and lse hold a running partial, lse = -inf marking an empty row whose o is
+// never read (it may be NaN); the block is merged into them in the kernel's epilogue
+// (m = max(L1, L2); L = m + log(e^(L1-m) + e^(L2-m)); O = e^(L1-L)·O1 + e^(L2-L)·O2), so a ring step
+// is one call with no separate merge pass.
+// Bitwise deterministic: no atomics, a fixed reduction order. Throws (naming the argument) where
+// unsupported_reason() is not empty.
+void forward(const OutView& o, const StatsView& lse, const View& q, const View& k, const View& v, bool causal,
+             float scale, bool merge);
+
+// Tensor-level entry of the merge mode (defined in local_attention.cu beside attention_block_forward,
+// with the same argument checks): (o_acc, lse_acc) <- merge((o_acc, lse_acc), block(q, k, v)).
+// o_acc is f32 [Tq, Hq, D], lse_acc f32 [Tq, Hq]; a block without keys (Tk = 0) changes nothing.
+// Not used by the schedules yet (they call attention_block_forward and lse_merge).
+void attention_block_forward_merge(Tensor o_acc, Tensor lse_acc, Tensor q, Tensor k, Tensor v, BlockMask mask,
+                                   double scale);
+
+}  // namespace longtrain::attn::hopper
