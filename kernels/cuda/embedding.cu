@@ -129,7 +129,8 @@ void embedding_backward(Tensor d_table, Tensor tokens, Tensor d_out) {
 
   LT_CHECK(T <= INT32_MAX, "{}: {} tokens in one call; at most {}", op, T, INT32_MAX);
   const int n = static_cast<int>(T);
-  const size_t temp_bytes = sort_temp_bytes(T, V), array_bytes = sort_array_bytes(T);
+  size_t temp_bytes = sort_temp_bytes(T, V);
+  const size_t array_bytes = sort_array_bytes(T);
   char* base = static_cast<char*>(scratch(Scratch::index_plan, 4 * array_bytes + temp_bytes));
   int32_t* keys_in = reinterpret_cast<int32_t*>(base);
   int32_t* pos_in = reinterpret_cast<int32_t*>(base + array_bytes);
