@@ -132,47 +132,31 @@ __device__ __forceinline__ double decay_of(const NoDecay& nd, int& r, int64_t e,
   return r < nd.count && e >= nd.begin[r] ? 0.0 : weight_decay;
 }
 
-// Elements per thread per iteration of adamw_kernel: two 4-element groups, so a thread has 8 loads of
-// each stream in flight (the kernel is bound by memory).
-constexpr int kAdamPerThread = 8;
-
 // w (f32 master, or the f32 parameter itself when lowp is null), m, v f32; grad G; lowp receives w
-// rounded to P.
+// rounded to P. Four elements per thread per iteration: eight (two groups) measured 20% slower on an
+// H200 (10.4 against 8.6 ms for 1.1B parameters), the double arithmetic's registers costing occupancy.
 template <class P, class G>
 __global__ void adamw_kernel(P* lowp, float* w, float* m, float* v, const G* grad, int64_t n, AdamWArgs a,
                              const __grid_constant__ NoDecay nd, bool aligned) {
-  for (int64_t i = (blockIdx.x * (int64_t)blockDim.x + threadIdx.x) * kAdamPerThread; i < n;
-       i += (int64_t)gridDim.x * blockDim.x * kAdamPerThread) {
-    float wv[2][4], mv[2][4], vv[2][4], gv[2][4];
-    bool vec[2];
+  for (int64_t i = (blockIdx.x * (int64_t)blockDim.x + threadIdx.x) * kPerThread; i < n;
+       i += (int64_t)gridDim.x * blockDim.x * kPerThread) {
+    const bool vec = aligned && i + kPerThread <= n;
+    float wv[4], mv[4], vv[4], gv[4];
+    load_4(w, i, n, vec, wv);
+    load_4(m, i, n, vec, mv);
+    load_4(v, i, n, vec, vv);
+    load_4(grad, i, n, vec, gv);
+    int r = nd.count == 0 ? 0 : first_range_ending_after(nd, i);
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int64_t at = i + 4 * h;
-      vec[h] = aligned && at + 4 <= n;
-      load_4(w, at, n, vec[h], wv[h]);
-      load_4(m, at, n, vec[h], mv[h]);
-      load_4(v, at, n, vec[h], vv[h]);
-      load_4(grad, at, n, vec[h], gv[h]);
+    for (int k = 0; k < 4; ++k) {
+      AdamWArgs ak = a;
+      if (nd.count != 0) ak.weight_decay = decay_of(nd, r, i + k, a.weight_decay);
+      adamw_element(wv[k], mv[k], vv[k], gv[k], ak);
     }
-    int r = first_range_ending_after(nd, i);
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        AdamWArgs ak = a;
-        ak.weight_decay = decay_of(nd, r, i + 4 * h + k, a.weight_decay);
-        adamw_element(wv[h][k], mv[h][k], vv[h][k], gv[h][k], ak);
-      }
-    }
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int64_t at = i + 4 * h;
-      if (at >= n) break;
-      store_4(w, at, n, vec[h], wv[h]);
-      store_4(m, at, n, vec[h], mv[h]);
-      store_4(v, at, n, vec[h], vv[h]);
-      if (lowp != nullptr) store_4(lowp, at, n, vec[h], wv[h]);
-    }
+    store_4(w, i, n, vec, wv);
+    store_4(m, i, n, vec, mv);
+    store_4(v, i, n, vec, vv);
+    if (lowp != nullptr) store_4(lowp, i, n, vec, wv);
   }
 }
 
@@ -286,7 +270,7 @@ void adamw_update(Tensor param, Tensor master, Tensor m, Tensor v, Tensor grad, 
                  gj = grad.narrow(0, start, stop - start);
     const int64_t nj = stop - start;
     const bool aligned = aligned4(pj) && aligned4(wj) && aligned4(mj) && aligned4(vj) && aligned4(gj);
-    const unsigned grid = blocks_for((nj + kAdamPerThread - 1) / kAdamPerThread, kThreads, 65535LL * 8);
+    const unsigned grid = grid_for(nj);
     dispatch_float(grad.dtype, op, [&](auto gtag) {
       using G = typename decltype(gtag)::type;
       if (master.empty()) {
