@@ -22,6 +22,18 @@ void lse_merge(Tensor o_acc, Tensor lse_acc, Tensor o_blk, Tensor lse_blk) {
               lse_blk);
 }
 
+void attention_block_forward_merge(Tensor o_acc, Tensor lse_acc, Tensor o_blk, Tensor lse_blk, Tensor q, Tensor k,
+                                   Tensor v, BlockMask mask, double scale) {
+#ifdef LONGTRAIN_HAS_CUDA
+  if (common_device("attention_block_forward_merge", {&o_acc, &lse_acc, &o_blk, &lse_blk, &q, &k, &v}) ==
+          Device::cuda &&
+      cuda::fused_block_forward_merge(o_acc, lse_acc, q, k, v, mask, scale))
+    return;
+#endif
+  attention_block_forward(o_blk, lse_blk, q, k, v, mask, scale);
+  lse_merge(o_acc, lse_acc, o_blk, lse_blk);
+}
+
 // ---- segmented calls --------------------------------------------------------------------------------
 
 namespace {

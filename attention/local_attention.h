@@ -56,6 +56,15 @@ void attention_block_backward(Tensor dq, Tensor dk, Tensor dv, Tensor q, Tensor 
 // (0, -inf); merging two empty partials gives (0, -inf).
 void lse_merge(Tensor o_acc, Tensor lse_acc, Tensor o_blk, Tensor lse_blk);
 
+// One step of a schedule: (o_acc, lse_acc) <- merge((o_acc, lse_acc), block(q, k, v)), i.e.
+// attention_block_forward into (o_blk, lse_blk) followed by lse_merge, which is what the CPU does.
+// On CUDA with our Hopper kernel selected (LONGTRAIN_ATTENTION_KERNEL=hopper) and an f32 o_acc it is
+// one kernel that merges in its epilogue (hopper_attention.h): the block's O stays in f32 registers
+// instead of being rounded to bf16 and read back, and o_blk/lse_blk are not touched. o_blk and
+// lse_blk have o_acc's and lse_acc's shapes.
+void attention_block_forward_merge(Tensor o_acc, Tensor lse_acc, Tensor o_blk, Tensor lse_blk, Tensor q, Tensor k,
+                                   Tensor v, BlockMask mask, double scale);
+
 // ---- segmented calls (document masks) ---------------------------------------------------------------
 
 // One segment of a segmented call: query rows [q_start, q_start + q_len) of q/o/lse against key rows

@@ -385,6 +385,19 @@ void hopper_block_forward_merge(Tensor o_acc, Tensor lse_acc, Tensor q, Tensor k
                   static_cast<float>(scale), /*merge=*/true);
 }
 
+bool fused_block_forward_merge(Tensor o_acc, Tensor lse_acc, Tensor q, Tensor k, Tensor v, BlockMask mask,
+                               double scale) {
+  if (!hopper_kernel_selected() || o_acc.dtype != DType::f32 || q.ndim != 3 || k.ndim != 3) return false;
+  if (q.size(0) == 0 || k.size(0) == 0) return false;  // the two-step path's empty-block handling
+  if (!hopper::supported(q.size(2), q.size(1), k.size(1))) return false;
+  if (!hopper::unsupported_reason(hopper_out(o_acc), stats_view(lse_acc), sdpa_view(q), sdpa_view(k), sdpa_view(v),
+                                  mask == BlockMask::causal_diagonal, true)
+           .empty())
+    return false;
+  hopper_block_forward_merge(o_acc, lse_acc, q, k, v, mask, scale);
+  return true;
+}
+
 void attention_delta(Tensor delta, Tensor o, Tensor d_o) {
   const char* op = "attention_delta";
   check_tensor(o, 3, op, "o");

@@ -155,10 +155,10 @@ void finish_backward(const BackwardScratch& s, Tensor dq, Tensor dk, Tensor dv) 
 
 void forward_call(const BlockCall& c, Tensor o_acc, Tensor lse_acc, Tensor o_blk, Tensor lse_blk, Tensor q, Tensor k,
                   Tensor v, double scale) {
-  Tensor ob = o_blk.narrow(0, c.q_start, c.q_len), lb = lse_blk.narrow(0, c.q_start, c.q_len);
-  attention_block_forward(ob, lb, q.narrow(0, c.q_start, c.q_len), k.narrow(0, c.k_start, c.k_len),
-                          v.narrow(0, c.k_start, c.k_len), c.mask, scale);
-  lse_merge(o_acc.narrow(0, c.q_start, c.q_len), lse_acc.narrow(0, c.q_start, c.q_len), ob, lb);
+  auto rows = [&](const Tensor& t) { return t.narrow(0, c.q_start, c.q_len); };
+  auto keys = [&](const Tensor& t) { return t.narrow(0, c.k_start, c.k_len); };
+  attention_block_forward_merge(rows(o_acc), rows(lse_acc), rows(o_blk), rows(lse_blk), rows(q), keys(k), keys(v),
+                                c.mask, scale);
 }
 
 void backward_call(const BlockCall& c, Tensor dq, Tensor dk, Tensor dv, Tensor q, Tensor k, Tensor v, Tensor d_o,
