@@ -18,9 +18,8 @@ void segments_forward(Tensor o, Tensor lse, Tensor q, Tensor k, Tensor v, const 
 void segments_backward(Tensor dq, Tensor dk, Tensor dv, Tensor q, Tensor k, Tensor v, Tensor d_o, Tensor lse,
                        Tensor o, Tensor delta, const std::vector<Segment>& segments, BlockMask mask, double scale,
                        GradMode mode);
-// attention_block_forward_merge in one kernel where the selected kernel can merge in its epilogue (our
-// Hopper kernel, an f32 o_acc); false, having done nothing, where it cannot.
-bool fused_block_forward_merge(Tensor o_acc, Tensor lse_acc, Tensor q, Tensor k, Tensor v, BlockMask mask,
-                               double scale);
+// attention_block_forward_merge (argument checks of its own where it falls back on the two steps).
+void block_forward_merge(Tensor o_acc, Tensor lse_acc, Tensor o_blk, Tensor lse_blk, Tensor q, Tensor k, Tensor v,
+                         BlockMask mask, double scale);
 }  // namespace longtrain::attn::cuda
 #endif

@@ -2,6 +2,12 @@
 #include "runtime/dispatch.h"
 
 #include <algorithm>
+#include <cstdlib>
+
+#include "runtime/error.h"
+#ifdef LONGTRAIN_HAS_CUDA
+#include "attention/cuda/kernel_choice.h"
+#endif
 
 namespace longtrain::attn {
 
@@ -26,13 +32,49 @@ void attention_block_forward_merge(Tensor o_acc, Tensor lse_acc, Tensor o_blk, T
                                    Tensor v, BlockMask mask, double scale) {
 #ifdef LONGTRAIN_HAS_CUDA
   if (common_device("attention_block_forward_merge", {&o_acc, &lse_acc, &o_blk, &lse_blk, &q, &k, &v}) ==
-          Device::cuda &&
-      cuda::fused_block_forward_merge(o_acc, lse_acc, q, k, v, mask, scale))
+      Device::cuda) {
+    cuda::block_forward_merge(o_acc, lse_acc, o_blk, lse_blk, q, k, v, mask, scale);
     return;
+  }
 #endif
   attention_block_forward(o_blk, lse_blk, q, k, v, mask, scale);
   lse_merge(o_acc, lse_acc, o_blk, lse_blk);
 }
+
+KernelPolicy parse_kernel_policy(std::string_view name, std::string_view where) {
+  if (name == "cudnn") return KernelPolicy::cudnn;
+  if (name == "hopper") return KernelPolicy::hopper;
+  if (name == "auto") return KernelPolicy::autotune;
+  throw Error(fmt::format("{}: the attention kernel must be cudnn, hopper or auto, got '{}'", where, name));
+}
+
+std::string_view kernel_policy_name(KernelPolicy policy) {
+  switch (policy) {
+    case KernelPolicy::cudnn: return "cudnn";
+    case KernelPolicy::hopper: return "hopper";
+    case KernelPolicy::autotune: return "auto";
+  }
+  return "?";
+}
+
+#ifdef LONGTRAIN_HAS_CUDA
+KernelPolicy kernel_policy() { return cuda::current_policy(); }
+void set_kernel_policy(KernelPolicy policy) { cuda::set_policy(policy); }
+std::vector<KernelChoice> kernel_choices() { return cuda::choices(); }
+#else
+namespace {
+KernelPolicy& cpu_build_policy() {
+  static KernelPolicy policy = [] {
+    const char* env = std::getenv("LONGTRAIN_ATTENTION_KERNEL");
+    return env && *env ? parse_kernel_policy(env, "LONGTRAIN_ATTENTION_KERNEL") : KernelPolicy::cudnn;
+  }();
+  return policy;
+}
+}  // namespace
+KernelPolicy kernel_policy() { return cpu_build_policy(); }
+void set_kernel_policy(KernelPolicy policy) { cpu_build_policy() = policy; }
+std::vector<KernelChoice> kernel_choices() { return {}; }
+#endif
 
 // ---- segmented calls --------------------------------------------------------------------------------
 

@@ -13,6 +13,8 @@
 // views; on CPU all the float tensors of a call share one dtype.
 #pragma once
 
+#include <string>
+#include <string_view>
 #include <vector>
 
 #include "runtime/tensor.h"
@@ -58,7 +60,7 @@ void lse_merge(Tensor o_acc, Tensor lse_acc, Tensor o_blk, Tensor lse_blk);
 
 // One step of a schedule: (o_acc, lse_acc) <- merge((o_acc, lse_acc), block(q, k, v)), i.e.
 // attention_block_forward into (o_blk, lse_blk) followed by lse_merge, which is what the CPU does.
-// On CUDA with our Hopper kernel selected (LONGTRAIN_ATTENTION_KERNEL=hopper) and an f32 o_acc it is
+// On CUDA with our Hopper kernel chosen (kernel_policy() below) and an f32 o_acc it is
 // one kernel that merges in its epilogue (hopper_attention.h): the block's O stays in f32 registers
 // instead of being rounded to bf16 and read back, and o_blk/lse_blk are not touched. o_blk and
 // lse_blk have o_acc's and lse_acc's shapes.
@@ -89,5 +91,32 @@ void attention_segments_forward(Tensor o, Tensor lse, Tensor q, Tensor k, Tensor
 void attention_segments_backward(Tensor dq, Tensor dk, Tensor dv, Tensor q, Tensor k, Tensor v, Tensor d_o,
                                  Tensor lse, Tensor o, Tensor delta, const std::vector<Segment>& segments,
                                  BlockMask mask, double scale, GradMode mode);
+
+// ---- which kernel runs the block calls on CUDA (attention/cuda/kernel_choice.h) --------------------
+
+// cudnn: cuDNN's fused SDPA for every call. hopper: our sm_90a kernels wherever they support the call
+// (cuDNN elsewhere). autotune ("auto"): per call shape, both measured on its first calls and the faster
+// kept for the process. No effect on the CPU.
+enum class KernelPolicy { cudnn, hopper, autotune };
+
+// "cudnn", "hopper" or "auto"; anything else throws naming the accepted values and `where` (the
+// environment variable or config key it came from).
+KernelPolicy parse_kernel_policy(std::string_view name, std::string_view where);
+std::string_view kernel_policy_name(KernelPolicy policy);
+
+// The policy in force: the last set_kernel_policy, else LONGTRAIN_ATTENTION_KERNEL (read at the first
+// call), else cudnn. Set it before the first attention call whose choice should follow it (a shape
+// decided under auto stays decided).
+KernelPolicy kernel_policy();
+void set_kernel_policy(KernelPolicy policy);
+
+// A decision made under auto: the call shape, the kernel chosen, and each kernel's fastest timed call.
+struct KernelChoice {
+  std::string shape;
+  std::string kernel;
+  double cudnn_ms = 0.0, hopper_ms = 0.0;
+};
+// Every decision made so far in this process, in the order they were made (empty on the CPU).
+std::vector<KernelChoice> kernel_choices();
 
 }  // namespace longtrain::attn

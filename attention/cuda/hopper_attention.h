@@ -2,7 +2,7 @@
 // multi-stage shared-memory ring, one producer warpgroup and two consumer warpgroups per CTA
 // (FlashAttention-3's structure, our code). hopper_attention.cu is compiled for sm_90a only; on any
 // other device supported() is false and callers keep cuDNN (attention/cuda/local_attention.cu picks
-// this kernel only when LONGTRAIN_ATTENTION_KERNEL=hopper).
+// this kernel as the kernel policy says: kernel_choice.h).
 //
 // Plain views in, as cudnn_sdpa.h: q, k, v bf16 [tokens, heads, dim] with element strides (dim is
 // unit-stride; views into one fused QKV buffer are the common case), o bf16 or f32 of q's shape, lse

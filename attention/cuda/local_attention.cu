@@ -14,8 +14,8 @@
 //   same as rounding O itself to bf16).
 // - an f32 O: rounded to bf16 in scratch, since cuDNN reads bf16.
 //
-// The block forward can run our own Hopper kernel instead (attention/cuda/hopper_attention.cu) when
-// LONGTRAIN_ATTENTION_KERNEL=hopper is set and the GPU and views allow it; cuDNN stays the default.
+// The block forward can run our own Hopper kernel instead (attention/cuda/hopper_attention.cu), as
+// the kernel policy says (kernel_choice.h: cudnn by default, hopper, or auto per call shape).
 #include <cmath>
 #include <cstdlib>
 #include <string>
@@ -24,6 +24,7 @@
 #include "attention/backends.h"
 #include "attention/cuda/cudnn_sdpa.h"
 #include "attention/cuda/hopper_attention.h"
+#include "attention/cuda/kernel_choice.h"
 #include "kernels/cuda/cuda_common.cuh"
 
 namespace longtrain::attn::cuda {
@@ -305,21 +306,50 @@ void zero_rows(const char* op, const Tensor& t) {
   LT_CUDA_LAUNCH_CHECK("zero_rows_kernel");
 }
 
-// LONGTRAIN_ATTENTION_KERNEL (read once): "cudnn" or unset for cuDNN, "hopper" for our Hopper kernel
-// where it supports the call (hopper::unsupported_reason is empty), cuDNN elsewhere.
-bool hopper_kernel_selected() {
-  static const bool selected = [] {
-    const char* env = std::getenv("LONGTRAIN_ATTENTION_KERNEL");
-    const std::string value = env ? env : "";
-    LT_CHECK(value.empty() || value == "cudnn" || value == "hopper",
-             "LONGTRAIN_ATTENTION_KERNEL must be cudnn or hopper (or unset for cudnn), got '{}'", value);
-    return value == "hopper";
-  }();
-  return selected;
-}
-
 hopper::OutView hopper_out(const Tensor& o) {
   return {o.data, o.dtype == DType::f32, o.shape[0], o.shape[1], o.shape[2], o.stride[0], o.stride[1]};
+}
+
+}  // namespace
+
+void hopper_block_forward_merge(Tensor o_acc, Tensor lse_acc, Tensor q, Tensor k, Tensor v, BlockMask mask,
+                                double scale);
+
+namespace {
+
+// The block forward by cuDNN (non-empty block, checked arguments).
+void cudnn_block_forward(Tensor o, Tensor lse, Tensor q, Tensor k, Tensor v, bool causal, double scale) {
+  if (o.dtype == DType::bf16) {
+    cudnn_sdpa::forward(sdpa_view(o), stats_view(lse), sdpa_view(q), sdpa_view(k), sdpa_view(v), causal,
+                        static_cast<float>(scale));
+    return;
+  }
+  // f32 O: cuDNN writes bf16, widened into the caller's tensor.
+  const int64_t tq = q.size(0), hq = q.size(1);
+  const RowView tmp = contiguous_rows(tq, hq, q.size(2));
+  void* o16 = scratch(Scratch::attn_fwd_out, static_cast<size_t>(tq * hq * q.size(2)) * sizeof(__nv_bfloat16));
+  cudnn_sdpa::forward(sdpa_view(o16, tmp), stats_view(lse), sdpa_view(q), sdpa_view(k), sdpa_view(v), causal,
+                      static_cast<float>(scale));
+  const bool vec = vectorizable(o.data, row_view(o), sizeof(float)) && vectorizable(o16, tmp, 2);
+  with_vec(vec, [&](auto v) {
+    add_rows_kernel<decltype(v)::value, float, __nv_bfloat16><<<row_blocks(tq * hq), 32 * kWarpsPerBlock, 0,
+                                                                cuda_stream()>>>(
+        static_cast<float*>(o.data), row_view(o), static_cast<const __nv_bfloat16*>(o16), tmp, false);
+  });
+  LT_CUDA_LAUNCH_CHECK("add_rows_kernel");
+}
+
+// Whether our Hopper forward takes this (non-empty) call.
+bool hopper_forward_ok(const Tensor& o, const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
+                       bool causal, bool merge) {
+  return hopper::supported(q.size(2), q.size(1), k.size(1)) &&
+         hopper::unsupported_reason(hopper_out(o), stats_view(lse), sdpa_view(q), sdpa_view(k), sdpa_view(v), causal,
+                                    merge)
+             .empty();
+}
+
+CallShape forward_shape(const Tensor& o, const Tensor& q, const Tensor& k, bool causal, bool merge) {
+  return {false, q.size(2), q.size(1), k.size(1), q.size(0), k.size(0), causal, o.dtype == DType::f32, merge};
 }
 
 }  // namespace
@@ -342,31 +372,38 @@ void attention_block_forward(Tensor o, Tensor lse, Tensor q, Tensor k, Tensor v,
     LT_CUDA_LAUNCH_CHECK("empty_block_kernel");
     return;
   }
-  if (hopper_kernel_selected() && hopper::supported(q.size(2), hq, k.size(1)) &&
-      hopper::unsupported_reason(hopper_out(o), stats_view(lse), sdpa_view(q), sdpa_view(k), sdpa_view(v), causal,
-                                 false)
-          .empty()) {
-    hopper::forward(hopper_out(o), stats_view(lse), sdpa_view(q), sdpa_view(k), sdpa_view(v), causal,
-                    static_cast<float>(scale), /*merge=*/false);
+  run_chosen(
+      forward_shape(o, q, k, causal, false), hopper_forward_ok(o, lse, q, k, v, causal, false),
+      [&] { cudnn_block_forward(o, lse, q, k, v, causal, scale); },
+      [&] {
+        hopper::forward(hopper_out(o), stats_view(lse), sdpa_view(q), sdpa_view(k), sdpa_view(v), causal,
+                        static_cast<float>(scale), /*merge=*/false);
+      });
+}
+
+void block_forward_merge(Tensor o_acc, Tensor lse_acc, Tensor o_blk, Tensor lse_blk, Tensor q, Tensor k, Tensor v,
+                         BlockMask mask, double scale) {
+  const char* op = "attention_block_forward_merge";
+  check_qkv(op, q, k, v);
+  check_rows(op, o_acc, "o_acc", q);
+  check_rows(op, o_blk, "o_blk", q);
+  check_stats(op, lse_acc, "lse_acc", q.size(0), q.size(1));
+  check_stats(op, lse_blk, "lse_blk", q.size(0), q.size(1));
+  const bool causal = mask == BlockMask::causal_diagonal;
+  const bool nonempty = q.size(0) > 0 && k.size(0) > 0;
+  const bool hopper_ok = nonempty && o_acc.dtype == DType::f32 && hopper_forward_ok(o_acc, lse_acc, q, k, v, causal, true);
+  if (!hopper_ok) {  // the two steps (their own argument checks), each choosing its kernel
+    cuda::attention_block_forward(o_blk, lse_blk, q, k, v, mask, scale);
+    cuda::lse_merge(o_acc, lse_acc, o_blk, lse_blk);
     return;
   }
-  if (o.dtype == DType::bf16) {
-    cudnn_sdpa::forward(sdpa_view(o), stats_view(lse), sdpa_view(q), sdpa_view(k), sdpa_view(v), causal,
-                        static_cast<float>(scale));
-    return;
-  }
-  // f32 O: cuDNN writes bf16, widened into the caller's tensor.
-  const RowView tmp = contiguous_rows(tq, hq, q.size(2));
-  void* o16 = scratch(Scratch::attn_fwd_out, static_cast<size_t>(tq * hq * q.size(2)) * sizeof(__nv_bfloat16));
-  cudnn_sdpa::forward(sdpa_view(o16, tmp), stats_view(lse), sdpa_view(q), sdpa_view(k), sdpa_view(v), causal,
-                      static_cast<float>(scale));
-  const bool vec = vectorizable(o.data, row_view(o), sizeof(float)) && vectorizable(o16, tmp, 2);
-  with_vec(vec, [&](auto v) {
-    add_rows_kernel<decltype(v)::value, float, __nv_bfloat16><<<row_blocks(tq * hq), 32 * kWarpsPerBlock, 0,
-                                                                cuda_stream()>>>(
-        static_cast<float*>(o.data), row_view(o), static_cast<const __nv_bfloat16*>(o16), tmp, false);
-  });
-  LT_CUDA_LAUNCH_CHECK("add_rows_kernel");
+  run_chosen(
+      forward_shape(o_acc, q, k, causal, true), true,
+      [&] {
+        cudnn_block_forward(o_blk, lse_blk, q, k, v, causal, scale);
+        cuda::lse_merge(o_acc, lse_acc, o_blk, lse_blk);
+      },
+      [&] { hopper_block_forward_merge(o_acc, lse_acc, q, k, v, mask, scale); });
 }
 
 // hopper::attention_block_forward_merge (hopper_attention.h), with this file's argument checks.
@@ -383,19 +420,6 @@ void hopper_block_forward_merge(Tensor o_acc, Tensor lse_acc, Tensor q, Tensor k
   if (tq == 0 || tk == 0) return;  // an empty block merges as nothing
   hopper::forward(hopper_out(o_acc), stats_view(lse_acc), sdpa_view(q), sdpa_view(k), sdpa_view(v), causal,
                   static_cast<float>(scale), /*merge=*/true);
-}
-
-bool fused_block_forward_merge(Tensor o_acc, Tensor lse_acc, Tensor q, Tensor k, Tensor v, BlockMask mask,
-                               double scale) {
-  if (!hopper_kernel_selected() || o_acc.dtype != DType::f32 || q.ndim != 3 || k.ndim != 3) return false;
-  if (q.size(0) == 0 || k.size(0) == 0) return false;  // the two-step path's empty-block handling
-  if (!hopper::supported(q.size(2), q.size(1), k.size(1))) return false;
-  if (!hopper::unsupported_reason(hopper_out(o_acc), stats_view(lse_acc), sdpa_view(q), sdpa_view(k), sdpa_view(v),
-                                  mask == BlockMask::causal_diagonal, true)
-           .empty())
-    return false;
-  hopper_block_forward_merge(o_acc, lse_acc, q, k, v, mask, scale);
-  return true;
 }
 
 void attention_delta(Tensor delta, Tensor o, Tensor d_o) {

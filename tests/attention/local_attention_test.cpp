@@ -1007,6 +1007,38 @@ TEST(SegmentedAttention, EachSegmentIsItsOwnBlockAndTheRestIsEmpty) {
   EXPECT_EQ(dk_acc.values, dk_ref.values);
 }
 
+TEST(KernelPolicy, ParsesTheThreeNamesAndNamesTheSourceOfABadOne) {
+  EXPECT_EQ(parse_kernel_policy("cudnn", "x"), KernelPolicy::cudnn);
+  EXPECT_EQ(parse_kernel_policy("hopper", "x"), KernelPolicy::hopper);
+  EXPECT_EQ(parse_kernel_policy("auto", "x"), KernelPolicy::autotune);
+  for (KernelPolicy p : {KernelPolicy::cudnn, KernelPolicy::hopper, KernelPolicy::autotune})
+    EXPECT_EQ(parse_kernel_policy(kernel_policy_name(p), "x"), p);
+  const std::string msg = error_of([] { parse_kernel_policy("flash", "LONGTRAIN_ATTENTION_KERNEL"); });
+  EXPECT_HAS(msg, "LONGTRAIN_ATTENTION_KERNEL: the attention kernel must be cudnn, hopper or auto, got 'flash'");
+}
+
+// On the CPU a merged block call is the two steps it stands for, bit for bit.
+TEST(BlockForwardMerge, OnTheCpuEqualsForwardThenLseMerge) {
+  const int64_t Tq = 9, Tk = 13, Hq = 4, Hkv = 2, D = 6;
+  HostTensor<double> q({Tq, Hq, D}), k({Tk, Hkv, D}), v({Tk, Hkv, D});
+  fill_values(q, 1);
+  fill_values(k, 2);
+  fill_values(v, 3);
+  // A running partial from a first block of keys, merged with a second block both ways.
+  HostTensor<double> o_a({Tq, Hq, D}), lse_a({Tq, Hq}), o_b({Tq, Hq, D}), lse_b({Tq, Hq});
+  HostTensor<double> o_blk({Tq, Hq, D}), lse_blk({Tq, Hq}), o_blk2({Tq, Hq, D}), lse_blk2({Tq, Hq});
+  const Tensor k1 = Tensor(k).narrow(0, 0, 5), v1 = Tensor(v).narrow(0, 0, 5);
+  const Tensor k2 = Tensor(k).narrow(0, 5, Tk - 5), v2 = Tensor(v).narrow(0, 5, Tk - 5);
+  attention_block_forward(o_a, lse_a, q, k1, v1, BlockMask::none, 0.3);
+  o_b.values = o_a.values;
+  lse_b.values = lse_a.values;
+  attention_block_forward_merge(o_a, lse_a, o_blk, lse_blk, q, k2, v2, BlockMask::none, 0.3);
+  attention_block_forward(o_blk2, lse_blk2, q, k2, v2, BlockMask::none, 0.3);
+  lse_merge(o_b, lse_b, o_blk2, lse_blk2);
+  EXPECT_EQ(o_a.values, o_b.values);
+  EXPECT_EQ(lse_a.values, lse_b.values);
+}
+
 TEST(SegmentedAttention, OverlappingOrOutOfRangeSegmentsAreErrors) {
   HostTensor<double> q({8, 2, 6}), k({8, 2, 6}), v({8, 2, 6}), o({8, 2, 6}), lse({8, 2});
   std::string msg = error_of([&] {

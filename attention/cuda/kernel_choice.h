@@ -1,0 +1,52 @@
+// Which kernel runs a block attention call on CUDA: cuDNN's fused SDPA or our Hopper kernels
+// (hopper_attention.h). The policy (local_attention.h: set_kernel_policy, LONGTRAIN_ATTENTION_KERNEL):
+// - cudnn: always cuDNN (the default);
+// - hopper: ours wherever it supports the call, cuDNN elsewhere;
+// - auto: each distinct call shape is measured both ways on its first calls and the faster kernel runs
+//   it for the rest of the process. A trial is not a repeated call: the first calls of a shape (a
+//   model has one per layer, a schedule one per ring step) simply alternate between the kernels, each
+//   call run once, whole, into the caller's outputs, so the results are right whichever kernel ran,
+//   merging into partials and accumulating gradients included.
+// The trial of a shape: one untimed call of each kernel (cuDNN builds its plan, both touch their code
+// and caches), then kTimedRounds timed calls of each, alternating, timed with CUDA events on the
+// stream; after the last one the host waits for its end event once, takes each kernel's fastest time
+// and logs the choice. Not bitwise reproducible across processes: two kernels within noise of each
+// other may be chosen differently.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "attention/local_attention.h"
+
+namespace longtrain::attn::cuda {
+
+enum class Kernel { cudnn, hopper };
+
+// What a decision depends on: the operation and everything that changes the kernels' speed.
+struct CallShape {
+  bool backward = false;
+  int64_t head_dim = 0, q_heads = 0, kv_heads = 0, tq = 0, tk = 0;
+  bool causal = false;
+  bool f32_out = false;  // forward: f32 O; backward: f32 dq/dk/dv
+  bool accumulates = false;  // forward: merged into a running partial; backward: added to dq/dk/dv
+  bool operator<(const CallShape& o) const;
+  std::string describe() const;
+};
+
+// The policy in force (set_kernel_policy, else LONGTRAIN_ATTENTION_KERNEL read once, else cudnn).
+KernelPolicy current_policy();
+void set_policy(KernelPolicy policy);
+
+// Runs the call once, with the kernel the policy picks (the next trial kernel while `shape` is being
+// measured). hopper_ok: our kernel supports this call; else cuDNN runs it and it is no trial. Returns
+// the kernel that ran.
+Kernel run_chosen(const CallShape& shape, bool hopper_ok, const std::function<void()>& run_cudnn,
+                  const std::function<void()>& run_hopper);
+
+// The decisions made under auto so far (for logs, benchmarks and tests).
+std::vector<KernelChoice> choices();
+
+}  // namespace longtrain::attn::cuda

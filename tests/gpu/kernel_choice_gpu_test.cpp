@@ -1,0 +1,103 @@
+// The kernel policy auto (attention/cuda/kernel_choice.h): while a call shape is being measured its
+// calls alternate between cuDNN and our Hopper kernel, each run once into the caller's outputs, so
+// every call's result must be right; after the trial the shape has one recorded decision, with both
+// kernels' times, naming the faster. Covers a plain forward and the merge into an f32 partial (the
+// schedules' call). Skips without an sm_90 GPU.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "attention/local_attention.h"
+#include "gpu_test_util.h"
+
+#ifdef LONGTRAIN_HAS_CUDA
+#include "attention/cuda/hopper_attention.h"
+#include "runtime/cuda_check.h"
+#endif
+
+namespace longtrain::test {
+namespace {
+
+#ifdef LONGTRAIN_HAS_CUDA
+
+using attn::BlockMask;
+
+// Restores the policy in force when the test started.
+struct PolicyScope {
+  attn::KernelPolicy saved = attn::kernel_policy();
+  explicit PolicyScope(attn::KernelPolicy p) { attn::set_kernel_policy(p); }
+  ~PolicyScope() { attn::set_kernel_policy(saved); }
+};
+
+const attn::KernelChoice* find_choice(const std::vector<attn::KernelChoice>& all, const std::string& part) {
+  for (const auto& c : all)
+    if (c.shape.find(part) != std::string::npos) return &c;
+  return nullptr;
+}
+
+void expect_decision(const attn::KernelChoice* c, const std::string& what) {
+  ASSERT_NE(c, nullptr) << "no decision recorded for " << what;
+  EXPECT_TRUE(std::isfinite(c->cudnn_ms) && c->cudnn_ms > 0) << c->shape << ": cuDNN " << c->cudnn_ms << " ms";
+  EXPECT_TRUE(std::isfinite(c->hopper_ms) && c->hopper_ms > 0) << c->shape << ": hopper " << c->hopper_ms << " ms";
+  EXPECT_EQ(c->kernel, c->hopper_ms < c->cudnn_ms ? "hopper" : "cudnn") << c->shape;
+  std::printf("  %s: %s (cuDNN %.3f ms, hopper %.3f ms)\n", c->shape.c_str(), c->kernel.c_str(), c->cudnn_ms,
+              c->hopper_ms);
+}
+
+TEST(KernelChoiceAuto, EveryTrialCallIsRightAndTheFasterKernelIsRecorded) {
+  LT_REQUIRE_GPU();
+  if (!attn::hopper::supported(64, 1, 1)) GTEST_SKIP() << "the hopper attention kernel needs an sm_90 GPU";
+  PolicyScope auto_policy(attn::KernelPolicy::autotune);
+  // Shapes no other test in this process uses (a decided shape stays decided).
+  const int64_t S = 1000, Hq = 8, Hkv = 2, D = 64;
+  const double scale = 0.125;
+  const auto q = random_values(S * Hq * D, 901, DType::bf16), k = random_values(S * Hkv * D, 902, DType::bf16);
+  const auto v = random_values(S * Hkv * D, 903, DType::bf16);
+  HostTensor<double> q_h = host_tensor({S, Hq, D}, q), k_h = host_tensor({S, Hkv, D}, k);
+  HostTensor<double> v_h = host_tensor({S, Hkv, D}, v), o_h({S, Hq, D}), lse_h({S, Hq});
+  attn::attention_block_forward(o_h, lse_h, q_h, k_h, v_h, BlockMask::causal_diagonal, scale);
+  DeviceTensor qd(DType::bf16, {S, Hq, D}), kd(DType::bf16, {S, Hkv, D}), vd(DType::bf16, {S, Hkv, D});
+  upload(qd, q);
+  upload(kd, k);
+  upload(vd, v);
+
+  // A plain forward: 8 calls, the first 6 the trial (2 untimed, 4 timed), into a buffer reset to NaN.
+  DeviceTensor o(DType::bf16, {S, Hq, D}), lse(DType::f32, {S, Hq});
+  for (int call = 0; call < 8; ++call) {
+    upload(o, std::vector<double>(static_cast<size_t>(S * Hq * D), std::nan("")));
+    attn::attention_block_forward(o, lse, qd, kd, vd, BlockMask::causal_diagonal, scale);
+    expect_close("auto forward, call " + std::to_string(call), DType::bf16, download(o), o_h.values);
+    expect_close("auto forward LSE, call " + std::to_string(call), DType::f32, download(lse), lse_h.values);
+  }
+  expect_decision(find_choice(attn::kernel_choices(), "forward causal Tq=1000 Tk=1000 heads 8/2 head_dim 64"),
+                  "the causal forward");
+
+  // The merge: keys split at 400 (the first part written, the second merged), fresh each call.
+  const Tensor k1 = Tensor(kd).narrow(0, 0, 400), v1 = Tensor(vd).narrow(0, 0, 400);
+  const Tensor k2 = Tensor(kd).narrow(0, 400, S - 400), v2 = Tensor(vd).narrow(0, 400, S - 400);
+  HostTensor<double> on_h({S, Hq, D}), lsen_h({S, Hq});
+  attn::attention_block_forward(on_h, lsen_h, q_h, k_h, v_h, BlockMask::none, scale);
+  DeviceTensor acc(DType::f32, {S, Hq, D}), lse_acc(DType::f32, {S, Hq}), blk(DType::bf16, {S, Hq, D}),
+      lse_blk(DType::f32, {S, Hq});
+  for (int call = 0; call < 8; ++call) {
+    attn::attention_block_forward(acc, lse_acc, qd, k1, v1, BlockMask::none, scale);
+    attn::attention_block_forward_merge(acc, lse_acc, blk, lse_blk, qd, k2, v2, BlockMask::none, scale);
+    expect_close("auto merge, call " + std::to_string(call), DType::bf16, download(acc), on_h.values);
+    expect_close("auto merge LSE, call " + std::to_string(call), DType::f32, download(lse_acc), lsen_h.values);
+  }
+  const auto all = attn::kernel_choices();
+  expect_decision(find_choice(all, "forward no-mask Tq=1000 Tk=600 heads 8/2 head_dim 64, f32 O, merged"),
+                  "the merge");
+  expect_decision(find_choice(all, "forward no-mask Tq=1000 Tk=400 heads 8/2 head_dim 64, f32 O"), "the f32 forward");
+}
+
+#else
+TEST(KernelChoiceAuto, EveryTrialCallIsRightAndTheFasterKernelIsRecorded) {
+  GTEST_SKIP() << "longtrain was built without CUDA";
+}
+#endif
+
+}  // namespace
+}  // namespace longtrain::test
