@@ -1,6 +1,7 @@
-// Our own Hopper (sm_90a) flash-attention forward: wgmma tensor-core MMAs fed by TMA loads through a
-// multi-stage shared-memory ring, one producer warpgroup and two consumer warpgroups per CTA
-// (FlashAttention-3's structure, our code). hopper_attention.cu is compiled for sm_90a only; on any
+// Our own Hopper (sm_90a) flash-attention forward and backward: wgmma tensor-core MMAs fed by TMA
+// loads through a multi-stage shared-memory ring, one producer warpgroup and two consumer warpgroups
+// per CTA (FlashAttention-3's structure, our code). hopper_attention.cu (forward) and
+// hopper_attention_bwd.cu (backward) are compiled for sm_90a only; on any
 // other device supported() is false and callers keep cuDNN (attention/cuda/local_attention.cu picks
 // this kernel as the kernel policy says: kernel_choice.h).
 //
@@ -10,6 +11,7 @@
 // LSE is natural-log and includes the scale, as cuDNN's: lse = log Σ_j exp(scale · q·k_j).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 
@@ -52,6 +54,35 @@ std::string unsupported_reason(const OutView& o, const StatsView& lse, const Vie
 // unsupported_reason() is not empty.
 void forward(const OutView& o, const StatsView& lse, const View& q, const View& k, const View& v, bool causal,
              float scale, bool merge);
+
+// ---- backward (hopper_attention_bwd.cu) ----------------------------------------------------------
+//
+// The block backward of local_attention.h's attention_block_backward: with P = exp(scale·q·kᵀ - lse)
+// (the FINAL lse), dP = d_o·vᵀ, dS = P ⊙ (dP - delta):
+//   dq (+)= scale · dS·k,   dk (+)= scale · dSᵀ·q,   dv (+)= Pᵀ·d_o.
+// q, k, v, d_o bf16 [tokens, heads, dim] views (as forward() takes them); lse and delta f32 [Tq, Hq]
+// strided (delta = rowsum(d_o ⊙ O_final), attention_delta). dq, dk, dv bf16 or f32 views of q's and
+// k's shapes, each independently; accumulate = false overwrites every element, true adds this
+// block's gradients. Everything accumulates in f32: a kv head's dK/dV over all its query heads (GQA,
+// MQA) in registers, stored (or added) once; dQ in an f32 scratch accumulator (cuda_host.h's
+// Scratch::attn_dq_accum, backward_dq_accum_bytes) added into dq by one pass at the end, so an f32
+// destination gets f32 sums and a bf16 one a single rounding. A row whose lse is -inf (it saw no key)
+// contributes nothing, whatever its delta. Not bitwise deterministic: dQ is summed over the K/V
+// tiles with f32 atomics. Causal is top-left with Tq == Tk; head_dim 64 or 128.
+// Empty when backward() accepts these views; else why not (the first failed requirement, naming the
+// argument). Besides supported(): TMA alignment of q, k, v, d_o (16-byte base and strides); dq, dk,
+// dv with even strides and pair-aligned bases (elements are written in pairs); causal needs Tq == Tk.
+std::string backward_unsupported_reason(const OutView& dq, const OutView& dk, const OutView& dv, const View& q,
+                                        const View& k, const View& v, const View& d_o, const StatsView& lse,
+                                        const StatsView& delta, bool causal);
+
+void backward(const OutView& dq, const OutView& dk, const OutView& dv, const View& q, const View& k, const View& v,
+              const View& d_o, const StatsView& lse, const StatsView& delta, bool causal, float scale,
+              bool accumulate);
+
+// The bytes of the f32 dQ accumulator backward() takes from scratch: Tq rounded up to the 128-row
+// tile, times Hq · head_dim floats (model/memory_plan.cpp counts the same).
+size_t backward_dq_accum_bytes(int64_t tq, int64_t q_heads, int64_t head_dim);
 
 // Tensor-level entry of the merge mode (defined in local_attention.cu beside attention_block_forward,
 // with the same argument checks): (o_acc, lse_acc) <- merge((o_acc, lse_acc), block(q, k, v)).

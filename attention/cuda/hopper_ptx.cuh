@@ -1,7 +1,8 @@
 // PTX wrappers shared by our Hopper attention kernels (hopper_attention.cu forward,
 // hopper_attention_bwd.cu backward): mbarriers, TMA tensor loads, setmaxnreg, wgmma fences and MMAs,
-// shared-memory matrix descriptors. Device code only, compiled in the sm_90a target
-// (longtrain_attention_hopper); every function is static inline, so each .cu gets its own copy.
+// shared-memory matrix descriptors, named barriers, proxy fences, vector reductions. Device code
+// only, compiled in the sm_90a target (longtrain_attention_hopper); every function is static inline,
+// so each .cu gets its own copy.
 #pragma once
 
 #include <cuda.h>  // CUtensorMap
@@ -41,6 +42,13 @@ static __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
 
+// Raises the barrier's expected transaction bytes for the current phase without arriving (the
+// backward's producer warp: its 32 lanes arrive after their own shared-memory stores, lane 0 first
+// announces the TMA bytes so the phase cannot complete before they land).
+static __device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+
 static __device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
   uint32_t done;
   asm volatile(
@@ -70,6 +78,21 @@ static __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) 
   }
 }
 
+// The trap of mbar_wait_lean, out of line: ptxas treats an inline trap in a wait loop as a reason
+// to spill. Measured (CUDA 13.0, sm_90a): the backward kernel, whose consumers hold ~200 live
+// accumulator registers while they wait on a barrier, spilled ~600 bytes per thread and serialized
+// its wgmmas with mbar_wait's inline trap, and spilled nothing with this call on the cold path.
+static __device__ __noinline__ void trap_pipeline_hang() { __trap(); }
+
+// mbar_wait with the same ~10 s limit, its trap behind a call that only a hung pipeline makes.
+static __device__ __forceinline__ void mbar_wait_lean(uint32_t bar, uint32_t parity) {
+  if (mbar_try_wait(bar, parity)) return;
+  const long long start = clock64();
+  while (!mbar_try_wait(bar, parity)) {
+    if (clock64() - start > kHangCycles) trap_pipeline_hang();
+  }
+}
+
 // A 3-d tiled TMA load (coordinates innermost first: head_dim element, head, token) into shared
 // memory, completing `bar` with the box's bytes (out-of-bounds elements are written as zeros).
 static __device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0,
@@ -83,6 +106,25 @@ static __device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorM
 
 static __device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
+
+// A named barrier (ids 1..15; 0 is __syncthreads) over `count` threads, a multiple of 32.
+static __device__ __forceinline__ void named_barrier_sync(uint32_t id, uint32_t count) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+
+// Orders this thread's ordinary shared-memory stores before later reads of that memory by the async
+// proxy (wgmma operands, TMA stores); each writing thread issues it before the barrier that
+// publishes the data.
+static __device__ __forceinline__ void fence_proxy_async_shared() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// *p += (a, b, c, d), four consecutive f32 in global memory (16-byte aligned), one vector reduction
+// performed at the L2 (no return value, so the thread does not wait for it).
+static __device__ __forceinline__ void red_add_v4(float* p, float a, float b, float c, float d) {
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "f"(a), "f"(b), "f"(c), "f"(d)
+               : "memory");
 }
 
 template <int N> static __device__ __forceinline__ void setmaxnreg_inc() {
@@ -187,6 +229,29 @@ static __device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d)[64], uint3
         "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
         "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc_b));
+}
+
+// D[64 x 64] (+)= A[64 x 16] · B[16 x 64], both from shared memory (descriptors). kTransA /
+// kTransB = 0: the operand is K-major (the reduction dim contiguous, as Q and K tiles are stored);
+// 1: MN-major ("transposed": M of A, or N of B, contiguous). accumulate = 0 overwrites D.
+template <int kTransA, int kTransB>
+static __device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], uint64_t desc_a, uint64_t desc_b,
+                                                          uint32_t accumulate) {
+  static_assert((kTransA == 0 || kTransA == 1) && (kTransB == 0 || kTransB == 1), "transpose flags are 0 or 1");
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "%32, %33, p, 1, 1, %35, %36;\n"
+      "}\n"
+      :
+        "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(kTransA), "n"(kTransB));
 }
 
 }  // namespace longtrain::attn::hopper::ptx

@@ -1,0 +1,698 @@
+// Our Hopper flash-attention backward (hopper_attention.h: backward): one CTA per (K/V tile of 128
+// keys, kv head), FlashAttention-3's structure with our own code.
+//
+// Why per kv head and not per query head: the CTA loops over every query head of its kv head's group,
+// so dK and dV of its 128 keys are summed over the whole group (GQA/MQA) in f32 registers and stored
+// or added once, with no atomics, no f32 scratch for dK/dV and a fixed order (deterministic dK/dV).
+// Per query head would give Hq/Hkv times more CTAs (better balance at short lengths) but dK/dV summed
+// across CTAs with f32 atomics plus a conversion pass. At the lengths this kernel is for (16K+ tokens,
+// 32/4 heads: 128+ key tiles × 4 kv heads >= 512 CTAs on 132 SMs) the per-kv-head grid already fills
+// the GPU; causal CTAs are launched longest first (key tile 0 meets every query tile).
+//
+// Per CTA: 384 threads = a producer warpgroup and two consumer warpgroups (setmaxnreg 24 / 240).
+// - The producer's warp 0 TMA-loads the K and V tiles once, then streams (Q, dO) tiles of kBlockM
+//   query rows (128 for head_dim 64, 64 for head_dim 128) through a kStages ring, for every query head
+//   of the group and every query tile that meets the keys (causal: those at or below the diagonal).
+//   With each tile its 32 lanes copy the rows' lse (times log2 e) and delta into shared memory.
+// - Consumer warpgroup w owns keys 64w..64w+63 of the tile. Per (query head, query tile) step it
+//   computes, with the keys as the wgmma M dimension ("swapped" products, so P and dS come out
+//   transposed, which is what dV and dK need as their register A operand):
+//     Sᵀ  = K_w·Qᵀ        [64 × kBlockM]  SS (K and Q both K-major, as the forward's S = Q·Kᵀ)
+//     dPᵀ = V_w·dOᵀ       [64 × kBlockM]  SS
+//     Pᵀ  = exp2(Sᵀ·scale·log2e − lse·log2e)  (0 where masked and for rows whose lse is −inf)
+//     dSᵀ = Pᵀ ⊙ (dPᵀ − delta)
+//     dV_w += Pᵀ·dO       [64 × D]  RS: Pᵀ as bf16 from registers, dO N-major (as V in the forward)
+//     dK_w += dSᵀ·Q       [64 × D]  RS: dSᵀ from registers, Q N-major
+//   and writes dSᵀ as bf16 into shared memory (M-major for the next product), then after a named
+//   barrier between the two consumer warpgroups (dQ needs all 128 keys of dS):
+//     dQ_sub = dS·K       [64 × 64]  SS, A = dS M-major ("transposed"), B = K N-major
+//   where warpgroup w's 64×64 sub-block is query rows 64w.. (head_dim 64) or head_dim columns 64w..
+//   (head_dim 128) of the [kBlockM × D] dQ tile; it is added to the f32 dQ accumulator in global
+//   memory with red.global.add.v4.f32 (no return, coalesced: see the accumulator layout below).
+// - dK (times scale) and dV leave the registers once, at the end: stored or added (f32 or bf16
+//   destinations, their strides) by the thread that owns them.
+// A small kernel then adds scale · (the f32 dQ accumulator) into (or over) the caller's dq.
+//
+// Shared memory (128-byte swizzle everywhere, hopper_attention.cu's header explains the layout and
+// the descriptors): K and V tiles [128 keys][D] (kColBlocks column blocks of 64), a ring of kStages
+// (Q, dO) tiles [kBlockM rows][D], two dS buffers, lse/delta rows per stage, mbarriers. Budgets:
+//   D = 64,  kBlockM = 128: K 16 + V 16 + Q 2×16 + dO 2×16 + dS 2×32 KB = 160 KB (+2 KB rows)
+//   D = 128, kBlockM = 64:  K 32 + V 32 + Q 2×16 + dO 2×16 + dS 2×16 KB = 160 KB (+1 KB rows)
+// Registers per consumer thread (f32 accumulators): dV, dK D/2 each; Sᵀ, dPᵀ kBlockM/2 each; dQ 32:
+//   D = 64: 32 + 32 + 64 + 64 (+ 32 dQ once Sᵀ, dPᵀ are packed to bf16) = 192 at the peak;
+//   D = 128: 64 + 64 + 32 + 32 = 192. FlashAttention-3 runs the same tile shapes within 240.
+//
+// Synchronisation, every wait explicit:
+// - kv_full (count 1): lane 0's arrive.expect_tx(K + V bytes); TMA completes it. Consumers wait once.
+// - q_full[s], do_full[s] (count 32 each): lane 0 first raises the expected bytes (mbarrier.expect_tx,
+//   no arrival) and issues the Q (dO) TMA; then each of the 32 lanes stores its lse (delta) values and
+//   arrives, so a phase completes only when both the TMA bytes and every lane's stores are in.
+// - empty[s] (count 256): every consumer thread arrives once per step after the wgmma that last reads
+//   stage s's Q/dO (dK/dV) has completed and after its lse/delta reads; the producer waits on it
+//   before refilling s (a fresh barrier's "previous phase" counts as complete: the first pass waits
+//   on parity 1 and does not block).
+// - named barrier 1 (256 consumer threads) per step: both warpgroups' dSᵀ stores (each thread fences
+//   them to the async proxy first) are in before either issues the dQ wgmma that reads them. dS is
+//   double-buffered (step i uses buffer i % 2): a warpgroup writes buffer b at step i + 2 only after
+//   passing the barrier of step i + 1, which the other warpgroup reaches only after its step-i dQ
+//   wgmma (the last reader of b) has completed.
+// Phases: step i uses stage s = i % kStages, parity (i / kStages) & 1 on the full barriers.
+//
+// Edges: keys >= Tk (TMA zero-fills them) and, causal, keys after the query are masked to P = 0 in
+// the tiles that need it; query rows >= Tq get lse = +inf and delta = 0 in shared memory (P = 0,
+// dS = 0), as do rows whose lse is −inf (a NaN delta of such a row is never read). Their dQ rows land
+// in the accumulator's padding and are never copied out.
+//
+// The f32 dQ accumulator: [Hq][num_q_tiles][kBlockM·D] floats, each tile in the consumers' fragment
+// order: sub-block w (4096 floats), then float4 j = 0..7, then thread t = 0..127, then 4 floats:
+// (j, t, e) holds accumulator element i = 4j + e of thread t, i.e. (PTX wgmma D fragment) row
+// 16·(t/32) + (t%32)/4 + 8·(e/2), column 8j + 2·(t%4) + e%2 of the 64×64 sub-block. A warp's
+// red.v4 then covers 512 contiguous bytes; dq_from_accum_kernel inverts the map.
+#include "attention/cuda/hopper_attention.h"
+#include "attention/cuda/hopper_host.h"
+#include "attention/cuda/hopper_ptx.cuh"
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+
+#include "kernels/cuda/cuda_host.h"
+#include "runtime/cuda_check.h"
+#include "runtime/error.h"
+
+namespace longtrain::attn::hopper {
+namespace {
+
+using namespace ptx;
+
+constexpr int kBlockN = 128;            // keys per CTA (its K/V tile)
+constexpr int kWgKeys = 64;             // keys per consumer warpgroup: the wgmma M of Sᵀ, dPᵀ, dV, dK
+constexpr int kThreads = 384;           // producer warpgroup + 2 consumer warpgroups
+constexpr int kConsumerThreads = 256;
+constexpr int kSwizzleElems = 64;       // bf16 elements in one 128-byte swizzled row
+constexpr uint32_t kRowBytes = 128;     // one swizzled row
+constexpr uint32_t kAtomBytes = 1024;   // 8 swizzled rows: the SBO of every descriptor here
+constexpr int kProducerRegs = 24, kConsumerRegs = 240;  // 128·24 + 256·240 = 64512 <= 65536 registers
+constexpr uint32_t kDsBarrier = 1;      // named barrier id (0 is __syncthreads)
+constexpr int kDqSub = 64;              // each consumer warpgroup's dQ sub-block is 64 × 64
+constexpr int kDqSubFloats = kDqSub * kDqSub;
+constexpr float kLog2e = 1.4426950408889634f;
+
+static_assert(kBlockN == 2 * kWgKeys, "two consumer warpgroups split the key tile");
+static_assert(kConsumerThreads == 2 * 128, "two consumer warpgroups");
+static_assert(128 * kProducerRegs + kConsumerThreads * kConsumerRegs <= 65536, "register file");
+
+template <int D> struct BwdTiles {
+  static_assert(D == 64 || D == 128, "head_dim 64 or 128");
+  // Query rows per step: 128 for D = 64; 64 for D = 128, where 128 would need 64 + 64 (dK, dV) +
+  // 64 + 64 (Sᵀ, dPᵀ) = 256 accumulator registers per thread, over the 240 available.
+  static constexpr int kBlockM = D == 64 ? 128 : 64;
+  static constexpr int kStages = 2;  // (Q, dO) ring depth: one tile loading while one is consumed
+  static constexpr int kColBlocks = D / kSwizzleElems;
+  static constexpr uint32_t kKVColBlockBytes = kBlockN * kRowBytes;
+  static constexpr uint32_t kKVBytes = kColBlocks * kKVColBlockBytes;  // one K (or V) tile
+  static constexpr uint32_t kQColBlockBytes = kBlockM * kRowBytes;
+  static constexpr uint32_t kQBytes = kColBlocks * kQColBlockBytes;    // one Q (or dO) tile
+  // dS [kBlockM queries × 128 keys] stored M-major: per 64 queries (one 128-byte row) a block of 128
+  // key rows.
+  static constexpr int kQueryBlocks = kBlockM / 64;
+  static constexpr uint32_t kDsBlockBytes = kBlockN * kRowBytes;
+  static constexpr uint32_t kDsBytes = kQueryBlocks * kDsBlockBytes;
+  static constexpr int kDsBuffers = 2;
+  static constexpr uint32_t kKOffset = 0;
+  static constexpr uint32_t kVOffset = kKOffset + kKVBytes;
+  static constexpr uint32_t kQOffset = kVOffset + kKVBytes;
+  static constexpr uint32_t kDoOffset = kQOffset + kStages * kQBytes;
+  static constexpr uint32_t kDsOffset = kDoOffset + kStages * kQBytes;
+  static constexpr uint32_t kLseOffset = kDsOffset + kDsBuffers * kDsBytes;  // f32 [kStages][kBlockM]
+  static constexpr uint32_t kDeltaOffset = kLseOffset + kStages * kBlockM * 4;
+  static constexpr uint32_t kBarrierOffset = kDeltaOffset + kStages * kBlockM * 4;
+  static constexpr int kBarriers = 1 + 3 * kStages;  // kv_full, q_full[s], do_full[s], empty[s]
+  // +1024: the dynamic shared memory base is only 16-byte aligned; the tiles are moved up to 1024.
+  static constexpr uint32_t kSmemBytes = kBarrierOffset + 8 * kBarriers + 1024;
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory per CTA");
+  // Every tile starts on a swizzle atom (the descriptors' base offset is 0).
+  static_assert(kKVBytes % kAtomBytes == 0 && kQBytes % kAtomBytes == 0 && kDsBytes % kAtomBytes == 0,
+                "tiles are whole 1024-byte swizzle atoms");
+  static_assert(kBarrierOffset % 8 == 0, "mbarriers are 8-byte aligned");
+
+  // Accumulator floats per consumer thread (a 64 × N wgmma accumulator is N/2 per thread).
+  static constexpr int kSFloats = kBlockM / 2;  // Sᵀ, dPᵀ: 64 keys × kBlockM queries
+  static constexpr int kKVFloats = D / 2;       // dK, dV: 64 keys × D
+  static constexpr int kDqFloats = kDqSubFloats / 128;
+  static_assert(kDqFloats == 32, "a 64 × 64 dQ sub-block per warpgroup");
+  static_assert(2 * kSFloats + 2 * kKVFloats <= 192, "accumulators live at the peak must leave room in 240 registers");
+  // The two warpgroups' 64 × 64 sub-blocks tile the [kBlockM × D] dQ tile exactly.
+  static_assert(kBlockM * D == 2 * kDqSubFloats, "dQ tile = two 64 × 64 sub-blocks");
+  static constexpr int kDqTileFloats = kBlockM * D;
+  // Per 16-key k-step of a 64-row operand: the loops below.
+  static_assert(kBlockM % 16 == 0 && D % 16 == 0, "wgmma k-steps of 16");
+  static_assert(kBlockM % 32 == 0, "the producer's 32 lanes copy kBlockM lse/delta rows");
+};
+
+struct BwdParams {
+  const float* lse;
+  int64_t lse_ts, lse_hs;
+  const float* delta;
+  int64_t delta_ts, delta_hs;
+  float* dq_accum;  // [Hq][num_q_tiles][kBlockM·D], fragment order (header comment); zeroed before
+  void* dk;
+  int64_t dk_ts, dk_hs;
+  void* dv;
+  int64_t dv_ts, dv_hs;
+  bool dk_f32, dv_f32;
+  bool accumulate;  // dk/dv += this block's gradients (else :=)
+  int tq, tk;
+  int group;        // q heads per kv head
+  int num_q_tiles;  // ceil(Tq / kBlockM)
+  float scale;      // natural-log scale (dK's factor)
+  float scale_log2; // scale · log2(e) (for exp2)
+};
+
+// Sᵀ or dPᵀ (+)= A[64 × 16] · B[16 × N]: A and B K-major in shared memory; N = kBlockM.
+template <int N>
+__device__ __forceinline__ void mma_ss_kmajor(float (&d)[N / 2], uint64_t da, uint64_t db, uint32_t accumulate) {
+  if constexpr (N == 128) {
+    wgmma_m64n128k16_ss(d, da, db, accumulate);
+  } else {
+    static_assert(N == 64, "N is 64 or 128");
+    wgmma_m64n64k16_ss<0, 0>(d, da, db, accumulate);
+  }
+}
+
+// dV or dK += A[64 × 16] · B[16 × N]: A as bf16 pairs from registers, B N-major in shared memory; N = D.
+template <int N>
+__device__ __forceinline__ void mma_rs(float (&d)[N / 2], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                       uint64_t db) {
+  if constexpr (N == 128) {
+    wgmma_m64n128k16_rs(d, a0, a1, a2, a3, db);
+  } else {
+    static_assert(N == 64, "N is 64 or 128");
+    wgmma_m64n64k16_rs(d, a0, a1, a2, a3, db);
+  }
+}
+
+// Stores (or adds into) the pair (x, y) at dst, f32 or bf16.
+__device__ __forceinline__ void put_pair(void* dst, bool f32, bool accumulate, float x, float y) {
+  if (f32) {
+    float2* p = static_cast<float2*>(dst);
+    if (accumulate) {
+      const float2 old = *p;
+      x += old.x;
+      y += old.y;
+    }
+    *p = make_float2(x, y);
+  } else {
+    __nv_bfloat162* p = static_cast<__nv_bfloat162*>(dst);
+    if (accumulate) {
+      const float2 old = __bfloat1622float2(*p);
+      x += old.x;
+      y += old.y;
+    }
+    *p = __floats2bfloat162_rn(x, y);
+  }
+}
+
+// ---- the kernel ------------------------------------------------------------------------------------
+//
+// Accumulator fragments (PTX ISA, wgmma .m64nNk16 D fragment; hopper_attention.cu): thread `lane` of
+// warp `warp` (within its warpgroup) holds element i of N/2 at row 16·warp + lane/4 + 8·((i/2) % 2)
+// and column 8·(i/4) + 2·(lane % 4) + i % 2. Here the rows are keys and (for Sᵀ, dPᵀ) the columns
+// queries. The pairs (2q, 2q+1), read four at a time for the k-th 16 columns, are the bf16 A fragment
+// of the next MMA over those columns (a_r = pair 4k + r), which is how Pᵀ and dSᵀ feed dV and dK.
+
+template <int D, bool kCausal>
+__global__ void __launch_bounds__(kThreads, 1)
+    hopper_attention_bwd_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
+                                const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_do,
+                                const BwdParams p) {
+#if LT_HOPPER_DEVICE_CODE
+  using Tl = BwdTiles<D>;
+  constexpr int M = Tl::kBlockM;
+  constexpr int S = Tl::kStages;
+  extern __shared__ unsigned char smem_raw[];
+  const uint32_t raw = smem_u32(smem_raw);
+  const uint32_t smem = (raw + 1023u) & ~1023u;
+  unsigned char* const smem_ptr = smem_raw + (smem - raw);  // the same address, generic
+  const uint32_t sK = smem + Tl::kKOffset, sV = smem + Tl::kVOffset;
+  auto sQ = [&](int s) { return smem + Tl::kQOffset + s * Tl::kQBytes; };
+  auto sDo = [&](int s) { return smem + Tl::kDoOffset + s * Tl::kQBytes; };
+  auto sDs = [&](int b) { return smem + Tl::kDsOffset + b * Tl::kDsBytes; };
+  float* const lse_rows = reinterpret_cast<float*>(smem_ptr + Tl::kLseOffset);      // [S][M], lse · log2 e
+  float* const delta_rows = reinterpret_cast<float*>(smem_ptr + Tl::kDeltaOffset);  // [S][M]
+  const uint32_t bars = smem + Tl::kBarrierOffset;
+  const uint32_t kv_full = bars;
+  auto q_full = [&](int s) { return bars + 8u * (1 + s); };
+  auto do_full = [&](int s) { return bars + 8u * (1 + S + s); };
+  auto empty = [&](int s) { return bars + 8u * (1 + 2 * S + s); };
+
+  const int kv_head = blockIdx.x;
+  const int n_tile = blockIdx.y;  // causal: tile 0 (the most query tiles) is launched first
+  const int n0 = n_tile * kBlockN;
+  // Causal (Tq == Tk): query tiles wholly before key n0 see none of these keys. n0 < Tk = Tq, so at
+  // least one tile remains; without a mask every query tile meets the keys.
+  const int m_first = kCausal ? n0 / M : 0;
+  const int n_m = p.num_q_tiles - m_first;
+  const int steps = n_m * p.group;  // step = (query tile m_first + step / group, query head step % group)
+
+  if (threadIdx.x == 0) {
+    mbar_init(kv_full, 1);
+    for (int s = 0; s < S; ++s) {
+      mbar_init(q_full(s), 32);
+      mbar_init(do_full(s), 32);
+      mbar_init(empty(s), kConsumerThreads);
+    }
+    fence_barrier_init();
+  }
+  __syncthreads();
+
+  const int warpgroup = threadIdx.x / 128;
+  if (warpgroup == 0) {
+    // ---- producer: warp 0 only; warps 1-3 leave at once (no later CTA-wide barrier) ----
+    setmaxnreg_dec<kProducerRegs>();
+    if (threadIdx.x >= 32) return;
+    const int lane = threadIdx.x;
+    if (lane == 0) {
+      prefetch_tensor_map(&tm_q);
+      prefetch_tensor_map(&tm_k);
+      prefetch_tensor_map(&tm_v);
+      prefetch_tensor_map(&tm_do);
+      mbar_arrive_expect_tx(kv_full, 2 * Tl::kKVBytes);
+#pragma unroll
+      for (int c = 0; c < Tl::kColBlocks; ++c) {
+        tma_load_3d(sK + c * Tl::kKVColBlockBytes, &tm_k, kv_full, c * kSwizzleElems, kv_head, n0);
+        tma_load_3d(sV + c * Tl::kKVColBlockBytes, &tm_v, kv_full, c * kSwizzleElems, kv_head, n0);
+      }
+    }
+    for (int step = 0; step < steps; ++step) {
+      const int s = step % S;
+      const int m = m_first + step / p.group;
+      const int head = kv_head * p.group + step % p.group;
+      const int m0 = m * M;
+      mbar_wait_lean(empty(s), ((step / S) & 1) ^ 1);  // every lane: each overwrites its own lse/delta slots
+      if (lane == 0) {
+        mbar_expect_tx(q_full(s), Tl::kQBytes);
+#pragma unroll
+        for (int c = 0; c < Tl::kColBlocks; ++c)
+          tma_load_3d(sQ(s) + c * Tl::kQColBlockBytes, &tm_q, q_full(s), c * kSwizzleElems, head, m0);
+        mbar_expect_tx(do_full(s), Tl::kQBytes);
+#pragma unroll
+        for (int c = 0; c < Tl::kColBlocks; ++c)
+          tma_load_3d(sDo(s) + c * Tl::kQColBlockBytes, &tm_do, do_full(s), c * kSwizzleElems, head, m0);
+      }
+#pragma unroll
+      for (int r = lane; r < M; r += 32) {
+        const int64_t row = m0 + r;
+        const float l = row < p.tq ? p.lse[row * p.lse_ts + head * p.lse_hs] : -INFINITY;
+        const bool live = l != -INFINITY;  // past Tq, or a row that saw no key: P = 0, dS = 0
+        lse_rows[s * M + r] = live ? l * kLog2e : INFINITY;
+        delta_rows[s * M + r] = live ? p.delta[row * p.delta_ts + head * p.delta_hs] : 0.0f;
+      }
+      mbar_arrive(q_full(s));  // release: this lane's lse/delta stores are visible to the waiters
+      mbar_arrive(do_full(s));
+    }
+    // Stay until the consumers have released every stage, so no load is in flight when warp 0 leaves.
+    if (lane == 0)
+      for (int step = max(0, steps - S); step < steps; ++step) mbar_wait_lean(empty(step % S), (step / S) & 1);
+    return;
+  }
+
+  // ---- consumers ----
+  setmaxnreg_inc<kConsumerRegs>();
+  const int cw = warpgroup - 1;  // keys n0 + 64·cw + [0, 64)
+  const int t = threadIdx.x % 128;
+  const int warp = t / 32, lane = t % 32;
+  const int key_wg = n0 + kWgKeys * cw;
+  const int key_row = kWgKeys * cw + 16 * warp + lane / 4;  // this thread's half-0 key row in the tile
+  const int key_lo = n0 + key_row;                          // ... as a key index; half 1 is +8
+  const int col_lane = 2 * (lane % 4);
+  const uint32_t sK_wg = sK + kWgKeys * cw * kRowBytes;  // this warpgroup's 64 rows of each column block
+  const uint32_t sV_wg = sV + kWgKeys * cw * kRowBytes;
+
+  float dv[Tl::kKVFloats], dk[Tl::kKVFloats];
+#pragma unroll
+  for (int i = 0; i < Tl::kKVFloats; ++i) dv[i] = dk[i] = 0.0f;
+  const bool keys_past_end = key_wg + kWgKeys > p.tk;  // this warpgroup has keys >= Tk (zero rows)
+
+  mbar_wait_lean(kv_full, 0);
+  for (int step = 0; step < steps; ++step) {
+    const int s = step % S;
+    const uint32_t parity = (step / S) & 1;
+    const int m = m_first + step / p.group;
+    const int head = kv_head * p.group + step % p.group;
+    const int m0 = m * M;
+
+    // Sᵀ = K_w·Qᵀ and dPᵀ = V_w·dOᵀ over head_dim in steps of 16 (the k-th slice of a column block
+    // starts 32·k bytes in; hopper_attention.cu's header).
+    float st[Tl::kSFloats], dpt[Tl::kSFloats];
+    mbar_wait_lean(q_full(s), parity);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const uint32_t in_block = (kk % 4) * 32;
+      const uint64_t da = smem_desc(sK_wg + (kk / 4) * Tl::kKVColBlockBytes + in_block, 16, kAtomBytes);
+      const uint64_t db = smem_desc(sQ(s) + (kk / 4) * Tl::kQColBlockBytes + in_block, 16, kAtomBytes);
+      mma_ss_kmajor<M>(st, da, db, kk > 0 ? 1u : 0u);
+    }
+    wgmma_commit();
+    mbar_wait_lean(do_full(s), parity);
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const uint32_t in_block = (kk % 4) * 32;
+      const uint64_t da = smem_desc(sV_wg + (kk / 4) * Tl::kKVColBlockBytes + in_block, 16, kAtomBytes);
+      const uint64_t db = smem_desc(sDo(s) + (kk / 4) * Tl::kQColBlockBytes + in_block, 16, kAtomBytes);
+      mma_ss_kmajor<M>(dpt, da, db, kk > 0 ? 1u : 0u);
+    }
+    wgmma_commit();
+    wgmma_wait<1>();  // Sᵀ done (dPᵀ may still run)
+    fence_operands(st);
+
+    // Pᵀ = exp2(Sᵀ·scale·log2e − lse·log2e); lse·log2e is +inf for dead rows, so P = 0 there.
+    // Masks: keys >= Tk and, causal, key > query, only in the tiles where some element needs it.
+    const float* lse_s = lse_rows + s * M;
+    const bool mask = keys_past_end || (kCausal && key_wg + kWgKeys - 1 > m0);
+#pragma unroll
+    for (int jj = 0; jj < M / 8; ++jj) {
+      const float2 l = *reinterpret_cast<const float2*>(lse_s + 8 * jj + col_lane);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = 4 * jj + e;
+        float x = fast_exp2(fmaf(st[i], p.scale_log2, -((e % 2) ? l.y : l.x)));
+        if (mask) {
+          const int key = key_lo + 8 * (e / 2);
+          const int query = m0 + 8 * jj + col_lane + (e % 2);
+          if (key >= p.tk || (kCausal && key > query)) x = 0.0f;
+        }
+        st[i] = x;
+      }
+    }
+    wgmma_wait<0>();  // dPᵀ done
+    fence_operands(dpt);
+
+    // dSᵀ = Pᵀ ⊙ (dPᵀ − delta), in place of dPᵀ.
+    const float* delta_s = delta_rows + s * M;
+#pragma unroll
+    for (int jj = 0; jj < M / 8; ++jj) {
+      const float2 dl = *reinterpret_cast<const float2*>(delta_s + 8 * jj + col_lane);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = 4 * jj + e;
+        dpt[i] = st[i] * (dpt[i] - ((e % 2) ? dl.y : dl.x));
+      }
+    }
+
+    // bf16 A fragments: pair q = elements (2q, 2q+1).
+    uint32_t pa[M / 4], dsa[M / 4];
+#pragma unroll
+    for (int q = 0; q < M / 4; ++q) {
+      pa[q] = pack_bf16(st[2 * q], st[2 * q + 1]);
+      dsa[q] = pack_bf16(dpt[2 * q], dpt[2 * q + 1]);
+    }
+
+    // dV_w += Pᵀ·dO and dK_w += dSᵀ·Q over the tile's queries in steps of 16: dO and Q are the
+    // N-major B operand (rows = queries = the reduction dim, head_dim contiguous), exactly as V in the
+    // forward's P·V: LBO = the next column block (64 of head_dim), SBO = the next 8 rows, the k-th
+    // step 16 rows = 2048 bytes in.
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < M / 16; ++kk) {
+      const uint64_t db = smem_desc(sDo(s) + kk * 16 * kRowBytes, Tl::kQColBlockBytes, kAtomBytes);
+      mma_rs<D>(dv, pa[4 * kk], pa[4 * kk + 1], pa[4 * kk + 2], pa[4 * kk + 3], db);
+    }
+#pragma unroll
+    for (int kk = 0; kk < M / 16; ++kk) {
+      const uint64_t db = smem_desc(sQ(s) + kk * 16 * kRowBytes, Tl::kQColBlockBytes, kAtomBytes);
+      mma_rs<D>(dk, dsa[4 * kk], dsa[4 * kk + 1], dsa[4 * kk + 2], dsa[4 * kk + 3], db);
+    }
+    wgmma_commit();
+
+    // dSᵀ into shared memory as the M-major A operand of dQ = dS·K: per 64 queries a block of 128
+    // key rows of 128 bytes (64 queries), 128-byte swizzled (chunk c of row r at chunk c ^ (r % 8)).
+    // Pair q holds key row key_row + 8·(q % 2), queries 8·(q/2) + col_lane + {0, 1}: one 4-byte store.
+    // A warp's 32 stores hit 8 rows × 4 words at distinct banks (the swizzle spreads the 8 rows).
+    const uint32_t ds_buf = sDs(step % Tl::kDsBuffers);
+#pragma unroll
+    for (int q = 0; q < M / 4; ++q) {
+      const int row = key_row + 8 * (q % 2);
+      const int query = 8 * (q / 2) + col_lane;  // within the tile
+      const int chunk = (query % 64) / 8;
+      const uint32_t addr = ds_buf + (query / 64) * Tl::kDsBlockBytes + row * kRowBytes +
+                            ((chunk ^ (row % 8)) << 4) + (query % 8) * 2;
+      asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(dsa[q]) : "memory");
+    }
+    fence_proxy_async_shared();
+    named_barrier_sync(kDsBarrier, kConsumerThreads);
+
+    // dQ sub-block = dS·K over the 128 keys in steps of 16 (2048 bytes of dS rows and of K rows):
+    // A = dS M-major (SBO = the next 8 keys; one 64-query block, so LBO is unused), B = K N-major
+    // (as V in the forward). head_dim 64: warpgroup w takes query rows 64w.. (dS block w, all of K's
+    // one column block); head_dim 128: all 64 query rows (dS block 0), K's column block w.
+    float dq[Tl::kDqFloats];
+    const uint32_t dq_a = ds_buf + (D == 64 ? cw * Tl::kDsBlockBytes : 0);
+    const uint32_t dq_b = sK + (D == 64 ? 0 : cw * Tl::kKVColBlockBytes);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      const uint64_t da = smem_desc(dq_a + kk * 16 * kRowBytes, Tl::kDsBlockBytes, kAtomBytes);
+      const uint64_t db = smem_desc(dq_b + kk * 16 * kRowBytes, Tl::kKVColBlockBytes, kAtomBytes);
+      wgmma_m64n64k16_ss<1, 1>(dq, da, db, kk > 0 ? 1u : 0u);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();  // dV, dK and dQ done: stage s's Q and dO, and dS buffer, are no longer read
+    fence_operands(dv);
+    fence_operands(dk);
+    fence_operands(dq);
+    mbar_arrive(empty(s));
+
+    // dQ sub-block into the f32 accumulator (fragment order; header comment).
+    float* const acc = p.dq_accum + (static_cast<int64_t>(head) * p.num_q_tiles + m) * Tl::kDqTileFloats +
+                       cw * kDqSubFloats + 4 * t;
+#pragma unroll
+    for (int j = 0; j < Tl::kDqFloats / 4; ++j)
+      red_add_v4(acc + j * 4 * 128, dq[4 * j], dq[4 * j + 1], dq[4 * j + 2], dq[4 * j + 3]);
+  }
+
+  // ---- epilogue: dK = scale · Σ dSᵀ·Q, dV = Σ Pᵀ·dO for this warpgroup's keys ----
+  char* const dk_base = static_cast<char*>(p.dk);
+  char* const dv_base = static_cast<char*>(p.dv);
+  const int dk_elem = p.dk_f32 ? 4 : 2, dv_elem = p.dv_f32 ? 4 : 2;
+#pragma unroll
+  for (int i = 0; i < Tl::kKVFloats; i += 2) {
+    const int64_t key = key_lo + 8 * ((i / 2) % 2);
+    if (key >= p.tk) continue;
+    const int64_t col = 8 * (i / 4) + col_lane;
+    put_pair(dk_base + (key * p.dk_ts + kv_head * p.dk_hs + col) * dk_elem, p.dk_f32, p.accumulate,
+             dk[i] * p.scale, dk[i + 1] * p.scale);
+    put_pair(dv_base + (key * p.dv_ts + kv_head * p.dv_hs + col) * dv_elem, p.dv_f32, p.accumulate, dv[i],
+             dv[i + 1]);
+  }
+#endif  // LT_HOPPER_DEVICE_CODE
+}
+
+// dq[row, head, :] (+)= scale · accumulator, one thread per float4 of the accumulator (reads
+// coalesced), inverting the fragment order: float4 (w, j, t) of tile (head, m) holds, for the 64 × 64
+// sub-block w, rows r = 16·(t/32) + (t%32)/4 and r + 8, columns c = 8j + 2·(t%4) and c + 1.
+template <int D, class Out>
+__global__ void dq_from_accum_kernel(Out* dq, int64_t dq_ts, int64_t dq_hs, const float* __restrict__ acc, int tq,
+                                     int num_q_tiles, int64_t total_float4, float scale, bool accumulate) {
+  constexpr int M = BwdTiles<D>::kBlockM;
+  const int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (idx >= total_float4) return;
+  constexpr int kTileFloat4 = M * D / 4;
+  const int64_t tile = idx / kTileFloat4;
+  const int rem = static_cast<int>(idx % kTileFloat4);
+  const int w = rem / (kDqSubFloats / 4), j = (rem / 128) % 8, t = rem % 128;
+  const int head = static_cast<int>(tile / num_q_tiles), m = static_cast<int>(tile % num_q_tiles);
+  const float4 v = reinterpret_cast<const float4*>(acc)[idx];
+  const int r = 16 * (t / 32) + (t % 32) / 4, c = 8 * j + 2 * (t % 4);
+  // head_dim 64: sub-block w is query rows 64w..; head_dim 128: columns 64w..
+  const int row0 = m * M + (D == 64 ? kDqSub * w : 0) + r;
+  const int col = (D == 64 ? 0 : kDqSub * w) + c;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int64_t row = row0 + 8 * h;
+    if (row >= tq) continue;
+    float x = scale * (h ? v.z : v.x), y = scale * (h ? v.w : v.y);
+    Out* dst = dq + row * dq_ts + head * dq_hs + col;
+    if constexpr (std::is_same_v<Out, float>) {
+      float2* p2 = reinterpret_cast<float2*>(dst);
+      if (accumulate) {
+        const float2 old = *p2;
+        x += old.x;
+        y += old.y;
+      }
+      *p2 = make_float2(x, y);
+    } else {
+      __nv_bfloat162* p2 = reinterpret_cast<__nv_bfloat162*>(dst);
+      if (accumulate) {
+        const float2 old = __bfloat1622float2(*p2);
+        x += old.x;
+        y += old.y;
+      }
+      *p2 = __floats2bfloat162_rn(x, y);
+    }
+  }
+}
+
+// ---- host side ---------------------------------------------------------------------------------------
+
+int block_m(int64_t head_dim) { return head_dim == 64 ? BwdTiles<64>::kBlockM : BwdTiles<128>::kBlockM; }
+
+template <int D, bool kCausal>
+void launch_bwd(const CUtensorMap& mq, const CUtensorMap& mk, const CUtensorMap& mv, const CUtensorMap& mdo,
+                const BwdParams& p, int kv_heads, int kv_tiles) {
+  auto* kernel = hopper_attention_bwd_kernel<D, kCausal>;
+  static const bool configured = [kernel] {
+    LT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       static_cast<int>(BwdTiles<D>::kSmemBytes)));
+    return true;
+  }();
+  (void)configured;
+  const dim3 grid(static_cast<unsigned>(kv_heads), static_cast<unsigned>(kv_tiles));
+  kernel<<<grid, kThreads, BwdTiles<D>::kSmemBytes, cuda_stream()>>>(mq, mk, mv, mdo, p);
+  LT_CUDA_LAUNCH_CHECK("hopper_attention_bwd_kernel");
+}
+
+template <int D>
+void launch_dq(const OutView& dq, const float* acc, int tq, int hq, int num_q_tiles, float scale, bool accumulate) {
+  const int64_t total = static_cast<int64_t>(hq) * num_q_tiles * BwdTiles<D>::kDqTileFloats / 4;
+  constexpr int kBlock = 256;
+  const unsigned blocks = static_cast<unsigned>((total + kBlock - 1) / kBlock);
+  if (dq.f32) {
+    dq_from_accum_kernel<D, float><<<blocks, kBlock, 0, cuda_stream()>>>(
+        static_cast<float*>(dq.data), dq.token_stride, dq.head_stride, acc, tq, num_q_tiles, total, scale, accumulate);
+  } else {
+    dq_from_accum_kernel<D, __nv_bfloat16><<<blocks, kBlock, 0, cuda_stream()>>>(
+        static_cast<__nv_bfloat16*>(dq.data), dq.token_stride, dq.head_stride, acc, tq, num_q_tiles, total, scale,
+        accumulate);
+  }
+  LT_CUDA_LAUNCH_CHECK("dq_from_accum_kernel");
+}
+
+// An output written in element pairs: aligned to a pair, even strides.
+std::string check_grad(const OutView& g, const char* name, int64_t tokens, int64_t heads, int64_t dim) {
+  if (g.tokens != tokens || g.heads != heads || g.dim != dim)
+    return fmt::format("{} [{}, {}, {}] must be [{}, {}, {}]", name, g.tokens, g.heads, g.dim, tokens, heads, dim);
+  const size_t pair_bytes = g.f32 ? 8 : 4;
+  if (g.data == nullptr || reinterpret_cast<uintptr_t>(g.data) % pair_bytes != 0 || g.token_stride % 2 != 0 ||
+      g.head_stride % 2 != 0)
+    return fmt::format("{} needs a {}-byte aligned base and even strides (it is written in element pairs), got {} "
+                       "with strides {}, {}",
+                       name, pair_bytes, g.data, g.token_stride, g.head_stride);
+  return {};
+}
+
+std::string check_stats(const StatsView& s, const char* name, int64_t tokens, int64_t heads) {
+  if (s.data == nullptr || s.tokens != tokens || s.heads != heads)
+    return fmt::format("{} must be [{}, {}], got [{}, {}]{}", name, tokens, heads, s.tokens, s.heads,
+                       s.data == nullptr ? " without data" : "");
+  return {};
+}
+
+}  // namespace
+
+size_t backward_dq_accum_bytes(int64_t tq, int64_t q_heads, int64_t head_dim) {
+  const int64_t m = block_m(head_dim);
+  return static_cast<size_t>((tq + m - 1) / m * m * q_heads * head_dim) * sizeof(float);
+}
+
+std::string backward_unsupported_reason(const OutView& dq, const OutView& dk, const OutView& dv, const View& q,
+                                        const View& k, const View& v, const View& d_o, const StatsView& lse,
+                                        const StatsView& delta, bool causal) {
+  if (!host::sm90_device()) return "the hopper attention kernel needs an sm_90 (H100/H200) GPU";
+  if (q.dim != 64 && q.dim != 128) return fmt::format("head_dim must be 64 or 128, got {}", q.dim);
+  if (k.dim != q.dim || v.dim != q.dim || d_o.dim != q.dim)
+    return fmt::format("q, k, v and d_o must share head_dim, got {}, {}, {}, {}", q.dim, k.dim, v.dim, d_o.dim);
+  if (k.heads <= 0 || q.heads % k.heads != 0 || v.heads != k.heads)
+    return fmt::format("q heads {} must be a multiple of k/v heads {} / {}", q.heads, k.heads, v.heads);
+  if (q.tokens <= 0 || k.tokens <= 0)
+    return fmt::format("needs at least one query and one key, got Tq = {}, Tk = {}", q.tokens, k.tokens);
+  if (v.tokens != k.tokens) return fmt::format("k and v must have as many tokens, got {} and {}", k.tokens, v.tokens);
+  if (d_o.tokens != q.tokens || d_o.heads != q.heads)
+    return fmt::format("d_o [{}, {}] must have q's tokens and heads [{}, {}]", d_o.tokens, d_o.heads, q.tokens,
+                       q.heads);
+  if (causal && q.tokens != k.tokens)
+    return fmt::format("a causal block needs Tq == Tk, got {} and {}", q.tokens, k.tokens);
+  // Grid: kv heads × key tiles (y <= 65535); int32 row indices in the kernels.
+  if (k.tokens > int64_t{65535} * kBlockN || q.tokens > (int64_t{1} << 30) || k.heads > 65535)
+    return fmt::format("Tq {} / Tk {} / kv heads {} too large for one call", q.tokens, k.tokens, k.heads);
+  for (const auto& [view, name] : {std::pair{&q, "q"}, std::pair{&k, "k"}, std::pair{&v, "v"}, std::pair{&d_o, "d_o"}}) {
+    std::string why = host::check_tma_input(*view, name);
+    if (!why.empty()) return why;
+  }
+  for (const auto& [g, name, t, h] : {std::tuple{&dq, "dq", q.tokens, q.heads}, std::tuple{&dk, "dk", k.tokens, k.heads},
+                                      std::tuple{&dv, "dv", k.tokens, k.heads}}) {
+    std::string why = check_grad(*g, name, t, h, q.dim);
+    if (!why.empty()) return why;
+  }
+  std::string why = check_stats(lse, "lse", q.tokens, q.heads);
+  if (!why.empty()) return why;
+  return check_stats(delta, "delta", q.tokens, q.heads);
+}
+
+void backward(const OutView& dq, const OutView& dk, const OutView& dv, const View& q, const View& k, const View& v,
+              const View& d_o, const StatsView& lse, const StatsView& delta, bool causal, float scale,
+              bool accumulate) {
+  const std::string why = backward_unsupported_reason(dq, dk, dv, q, k, v, d_o, lse, delta, causal);
+  LT_CHECK(why.empty(), "hopper attention backward: {}", why);
+  LT_CHECK(scale > 0.0f && std::isfinite(scale), "hopper attention backward: scale must be positive and finite, got {}",
+           scale);
+  const int M = block_m(q.dim);
+  const CUtensorMap mq = host::tile_map(q, M, "q"), mdo = host::tile_map(d_o, M, "d_o");
+  const CUtensorMap mk = host::tile_map(k, kBlockN, "k"), mv = host::tile_map(v, kBlockN, "v");
+
+  BwdParams p{};
+  p.lse = lse.data;
+  p.lse_ts = lse.token_stride;
+  p.lse_hs = lse.head_stride;
+  p.delta = delta.data;
+  p.delta_ts = delta.token_stride;
+  p.delta_hs = delta.head_stride;
+  p.dk = dk.data;
+  p.dk_ts = dk.token_stride;
+  p.dk_hs = dk.head_stride;
+  p.dk_f32 = dk.f32;
+  p.dv = dv.data;
+  p.dv_ts = dv.token_stride;
+  p.dv_hs = dv.head_stride;
+  p.dv_f32 = dv.f32;
+  p.accumulate = accumulate;
+  p.tq = static_cast<int>(q.tokens);
+  p.tk = static_cast<int>(k.tokens);
+  p.group = static_cast<int>(q.heads / k.heads);
+  p.num_q_tiles = static_cast<int>((q.tokens + M - 1) / M);
+  p.scale = scale;
+  p.scale_log2 = scale * kLog2e;
+
+  // The f32 dQ accumulator, zeroed on the stream before the kernel adds into it.
+  const size_t acc_bytes = backward_dq_accum_bytes(q.tokens, q.heads, q.dim);
+  p.dq_accum = static_cast<float*>(cuda_util::scratch(cuda_util::Scratch::attn_dq_accum, acc_bytes));
+  LT_CUDA_CHECK(cudaMemsetAsync(p.dq_accum, 0, acc_bytes, cuda_stream()));
+
+  const int hkv = static_cast<int>(k.heads), kv_tiles = static_cast<int>((k.tokens + kBlockN - 1) / kBlockN);
+  const int hq = static_cast<int>(q.heads);
+  if (q.dim == 64) {
+    if (causal) {
+      launch_bwd<64, true>(mq, mk, mv, mdo, p, hkv, kv_tiles);
+    } else {
+      launch_bwd<64, false>(mq, mk, mv, mdo, p, hkv, kv_tiles);
+    }
+    launch_dq<64>(dq, p.dq_accum, p.tq, hq, p.num_q_tiles, scale, accumulate);
+  } else {
+    if (causal) {
+      launch_bwd<128, true>(mq, mk, mv, mdo, p, hkv, kv_tiles);
+    } else {
+      launch_bwd<128, false>(mq, mk, mv, mdo, p, hkv, kv_tiles);
+    }
+    launch_dq<128>(dq, p.dq_accum, p.tq, hq, p.num_q_tiles, scale, accumulate);
+  }
+}
+
+}  // namespace longtrain::attn::hopper

@@ -1,0 +1,27 @@
+// Host-side helpers of our Hopper attention kernels: the TMA tensor maps over bf16 [tokens, heads,
+// dim] views, the sm_90 device check, and the TMA alignment checks of an input view. Used by the
+// backward (hopper_attention_bwd.cu); the forward (hopper_attention.cu) still has its own copies of
+// the same code and can switch to these.
+#pragma once
+
+#include <cuda.h>  // CUtensorMap and its enums only: the encode function comes from the driver at run time
+
+#include <string>
+
+#include "attention/cuda/hopper_attention.h"
+
+namespace longtrain::attn::hopper::host {
+
+// A TMA map over the bf16 [tokens, heads, dim] view: dims (dim, heads, tokens) innermost first, byte
+// strides of heads and tokens, box (64 of dim, 1 head, `rows` tokens), 128-byte swizzle, zero fill of
+// rows past the end. Throws naming `name` where the driver rejects the view.
+CUtensorMap tile_map(const View& v, int rows, const char* name);
+
+// Whether the current device is sm_90 (H100/H200), the only one the sm_90a code runs on.
+bool sm90_device();
+
+// Empty when TMA can read the view: a base address and token/head strides that are multiples of 16
+// bytes, positive strides; else why not, naming `name`.
+std::string check_tma_input(const View& v, const char* name);
+
+}  // namespace longtrain::attn::hopper::host
