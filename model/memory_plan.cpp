@@ -223,7 +223,12 @@ MemoryPlan plan_memory(const LlamaConfig& config, const Precision& precision, Ch
     // cudnn_sdpa.cpp's backward: cuDNN's own workspace (fp32, Hq·T·D, as measured with cuDNN 9.19), the fp32
     // dQ accumulator it is given (same size) and rowsum(dO ⊙ O). One rank's backward hands cuDNN the
     // model's O and lets it write dQ/dK/dV straight into the fused dQKV buffer (no more scratch).
-    plan.attention_workspace = scratch_bytes(q_elems * 4 + 256) + scratch_bytes(q_elems * 4) + scratch_bytes(rows * 4);
+    // Our Hopper backward (hopper_attention_bwd.cu) takes the same two scratch buffers: its f32 dQ
+    // accumulator has T rounded up to its 128-row query tiles (hopper::backward_dq_accum_bytes), and
+    // delta = rowsum(dO ⊙ O).
+    const size_t dq_accum_elems = static_cast<size_t>((T + 127) / 128 * 128 * Hq * D);
+    plan.attention_workspace =
+        scratch_bytes(q_elems * 4 + 256) + scratch_bytes(dq_accum_elems * 4) + scratch_bytes(rows * 4);
     if (sp.sp_size > 1) {
       // local_attention.cu under a distributed schedule: the block's bf16 dQ/dK/dV before they are added
       // into the schedule's f32 accumulators; burst (visiting query rows) and distflash with helpers

@@ -72,9 +72,11 @@ void forward(const OutView& o, const StatsView& lse, const View& q, const View& 
 // Empty when backward() accepts these views; else why not (the first failed requirement, naming the
 // argument). Besides supported(): TMA alignment of q, k, v, d_o (16-byte base and strides); dq, dk,
 // dv with even strides and pair-aligned bases (elements are written in pairs); causal needs Tq == Tk.
+// (delta is not an argument: callers that start from O form it first, into a [Tq, Hq] buffer of
+// their own; backward() checks its shape.)
 std::string backward_unsupported_reason(const OutView& dq, const OutView& dk, const OutView& dv, const View& q,
                                         const View& k, const View& v, const View& d_o, const StatsView& lse,
-                                        const StatsView& delta, bool causal);
+                                        bool causal);
 
 void backward(const OutView& dq, const OutView& dk, const OutView& dv, const View& q, const View& k, const View& v,
               const View& d_o, const StatsView& lse, const StatsView& delta, bool causal, float scale,

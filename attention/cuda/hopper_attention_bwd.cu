@@ -605,7 +605,7 @@ size_t backward_dq_accum_bytes(int64_t tq, int64_t q_heads, int64_t head_dim) {
 
 std::string backward_unsupported_reason(const OutView& dq, const OutView& dk, const OutView& dv, const View& q,
                                         const View& k, const View& v, const View& d_o, const StatsView& lse,
-                                        const StatsView& delta, bool causal) {
+                                        bool causal) {
   if (!host::sm90_device()) return "the hopper attention kernel needs an sm_90 (H100/H200) GPU";
   if (q.dim != 64 && q.dim != 128) return fmt::format("head_dim must be 64 or 128, got {}", q.dim);
   if (k.dim != q.dim || v.dim != q.dim || d_o.dim != q.dim)
@@ -632,15 +632,14 @@ std::string backward_unsupported_reason(const OutView& dq, const OutView& dk, co
     std::string why = check_grad(*g, name, t, h, q.dim);
     if (!why.empty()) return why;
   }
-  std::string why = check_stats(lse, "lse", q.tokens, q.heads);
-  if (!why.empty()) return why;
-  return check_stats(delta, "delta", q.tokens, q.heads);
+  return check_stats(lse, "lse", q.tokens, q.heads);
 }
 
 void backward(const OutView& dq, const OutView& dk, const OutView& dv, const View& q, const View& k, const View& v,
               const View& d_o, const StatsView& lse, const StatsView& delta, bool causal, float scale,
               bool accumulate) {
-  const std::string why = backward_unsupported_reason(dq, dk, dv, q, k, v, d_o, lse, delta, causal);
+  std::string why = backward_unsupported_reason(dq, dk, dv, q, k, v, d_o, lse, causal);
+  if (why.empty()) why = check_stats(delta, "delta", q.tokens, q.heads);
   LT_CHECK(why.empty(), "hopper attention backward: {}", why);
   LT_CHECK(scale > 0.0f && std::isfinite(scale), "hopper attention backward: scale must be positive and finite, got {}",
            scale);

@@ -14,8 +14,12 @@
 //   same as rounding O itself to bf16).
 // - an f32 O: rounded to bf16 in scratch, since cuDNN reads bf16.
 //
-// The block forward can run our own Hopper kernel instead (attention/cuda/hopper_attention.cu), as
-// the kernel policy says (kernel_choice.h: cudnn by default, hopper, or auto per call shape).
+// The block forward and backward can run our own Hopper kernels instead (attention/cuda/
+// hopper_attention.cu, hopper_attention_bwd.cu), as the kernel policy says (kernel_choice.h: cudnn by
+// default, hopper, or auto per call shape). Our backward needs none of the bridges above: it takes
+// delta (formed from O by attention_delta first when O is given) and accumulates dQ/dK/dV in f32,
+// writing or adding them once into bf16 or f32 destinations through their strides. The segmented
+// (document-mask) calls stay on cuDNN.
 #include <cmath>
 #include <cstdlib>
 #include <string>
@@ -443,40 +447,15 @@ void attention_delta(Tensor delta, Tensor o, Tensor d_o) {
   LT_CUDA_LAUNCH_CHECK("delta_kernel");
 }
 
-void attention_block_backward(Tensor dq, Tensor dk, Tensor dv, Tensor q, Tensor k, Tensor v, Tensor d_o, Tensor lse,
-                              Tensor o, Tensor delta, BlockMask mask, double scale, GradMode mode) {
-  const char* op = "attention_block_backward";
-  check_qkv(op, q, k, v);
-  check_rows(op, dq, "dq", q);
-  check_rows(op, dk, "dk", k);
-  check_rows(op, dv, "dv", v);
-  check_tensor(d_o, 3, op, "d_o");
-  check_dtype(d_o, DType::bf16, op, "d_o");
-  check_same_shape(d_o, q, op);
-  const int64_t tq = q.size(0), tk = k.size(0), hq = q.size(1), hkv = k.size(1), d = q.size(2);
-  check_stats(op, lse, "lse", tq, hq);
-  const bool from_o = o.ndim != 0;
-  LT_CHECK(from_o != (delta.ndim != 0),
-           "{}: pass exactly one of o (the final O of the query rows) and delta = rowsum(dO ⊙ O), got o {} and "
-           "delta {}; the other must be an empty Tensor{{}}",
-           op, from_o ? o.describe() : "(none)", delta.ndim != 0 ? delta.describe() : "(none)");
-  if (from_o) {
-    check_rows(op, o, "o", q);
-  } else {
-    check_stats(op, delta, "delta", tq, hq);
-  }
-  const bool causal = mask == BlockMask::causal_diagonal;
-  LT_CHECK(!causal || tq == tk, "{}: a causal_diagonal block needs as many queries as keys, got {} and {}", op, tq, tk);
-  const bool overwrite = mode == GradMode::overwrite;
-  if (tq == 0 || tk == 0) {  // no query-key pairs: every gradient contribution is zero
-    if (overwrite) {
-      zero_rows(op, dq);
-      zero_rows(op, dk);
-      zero_rows(op, dv);
-    }
-    return;
-  }
+namespace {
 
+// The block backward by cuDNN (checked arguments, a non-empty block).
+void cudnn_block_backward(Tensor dq, Tensor dk, Tensor dv, Tensor q, Tensor k, Tensor v, Tensor d_o, Tensor lse,
+                          Tensor o, Tensor delta, bool causal, double scale, GradMode mode) {
+  const char* op = "attention_block_backward";
+  const int64_t tq = q.size(0), tk = k.size(0), hq = q.size(1), hkv = k.size(1), d = q.size(2);
+  const bool from_o = o.ndim != 0;
+  const bool overwrite = mode == GradMode::overwrite;
   const RowView qrows = contiguous_rows(tq, hq, d), krows = contiguous_rows(tk, hkv, d);
   const size_t qbytes = static_cast<size_t>(tq * hq * d) * sizeof(__nv_bfloat16);
   const size_t kbytes = static_cast<size_t>(tk * hkv * d) * sizeof(__nv_bfloat16);
@@ -536,6 +515,79 @@ void attention_block_backward(Tensor dq, Tensor dk, Tensor dv, Tensor q, Tensor 
   add_rows(op, "add_rows_kernel (dq)", dq, static_cast<const __nv_bfloat16*>(dq_out.data), qrows, accumulate);
   add_rows(op, "add_rows_kernel (dk)", dk, static_cast<const __nv_bfloat16*>(dk_out.data), krows, accumulate);
   add_rows(op, "add_rows_kernel (dv)", dv, static_cast<const __nv_bfloat16*>(dv_out.data), krows, accumulate);
+}
+
+// Whether our Hopper backward takes this (non-empty, checked) call.
+bool hopper_backward_ok(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& q, const Tensor& k,
+                        const Tensor& v, const Tensor& d_o, const Tensor& lse, bool causal) {
+  return hopper::supported(q.size(2), q.size(1), k.size(1)) &&
+         hopper::backward_unsupported_reason(hopper_out(dq), hopper_out(dk), hopper_out(dv), sdpa_view(q),
+                                             sdpa_view(k), sdpa_view(v), sdpa_view(d_o), stats_view(lse), causal)
+             .empty();
+}
+
+// The block backward by our Hopper kernel: delta from O first (attention_delta into scratch) when the
+// caller gave O; dq/dk/dv accumulated in f32 and written (or added) once, whatever their dtype.
+void hopper_block_backward(Tensor dq, Tensor dk, Tensor dv, Tensor q, Tensor k, Tensor v, Tensor d_o, Tensor lse,
+                           Tensor o, Tensor delta, bool causal, double scale, GradMode mode) {
+  hopper::StatsView delta_view;
+  if (o.ndim != 0) {
+    const int64_t tq = q.size(0), hq = q.size(1);
+    // The rows' delta = rowsum(dO ⊙ O) in the scratch cuDNN uses for the same sum (softmax_sum).
+    Tensor rows_delta(scratch(Scratch::attn_softmax_sum, static_cast<size_t>(tq * hq) * sizeof(float)), DType::f32,
+                      {tq, hq}, Device::cuda);
+    attention_delta(rows_delta, o, d_o);
+    delta_view = stats_view(rows_delta);
+  } else {
+    delta_view = stats_view(delta);
+  }
+  hopper::backward(hopper_out(dq), hopper_out(dk), hopper_out(dv), sdpa_view(q), sdpa_view(k), sdpa_view(v),
+                   sdpa_view(d_o), stats_view(lse), delta_view, causal, static_cast<float>(scale),
+                   mode == GradMode::accumulate);
+}
+
+}  // namespace
+
+void attention_block_backward(Tensor dq, Tensor dk, Tensor dv, Tensor q, Tensor k, Tensor v, Tensor d_o, Tensor lse,
+                              Tensor o, Tensor delta, BlockMask mask, double scale, GradMode mode) {
+  const char* op = "attention_block_backward";
+  check_qkv(op, q, k, v);
+  check_rows(op, dq, "dq", q);
+  check_rows(op, dk, "dk", k);
+  check_rows(op, dv, "dv", v);
+  check_tensor(d_o, 3, op, "d_o");
+  check_dtype(d_o, DType::bf16, op, "d_o");
+  check_same_shape(d_o, q, op);
+  const int64_t tq = q.size(0), tk = k.size(0), hq = q.size(1), hkv = k.size(1), d = q.size(2);
+  check_stats(op, lse, "lse", tq, hq);
+  const bool from_o = o.ndim != 0;
+  LT_CHECK(from_o != (delta.ndim != 0),
+           "{}: pass exactly one of o (the final O of the query rows) and delta = rowsum(dO ⊙ O), got o {} and "
+           "delta {}; the other must be an empty Tensor{{}}",
+           op, from_o ? o.describe() : "(none)", delta.ndim != 0 ? delta.describe() : "(none)");
+  if (from_o) {
+    check_rows(op, o, "o", q);
+  } else {
+    check_stats(op, delta, "delta", tq, hq);
+  }
+  const bool causal = mask == BlockMask::causal_diagonal;
+  LT_CHECK(!causal || tq == tk, "{}: a causal_diagonal block needs as many queries as keys, got {} and {}", op, tq, tk);
+  const bool overwrite = mode == GradMode::overwrite;
+  if (tq == 0 || tk == 0) {  // no query-key pairs: every gradient contribution is zero
+    if (overwrite) {
+      zero_rows(op, dq);
+      zero_rows(op, dk);
+      zero_rows(op, dv);
+    }
+    return;
+  }
+
+  run_chosen(
+      CallShape{true, d, hq, hkv, tq, tk, causal,
+                dq.dtype == DType::f32 && dk.dtype == DType::f32 && dv.dtype == DType::f32, !overwrite},
+      hopper_backward_ok(dq, dk, dv, q, k, v, d_o, lse, causal),
+      [&] { cudnn_block_backward(dq, dk, dv, q, k, v, d_o, lse, o, delta, causal, scale, mode); },
+      [&] { hopper_block_backward(dq, dk, dv, q, k, v, d_o, lse, o, delta, causal, scale, mode); });
 }
 
 void lse_merge(Tensor o_acc, Tensor lse_acc, Tensor o_blk, Tensor lse_blk) {

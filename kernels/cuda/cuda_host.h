@@ -54,8 +54,8 @@ enum class Scratch : int {
   attn_dq,          // attention backward: this block's dQ, dK, dV before they are accumulated
   attn_dk,
   attn_dv,
-  attn_dq_accum,    // cuDNN's fp32 dQ accumulator
-  attn_softmax_sum, // cuDNN's rowsum(dO * O)
+  attn_dq_accum,    // attention backward: the fp32 dQ accumulator (cuDNN's, or our Hopper kernel's)
+  attn_softmax_sum, // attention backward: rowsum(dO * O) (cuDNN's, or the delta our Hopper kernel reads)
   attn_segments,    // segmented (document-masked) attention: per-segment lengths and ragged offsets
   count
 };
