@@ -487,9 +487,16 @@ INSTANTIATE_TEST_SUITE_P(
 // bf16 and f32 O written through padded strides (every element outside the view must keep its
 // sentinel), token-major and head-major LSE, Q/K/V as views of one fused QKV buffer; then merge mode
 // (a block merged into a running f32 partial, including empty NaN rows) against the whole, and
-// hopper against cuDNN on a larger shape, bitwise run twice. Skips without an sm_90 GPU.
+// hopper against cuDNN on a larger shape, bitwise run twice. Then the backward
+// (hopper_attention_bwd.cu) through attention_block_backward under the hopper policy, against the
+// CPU reference: head dims 64 and 128, MHA/GQA/MQA, causal and unmasked, lengths 1, 127, 129, 777 and
+// Tq != Tk, bf16 and f32 dq/dk/dv inside padded buffers (sentinels must survive) or side by side in
+// one fused dQKV buffer, overwriting NaN or accumulating onto nonzero values, from O (bf16 or f32)
+// or from delta, rows whose lse is -inf (their O and delta NaN); and against cuDNN's backward on
+// larger shapes, dK/dV bitwise run twice. Skips without an sm_90 GPU.
 #ifdef LONGTRAIN_HAS_CUDA
 #include <algorithm>
+#include <memory>
 
 #include "attention/cuda/hopper_attention.h"
 #include "runtime/cuda_check.h"
@@ -498,6 +505,7 @@ namespace longtrain::test {
 namespace {
 
 using attn::BlockMask;
+using attn::GradMode;
 
 #define LT_REQUIRE_HOPPER()                                                                            \
   do {                                                                                                 \
@@ -783,6 +791,279 @@ TEST(HopperAttention, MatchesCudnnAndIsDeterministic) {
     check_output("hopper LSE vs cuDNN" + tag, DType::f32, download(lse_a), download(lse_ref), s.Hq, 1);
     EXPECT_TRUE(download_bytes(o_a) == download_bytes(o_b)) << "hopper O differs between two runs" << tag;
     EXPECT_TRUE(download_bytes(lse_a) == download_bytes(lse_b)) << "hopper LSE differs between two runs" << tag;
+  }
+}
+
+
+// ---- the Hopper backward ------------------------------------------------------------------------------
+
+// Restores the kernel policy in force when the scope began.
+struct PolicyScope {
+  attn::KernelPolicy saved = attn::kernel_policy();
+  explicit PolicyScope(attn::KernelPolicy p) { attn::set_kernel_policy(p); }
+  ~PolicyScope() { attn::set_kernel_policy(saved); }
+};
+
+// dq, dk, dv inside buffers whose every other element holds kSentinel: three separate buffers
+// [T + 3, H·D + 8], or (fused, Tq == Tk) one [T + 3, (Hq + 2·Hkv)·D + 8] buffer with the three views
+// side by side, as the model's dQKV buffer holds them. The views start with the given values.
+struct GradsOnDevice {
+  struct Region {
+    int buffer;
+    int64_t col0, T, H, ts;
+  };
+  int64_t D;
+  std::vector<std::unique_ptr<DeviceTensor>> buffers;
+  std::vector<std::vector<double>> host;  // what each buffer held before the call
+  Region regions[3];
+  Tensor views[3];  // dq, dk, dv
+
+  GradsOnDevice(DType dtype, int64_t Tq, int64_t Tk, int64_t Hq, int64_t Hkv, int64_t D_, bool fused,
+                const std::vector<double>* init[3])
+      : D(D_) {
+    const int64_t T[3] = {Tq, Tk, Tk}, H[3] = {Hq, Hkv, Hkv};
+    if (fused) {
+      const int64_t ts = (Hq + 2 * Hkv) * D + 8;
+      add_buffer(dtype, Tq + 3, ts);
+      regions[0] = {0, 0, Tq, Hq, ts};
+      regions[1] = {0, Hq * D, Tk, Hkv, ts};
+      regions[2] = {0, (Hq + Hkv) * D, Tk, Hkv, ts};
+    } else {
+      for (int i = 0; i < 3; ++i) {
+        add_buffer(dtype, T[i] + 3, H[i] * D + 8);
+        regions[i] = {i, 0, T[i], H[i], H[i] * D + 8};
+      }
+    }
+    for (int i = 0; i < 3; ++i) {
+      const Region& r = regions[i];
+      std::vector<double>& b = host[r.buffer];
+      for (int64_t t = 0; t < r.T; ++t)
+        for (int64_t e = 0; e < r.H * D; ++e) b[t * r.ts + r.col0 + e] = (*init[i])[t * r.H * D + e];
+      views[i] = head_view(*buffers[r.buffer], r.col0, r.H, D).narrow(0, 0, r.T);
+    }
+    for (size_t b = 0; b < buffers.size(); ++b) upload(*buffers[b], host[b]);
+  }
+
+  void add_buffer(DType dtype, int64_t rows, int64_t cols) {
+    buffers.push_back(std::make_unique<DeviceTensor>(dtype, std::initializer_list<int64_t>{rows, cols}));
+    host.emplace_back(static_cast<size_t>(rows * cols), kSentinel);
+  }
+
+  // The three views' values now, and a check that nothing outside them changed.
+  std::vector<double> got[3];
+  void download_and_check_sentinels(const std::string& tag) {
+    std::vector<std::vector<double>> now;
+    for (const auto& b : buffers) now.push_back(download(*b));
+    std::vector<std::vector<char>> inside(buffers.size());
+    for (size_t b = 0; b < buffers.size(); ++b) inside[b].assign(now[b].size(), 0);
+    for (int i = 0; i < 3; ++i) {
+      const Region& r = regions[i];
+      got[i].clear();
+      for (int64_t t = 0; t < r.T; ++t)
+        for (int64_t e = 0; e < r.H * D; ++e) {
+          got[i].push_back(now[r.buffer][t * r.ts + r.col0 + e]);
+          inside[r.buffer][t * r.ts + r.col0 + e] = 1;
+        }
+    }
+    for (size_t b = 0; b < buffers.size(); ++b)
+      for (size_t e = 0; e < now[b].size(); ++e)
+        if (!inside[b][e] && now[b][e] != kSentinel) {
+          ADD_FAILURE() << "hopper backward" << tag << ": element " << e << " of gradient buffer " << b
+                        << ", outside the dq/dk/dv views, was overwritten with " << now[b][e];
+          break;
+        }
+  }
+};
+
+struct HopperBwdCase {
+  const char* name;
+  int64_t Tq, Tk, Hq, Hkv, D;
+  BlockMask mask;
+  bool fused;       // q/k/v views of one fused QKV buffer, dq/dk/dv of one fused dQKV buffer (Tq == Tk); head-major lse
+  DType grads;      // dq/dk/dv dtype
+  DType o_dtype;    // from O (the final O in this dtype); f64 here means from delta
+  bool accumulate;  // += onto nonzero values, else overwrite NaN
+  bool dead_rows;   // rows t % 5 == 2 of head t % Hq have lse = -inf (their O and delta NaN)
+};
+
+void PrintTo(const HopperBwdCase& c, std::ostream* os) { *os << c.name; }
+
+class HopperAttentionBackward : public ::testing::TestWithParam<HopperBwdCase> {};
+
+TEST_P(HopperAttentionBackward, MatchesCpuReference) {
+  LT_REQUIRE_HOPPER();
+  const HopperBwdCase c = GetParam();
+  const double scale = 1.0 / std::sqrt(static_cast<double>(c.D));
+  const double nan = std::numeric_limits<double>::quiet_NaN(), inf = std::numeric_limits<double>::infinity();
+  const int64_t nq = c.Tq * c.Hq * c.D, nk = c.Tk * c.Hkv * c.D;
+  const bool from_o = c.o_dtype != DType::f64;
+  const auto q = random_values(nq, 1501, DType::bf16), k = random_values(nk, 1502, DType::bf16);
+  const auto v = random_values(nk, 1503, DType::bf16), d_o = random_values(nq, 1504, DType::bf16);
+
+  // CPU reference in double: the forward's O and LSE, then the backward's increments from delta.
+  HostTensor<double> q_h = host_tensor({c.Tq, c.Hq, c.D}, q), k_h = host_tensor({c.Tk, c.Hkv, c.D}, k);
+  HostTensor<double> v_h = host_tensor({c.Tk, c.Hkv, c.D}, v), do_h = host_tensor({c.Tq, c.Hq, c.D}, d_o);
+  HostTensor<double> o_h({c.Tq, c.Hq, c.D}), lse_h({c.Tq, c.Hq}), delta_h({c.Tq, c.Hq});
+  attn::attention_block_forward(o_h, lse_h, q_h, k_h, v_h, c.mask, scale);
+  attn::attention_delta(delta_h, o_h, do_h);
+  std::vector<double> o_in = o_h.values, delta_in = delta_h.values;
+  if (c.dead_rows) {
+    for (int64_t t = 2; t < c.Tq; t += 5) {
+      const int64_t h = t % c.Hq;
+      lse_h[t * c.Hq + h] = -inf;
+      delta_in[t * c.Hq + h] = nan;
+      for (int64_t d = 0; d < c.D; ++d) o_in[(t * c.Hq + h) * c.D + d] = nan;
+    }
+  }
+  HostTensor<double> dq_h({c.Tq, c.Hq, c.D}), dk_h({c.Tk, c.Hkv, c.D}), dv_h({c.Tk, c.Hkv, c.D});
+  attn::attention_block_backward(dq_h, dk_h, dv_h, q_h, k_h, v_h, do_h, lse_h, Tensor{}, delta_h, c.mask, scale,
+                                 GradMode::accumulate);
+  const std::vector<double>* ref[3] = {&dq_h.values, &dk_h.values, &dv_h.values};
+
+  // GPU inputs: q/k/v (fused or not), d_o, the LSE (head-major [Hq, Tq + 3] storage when fused, else
+  // token-major [Tq + 3, Hq]), and O or delta.
+  QkvOnDevice in(q, k, v, c.Tq, c.Tk, c.Hq, c.Hkv, c.D, c.fused);
+  DeviceTensor do_d(DType::bf16, {c.Tq, c.Hq, c.D});
+  upload(do_d, d_o);
+  const int64_t lrows = c.Tq + 3;
+  DeviceTensor lse_buf(DType::f32, {lrows * c.Hq});
+  std::vector<double> lse_host(static_cast<size_t>(lrows * c.Hq), kSentinel);
+  const int64_t l_ts = c.fused ? 1 : c.Hq, l_hs = c.fused ? lrows : 1;
+  for (int64_t t = 0; t < c.Tq; ++t)
+    for (int64_t h = 0; h < c.Hq; ++h) lse_host[t * l_ts + h * l_hs] = lse_h[t * c.Hq + h];
+  upload(lse_buf, lse_host);
+  Tensor lse = lse_buf;
+  lse.ndim = 2;
+  lse.shape = {c.Tq, c.Hq, 0, 0};
+  lse.stride = {l_ts, l_hs, 0, 0};
+  DeviceTensor o_d(from_o ? c.o_dtype : DType::f32, {c.Tq, c.Hq, c.D}), delta_d(DType::f32, {c.Tq, c.Hq});
+  if (from_o) {
+    upload(o_d, o_in);
+  } else {
+    upload(delta_d, delta_in);
+  }
+
+  // Destinations: nonzero values to accumulate onto, or NaN to overwrite.
+  std::vector<double> init[3];
+  const int64_t sizes[3] = {nq, nk, nk};
+  for (int i = 0; i < 3; ++i)
+    init[i] = c.accumulate ? random_values(static_cast<size_t>(sizes[i]), 1505 + i, c.grads)
+                           : std::vector<double>(static_cast<size_t>(sizes[i]), nan);
+  const std::vector<double>* init_ptr[3] = {&init[0], &init[1], &init[2]};
+  GradsOnDevice g(c.grads, c.Tq, c.Tk, c.Hq, c.Hkv, c.D, c.fused, init_ptr);
+
+  const bool causal = c.mask == BlockMask::causal_diagonal;
+  const std::string why = attn::hopper::backward_unsupported_reason(
+      hout(g.views[0]), hout(g.views[1]), hout(g.views[2]), hview(in.q), hview(in.k), hview(in.v), hview(do_d),
+      hstats(lse), causal);
+  ASSERT_TRUE(why.empty()) << why;
+  {
+    PolicyScope hopper(attn::KernelPolicy::hopper);
+    attn::attention_block_backward(g.views[0], g.views[1], g.views[2], in.q, in.k, in.v, do_d, lse,
+                                   from_o ? Tensor(o_d) : Tensor{}, from_o ? Tensor{} : Tensor(delta_d), c.mask,
+                                   scale, c.accumulate ? GradMode::accumulate : GradMode::overwrite);
+    LT_CUDA_CHECK(cudaStreamSynchronize(cuda_stream()));
+  }
+
+  const std::string tag = std::string(" [") + c.name + "]";
+  g.download_and_check_sentinels(tag);
+  const char* names[3] = {"hopper dQ", "hopper dK", "hopper dV"};
+  const int64_t heads[3] = {c.Hq, c.Hkv, c.Hkv};
+  for (int i = 0; i < 3; ++i) {
+    // The products run on bf16 inputs (P and dS included, as cuDNN's), so f32 outputs are held to the
+    // bf16 tolerance too. Accumulated f32: the increment is checked; accumulated bf16: the rounded sum.
+    if (c.accumulate && c.grads == DType::f32) {
+      check_output(std::string(names[i]) + " increment" + tag, DType::bf16, minus(g.got[i], init[i]), *ref[i],
+                   heads[i], c.D);
+    } else if (c.accumulate) {
+      std::vector<double> want(ref[i]->size());
+      for (size_t e = 0; e < want.size(); ++e) want[e] = init[i][e] + (*ref[i])[e];
+      check_output(std::string(names[i]) + " (+= onto bf16)" + tag, DType::bf16, g.got[i], want, heads[i], c.D);
+    } else {
+      check_output(std::string(names[i]) + tag, DType::bf16, g.got[i], *ref[i], heads[i], c.D);
+    }
+  }
+}
+
+constexpr DType kBf16 = DType::bf16, kF32 = DType::f32, kFromDelta = DType::f64;
+
+INSTANTIATE_TEST_SUITE_P(
+    Blocks, HopperAttentionBackward,
+    ::testing::Values(
+        HopperBwdCase{"causal_mha4_t1_d64_fused_bf16_from_o", 1, 1, 4, 4, 64, kCausal, true, kBf16, kBf16, false, false},
+        HopperBwdCase{"causal_gqa8x2_t127_d128_f32_acc_from_delta", 127, 127, 8, 2, 128, kCausal, false, kF32,
+                      kFromDelta, true, false},
+        HopperBwdCase{"causal_mqa4x1_t129_d64_fused_f32_acc_from_f32o_dead", 129, 129, 4, 1, 64, kCausal, true, kF32,
+                      kF32, true, true},
+        HopperBwdCase{"causal_gqa8x2_t777_d64_fused_bf16_from_delta_dead", 777, 777, 8, 2, 64, kCausal, true, kBf16,
+                      kFromDelta, false, true},
+        HopperBwdCase{"causal_mha4_t777_d128_bf16_acc_from_o", 777, 777, 4, 4, 128, kCausal, false, kBf16, kBf16, true,
+                      false},
+        HopperBwdCase{"causal_gqa32x4_t300_d128_fused_bf16_from_o", 300, 300, 32, 4, 128, kCausal, true, kBf16, kBf16,
+                      false, false},
+        HopperBwdCase{"causal_gqa8x2_t256_d64_f32_from_delta", 256, 256, 8, 2, 64, kCausal, false, kF32, kFromDelta,
+                      false, false},
+        HopperBwdCase{"none_mha4_t129_d128_fused_f32_from_delta", 129, 129, 4, 4, 128, kNone, true, kF32, kFromDelta,
+                      false, false},
+        HopperBwdCase{"none_gqa8x2_q77_k1000_d64_bf16_acc_from_f32o_dead", 77, 1000, 8, 2, 64, kNone, false, kBf16,
+                      kF32, true, true},
+        HopperBwdCase{"none_mqa4x1_q1000_k77_d128_f32_acc_from_delta", 1000, 77, 4, 1, 128, kNone, false, kF32,
+                      kFromDelta, true, false},
+        HopperBwdCase{"none_gqa8x2_q1_k255_d64_bf16_from_delta", 1, 255, 8, 2, 64, kNone, false, kBf16, kFromDelta,
+                      false, false},
+        HopperBwdCase{"none_mha2_q200_k1_d128_f32_from_bf16o", 200, 1, 2, 2, 128, kNone, false, kF32, kBf16, false,
+                      false},
+        HopperBwdCase{"none_gqa6x2_q333_k129_d128_f32_acc_from_bf16o_dead", 333, 129, 6, 2, 128, kNone, false, kF32,
+                      kBf16, true, true}),
+    [](const ::testing::TestParamInfo<HopperBwdCase>& info) { return std::string(info.param.name); });
+
+// Our backward against cuDNN's on larger shapes from one fused QKV buffer, both from the same O and
+// LSE (cuDNN's forward): bf16 dq/dk/dv overwritten. dK and dV are summed in a fixed order (bitwise
+// the same on a second run); dQ is summed over the key tiles with f32 atomics, so only close.
+TEST(HopperAttentionBackward, MatchesCudnn) {
+  LT_REQUIRE_HOPPER();
+  struct Shape {
+    int64_t S, Hq, Hkv, D;
+    bool causal;
+  };
+  for (const Shape& s : {Shape{4096, 32, 4, 64, true}, Shape{2048, 32, 8, 128, false}, Shape{3000, 16, 2, 128, true},
+                         Shape{1500, 8, 1, 64, false}}) {
+    const std::string tag = fmt::format(" [S={} {}/{} D={} {}]", s.S, s.Hq, s.Hkv, s.D, s.causal ? "causal" : "none");
+    SCOPED_TRACE(tag);
+    const double scale = 1.0 / std::sqrt(static_cast<double>(s.D));
+    const float sc = static_cast<float>(scale);
+    const auto q = random_values(s.S * s.Hq * s.D, 1701, DType::bf16);
+    const auto k = random_values(s.S * s.Hkv * s.D, 1702, DType::bf16);
+    const auto v = random_values(s.S * s.Hkv * s.D, 1703, DType::bf16);
+    QkvOnDevice in(q, k, v, s.S, s.S, s.Hq, s.Hkv, s.D, true);
+    DeviceTensor o(DType::bf16, {s.S, s.Hq, s.D}), lse(DType::f32, {s.S, s.Hq}), delta(DType::f32, {s.S, s.Hq});
+    DeviceTensor d_o(DType::bf16, {s.S, s.Hq, s.D});
+    upload(d_o, random_values(s.S * s.Hq * s.D, 1704, DType::bf16));
+    attn::cudnn_sdpa::forward(hview(o), hstats(lse), hview(in.q), hview(in.k), hview(in.v), s.causal, sc);
+    attn::attention_delta(delta, o, d_o);
+
+    DeviceTensor cq(DType::bf16, {s.S, s.Hq, s.D}), ck(DType::bf16, {s.S, s.Hkv, s.D}),
+        cv(DType::bf16, {s.S, s.Hkv, s.D});
+    attn::cudnn_sdpa::backward(hview(cq), hview(ck), hview(cv), hview(in.q), hview(in.k), hview(in.v), hview(o),
+                               hview(d_o), hstats(lse), s.causal, sc);
+    DeviceTensor hq1(DType::bf16, {s.S, s.Hq, s.D}), hk1(DType::bf16, {s.S, s.Hkv, s.D}),
+        hv1(DType::bf16, {s.S, s.Hkv, s.D});
+    DeviceTensor hq2(DType::bf16, {s.S, s.Hq, s.D}), hk2(DType::bf16, {s.S, s.Hkv, s.D}),
+        hv2(DType::bf16, {s.S, s.Hkv, s.D});
+    for (int run = 0; run < 2; ++run) {
+      const DeviceTensor& gq = run == 0 ? hq1 : hq2;
+      const DeviceTensor& gk = run == 0 ? hk1 : hk2;
+      const DeviceTensor& gv = run == 0 ? hv1 : hv2;
+      attn::hopper::backward(hout(gq), hout(gk), hout(gv), hview(in.q), hview(in.k), hview(in.v), hview(d_o),
+                             hstats(lse), hstats(delta), s.causal, sc, /*accumulate=*/false);
+    }
+    LT_CUDA_CHECK(cudaStreamSynchronize(cuda_stream()));
+    check_output("hopper dQ vs cuDNN" + tag, DType::bf16, download(hq1), download(cq), s.Hq, s.D);
+    check_output("hopper dK vs cuDNN" + tag, DType::bf16, download(hk1), download(ck), s.Hkv, s.D);
+    check_output("hopper dV vs cuDNN" + tag, DType::bf16, download(hv1), download(cv), s.Hkv, s.D);
+    EXPECT_TRUE(download_bytes(hk1) == download_bytes(hk2)) << "hopper dK differs between two runs" << tag;
+    EXPECT_TRUE(download_bytes(hv1) == download_bytes(hv2)) << "hopper dV differs between two runs" << tag;
+    expect_close("hopper dQ, run 2 vs run 1" + tag, DType::bf16, download(hq2), download(hq1));
   }
 }
 

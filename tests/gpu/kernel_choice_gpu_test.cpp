@@ -1,8 +1,9 @@
 // The kernel policy auto (attention/cuda/kernel_choice.h): while a call shape is being measured its
 // calls alternate between cuDNN and our Hopper kernel, each run once into the caller's outputs, so
 // every call's result must be right; after the trial the shape has one recorded decision, with both
-// kernels' times, naming the faster. Covers a plain forward and the merge into an f32 partial (the
-// schedules' call). Skips without an sm_90 GPU.
+// kernels' times, naming the faster. Covers a plain forward, the merge into an f32 partial (the
+// schedules' call), and the backward: accumulating into f32 dq/dk/dv from delta (the schedules'
+// call) and overwriting bf16 ones from O (one rank's). Skips without an sm_90 GPU.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -93,8 +94,81 @@ TEST(KernelChoiceAuto, EveryTrialCallIsRightAndTheFasterKernelIsRecorded) {
   expect_decision(find_choice(all, "forward no-mask Tq=1000 Tk=400 heads 8/2 head_dim 64, f32 O"), "the f32 forward");
 }
 
+TEST(KernelChoiceAuto, EveryBackwardTrialCallIsRightAndTheFasterKernelIsRecorded) {
+  LT_REQUIRE_GPU();
+  if (!attn::hopper::supported(64, 1, 1)) GTEST_SKIP() << "the hopper attention kernel needs an sm_90 GPU";
+  PolicyScope auto_policy(attn::KernelPolicy::autotune);
+  // Shapes no other test in this process uses (a decided shape stays decided).
+  const int64_t S = 1000, Hq = 8, Hkv = 2, D = 64;
+  const double scale = 0.125;
+  const auto q = random_values(S * Hq * D, 911, DType::bf16), k = random_values(S * Hkv * D, 912, DType::bf16);
+  const auto v = random_values(S * Hkv * D, 913, DType::bf16), d_o = random_values(S * Hq * D, 914, DType::bf16);
+  HostTensor<double> q_h = host_tensor({S, Hq, D}, q), k_h = host_tensor({S, Hkv, D}, k);
+  HostTensor<double> v_h = host_tensor({S, Hkv, D}, v), do_h = host_tensor({S, Hq, D}, d_o);
+  DeviceTensor qd(DType::bf16, {S, Hq, D}), kd(DType::bf16, {S, Hkv, D}), vd(DType::bf16, {S, Hkv, D});
+  DeviceTensor gd(DType::bf16, {S, Hq, D});
+  upload(qd, q);
+  upload(kd, k);
+  upload(vd, v);
+  upload(gd, d_o);
+
+  for (BlockMask mask : {BlockMask::causal_diagonal, BlockMask::none}) {
+    const bool causal = mask == BlockMask::causal_diagonal;
+    HostTensor<double> o_h({S, Hq, D}), lse_h({S, Hq}), dq_h({S, Hq, D}), dk_h({S, Hkv, D}), dv_h({S, Hkv, D});
+    attn::attention_block_forward(o_h, lse_h, q_h, k_h, v_h, mask, scale);
+    attn::attention_block_backward(dq_h, dk_h, dv_h, q_h, k_h, v_h, do_h, lse_h, o_h, Tensor{}, mask, scale,
+                                   attn::GradMode::overwrite);
+    DeviceTensor o(DType::f32, {S, Hq, D}), lse(DType::f32, {S, Hq}), delta(DType::f32, {S, Hq});
+    upload(o, o_h.values);
+    upload(lse, lse_h.values);
+    attn::attention_delta(delta, o, gd);
+    for (int call = 0; call < 8; ++call) {
+      const std::string tag = std::string(causal ? " causal" : " no-mask") + ", call " + std::to_string(call);
+      if (causal) {
+        // The schedules' call: from delta, accumulating into f32 dq/dk/dv that hold nonzero values.
+        const auto dq0 = random_values(S * Hq * D, 920 + call, DType::f32);
+        const auto dk0 = random_values(S * Hkv * D, 930 + call, DType::f32);
+        const auto dv0 = random_values(S * Hkv * D, 940 + call, DType::f32);
+        DeviceTensor dq(DType::f32, {S, Hq, D}), dk(DType::f32, {S, Hkv, D}), dv(DType::f32, {S, Hkv, D});
+        upload(dq, dq0);
+        upload(dk, dk0);
+        upload(dv, dv0);
+        attn::attention_block_backward(dq, dk, dv, qd, kd, vd, gd, lse, Tensor{}, delta, mask, scale,
+                                       attn::GradMode::accumulate);
+        auto minus = [](std::vector<double> a, const std::vector<double>& b) {
+          for (size_t i = 0; i < a.size(); ++i) a[i] -= b[i];
+          return a;
+        };
+        expect_close("auto backward dQ increment" + tag, DType::bf16, minus(download(dq), dq0), dq_h.values);
+        expect_close("auto backward dK increment" + tag, DType::bf16, minus(download(dk), dk0), dk_h.values);
+        expect_close("auto backward dV increment" + tag, DType::bf16, minus(download(dv), dv0), dv_h.values);
+      } else {
+        // One rank's call: from O, overwriting bf16 dq/dk/dv that hold NaN.
+        DeviceTensor dq(DType::bf16, {S, Hq, D}), dk(DType::bf16, {S, Hkv, D}), dv(DType::bf16, {S, Hkv, D});
+        upload(dq, std::vector<double>(static_cast<size_t>(S * Hq * D), std::nan("")));
+        upload(dk, std::vector<double>(static_cast<size_t>(S * Hkv * D), std::nan("")));
+        upload(dv, std::vector<double>(static_cast<size_t>(S * Hkv * D), std::nan("")));
+        attn::attention_block_backward(dq, dk, dv, qd, kd, vd, gd, lse, o, Tensor{}, mask, scale,
+                                       attn::GradMode::overwrite);
+        expect_close("auto backward dQ" + tag, DType::bf16, download(dq), dq_h.values);
+        expect_close("auto backward dK" + tag, DType::bf16, download(dk), dk_h.values);
+        expect_close("auto backward dV" + tag, DType::bf16, download(dv), dv_h.values);
+      }
+    }
+  }
+  const auto all = attn::kernel_choices();
+  expect_decision(
+      find_choice(all, "backward causal Tq=1000 Tk=1000 heads 8/2 head_dim 64, f32 grads, accumulated"),
+      "the accumulating f32 backward");
+  expect_decision(find_choice(all, "backward no-mask Tq=1000 Tk=1000 heads 8/2 head_dim 64"),
+                  "the overwriting bf16 backward");
+}
+
 #else
 TEST(KernelChoiceAuto, EveryTrialCallIsRightAndTheFasterKernelIsRecorded) {
+  GTEST_SKIP() << "longtrain was built without CUDA";
+}
+TEST(KernelChoiceAuto, EveryBackwardTrialCallIsRightAndTheFasterKernelIsRecorded) {
   GTEST_SKIP() << "longtrain was built without CUDA";
 }
 #endif
