@@ -9,9 +9,12 @@
 // them side by side with ratios. --layouts adds the bare cuDNN graphs on separate buffers in other
 // memory layouts (bshd: [S, H, D] per tensor; bhsd: head-major [H, S, D], as the anchor's tensors are),
 // to show what the fused token-major layout costs cuDNN. --kernel picks what is timed: cudnn (the
-// default: everything above), hopper (our sm_90a forward, attention/cuda/hopper_attention.cu, on the
-// same fused buffers, forward only for now), or cudnn,hopper for both in one run, which adds the
-// forward speed ratio and the largest |O_hopper - O_cudnn| of the two forwards.
+// default: everything above), hopper (our sm_90a kernels on the same fused buffers: the forward
+// alone, attention/cuda/hopper_attention.cu, and forward + backward, hopper_attention_bwd.cu: delta
+// from O by attention_delta, then dQ/dK/dV overwritten in the fused bf16 dQKV buffer, as the model's
+// one-rank backward runs it under the hopper policy), or cudnn,hopper for both in one run, which adds
+// the speed ratios and the largest differences of O and LSE and of dQ/dK/dV between the two (both
+// backwards from the same O and LSE, our forward's).
 //
 //   attention_bench [--lengths 4096,16384,65536] [--anchor attn_anchor.json] [--out result.json]
 //                   [--commit SHA] [--warmup 3] [--reps 10] [--kv-heads 32,8] [--head-dim 128]
@@ -154,7 +157,8 @@ int main(int argc, char** argv) try {
              opt.head_dim);
     result["hopper"] =
         "our sm_90a forward (attention/cuda/hopper_attention.cu) on the same fused QKV views, bf16 O, LSE "
-        "token-major; forward only";
+        "token-major; fwd+bwd adds attention_delta and our sm_90a backward (attention/cuda/hopper_attention_bwd.cu) "
+        "overwriting the fused bf16 dQKV views; bwd = delta + backward alone (2.5x the fwd FLOPs)";
   }
   if (!anchor.is_null()) result["anchor"] = {{"script", "bench/anchors/attn_anchor.py"}, {"file", opt.anchor}};
   json rows = json::array();
@@ -202,17 +206,41 @@ int main(int argc, char** argv) try {
       };
       const double fwd_flops = 4.0 * Hq * double(S) * double(S) * D / 2.0;
       json row = {{"S", S}, {"hq", Hq}, {"hkv", hkv}, {"d", D}};
-      double ms_hopper = 0.0;
+      double ms_hopper = 0.0, ms_hopper_fb = 0.0;
       if (run_hopper) {
         // Our kernel's forward, on the views the cuDNN rows use (LSE token-major as ours_cudnn_only).
         auto hopper_fwd = [&] {
           attn::hopper::forward({o.t.data, false, S, Hq, D, o.t.stride[0], o.t.stride[1]}, stats, view(q), view(k),
                                 view(v), true, static_cast<float>(scale), false);
         };
+        // Our backward from the forward's O (delta first), dQ/dK/dV overwritten in the fused dQKV buffer.
+        const attn::hopper::StatsView delta_view{static_cast<float*>(delta.t.data), S, Hq, Hq, 1};
+        auto grad = [&](const Tensor& g) {
+          return attn::hopper::OutView{g.data, false, g.shape[0], g.shape[1], g.shape[2], g.stride[0], g.stride[1]};
+        };
+        auto hopper_bwd = [&] {
+          attn::attention_delta(delta.t, o.t, d_o.t);
+          attn::hopper::backward(grad(gq), grad(gk), grad(gv), view(q), view(k), view(v), view(d_o.t), stats,
+                                 delta_view, true, static_cast<float>(scale), /*accumulate=*/false);
+        };
+        auto hopper_fwd_bwd = [&] {
+          hopper_fwd();
+          hopper_bwd();
+        };
         ms_hopper = median_ms(hopper_fwd, opt.warmup, opt.reps);
-        row["hopper"] = {{"fwd_ms", round3(ms_hopper)}, {"fwd_tflops", round1(fwd_flops / ms_hopper / 1e9)}};
-        std::printf("hkv=%2lld S=%6lld: hopper fwd %8.3f ms (%5.1f TFLOP/s)\n", static_cast<long long>(hkv),
-                    static_cast<long long>(S), ms_hopper, fwd_flops / ms_hopper / 1e9);
+        ms_hopper_fb = median_ms(hopper_fwd_bwd, opt.warmup, opt.reps);
+        const double ms_hopper_b = median_ms(hopper_bwd, opt.warmup, opt.reps);
+        row["hopper"] = {{"fwd_ms", round3(ms_hopper)},
+                         {"fwd_tflops", round1(fwd_flops / ms_hopper / 1e9)},
+                         {"fwdbwd_ms", round3(ms_hopper_fb)},
+                         {"fwdbwd_tflops", round1(3.5 * fwd_flops / ms_hopper_fb / 1e9)},
+                         {"bwd_ms", round3(ms_hopper_b)},
+                         {"bwd_tflops", round1(2.5 * fwd_flops / ms_hopper_b / 1e9)}};
+        std::printf("hkv=%2lld S=%6lld: hopper fwd %8.3f ms (%5.1f TFLOP/s), fwd+bwd %8.3f ms (%5.1f), bwd %8.3f ms "
+                    "(%5.1f)\n",
+                    static_cast<long long>(hkv), static_cast<long long>(S), ms_hopper, fwd_flops / ms_hopper / 1e9,
+                    ms_hopper_fb, 3.5 * fwd_flops / ms_hopper_fb / 1e9, ms_hopper_b,
+                    2.5 * fwd_flops / ms_hopper_b / 1e9);
         if (run_cudnn) {
           // The two kernels' outputs on the same inputs: the largest difference of O (bf16) and LSE.
           hopper_fwd();
@@ -235,8 +263,48 @@ int main(int argc, char** argv) try {
           std::printf("hkv=%2lld S=%6lld: hopper vs cuDNN forward: max|dO| %.3e, max|dLSE| %.3e, %lld NaN/Inf\n",
                       static_cast<long long>(hkv), static_cast<long long>(S), do_max, dl_max,
                       static_cast<long long>(nonfinite));
+          // Both backwards from our forward's O and LSE: the largest |difference| of dQ, dK, dV (bf16), and
+          // relative to the largest |cuDNN value| of each.
+          hopper_fwd();
+          attn::cudnn_sdpa::backward(view(gq), view(gk), view(gv), view(q), view(k), view(v), view(o.t), view(d_o.t),
+                                     stats, true, static_cast<float>(scale));
+          const std::vector<float> g_c = download_floats(dqkv.t);
+          hopper_bwd();
+          const std::vector<float> g_h = download_floats(dqkv.t);
+          // dqkv is [S, Hq + 2·hkv, D]: per token Hq·D of dQ, then hkv·D of dK, then of dV.
+          double diff[3] = {0, 0, 0}, ref_max[3] = {0, 0, 0};
+          int64_t grad_nonfinite = 0;
+          for (size_t i = 0; i < g_h.size(); ++i) {
+            const int64_t col = static_cast<int64_t>(i % static_cast<size_t>(W * D)) / D;  // head slot in the token
+            const int which = col < Hq ? 0 : (col < Hq + hkv ? 1 : 2);
+            grad_nonfinite += !std::isfinite(g_h[i]);
+            diff[which] = std::max(diff[which], double(std::fabs(g_h[i] - g_c[i])));
+            ref_max[which] = std::max(ref_max[which], double(std::fabs(g_c[i])));
+          }
+          const char* names[3] = {"dq", "dk", "dv"};
+          for (int w = 0; w < 3; ++w) {
+            row["hopper"][fmt::format("max_abs_diff_{}_vs_cudnn", names[w])] = diff[w];
+            row["hopper"][fmt::format("max_rel_diff_{}_vs_cudnn", names[w])] = diff[w] / std::max(ref_max[w], 1e-30);
+          }
+          row["hopper"]["nonfinite_grads"] = grad_nonfinite;
+          std::printf("hkv=%2lld S=%6lld: hopper vs cuDNN backward: max|ddQ| %.3e (%.2e of max), max|ddK| %.3e "
+                      "(%.2e), max|ddV| %.3e (%.2e), %lld NaN/Inf\n",
+                      static_cast<long long>(hkv), static_cast<long long>(S), diff[0], diff[0] / ref_max[0], diff[1],
+                      diff[1] / ref_max[1], diff[2], diff[2] / ref_max[2], static_cast<long long>(grad_nonfinite));
         }
       }
+      // Our kernels against the anchor's torch rows (the speed target is torch's cuDNN SDPA fwd+bwd).
+      auto hopper_vs_anchor = [&](const char* backend) {
+        const std::string key = fmt::format("{}_hkv{}_S{}", backend, hkv, S);
+        if (!run_hopper || !anchor.contains(key) || !anchor[key].is_object()) return;
+        const json& a = anchor[key];
+        row["hopper"][fmt::format("ratio_fwdbwd_vs_torch_{}", backend)] = round3(a["fwdbwd_ms"].get<double>() / ms_hopper_fb);
+        row["hopper"][fmt::format("ratio_fwd_vs_torch_{}", backend)] = round3(a["fwd_ms"].get<double>() / ms_hopper);
+        std::printf("hkv=%2lld S=%6lld: hopper fwd+bwd vs torch %s: %.3fx\n", static_cast<long long>(hkv),
+                    static_cast<long long>(S), backend, a["fwdbwd_ms"].get<double>() / ms_hopper_fb);
+      };
+      hopper_vs_anchor("cudnn");
+      hopper_vs_anchor("flash");
       if (!run_cudnn) {
         rows.push_back(row);
         std::fflush(stdout);
@@ -248,7 +316,10 @@ int main(int argc, char** argv) try {
       const double ms_cf = median_ms(cudnn_fwd, opt.warmup, opt.reps);
       const double ms_cfb = median_ms(cudnn_fwd_bwd, opt.warmup, opt.reps);
 
-      if (run_hopper) row["hopper"]["fwd_speedup_vs_cudnn_only"] = round3(ms_cf / ms_hopper);
+      if (run_hopper) {
+        row["hopper"]["fwd_speedup_vs_cudnn_only"] = round3(ms_cf / ms_hopper);
+        row["hopper"]["fwdbwd_speedup_vs_cudnn_only"] = round3(ms_cfb / ms_hopper_fb);
+      }
       row.update(json{{"ours", {{"fwd_ms", round3(ms_f)},
                             {"fwd_tflops", round1(fwd_flops / ms_f / 1e9)},
                             {"fwdbwd_ms", round3(ms_fb)},
