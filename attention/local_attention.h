@@ -49,6 +49,8 @@ enum class GradMode {
 // cuDNN reads O directly) and `delta` (from attention_delta, when only it travelled with the rows);
 // the other is an empty Tensor{}. Both give the same gradients (bit-identical on CPU).
 // A row whose final LSE is -inf (it saw no key at all) contributes no gradient.
+// On CUDA the kernel policy (below) runs cuDNN or our Hopper backward, which sums in f32 and writes
+// (or adds into) each f32 or bf16 destination once, so f32 accumulators see no bf16 rounding per block.
 void attention_block_backward(Tensor dq, Tensor dk, Tensor dv, Tensor q, Tensor k, Tensor v, Tensor d_o,
                               Tensor lse, Tensor o, Tensor delta, BlockMask mask, double scale, GradMode mode);
 
