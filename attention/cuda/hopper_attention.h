@@ -41,6 +41,21 @@ bool supported(int64_t head_dim, int64_t q_heads, int64_t kv_heads);
 std::string unsupported_reason(const OutView& o, const StatsView& lse, const View& q, const View& k, const View& v,
                                bool causal, bool merge);
 
+// The forward kernel's schedule (both give the same results up to rounding; hopper_attention.cu):
+// - overlap (the default): FlashAttention-3's schedule: within a consumer warpgroup the softmax of
+//   K/V tile n runs while the tensor cores compute P(n-1)·V(n-1), and the consumer warpgroups take
+//   turns issuing their GEMMs (ping-pong) so one's softmax runs while another's GEMMs do; head dim 64
+//   uses 192-row CTAs (three consumer warpgroups), head dim 128 uses 128-row CTAs (two);
+// - baseline: the first kernel: per tile S = Q·Kᵀ, wait, softmax, O += P·V, wait; nothing overlaps
+//   inside a warpgroup. Kept to measure against and to fall back to.
+enum class FwdVariant { overlap, baseline };
+
+// LONGTRAIN_HOPPER_FWD_VARIANT (overlap or baseline), read once; overlap when unset. Throws on any
+// other value.
+FwdVariant default_fwd_variant();
+const char* fwd_variant_name(FwdVariant variant);
+FwdVariant parse_fwd_variant(const std::string& name, const char* source);
+
 // o = softmax(scale · q·kᵀ [+ causal mask]) · v and lse, for this (Q block, K/V block) pair. Causal is
 // top-left aligned (query i sees keys j <= i, Tq == Tk). scale must be positive.
 // merge == false: o and lse are overwritten with the block's result.
@@ -50,8 +65,11 @@ std::string unsupported_reason(const OutView& o, const StatsView& lse, const Vie
 // is one call with no separate merge pass.
 // Bitwise deterministic: no atomics, a fixed reduction order. Throws (naming the argument) where
 // unsupported_reason() is not empty.
+// Runs default_fwd_variant(); the overload picks the schedule (tests and benchmarks run both).
 void forward(const OutView& o, const StatsView& lse, const View& q, const View& k, const View& v, bool causal,
              float scale, bool merge);
+void forward(const OutView& o, const StatsView& lse, const View& q, const View& k, const View& v, bool causal,
+             float scale, bool merge, FwdVariant variant);
 
 // Tensor-level entry of the merge mode (defined in local_attention.cu beside attention_block_forward,
 // with the same argument checks): (o_acc, lse_acc) <- merge((o_acc, lse_acc), block(q, k, v)).
