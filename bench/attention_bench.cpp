@@ -11,14 +11,15 @@
 // to show what the fused token-major layout costs cuDNN. --kernel picks what is timed: cudnn (the
 // default: everything above), hopper (our sm_90a forward, attention/cuda/hopper_attention.cu, on the
 // same fused buffers, forward only for now, its default variant: overlap unless
-// LONGTRAIN_HOPPER_FWD_VARIANT says baseline), hopper-overlap / hopper-baseline (that variant), or a
-// list of them, e.g. cudnn,hopper-overlap,hopper-baseline: each hopper variant is timed and, with
+// LONGTRAIN_HOPPER_FWD_VARIANT says otherwise), hopper-<variant> (hopper-overlap, hopper-overlap-mufu,
+// hopper-baseline: hopper_attention.h, FwdVariant), or a list of them, e.g.
+// cudnn,hopper-overlap,hopper-overlap-mufu,hopper-baseline: each hopper variant is timed and, with
 // cudnn in the list, gets its forward speed ratio to cuDNN and the largest |O_hopper - O_cudnn| and
 // |LSE_hopper - LSE_cudnn| of the two forwards.
 //
 //   attention_bench [--lengths 4096,16384,65536] [--anchor attn_anchor.json] [--out result.json]
 //                   [--commit SHA] [--warmup 3] [--reps 10] [--kv-heads 32,8] [--head-dim 128]
-//                   [--layouts bshd,bhsd] [--kernel cudnn,hopper,hopper-overlap,hopper-baseline]
+//                   [--layouts bshd,bhsd] [--kernel cudnn,hopper,hopper-overlap,hopper-overlap-mufu,...]
 //
 // Timing as the anchor does it: CUDA events around each call, the median of the timed runs.
 // FLOPs count the causal half: fwd = 4·Hq·S²·D / 2, fwd+bwd = 3.5 × fwd.
@@ -69,10 +70,10 @@ Options parse(int argc, char** argv) {
     } else if (a == "--kernel") {
       o.kernels = split_list(next());
       LT_CHECK(!o.kernels.empty(),
-               "attention_bench: --kernel takes a list of cudnn, hopper, hopper-overlap, hopper-baseline");
+               "attention_bench: --kernel takes a list of cudnn, hopper, hopper-<variant>");
       for (const std::string& k : o.kernels)
-        LT_CHECK(k == "cudnn" || k == "hopper" || k == "hopper-overlap" || k == "hopper-baseline",
-                 "attention_bench: --kernel takes a list of cudnn, hopper, hopper-overlap, hopper-baseline, got '{}'",
+        LT_CHECK(k == "cudnn" || k == "hopper" || k.rfind("hopper-", 0) == 0,
+                 "attention_bench: --kernel takes a list of cudnn, hopper, hopper-<variant>, got '{}'",
                  k);
     } else if (a == "--anchor") {
       o.anchor = next();
@@ -163,7 +164,8 @@ int main(int argc, char** argv) try {
         k == "hopper" ? attn::hopper::default_fwd_variant()
                       : attn::hopper::parse_fwd_variant(k.substr(std::string("hopper-").size()), "--kernel");
     // "hopper" keeps its key (earlier results compare by it); an explicit variant gets its own.
-    const std::string key = k == "hopper" ? "hopper" : "hopper_" + std::string(attn::hopper::fwd_variant_name(variant));
+    std::string key = k == "hopper" ? "hopper" : "hopper_" + std::string(attn::hopper::fwd_variant_name(variant));
+    std::replace(key.begin(), key.end(), '-', '_');
     bool seen = false;
     for (const HopperRun& r : hopper_runs) seen |= r.key == key;
     if (!seen) hopper_runs.push_back({variant, key});

@@ -487,8 +487,8 @@ INSTANTIATE_TEST_SUITE_P(
 // bf16 and f32 O written through padded strides (every element outside the view must keep its
 // sentinel), token-major and head-major LSE, Q/K/V as views of one fused QKV buffer; then merge mode
 // (a block merged into a running f32 partial, including empty NaN rows) against the whole, and
-// hopper against cuDNN on a larger shape, bitwise run twice. Every test runs both forward variants
-// (FwdVariant: overlap, baseline). Skips without an sm_90 GPU.
+// hopper against cuDNN on a larger shape, bitwise run twice. Every test runs every forward variant
+// (FwdVariant: overlap, overlap-mufu, baseline). Skips without an sm_90 GPU.
 #ifdef LONGTRAIN_HAS_CUDA
 #include <algorithm>
 #include <tuple>
@@ -621,9 +621,16 @@ struct HopperCase {
 void PrintTo(const HopperCase& c, std::ostream* os) { *os << c.name; }
 
 using attn::hopper::FwdVariant;
-constexpr FwdVariant kVariants[] = {FwdVariant::overlap, FwdVariant::baseline};
+constexpr FwdVariant kVariants[] = {FwdVariant::overlap, FwdVariant::overlap_mufu, FwdVariant::baseline};
 
-// Every case runs through both forward variants (hopper_attention.h: FwdVariant).
+// A variant's name as a test name part (gtest allows letters, digits and '_').
+std::string variant_id(FwdVariant v) {
+  std::string id = attn::hopper::fwd_variant_name(v);
+  std::replace(id.begin(), id.end(), '-', '_');
+  return id;
+}
+
+// Every case runs through every forward variant (hopper_attention.h: FwdVariant).
 class HopperAttention : public ::testing::TestWithParam<std::tuple<HopperCase, FwdVariant>> {};
 
 TEST_P(HopperAttention, ForwardMatchesCpuReference) {
@@ -715,7 +722,7 @@ const HopperCase kHopperCases[] = {
 INSTANTIATE_TEST_SUITE_P(
     Blocks, HopperAttention, ::testing::Combine(::testing::ValuesIn(kHopperCases), ::testing::ValuesIn(kVariants)),
     [](const ::testing::TestParamInfo<std::tuple<HopperCase, FwdVariant>>& info) {
-      return std::string(std::get<0>(info.param).name) + "_" + attn::hopper::fwd_variant_name(std::get<1>(info.param));
+      return std::string(std::get<0>(info.param).name) + "_" + variant_id(std::get<1>(info.param));
     });
 
 // Merge mode: K/V split into two blocks (at a row that is not a tile multiple), the second merged into
@@ -829,7 +836,7 @@ TEST_P(HopperAttentionVariant, MatchesCudnnAndIsDeterministic) {
 
 INSTANTIATE_TEST_SUITE_P(Variants, HopperAttentionVariant, ::testing::ValuesIn(kVariants),
                          [](const ::testing::TestParamInfo<FwdVariant>& info) {
-                           return std::string(attn::hopper::fwd_variant_name(info.param));
+                           return variant_id(info.param);
                          });
 
 }  // namespace
