@@ -242,7 +242,7 @@ int main(int argc, char** argv) try {
         row[run.key] = {{"variant", vname},
                         {"fwd_ms", round3(ms_hopper[r])},
                         {"fwd_tflops", round1(fwd_flops / ms_hopper[r] / 1e9)}};
-        std::printf("hkv=%2lld S=%6lld: hopper %-8s fwd %8.3f ms (%5.1f TFLOP/s)\n", static_cast<long long>(hkv),
+        std::printf("hkv=%2lld S=%6lld: hopper %-12s fwd %8.3f ms (%5.1f TFLOP/s)\n", static_cast<long long>(hkv),
                     static_cast<long long>(S), vname, ms_hopper[r], fwd_flops / ms_hopper[r] / 1e9);
         if (run_cudnn) {
           // The two kernels' outputs on the same inputs: the largest difference of O (bf16) and LSE.
@@ -263,7 +263,7 @@ int main(int argc, char** argv) try {
           row[run.key]["max_abs_diff_o_vs_cudnn"] = do_max;
           row[run.key]["max_abs_diff_lse_vs_cudnn"] = dl_max;
           row[run.key]["nonfinite_outputs"] = nonfinite;
-          std::printf("hkv=%2lld S=%6lld: hopper %-8s vs cuDNN forward: max|dO| %.3e, max|dLSE| %.3e, %lld NaN/Inf\n",
+          std::printf("hkv=%2lld S=%6lld: hopper %-12s vs cuDNN forward: max|dO| %.3e, max|dLSE| %.3e, %lld NaN/Inf\n",
                       static_cast<long long>(hkv), static_cast<long long>(S), vname, do_max, dl_max,
                       static_cast<long long>(nonfinite));
         }
@@ -281,7 +281,7 @@ int main(int argc, char** argv) try {
 
       for (size_t r = 0; r < hopper_runs.size(); ++r) {
         row[hopper_runs[r].key]["fwd_speedup_vs_cudnn_only"] = round3(ms_cf / ms_hopper[r]);
-        std::printf("hkv=%2lld S=%6lld: hopper %-8s fwd %.3fx cuDNN-only (%.3f ms against %.3f ms)\n",
+        std::printf("hkv=%2lld S=%6lld: hopper %-12s fwd %.3fx cuDNN-only (%.3f ms against %.3f ms)\n",
                     static_cast<long long>(hkv), static_cast<long long>(S),
                     attn::hopper::fwd_variant_name(hopper_runs[r].variant), ms_cf / ms_hopper[r], ms_hopper[r], ms_cf);
       }
