@@ -363,16 +363,16 @@ __global__ void __launch_bounds__(kThreads, 1)
 //    all GEMMs contending at once and all softmaxes idling the tensor cores together.
 //
 // Tile per head dim (FlashAttention-3's hopper/tile_size.h reasoning, for causal bf16):
-// - D = 128: 128 x 128, two consumer warpgroups at 240 registers. The GEMMs (2·64·128·128 FLOPs per
-//   warpgroup and tile, ~512 tensor-core cycles) outweigh the softmax (64·128 exp2 at 16 per cycle and
-//   SM, ~512 cycles of MUFU shared with the other warpgroup), so two warpgroups alternating keep the
-//   tensor cores fed; 240 registers hold O (64) + P (32) + S (64) without spills.
+// - D = 128: 128 x 128, two consumer warpgroups at 240 registers. The GEMMs (2 · 2·64·128·128 FLOPs per
+//   warpgroup and tile, ~1024 tensor-core cycles at ~4096 dense bf16 FLOPs per cycle and SM) outweigh
+//   the softmax (64·128 exp2 at 16 per cycle and SM, ~512 cycles of MUFU), so two warpgroups
+//   alternating keep the tensor cores fed; 240 registers hold O (64) + P (32) + S (64) without spills.
 // - D = 64: 192 x 128, three consumer warpgroups at 160 registers (128·24 + 384·160 <= 64K). The GEMMs
-//   are half as long while the softmax is as long as at D = 128, so the exp2 unit is as busy as the
-//   tensor cores: a third warpgroup gives the scheduler more softmax to overlap, the 192-row tile
-//   reads each K/V tile from L2 once for 192 rows instead of 128 (at D = 64 the loads per FLOP are
-//   twice D = 128's), and 160 registers still hold O (32) + P (32) + S (64). FA3 uses the turns
-//   (its scheduler barrier) with three warpgroups too.
+//   are half as long (~512 cycles) while the softmax is as long as at D = 128, so the exp2 unit is as
+//   busy as the tensor cores: a third warpgroup gives the scheduler more softmax to overlap, the
+//   192-row tile reads each K/V tile from L2 once per 192 query rows instead of 128 (1.5x fewer bytes
+//   per FLOP, as the tiles go by faster), and 160 registers still hold O (32) + P (32) + S (64).
+//   FA3 uses the turns (its scheduler barrier) with three warpgroups too.
 //
 // Pipeline: K and V have separate rings of kStages stages, each stage with a "full" mbarrier (TMA
 // completes it with the bytes) and an "empty" one (one arrival per consumer warp once its wgmma reads
@@ -793,7 +793,10 @@ void launch(FwdVariant variant, const CUtensorMap& mq, const CUtensorMap& mk, co
     LT_CUDA_LAUNCH_CHECK("hopper fwd_baseline_kernel");
   } else {
     if constexpr (D == 64) {
-      if (variant == FwdVariant::overlap) return launch_overlap<D, kCausal, kF32Out, kMerge, true>(mq, mk, mv, p, q_heads);
+      if (variant == FwdVariant::overlap) {
+        launch_overlap<D, kCausal, kF32Out, kMerge, true>(mq, mk, mv, p, q_heads);
+        return;
+      }
     }
     // overlap_mufu, and overlap at D = 128 (the same kernel there)
     launch_overlap<D, kCausal, kF32Out, kMerge, false>(mq, mk, mv, p, q_heads);
