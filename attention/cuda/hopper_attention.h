@@ -1,6 +1,6 @@
 // Our own Hopper (sm_90a) flash-attention forward: wgmma tensor-core MMAs fed by TMA loads through a
-// multi-stage shared-memory ring, one producer warpgroup and two consumer warpgroups per CTA
-// (FlashAttention-3's structure, our code). hopper_attention.cu is compiled for sm_90a only; on any
+// multi-stage shared-memory ring, one producer warpgroup and two or three consumer warpgroups per CTA
+// (FlashAttention-3's structure and schedule, our code; FwdVariant below). hopper_attention.cu is compiled for sm_90a only; on any
 // other device supported() is false and callers keep cuDNN (attention/cuda/local_attention.cu picks
 // this kernel as the kernel policy says: kernel_choice.h).
 //
