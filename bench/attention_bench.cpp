@@ -10,12 +10,16 @@
 // memory layouts (bshd: [S, H, D] per tensor; bhsd: head-major [H, S, D], as the anchor's tensors are),
 // to show what the fused token-major layout costs cuDNN. --kernel picks what is timed: cudnn (the
 // default: everything above), hopper (our sm_90a forward, attention/cuda/hopper_attention.cu, on the
-// same fused buffers, forward only for now), or cudnn,hopper for both in one run, which adds the
-// forward speed ratio and the largest |O_hopper - O_cudnn| of the two forwards.
+// same fused buffers, forward only for now, its default variant: overlap unless
+// LONGTRAIN_HOPPER_FWD_VARIANT says otherwise), hopper-<variant> (hopper-overlap, hopper-overlap-mufu,
+// hopper-baseline: hopper_attention.h, FwdVariant), or a list of them, e.g.
+// cudnn,hopper-overlap,hopper-overlap-mufu,hopper-baseline: each hopper variant is timed and, with
+// cudnn in the list, gets its forward speed ratio to cuDNN and the largest |O_hopper - O_cudnn| and
+// |LSE_hopper - LSE_cudnn| of the two forwards.
 //
 //   attention_bench [--lengths 4096,16384,65536] [--anchor attn_anchor.json] [--out result.json]
 //                   [--commit SHA] [--warmup 3] [--reps 10] [--kv-heads 32,8] [--head-dim 128]
-//                   [--layouts bshd,bhsd] [--kernel cudnn|hopper|cudnn,hopper]
+//                   [--layouts bshd,bhsd] [--kernel cudnn,hopper,hopper-overlap,hopper-overlap-mufu,...]
 //
 // Timing as the anchor does it: CUDA events around each call, the median of the timed runs.
 // FLOPs count the causal half: fwd = 4·Hq·S²·D / 2, fwd+bwd = 3.5 × fwd.
@@ -65,9 +69,11 @@ Options parse(int argc, char** argv) {
                  "attention_bench: --layouts takes bshd, bhsd, bhsd+hstats and fused+hstats, got '{}'", l);
     } else if (a == "--kernel") {
       o.kernels = split_list(next());
-      LT_CHECK(!o.kernels.empty(), "attention_bench: --kernel takes cudnn, hopper or cudnn,hopper");
+      LT_CHECK(!o.kernels.empty(),
+               "attention_bench: --kernel takes a list of cudnn, hopper, hopper-<variant>");
       for (const std::string& k : o.kernels)
-        LT_CHECK(k == "cudnn" || k == "hopper", "attention_bench: --kernel takes cudnn, hopper or cudnn,hopper, got '{}'",
+        LT_CHECK(k == "cudnn" || k == "hopper" || k.rfind("hopper-", 0) == 0,
+                 "attention_bench: --kernel takes a list of cudnn, hopper, hopper-<variant>, got '{}'",
                  k);
     } else if (a == "--anchor") {
       o.anchor = next();
@@ -146,7 +152,25 @@ int main(int argc, char** argv) try {
       "the bare cuDNN forward and backward graphs on the same fused buffers (backward from O, bf16 dQ/dK/dV "
       "written in place), LSE token-major";
   const bool run_cudnn = std::find(opt.kernels.begin(), opt.kernels.end(), "cudnn") != opt.kernels.end();
-  const bool run_hopper = std::find(opt.kernels.begin(), opt.kernels.end(), "hopper") != opt.kernels.end();
+  // The hopper forward variants to time, each once, with the row key its results go under.
+  struct HopperRun {
+    attn::hopper::FwdVariant variant;
+    std::string key;
+  };
+  std::vector<HopperRun> hopper_runs;
+  for (const std::string& k : opt.kernels) {
+    if (k.rfind("hopper", 0) != 0) continue;
+    const attn::hopper::FwdVariant variant =
+        k == "hopper" ? attn::hopper::default_fwd_variant()
+                      : attn::hopper::parse_fwd_variant(k.substr(std::string("hopper-").size()), "--kernel");
+    // "hopper" keeps its key (earlier results compare by it); an explicit variant gets its own.
+    std::string key = k == "hopper" ? "hopper" : "hopper_" + std::string(attn::hopper::fwd_variant_name(variant));
+    std::replace(key.begin(), key.end(), '-', '_');
+    bool seen = false;
+    for (const HopperRun& r : hopper_runs) seen |= r.key == key;
+    if (!seen) hopper_runs.push_back({variant, key});
+  }
+  const bool run_hopper = !hopper_runs.empty();
   result["kernels"] = opt.kernels;
   if (run_hopper) {
     LT_CHECK(attn::hopper::supported(opt.head_dim, 32, opt.kv_heads.empty() ? 1 : opt.kv_heads[0]),
@@ -155,6 +179,9 @@ int main(int argc, char** argv) try {
     result["hopper"] =
         "our sm_90a forward (attention/cuda/hopper_attention.cu) on the same fused QKV views, bf16 O, LSE "
         "token-major; forward only";
+    json variants = json::object();
+    for (const HopperRun& r : hopper_runs) variants[r.key] = attn::hopper::fwd_variant_name(r.variant);
+    result["hopper_variants"] = variants;
   }
   if (!anchor.is_null()) result["anchor"] = {{"script", "bench/anchors/attn_anchor.py"}, {"file", opt.anchor}};
   json rows = json::array();
@@ -202,17 +229,21 @@ int main(int argc, char** argv) try {
       };
       const double fwd_flops = 4.0 * Hq * double(S) * double(S) * D / 2.0;
       json row = {{"S", S}, {"hq", Hq}, {"hkv", hkv}, {"d", D}};
-      double ms_hopper = 0.0;
-      if (run_hopper) {
+      std::vector<double> ms_hopper(hopper_runs.size(), 0.0);
+      for (size_t r = 0; r < hopper_runs.size(); ++r) {
+        const HopperRun& run = hopper_runs[r];
+        const char* vname = attn::hopper::fwd_variant_name(run.variant);
         // Our kernel's forward, on the views the cuDNN rows use (LSE token-major as ours_cudnn_only).
         auto hopper_fwd = [&] {
           attn::hopper::forward({o.t.data, false, S, Hq, D, o.t.stride[0], o.t.stride[1]}, stats, view(q), view(k),
-                                view(v), true, static_cast<float>(scale), false);
+                                view(v), true, static_cast<float>(scale), false, run.variant);
         };
-        ms_hopper = median_ms(hopper_fwd, opt.warmup, opt.reps);
-        row["hopper"] = {{"fwd_ms", round3(ms_hopper)}, {"fwd_tflops", round1(fwd_flops / ms_hopper / 1e9)}};
-        std::printf("hkv=%2lld S=%6lld: hopper fwd %8.3f ms (%5.1f TFLOP/s)\n", static_cast<long long>(hkv),
-                    static_cast<long long>(S), ms_hopper, fwd_flops / ms_hopper / 1e9);
+        ms_hopper[r] = median_ms(hopper_fwd, opt.warmup, opt.reps);
+        row[run.key] = {{"variant", vname},
+                        {"fwd_ms", round3(ms_hopper[r])},
+                        {"fwd_tflops", round1(fwd_flops / ms_hopper[r] / 1e9)}};
+        std::printf("hkv=%2lld S=%6lld: hopper %-12s fwd %8.3f ms (%5.1f TFLOP/s)\n", static_cast<long long>(hkv),
+                    static_cast<long long>(S), vname, ms_hopper[r], fwd_flops / ms_hopper[r] / 1e9);
         if (run_cudnn) {
           // The two kernels' outputs on the same inputs: the largest difference of O (bf16) and LSE.
           hopper_fwd();
@@ -229,11 +260,11 @@ int main(int argc, char** argv) try {
             nonfinite += !std::isfinite(l_h[i]);
             dl_max = std::max(dl_max, double(std::fabs(l_h[i] - l_c[i])));
           }
-          row["hopper"]["max_abs_diff_o_vs_cudnn"] = do_max;
-          row["hopper"]["max_abs_diff_lse_vs_cudnn"] = dl_max;
-          row["hopper"]["nonfinite_outputs"] = nonfinite;
-          std::printf("hkv=%2lld S=%6lld: hopper vs cuDNN forward: max|dO| %.3e, max|dLSE| %.3e, %lld NaN/Inf\n",
-                      static_cast<long long>(hkv), static_cast<long long>(S), do_max, dl_max,
+          row[run.key]["max_abs_diff_o_vs_cudnn"] = do_max;
+          row[run.key]["max_abs_diff_lse_vs_cudnn"] = dl_max;
+          row[run.key]["nonfinite_outputs"] = nonfinite;
+          std::printf("hkv=%2lld S=%6lld: hopper %-12s vs cuDNN forward: max|dO| %.3e, max|dLSE| %.3e, %lld NaN/Inf\n",
+                      static_cast<long long>(hkv), static_cast<long long>(S), vname, do_max, dl_max,
                       static_cast<long long>(nonfinite));
         }
       }
@@ -248,7 +279,12 @@ int main(int argc, char** argv) try {
       const double ms_cf = median_ms(cudnn_fwd, opt.warmup, opt.reps);
       const double ms_cfb = median_ms(cudnn_fwd_bwd, opt.warmup, opt.reps);
 
-      if (run_hopper) row["hopper"]["fwd_speedup_vs_cudnn_only"] = round3(ms_cf / ms_hopper);
+      for (size_t r = 0; r < hopper_runs.size(); ++r) {
+        row[hopper_runs[r].key]["fwd_speedup_vs_cudnn_only"] = round3(ms_cf / ms_hopper[r]);
+        std::printf("hkv=%2lld S=%6lld: hopper %-12s fwd %.3fx cuDNN-only (%.3f ms against %.3f ms)\n",
+                    static_cast<long long>(hkv), static_cast<long long>(S),
+                    attn::hopper::fwd_variant_name(hopper_runs[r].variant), ms_cf / ms_hopper[r], ms_hopper[r], ms_cf);
+      }
       row.update(json{{"ours", {{"fwd_ms", round3(ms_f)},
                             {"fwd_tflops", round1(fwd_flops / ms_f / 1e9)},
                             {"fwdbwd_ms", round3(ms_fb)},

@@ -189,4 +189,50 @@ static __device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d)[64], uint3
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc_b));
 }
 
+// ---- added for the forward's overlapped schedule (hopper_attention.cu) ----
+
+// Named barriers (barrier 0 is __syncthreads'): the barrier completes once `count` threads (a multiple
+// of 32, counted per warp) have arrived; bar.sync arrives and waits, bar.arrive only arrives. Used for
+// warpgroups taking turns: the one whose turn it is arrives after its turn, the next one syncs.
+static __device__ __forceinline__ void named_barrier_sync(uint32_t id, uint32_t count) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+// Arrives where `pred` holds (warp-uniform), without a branch: it may sit between a wgmma and its wait.
+static __device__ __forceinline__ void named_barrier_arrive_if(uint32_t id, uint32_t count, bool pred) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %2, 0;\n"
+      "@p bar.arrive %0, %1;\n"
+      "}\n" ::"r"(id),
+      "r"(count), "r"(static_cast<uint32_t>(pred))
+      : "memory");
+}
+
+// An mbarrier arrive by the threads where `pred` holds (one lane per warp, say), without a branch.
+static __device__ __forceinline__ void mbar_arrive_if(uint32_t bar, bool pred) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %1, 0;\n"
+      "@p mbarrier.arrive.shared::cta.b64 _, [%0];\n"
+      "}\n" ::"r"(bar),
+      "r"(static_cast<uint32_t>(pred))
+      : "memory");
+}
+
+// mbar_wait for code after setmaxnreg.inc: a trap anywhere in such a region makes ptxas (13.0) drop
+// the region's budget and allocate it within the entry register count (168 at 384 threads), spilling
+// (measured on a small kernel: with a trap in the wait loop, 484 bytes spilled; without, none). So a
+// wait that lasts ~10 s (a pipeline bug) ends here with a store to an unmapped address instead: the
+// same launch failure on the host ("an illegal memory access was encountered"), never a hang.
+static __device__ __forceinline__ void mbar_wait_no_trap(uint32_t bar, uint32_t parity) {
+  if (mbar_try_wait(bar, parity)) return;
+  const long long start = clock64();
+  while (!mbar_try_wait(bar, parity)) {
+    if (clock64() - start > kHangCycles)
+      asm volatile("st.global.b32 [%0], %1;\n" ::"l"(static_cast<uint64_t>(0)), "r"(0xdeadu) : "memory");
+  }
+}
+
 }  // namespace longtrain::attn::hopper::ptx
