@@ -9,16 +9,22 @@
 // them side by side with ratios. --layouts adds the bare cuDNN graphs on separate buffers in other
 // memory layouts (bshd: [S, H, D] per tensor; bhsd: head-major [H, S, D], as the anchor's tensors are),
 // to show what the fused token-major layout costs cuDNN. --kernel picks what is timed: cudnn (the
-// default: everything above), hopper (our sm_90a kernels on the same fused buffers: the forward
-// alone, attention/cuda/hopper_attention.cu, and forward + backward, hopper_attention_bwd.cu: delta
-// from O by attention_delta, then dQ/dK/dV overwritten in the fused bf16 dQKV buffer, as the model's
-// one-rank backward runs it under the hopper policy), or cudnn,hopper for both in one run, which adds
-// the speed ratios and the largest differences of O and LSE and of dQ/dK/dV between the two (both
-// backwards from the same O and LSE, our forward's).
+// default: everything above), hopper (our sm_90a kernels on the same fused buffers: the forward,
+// attention/cuda/hopper_attention.cu, in its default variant: overlap unless
+// LONGTRAIN_HOPPER_FWD_VARIANT says otherwise; and forward + backward, the backward
+// attention/cuda/hopper_attention_bwd.cu: delta from O by attention_delta, then dQ/dK/dV overwritten
+// in the fused bf16 dQKV buffer, as the model's one-rank backward runs it under the hopper policy),
+// hopper-<variant> (hopper-overlap, hopper-overlap-mufu, hopper-baseline: hopper_attention.h,
+// FwdVariant), or a list of them, e.g. cudnn,hopper-overlap,hopper-overlap-mufu,hopper-baseline: each
+// hopper variant is timed (its forward, and with our backward), the backward alone once per shape,
+// and, with cudnn in the list, each gets its speed ratios to cuDNN and the largest |O_hopper - O_cudnn|
+// and |LSE_hopper - LSE_cudnn| of the two forwards, and the shape the largest dQ/dK/dV differences
+// between our backward and cuDNN's (both from the same O and LSE, our forward's). Given an anchor, the
+// hopper rows get their fwd and fwd+bwd ratios to torch's rows too.
 //
 //   attention_bench [--lengths 4096,16384,65536] [--anchor attn_anchor.json] [--out result.json]
 //                   [--commit SHA] [--warmup 3] [--reps 10] [--kv-heads 32,8] [--head-dim 128]
-//                   [--layouts bshd,bhsd] [--kernel cudnn|hopper|cudnn,hopper]
+//                   [--layouts bshd,bhsd] [--kernel cudnn,hopper,hopper-overlap,hopper-overlap-mufu,...]
 //
 // Timing as the anchor does it: CUDA events around each call, the median of the timed runs.
 // FLOPs count the causal half: fwd = 4·Hq·S²·D / 2, fwd+bwd = 3.5 × fwd.
@@ -68,9 +74,11 @@ Options parse(int argc, char** argv) {
                  "attention_bench: --layouts takes bshd, bhsd, bhsd+hstats and fused+hstats, got '{}'", l);
     } else if (a == "--kernel") {
       o.kernels = split_list(next());
-      LT_CHECK(!o.kernels.empty(), "attention_bench: --kernel takes cudnn, hopper or cudnn,hopper");
+      LT_CHECK(!o.kernels.empty(),
+               "attention_bench: --kernel takes a list of cudnn, hopper, hopper-<variant>");
       for (const std::string& k : o.kernels)
-        LT_CHECK(k == "cudnn" || k == "hopper", "attention_bench: --kernel takes cudnn, hopper or cudnn,hopper, got '{}'",
+        LT_CHECK(k == "cudnn" || k == "hopper" || k.rfind("hopper-", 0) == 0,
+                 "attention_bench: --kernel takes a list of cudnn, hopper, hopper-<variant>, got '{}'",
                  k);
     } else if (a == "--anchor") {
       o.anchor = next();
@@ -149,7 +157,25 @@ int main(int argc, char** argv) try {
       "the bare cuDNN forward and backward graphs on the same fused buffers (backward from O, bf16 dQ/dK/dV "
       "written in place), LSE token-major";
   const bool run_cudnn = std::find(opt.kernels.begin(), opt.kernels.end(), "cudnn") != opt.kernels.end();
-  const bool run_hopper = std::find(opt.kernels.begin(), opt.kernels.end(), "hopper") != opt.kernels.end();
+  // The hopper forward variants to time, each once, with the row key its results go under.
+  struct HopperRun {
+    attn::hopper::FwdVariant variant;
+    std::string key;
+  };
+  std::vector<HopperRun> hopper_runs;
+  for (const std::string& k : opt.kernels) {
+    if (k.rfind("hopper", 0) != 0) continue;
+    const attn::hopper::FwdVariant variant =
+        k == "hopper" ? attn::hopper::default_fwd_variant()
+                      : attn::hopper::parse_fwd_variant(k.substr(std::string("hopper-").size()), "--kernel");
+    // "hopper" keeps its key (earlier results compare by it); an explicit variant gets its own.
+    std::string key = k == "hopper" ? "hopper" : "hopper_" + std::string(attn::hopper::fwd_variant_name(variant));
+    std::replace(key.begin(), key.end(), '-', '_');
+    bool seen = false;
+    for (const HopperRun& r : hopper_runs) seen |= r.key == key;
+    if (!seen) hopper_runs.push_back({variant, key});
+  }
+  const bool run_hopper = !hopper_runs.empty();
   result["kernels"] = opt.kernels;
   if (run_hopper) {
     LT_CHECK(attn::hopper::supported(opt.head_dim, 32, opt.kv_heads.empty() ? 1 : opt.kv_heads[0]),
@@ -158,7 +184,10 @@ int main(int argc, char** argv) try {
     result["hopper"] =
         "our sm_90a forward (attention/cuda/hopper_attention.cu) on the same fused QKV views, bf16 O, LSE "
         "token-major; fwd+bwd adds attention_delta and our sm_90a backward (attention/cuda/hopper_attention_bwd.cu) "
-        "overwriting the fused bf16 dQKV views; bwd = delta + backward alone (2.5x the fwd FLOPs)";
+        "overwriting the fused bf16 dQKV views; hopper_bwd: delta + backward alone (2.5x the fwd FLOPs)";
+    json variants = json::object();
+    for (const HopperRun& r : hopper_runs) variants[r.key] = attn::hopper::fwd_variant_name(r.variant);
+    result["hopper_variants"] = variants;
   }
   if (!anchor.is_null()) result["anchor"] = {{"script", "bench/anchors/attn_anchor.py"}, {"file", opt.anchor}};
   json rows = json::array();
@@ -206,41 +235,59 @@ int main(int argc, char** argv) try {
       };
       const double fwd_flops = 4.0 * Hq * double(S) * double(S) * D / 2.0;
       json row = {{"S", S}, {"hq", Hq}, {"hkv", hkv}, {"d", D}};
-      double ms_hopper = 0.0, ms_hopper_fb = 0.0;
+      std::vector<double> ms_hopper(hopper_runs.size(), 0.0), ms_hopper_fb(hopper_runs.size(), 0.0);
+      // Our backward from the forward's O (delta first), dQ/dK/dV overwritten in the fused dQKV buffer.
+      const attn::hopper::StatsView delta_view{static_cast<float*>(delta.t.data), S, Hq, Hq, 1};
+      auto grad = [&](const Tensor& g) {
+        return attn::hopper::OutView{g.data, false, g.shape[0], g.shape[1], g.shape[2], g.stride[0], g.stride[1]};
+      };
+      auto hopper_bwd = [&] {
+        attn::attention_delta(delta.t, o.t, d_o.t);
+        attn::hopper::backward(grad(gq), grad(gk), grad(gv), view(q), view(k), view(v), view(d_o.t), stats, delta_view,
+                               true, static_cast<float>(scale), /*accumulate=*/false);
+      };
       if (run_hopper) {
+        // A forward first, so that the timed backward reads a real O and LSE.
+        attn::hopper::forward({o.t.data, false, S, Hq, D, o.t.stride[0], o.t.stride[1]}, stats, view(q), view(k),
+                              view(v), true, static_cast<float>(scale), false, hopper_runs[0].variant);
+        const double ms_b = median_ms(hopper_bwd, opt.warmup, opt.reps);
+        row["hopper_bwd"] = {{"bwd_ms", round3(ms_b)}, {"bwd_tflops", round1(2.5 * fwd_flops / ms_b / 1e9)}};
+        std::printf("hkv=%2lld S=%6lld: hopper backward %8.3f ms (%5.1f TFLOP/s)\n", static_cast<long long>(hkv),
+                    static_cast<long long>(S), ms_b, 2.5 * fwd_flops / ms_b / 1e9);
+      }
+      for (size_t r = 0; r < hopper_runs.size(); ++r) {
+        const HopperRun& run = hopper_runs[r];
+        const char* vname = attn::hopper::fwd_variant_name(run.variant);
         // Our kernel's forward, on the views the cuDNN rows use (LSE token-major as ours_cudnn_only).
         auto hopper_fwd = [&] {
           attn::hopper::forward({o.t.data, false, S, Hq, D, o.t.stride[0], o.t.stride[1]}, stats, view(q), view(k),
-                                view(v), true, static_cast<float>(scale), false);
-        };
-        // Our backward from the forward's O (delta first), dQ/dK/dV overwritten in the fused dQKV buffer.
-        const attn::hopper::StatsView delta_view{static_cast<float*>(delta.t.data), S, Hq, Hq, 1};
-        auto grad = [&](const Tensor& g) {
-          return attn::hopper::OutView{g.data, false, g.shape[0], g.shape[1], g.shape[2], g.stride[0], g.stride[1]};
-        };
-        auto hopper_bwd = [&] {
-          attn::attention_delta(delta.t, o.t, d_o.t);
-          attn::hopper::backward(grad(gq), grad(gk), grad(gv), view(q), view(k), view(v), view(d_o.t), stats,
-                                 delta_view, true, static_cast<float>(scale), /*accumulate=*/false);
+                                view(v), true, static_cast<float>(scale), false, run.variant);
         };
         auto hopper_fwd_bwd = [&] {
           hopper_fwd();
           hopper_bwd();
         };
-        ms_hopper = median_ms(hopper_fwd, opt.warmup, opt.reps);
-        ms_hopper_fb = median_ms(hopper_fwd_bwd, opt.warmup, opt.reps);
-        const double ms_hopper_b = median_ms(hopper_bwd, opt.warmup, opt.reps);
-        row["hopper"] = {{"fwd_ms", round3(ms_hopper)},
-                         {"fwd_tflops", round1(fwd_flops / ms_hopper / 1e9)},
-                         {"fwdbwd_ms", round3(ms_hopper_fb)},
-                         {"fwdbwd_tflops", round1(3.5 * fwd_flops / ms_hopper_fb / 1e9)},
-                         {"bwd_ms", round3(ms_hopper_b)},
-                         {"bwd_tflops", round1(2.5 * fwd_flops / ms_hopper_b / 1e9)}};
-        std::printf("hkv=%2lld S=%6lld: hopper fwd %8.3f ms (%5.1f TFLOP/s), fwd+bwd %8.3f ms (%5.1f), bwd %8.3f ms "
-                    "(%5.1f)\n",
-                    static_cast<long long>(hkv), static_cast<long long>(S), ms_hopper, fwd_flops / ms_hopper / 1e9,
-                    ms_hopper_fb, 3.5 * fwd_flops / ms_hopper_fb / 1e9, ms_hopper_b,
-                    2.5 * fwd_flops / ms_hopper_b / 1e9);
+        ms_hopper[r] = median_ms(hopper_fwd, opt.warmup, opt.reps);
+        ms_hopper_fb[r] = median_ms(hopper_fwd_bwd, opt.warmup, opt.reps);
+        row[run.key] = {{"variant", vname},
+                        {"fwd_ms", round3(ms_hopper[r])},
+                        {"fwd_tflops", round1(fwd_flops / ms_hopper[r] / 1e9)},
+                        {"fwdbwd_ms", round3(ms_hopper_fb[r])},
+                        {"fwdbwd_tflops", round1(3.5 * fwd_flops / ms_hopper_fb[r] / 1e9)}};
+        std::printf("hkv=%2lld S=%6lld: hopper %-12s fwd %8.3f ms (%5.1f TFLOP/s), fwd+bwd %8.3f ms (%5.1f)\n",
+                    static_cast<long long>(hkv), static_cast<long long>(S), vname, ms_hopper[r],
+                    fwd_flops / ms_hopper[r] / 1e9, ms_hopper_fb[r], 3.5 * fwd_flops / ms_hopper_fb[r] / 1e9);
+        // Against the anchor's torch rows (the speed target is torch's cuDNN SDPA fwd+bwd).
+        for (const char* backend : {"cudnn", "flash"}) {
+          const std::string key = fmt::format("{}_hkv{}_S{}", backend, hkv, S);
+          if (!anchor.contains(key) || !anchor[key].is_object()) continue;
+          const json& a = anchor[key];
+          row[run.key][fmt::format("ratio_fwdbwd_vs_torch_{}", backend)] =
+              round3(a["fwdbwd_ms"].get<double>() / ms_hopper_fb[r]);
+          row[run.key][fmt::format("ratio_fwd_vs_torch_{}", backend)] = round3(a["fwd_ms"].get<double>() / ms_hopper[r]);
+          std::printf("hkv=%2lld S=%6lld: hopper %-12s fwd+bwd %.3fx torch %s\n", static_cast<long long>(hkv),
+                      static_cast<long long>(S), vname, a["fwdbwd_ms"].get<double>() / ms_hopper_fb[r], backend);
+        }
         if (run_cudnn) {
           // The two kernels' outputs on the same inputs: the largest difference of O (bf16) and LSE.
           hopper_fwd();
@@ -257,54 +304,46 @@ int main(int argc, char** argv) try {
             nonfinite += !std::isfinite(l_h[i]);
             dl_max = std::max(dl_max, double(std::fabs(l_h[i] - l_c[i])));
           }
-          row["hopper"]["max_abs_diff_o_vs_cudnn"] = do_max;
-          row["hopper"]["max_abs_diff_lse_vs_cudnn"] = dl_max;
-          row["hopper"]["nonfinite_outputs"] = nonfinite;
-          std::printf("hkv=%2lld S=%6lld: hopper vs cuDNN forward: max|dO| %.3e, max|dLSE| %.3e, %lld NaN/Inf\n",
-                      static_cast<long long>(hkv), static_cast<long long>(S), do_max, dl_max,
+          row[run.key]["max_abs_diff_o_vs_cudnn"] = do_max;
+          row[run.key]["max_abs_diff_lse_vs_cudnn"] = dl_max;
+          row[run.key]["nonfinite_outputs"] = nonfinite;
+          std::printf("hkv=%2lld S=%6lld: hopper %-12s vs cuDNN forward: max|dO| %.3e, max|dLSE| %.3e, %lld NaN/Inf\n",
+                      static_cast<long long>(hkv), static_cast<long long>(S), vname, do_max, dl_max,
                       static_cast<long long>(nonfinite));
-          // Both backwards from our forward's O and LSE: the largest |difference| of dQ, dK, dV (bf16), and
-          // relative to the largest |cuDNN value| of each.
-          hopper_fwd();
-          attn::cudnn_sdpa::backward(view(gq), view(gk), view(gv), view(q), view(k), view(v), view(o.t), view(d_o.t),
-                                     stats, true, static_cast<float>(scale));
-          const std::vector<float> g_c = download_floats(dqkv.t);
-          hopper_bwd();
-          const std::vector<float> g_h = download_floats(dqkv.t);
-          // dqkv is [S, Hq + 2·hkv, D]: per token Hq·D of dQ, then hkv·D of dK, then of dV.
-          double diff[3] = {0, 0, 0}, ref_max[3] = {0, 0, 0};
-          int64_t grad_nonfinite = 0;
-          for (size_t i = 0; i < g_h.size(); ++i) {
-            const int64_t col = static_cast<int64_t>(i % static_cast<size_t>(W * D)) / D;  // head slot in the token
-            const int which = col < Hq ? 0 : (col < Hq + hkv ? 1 : 2);
-            grad_nonfinite += !std::isfinite(g_h[i]);
-            diff[which] = std::max(diff[which], double(std::fabs(g_h[i] - g_c[i])));
-            ref_max[which] = std::max(ref_max[which], double(std::fabs(g_c[i])));
+          if (r == 0) {
+            // Both backwards from this forward's O and LSE: the largest |difference| of dQ, dK, dV (bf16),
+            // and relative to the largest |cuDNN value| of each.
+            hopper_fwd();
+            attn::cudnn_sdpa::backward(view(gq), view(gk), view(gv), view(q), view(k), view(v), view(o.t),
+                                       view(d_o.t), stats, true, static_cast<float>(scale));
+            const std::vector<float> g_c = download_floats(dqkv.t);
+            hopper_bwd();
+            const std::vector<float> g_h = download_floats(dqkv.t);
+            // dqkv is [S, Hq + 2·hkv, D]: per token Hq·D of dQ, then hkv·D of dK, then of dV.
+            double diff[3] = {0, 0, 0}, ref_max[3] = {0, 0, 0};
+            int64_t grad_nonfinite = 0;
+            for (size_t i = 0; i < g_h.size(); ++i) {
+              const int64_t slot = static_cast<int64_t>(i % static_cast<size_t>(W * D)) / D;  // head slot
+              const int which = slot < Hq ? 0 : (slot < Hq + hkv ? 1 : 2);
+              grad_nonfinite += !std::isfinite(g_h[i]);
+              diff[which] = std::max(diff[which], double(std::fabs(g_h[i] - g_c[i])));
+              ref_max[which] = std::max(ref_max[which], double(std::fabs(g_c[i])));
+            }
+            const char* names[3] = {"dq", "dk", "dv"};
+            for (int w = 0; w < 3; ++w) {
+              row["hopper_bwd"][fmt::format("max_abs_diff_{}_vs_cudnn", names[w])] = diff[w];
+              row["hopper_bwd"][fmt::format("max_rel_diff_{}_vs_cudnn", names[w])] =
+                  diff[w] / std::max(ref_max[w], 1e-30);
+            }
+            row["hopper_bwd"]["nonfinite_grads"] = grad_nonfinite;
+            std::printf("hkv=%2lld S=%6lld: hopper vs cuDNN backward: max|ddQ| %.3e (%.2e of max), max|ddK| %.3e "
+                        "(%.2e), max|ddV| %.3e (%.2e), %lld NaN/Inf\n",
+                        static_cast<long long>(hkv), static_cast<long long>(S), diff[0], diff[0] / ref_max[0],
+                        diff[1], diff[1] / ref_max[1], diff[2], diff[2] / ref_max[2],
+                        static_cast<long long>(grad_nonfinite));
           }
-          const char* names[3] = {"dq", "dk", "dv"};
-          for (int w = 0; w < 3; ++w) {
-            row["hopper"][fmt::format("max_abs_diff_{}_vs_cudnn", names[w])] = diff[w];
-            row["hopper"][fmt::format("max_rel_diff_{}_vs_cudnn", names[w])] = diff[w] / std::max(ref_max[w], 1e-30);
-          }
-          row["hopper"]["nonfinite_grads"] = grad_nonfinite;
-          std::printf("hkv=%2lld S=%6lld: hopper vs cuDNN backward: max|ddQ| %.3e (%.2e of max), max|ddK| %.3e "
-                      "(%.2e), max|ddV| %.3e (%.2e), %lld NaN/Inf\n",
-                      static_cast<long long>(hkv), static_cast<long long>(S), diff[0], diff[0] / ref_max[0], diff[1],
-                      diff[1] / ref_max[1], diff[2], diff[2] / ref_max[2], static_cast<long long>(grad_nonfinite));
         }
       }
-      // Our kernels against the anchor's torch rows (the speed target is torch's cuDNN SDPA fwd+bwd).
-      auto hopper_vs_anchor = [&](const char* backend) {
-        const std::string key = fmt::format("{}_hkv{}_S{}", backend, hkv, S);
-        if (!run_hopper || !anchor.contains(key) || !anchor[key].is_object()) return;
-        const json& a = anchor[key];
-        row["hopper"][fmt::format("ratio_fwdbwd_vs_torch_{}", backend)] = round3(a["fwdbwd_ms"].get<double>() / ms_hopper_fb);
-        row["hopper"][fmt::format("ratio_fwd_vs_torch_{}", backend)] = round3(a["fwd_ms"].get<double>() / ms_hopper);
-        std::printf("hkv=%2lld S=%6lld: hopper fwd+bwd vs torch %s: %.3fx\n", static_cast<long long>(hkv),
-                    static_cast<long long>(S), backend, a["fwdbwd_ms"].get<double>() / ms_hopper_fb);
-      };
-      hopper_vs_anchor("cudnn");
-      hopper_vs_anchor("flash");
       if (!run_cudnn) {
         rows.push_back(row);
         std::fflush(stdout);
@@ -316,9 +355,16 @@ int main(int argc, char** argv) try {
       const double ms_cf = median_ms(cudnn_fwd, opt.warmup, opt.reps);
       const double ms_cfb = median_ms(cudnn_fwd_bwd, opt.warmup, opt.reps);
 
-      if (run_hopper) {
-        row["hopper"]["fwd_speedup_vs_cudnn_only"] = round3(ms_cf / ms_hopper);
-        row["hopper"]["fwdbwd_speedup_vs_cudnn_only"] = round3(ms_cfb / ms_hopper_fb);
+      for (size_t r = 0; r < hopper_runs.size(); ++r) {
+        row[hopper_runs[r].key]["fwd_speedup_vs_cudnn_only"] = round3(ms_cf / ms_hopper[r]);
+        row[hopper_runs[r].key]["fwdbwd_speedup_vs_cudnn_only"] = round3(ms_cfb / ms_hopper_fb[r]);
+        std::printf("hkv=%2lld S=%6lld: hopper %-12s fwd+bwd %.3fx cuDNN-only (%.3f ms against %.3f ms)\n",
+                    static_cast<long long>(hkv), static_cast<long long>(S),
+                    attn::hopper::fwd_variant_name(hopper_runs[r].variant), ms_cfb / ms_hopper_fb[r], ms_hopper_fb[r],
+                    ms_cfb);
+        std::printf("hkv=%2lld S=%6lld: hopper %-12s fwd %.3fx cuDNN-only (%.3f ms against %.3f ms)\n",
+                    static_cast<long long>(hkv), static_cast<long long>(S),
+                    attn::hopper::fwd_variant_name(hopper_runs[r].variant), ms_cf / ms_hopper[r], ms_hopper[r], ms_cf);
       }
       row.update(json{{"ours", {{"fwd_ms", round3(ms_f)},
                             {"fwd_tflops", round1(fwd_flops / ms_f / 1e9)},

@@ -122,11 +122,15 @@ LlamaModel::LlamaModel(const LlamaConfig& config, Precision precision, Checkpoin
   if (attention_keeps_forward(policy_, offload_)) attention_->keep_forward(config_.n_layers);
   set_rope_length(config_.max_seq_len);
 
+  LT_CHECK(!precision_.f32_grads || precision_.param == DType::bf16,
+           "f32 gradients are for bf16 parameters (train.grad_dtype f32 with train.dtype bf16); {} parameters keep "
+           "gradients of their own dtype",
+           dtype_name(precision_.param));
   add_parameter_entries(params_, config_, precision_.param);
-  add_parameter_entries(grads_, config_, precision_.param);
   LT_CHECK(flat_shards >= 1, "flat_shards must be at least 1 (got {})", flat_shards);
   params_.pad_to_multiple(static_cast<size_t>(flat_shards) * dtype_size(precision_.param));
-  grads_.pad_to_multiple(static_cast<size_t>(flat_shards) * dtype_size(precision_.param));
+  // The same element layout in the gradients' dtype: a flat range is the same tensors in both.
+  grads_.add_mirror(params_, precision_.grad());
   params_.allocate();
   grads_.allocate();
   p_ = parameter_views(params_, config_);
@@ -137,7 +141,7 @@ LlamaModel::LlamaModel(const LlamaConfig& config, Precision precision, Checkpoin
   // start of the next, so alignment gaps (always zero) ride along and the ranges cover the buffer.
   auto first_element = [&](const std::string& name) {
     const auto bytes = static_cast<char*>(grads_.get(name).data) - static_cast<char*>(grads_.base());
-    return static_cast<int64_t>(bytes / static_cast<std::ptrdiff_t>(dtype_size(precision_.param)));
+    return static_cast<int64_t>(bytes / static_cast<std::ptrdiff_t>(dtype_size(precision_.grad())));
   };
   const int64_t L = config_.n_layers, total = grads_.flat().numel();
   std::vector<int64_t> layer_begin;

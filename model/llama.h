@@ -59,15 +59,22 @@ struct Tiling {
 };
 
 // Where and in which types the model lives. CPU: everything in one float type (f32 to train, f64 for
-// gradient checks). CUDA: bf16 parameters, gradients and activations, f32 statistics.
+// gradient checks). CUDA: bf16 parameters and activations, f32 statistics, gradients in bf16 or f32.
 struct Precision {
   Device device = Device::cpu;
-  DType param = DType::f32;  // parameters and their gradients
+  DType param = DType::f32;  // parameters (and their gradients unless f32_grads)
   DType act = DType::f32;    // activations and activation gradients
   DType stat = DType::f32;   // rstd, LSE, per-token losses
+  // Gradients in f32 beside bf16 parameters (train.grad_dtype): every weight-gradient GEMM and
+  // reduction adds into f32, so the token chunks and micro-batches of a step are summed without a
+  // bf16 rounding in between. Costs 2 bytes a parameter more, and twice the gradient reduction traffic.
+  bool f32_grads = false;
 
+  DType grad() const { return f32_grads ? DType::f32 : param; }
   static Precision cpu(DType t) { return {Device::cpu, t, t, t}; }
-  static Precision cuda_mixed() { return {Device::cuda, DType::bf16, DType::bf16, DType::f32}; }
+  static Precision cuda_mixed(bool f32_grads = false) {
+    return {Device::cuda, DType::bf16, DType::bf16, DType::f32, f32_grads};
+  }
 };
 
 // One rank's share of a batch: its tokens, their labels (the next token of the global sequence, or

@@ -171,7 +171,9 @@ MemoryPlan plan_memory(const LlamaConfig& config, const Precision& precision, Ch
   add_parameter_entries(params, config, precision.param);
   params.pad_to_multiple(static_cast<size_t>(optimizer_shards) * dtype_size(precision.param));
   plan.parameters = arena_bytes(params);
-  plan.gradients = plan.parameters;  // the same table in the same dtype
+  Arena grads("gradients", dev);  // the same element layout, in the gradients' dtype
+  grads.add_mirror(params, precision.grad());
+  plan.gradients = arena_bytes(grads);
 
   // Optimizer state as trainer::AdamW builds it: flat arenas over this rank's shard of the parameters'
   // flat view (padding between tensors included), moments in f32 (f64 for an f64 model), and a master
@@ -311,7 +313,7 @@ std::string MemoryPlan::table() const {
   };
   const DType state = p.param == DType::f64 ? DType::f64 : DType::f32;
   row("parameters", parameters, fmt::format("{} × {}", config.num_parameters(), dtype_name(p.param)));
-  row("gradients", gradients, fmt::format("{} × {}", config.num_parameters(), dtype_name(p.param)));
+  row("gradients", gradients, fmt::format("{} × {}", config.num_parameters(), dtype_name(p.grad())));
   if (master_weights > 0) row("master weights", master_weights, fmt::format("AdamW, {}", dtype_name(state)));
   row("adam m", adam_m, fmt::format("AdamW, {}", dtype_name(state)));
   row("adam v", adam_v, fmt::format("AdamW, {}", dtype_name(state)));

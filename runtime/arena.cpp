@@ -40,6 +40,20 @@ size_t Arena::add(const std::string& name, std::vector<int64_t> shape, DType dty
   return entries_.size() - 1;
 }
 
+void Arena::add_mirror(const Arena& layout, DType dtype) {
+  LT_CHECK(base_ == nullptr && entries_.empty(), "arena '{}': add_mirror needs an empty arena", kind_);
+  LT_CHECK(!layout.entries_.empty(), "arena '{}': add_mirror of the empty arena '{}'", kind_, layout.kind_);
+  const size_t from = dtype_size(layout.entries_.front().dtype), to = dtype_size(dtype);
+  for (const ArenaEntry& e : layout.entries_) {
+    LT_CHECK(dtype_size(e.dtype) == from, "arena '{}': add_mirror needs one dtype in '{}', entry '{}' differs", kind_,
+             layout.kind_, e.name);
+    entries_.push_back({e.name, e.shape, dtype, e.offset / from * to, e.numel});
+    index_[e.name] = entries_.size() - 1;
+  }
+  LT_CHECK(layout.bytes_ % from == 0, "arena '{}': '{}' ends inside an element", kind_, layout.kind_);
+  bytes_ = layout.bytes_ / from * to;
+}
+
 void Arena::pad_to_multiple(size_t bytes) {
   LT_CHECK(base_ == nullptr, "arena '{}': padded after allocation", kind_);
   LT_CHECK(bytes > 0, "arena '{}': padding to a multiple of 0 bytes", kind_);

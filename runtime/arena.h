@@ -34,6 +34,11 @@ class Arena {
 
   // Adds an entry; returns its index. Only before allocate().
   size_t add(const std::string& name, std::vector<int64_t> shape, DType dtype, bool align = true);
+  // Adds every entry of `layout` (whose entries share one dtype) in `dtype` instead, each at the
+  // same ELEMENT offset as there, so that flat element ranges of the two arenas line up: gradients
+  // in f32 beside bf16 parameters, indexed by the same ZeRO-1 shard bounds and gradient ranges.
+  // Also copies its padded end. Only on an empty arena, before allocate().
+  void add_mirror(const Arena& layout, DType dtype);
   // Grows the arena's end (zero padding after the last entry) to a multiple of `bytes`, so that its
   // flat view splits evenly into shards (ZeRO-1). Only before allocate().
   void pad_to_multiple(size_t bytes);

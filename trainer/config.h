@@ -91,6 +91,7 @@ struct TrainSection {
   int64_t steps{};                // optimizer steps
   int64_t batch_size{};           // sequences per data-parallel rank per micro-step
   int64_t grad_accum{};           // micro-steps per optimizer step
+  DTypeChoice grad_dtype{};       // gradients' dtype; auto: f32 on cuda when grad_accum > 1, else dtype's
   int64_t seed{};
   NonFinitePolicy on_nonfinite{};
   int64_t max_nonfinite_skips{};  // consecutive skipped steps before the run stops

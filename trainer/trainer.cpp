@@ -42,9 +42,10 @@ namespace {
 constexpr const char* kTrainerState = "trainer_state.json";
 constexpr const char* kConfigFile = "config.yaml";
 
-// resolve_device has settled "auto": cuda trains in bf16 with f32 statistics and master weights.
+// resolve_device has settled "auto": cuda trains in bf16 with f32 statistics and master weights, and
+// gradients in bf16 or f32 (train.grad_dtype).
 model::Precision precision_for(const TrainConfig& c) {
-  if (c.train.device == DeviceChoice::cuda) return model::Precision::cuda_mixed();
+  if (c.train.device == DeviceChoice::cuda) return model::Precision::cuda_mixed(c.train.grad_dtype == DTypeChoice::f32);
   return model::Precision::cpu(c.train.dtype == DTypeChoice::f64 ? DType::f64 : DType::f32);
 }
 

@@ -1,4 +1,9 @@
-// Our Hopper flash-attention forward (hopper_attention.h): one CTA per (128 query rows, query head).
+// Our Hopper flash-attention forward (hopper_attention.h), in two variants (FwdVariant):
+// - baseline (fwd_baseline_kernel, the first kernel, described here): one CTA per (128 query rows,
+//   query head), nothing overlapped inside a consumer warpgroup;
+// - overlap (fwd_overlap_kernel, further down, the default): FlashAttention-3's schedule, with the
+//   softmax of one tile overlapped with the GEMMs (its own P·V and the other warpgroups' GEMMs).
+// Both share the producer/consumer structure, the shared-memory layout and the epilogue below.
 //
 // Warp specialization, FlashAttention-3's structure:
 // - warpgroup 0 (the producer) shrinks to 24 registers; one of its threads issues TMA loads: the Q tile
@@ -34,6 +39,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -82,7 +88,7 @@ struct Params {
   float scale_log2; // scale · log2(e) (for exp2)
 };
 
-// ---- the kernel ------------------------------------------------------------------------------------
+// ---- the baseline kernel ---------------------------------------------------------------------------
 //
 // Accumulator fragments (PTX ISA, wgmma .m64nNk16 register fragment for D): thread `lane` of warp `w`
 // (within its warpgroup) holds element i of N/2 at row 16·w + lane/4 + 8·((i/2) % 2) and column
@@ -91,10 +97,81 @@ struct Params {
 // fragment of the next MMA over those columns: for the k-th 16 columns, registers
 // (S[8k], S[8k+1]), (S[8k+2], S[8k+3]), (S[8k+4], S[8k+5]), (S[8k+6], S[8k+7]) are a0..a3.
 
+// The epilogue of one consumer thread (both variants): normalise its two rows of O (fragment `o`,
+// rows row_lo and row_lo + 8, columns 8·(i/4) + col_lane + i % 2), their LSE from the running max of the
+// raw scores m_run and this thread's part of the denominator l_run (summed over the quad here), merge
+// into the running partial (kMerge), store.
+template <int D, bool kF32Out, bool kMerge>
+__device__ __forceinline__ void store_rows(const float (&o)[D / 2], const float (&m_run)[2], const float (&l_run)[2],
+                                           const int row_lo, const int col_lane, const int lane, const int head,
+                                           const Params& p) {
+#if LT_HOPPER_DEVICE_CODE
+  float inv[2], lse_blk[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float l = l_run[h];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    inv[h] = l > 0.0f ? 1.0f / l : 0.0f;
+    lse_blk[h] = l > 0.0f ? m_run[h] * p.scale + logf(l) : -INFINITY;
+  }
+  // Per row half: the weights of the old partial and of this block, the LSE to store, and whether to
+  // write at all (a row of this block without keys leaves a merged accumulator as it is).
+  float w_old[2] = {0.0f, 0.0f}, w_new[2] = {1.0f, 1.0f}, lse_out[2] = {lse_blk[0], lse_blk[1]};
+  bool write[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = row_lo + 8 * h;
+    write[h] = row < p.tq;
+    if constexpr (kMerge) {
+      const float l1 = write[h] ? p.lse[row * p.lse_ts + head * p.lse_hs] : -INFINITY;
+      const float l2 = lse_blk[h];
+      if (l2 == -INFINITY) {
+        write[h] = false;
+      } else if (l1 != -INFINITY) {  // as lse_merge_kernel (local_attention.cu)
+        const float m = fmaxf(l1, l2);
+        lse_out[h] = m + log1pf(expf(-fabsf(l1 - l2)));
+        w_old[h] = expf(l1 - lse_out[h]);
+        w_new[h] = expf(l2 - lse_out[h]);
+      }
+    }
+  }
+  if constexpr (kMerge) __syncwarp();  // every lane of the quad has read the old LSE before lane 0 writes it
+
+  using Out = std::conditional_t<kF32Out, float, __nv_bfloat16>;
+  Out* const out = static_cast<Out*>(p.o) + static_cast<int64_t>(head) * p.o_hs;
+#pragma unroll
+  for (int i = 0; i < D / 2; i += 2) {
+    const int h = (i / 2) % 2;
+    if (!write[h]) continue;
+    const int64_t row = row_lo + 8 * h;
+    Out* dst = out + row * p.o_ts + 8 * (i / 4) + col_lane;
+    float v0 = o[i] * inv[h], v1 = o[i + 1] * inv[h];
+    if constexpr (kMerge) {
+      const float2 old = w_old[h] == 0.0f ? make_float2(0.0f, 0.0f) : *reinterpret_cast<const float2*>(dst);
+      v0 = (w_old[h] == 0.0f ? 0.0f : w_old[h] * old.x) + w_new[h] * v0;
+      v1 = (w_old[h] == 0.0f ? 0.0f : w_old[h] * old.y) + w_new[h] * v1;
+    }
+    if constexpr (kF32Out) {
+      *reinterpret_cast<float2*>(dst) = make_float2(v0, v1);
+    } else {
+      *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(v0, v1);
+    }
+  }
+  if (lane % 4 == 0) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int64_t row = row_lo + 8 * h;
+      if (write[h]) p.lse[row * p.lse_ts + head * p.lse_hs] = lse_out[h];
+    }
+  }
+#endif  // LT_HOPPER_DEVICE_CODE
+}
+
 template <int D, bool kCausal, bool kF32Out, bool kMerge>
 __global__ void __launch_bounds__(kThreads, 1)
-    hopper_attention_fwd_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
-                                const __grid_constant__ CUtensorMap tm_v, const Params p) {
+    fwd_baseline_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
+                        const __grid_constant__ CUtensorMap tm_v, const Params p) {
 #if LT_HOPPER_DEVICE_CODE
   using Tl = Tiles<D>;
   constexpr int S = Tl::kStages;
@@ -260,64 +337,378 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 
   // ---- epilogue: normalise, LSE, merge into the running partial, store ----
-  float inv[2], lse_blk[2];
+  store_rows<D, kF32Out, kMerge>(o, m_run, l_run, row_lo, col_lane, lane, head, p);
+#endif  // LT_HOPPER_DEVICE_CODE
+}
+
+// ---- the overlap kernel (FwdVariant::overlap) ---------------------------------------------------------
+//
+// FlashAttention-3's schedule (its hopper/mainloop_fwd_sm90_tma_gmma_ws.hpp, our code). The baseline
+// leaves the tensor cores idle while a warpgroup runs its softmax; here they have other work then:
+//
+// 1. Inside a consumer warpgroup (intra-warpgroup overlap). The K/V tiles are visited in reverse
+//    (last tile first) and iteration i (tile n = n_tiles - 1 - i) issues two GEMM groups back to back,
+//        S(i) = Q·K(i)ᵀ          (wgmma SS, fresh accumulators)
+//        O += P(i-1)·V(i-1)      (wgmma RS, P of the previous tile still in registers)
+//    then waits for S(i) only (wgmma.wait_group 1) and runs the softmax of S(i) while P(i-1)·V(i-1)
+//    is still on the tensor cores; wait_group 0 then O *= alpha(i), P(i) = bf16(S(i)). The last
+//    tile's P·V runs after the loop. Live registers: O, P(i-1) (read by the in-flight MMA until
+//    wait_group 0) and S(i): at D = 128, 64 + 32 + 64 of the 240; at D = 64, 32 + 32 + 64 of 160.
+//    (Issuing S(i+1) before the softmax of S(i) instead would need two S buffers, 128 registers, more
+//    than fit beside O at D = 128; this order needs one S and one P.)
+// 2. Between consumer warpgroups (ping-pong / round robin). Each warpgroup issues its two GEMM groups
+//    only in its turn: named barrier kTurnBarrier + cw, completed by the previous warpgroup's
+//    bar.arrive after its own issue (128 + 128 threads). So the tensor cores run one warpgroup's
+//    GEMMs after another's, and each warpgroup's softmax runs while the others' GEMMs do, instead of
+//    all GEMMs contending at once and all softmaxes idling the tensor cores together.
+//
+// Tile per head dim (FlashAttention-3's hopper/tile_size.h reasoning, for causal bf16):
+// - D = 128: 128 x 128, two consumer warpgroups at 240 registers. The GEMMs (2 · 2·64·128·128 FLOPs per
+//   warpgroup and tile, ~1024 tensor-core cycles at ~4096 dense bf16 FLOPs per cycle and SM) outweigh
+//   the softmax (64·128 exp2 at 16 per cycle and SM, ~512 cycles of MUFU), so two warpgroups
+//   alternating keep the tensor cores fed; 240 registers hold O (64) + P (32) + S (64) without spills.
+// - D = 64: 192 x 128, three consumer warpgroups at 160 registers (128·24 + 384·160 <= 64K). The GEMMs
+//   are half as long (~512 cycles) while the softmax is as long as at D = 128, so the exp2 unit is as
+//   busy as the tensor cores: a third warpgroup gives the scheduler more softmax to overlap, the
+//   192-row tile reads each K/V tile from L2 once per 192 query rows instead of 128 (1.5x fewer bytes
+//   per FLOP, as the tiles go by faster), and 160 registers still hold O (32) + P (32) + S (64).
+//   FA3 uses the turns (its scheduler barrier) with three warpgroups too.
+//
+// Pipeline: K and V have separate rings of kStages stages, each stage with a "full" mbarrier (TMA
+// completes it with the bytes) and an "empty" one (one arrival per consumer warp once its wgmma reads
+// are done: K(i) after wait_group 1 of iteration i, V(i-1) after wait_group 0 of iteration i). The
+// producer issues loads in the order the consumers need them (Q, K(0), then K(i), V(i-1) for i >= 1,
+// then V(n-1)), so a K is never stuck behind a V: deadlock-free for kStages >= 2 (load K(i) waits for
+// the release of K(i - kStages), which every warpgroup gives in iteration i - kStages <= i - 2, before
+// it can need K(i) or hold a turn that another warpgroup's K(i) would need).
+//
+// Masking: with the reverse order, the tiles that need a mask (the causal diagonal tiles of this
+// warpgroup's rows, the zero-filled tail past Tk) are the first n_masked iterations, so the steady
+// state runs a mask-free loop (and skips the -inf checks, which only masked rows can need).
+template <int D> struct OverlapTiles {
+  static_assert(D == 64 || D == 128, "head_dim 64 or 128");
+  static constexpr int kConsumerWGs = D == 64 ? 3 : 2;
+  static constexpr int kBlockM = kWarpgroupRows * kConsumerWGs;  // query rows per CTA
+  static constexpr int kThreads = 128 * (1 + kConsumerWGs);
+  static constexpr int kConsumerWarps = 4 * kConsumerWGs;
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kConsumerRegs = D == 64 ? 160 : 240;
+  // The registers at launch (__launch_bounds__(kThreads, 1): 65536 / kThreads, a multiple of 8) are
+  // what the producer's setmaxnreg.dec gives back and the consumers' setmaxnreg.inc takes; the
+  // consumers' may not exceed the file, or their inc would wait forever.
+  static constexpr int kLaunchRegs = (65536 / kThreads) / 8 * 8;
+  static_assert(128 * kProducerRegs + 128 * kConsumerWGs * kConsumerRegs <= 65536, "register file");
+  static_assert(kProducerRegs <= kLaunchRegs && kConsumerRegs >= kLaunchRegs && kConsumerRegs % 8 == 0 &&
+                    kProducerRegs % 8 == 0 && kConsumerRegs <= 256 && kProducerRegs >= 24,
+                "setmaxnreg bounds");
+  // Stages per ring: as many as fit (one CTA per SM either way); >= 2 for the deadlock argument.
+  static constexpr int kStages = D == 64 ? 4 : 3;
+  static_assert(kStages >= 2, "the producer order needs two stages per ring");
+  static constexpr int kColBlocks = D / kSwizzleElems;
+  static constexpr uint32_t kQColBlockBytes = kBlockM * 128;
+  static constexpr uint32_t kKVColBlockBytes = kBlockN * 128;
+  static constexpr uint32_t kQBytes = kColBlocks * kQColBlockBytes;
+  static constexpr uint32_t kKVBytes = kColBlocks * kKVColBlockBytes;  // one K (or V) tile
+  // Every warpgroup's Q rows and every tile start on a 1024-byte swizzle atom (descriptor base offset 0).
+  static_assert((kWarpgroupRows * 128) % 1024 == 0 && kQColBlockBytes % 1024 == 0 && kKVBytes % 1024 == 0,
+                "swizzle atoms");
+  static constexpr uint32_t kKOffset = kQBytes;
+  static constexpr uint32_t kVOffset = kKOffset + kStages * kKVBytes;
+  static constexpr uint32_t kBarrierOffset = kVOffset + kStages * kKVBytes;
+  static constexpr int kBarriers = 1 + 4 * kStages;  // q_full, k_full[s], v_full[s], k_empty[s], v_empty[s]
+  static constexpr uint32_t kSmemBytes = kBarrierOffset + 8 * kBarriers + 1024;  // +1024: alignment
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory per CTA");
+};
+
+// Named barrier ids of the consumer turns: kTurnBarrier + cw is consumer warpgroup cw's (id 0 is
+// __syncthreads'); 2·128 threads take part in each phase (the previous warpgroup arrives, cw syncs).
+constexpr uint32_t kTurnBarrier = 1;
+constexpr uint32_t kTurnThreads = 2 * 128;
+
+// S = Q·Kᵀ for this warpgroup's 64 rows and one K tile (stage address sK_stage), head_dim in steps of 16.
+template <int D, uint32_t kQColBlockBytes, uint32_t kKVColBlockBytes>
+__device__ __forceinline__ void issue_qk(float (&sc)[kBlockN / 2], const uint32_t sQ_wg, const uint32_t sK_stage) {
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    float l = l_run[h];
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
-    inv[h] = l > 0.0f ? 1.0f / l : 0.0f;
-    lse_blk[h] = l > 0.0f ? m_run[h] * p.scale + logf(l) : -INFINITY;
+  for (int kk = 0; kk < D / 16; ++kk) {
+    const uint32_t in_block = (kk % 4) * 32;
+    const uint64_t da = smem_desc(sQ_wg + (kk / 4) * kQColBlockBytes + in_block, 16, 1024);
+    const uint64_t db = smem_desc(sK_stage + (kk / 4) * kKVColBlockBytes + in_block, 16, 1024);
+    wgmma_m64n128k16_ss(sc, da, db, kk > 0 ? 1u : 0u);
   }
-  // Per row half: the weights of the old partial and of this block, the LSE to store, and whether to
-  // write at all (a row of this block without keys leaves a merged accumulator as it is).
-  float w_old[2] = {0.0f, 0.0f}, w_new[2] = {1.0f, 1.0f}, lse_out[2] = {lse_blk[0], lse_blk[1]};
-  bool write[2];
+}
+
+// O += P·V for one V tile (stage address sV_stage), the tile's keys in steps of 16; P as bf16 pairs.
+template <int D, uint32_t kKVColBlockBytes>
+__device__ __forceinline__ void issue_pv(float (&o)[D / 2], const uint32_t (&pa)[kBlockN / 4],
+                                         const uint32_t sV_stage) {
+#pragma unroll
+  for (int kk = 0; kk < kBlockN / 16; ++kk) {
+    const uint64_t db = smem_desc(sV_stage + kk * 16 * 128, kKVColBlockBytes, 1024);
+    if constexpr (D == 128) {
+      wgmma_m64n128k16_rs(o, pa[4 * kk], pa[4 * kk + 1], pa[4 * kk + 2], pa[4 * kk + 3], db);
+    } else {
+      wgmma_m64n64k16_rs(o, pa[4 * kk], pa[4 * kk + 1], pa[4 * kk + 2], pa[4 * kk + 3], db);
+    }
+  }
+}
+
+// 2^x for x <= 0 (a scaled score minus its row max) on the FMA and integer pipes instead of the
+// MUFU: x = j + f with j = round(x) and f in [-0.5, 0.5], 2^f by a degree-4 polynomial (max relative
+// error 2.6e-6, fitted for relative error; P is then rounded to bf16, 2^-9), 2^j added to the exponent
+// field. Adding 1.5·2^23 rounds x to the integer j in the low mantissa bits of t, and t's bits shifted
+// left by 23 are j << 23 (the bits above are 0x4B400000's, which the shift drops). x is clamped to
+// -125 so the exponent stays normal: 2^-125 stands in for 0, below any sum's rounding (never used
+// where a mask made x = -inf). Why: at D = 64 the MUFU's 16 exp2 per cycle and SM take as long as
+// the tile's GEMMs; moving a share of them to the 128-wide FMA pipe (FlashAttention-4's trick) takes
+// the exp2 unit off the critical path.
+__device__ __forceinline__ float exp2_fma(float x) {
+  x = fmaxf(x, -125.0f);
+  const float t = x + 12582912.0f;
+  const float f = x - (t - 12582912.0f);
+  float p = fmaf(0.009570069742398551f, f, 0.055917888117809456f);
+  p = fmaf(p, f, 0.24024745678622056f);
+  p = fmaf(p, f, 0.693121811640916f);
+  p = fmaf(p, f, 0.999999261185911f);
+  return __uint_as_float(__float_as_uint(p) + (__float_as_uint(t) << 23));
+}
+
+// The online softmax of one S tile in place (S becomes the unnormalised P = exp2(S·scale_log2 - base)):
+// the new row maxima (over the quad sharing a row), alpha = the factor for what came before, the
+// denominators. kCheckInf: a row may have seen only masked (-inf) scores so far; its max stays -inf
+// and 0 stands in as the base so that exp2(-inf - base) = 0, not NaN. kFmaExp2: kFmaExp2Of16 of
+// every 16 exp2 go to exp2_fma (only where nothing is masked). Two accumulators per row half halve
+// the dependent chains of fmax and add.
+constexpr int kFmaExp2Of16 = 3;  // ~19%: balances MUFU (16/clk) against ~10 FMA-pipe ops (128/clk) each
+template <bool kCheckInf, bool kFmaExp2>
+__device__ __forceinline__ void online_softmax(float (&sc)[kBlockN / 2], float (&m_run)[2], float (&l_run)[2],
+                                               float (&alpha)[2], const float scale_log2) {
+  float mx[2][2] = {{m_run[0], m_run[0]}, {m_run[1], m_run[1]}};
+#pragma unroll
+  for (int i = 0; i < kBlockN / 2; ++i) mx[(i / 2) % 2][i % 2] = fmaxf(mx[(i / 2) % 2][i % 2], sc[i]);
+  float base[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const int row = row_lo + 8 * h;
-    write[h] = row < p.tq;
-    if constexpr (kMerge) {
-      const float l1 = write[h] ? p.lse[row * p.lse_ts + head * p.lse_hs] : -INFINITY;
-      const float l2 = lse_blk[h];
-      if (l2 == -INFINITY) {
-        write[h] = false;
-      } else if (l1 != -INFINITY) {  // as lse_merge_kernel (local_attention.cu)
-        const float m = fmaxf(l1, l2);
-        lse_out[h] = m + log1pf(expf(-fabsf(l1 - l2)));
-        w_old[h] = expf(l1 - lse_out[h]);
-        w_new[h] = expf(l2 - lse_out[h]);
+    float m = fmaxf(mx[h][0], mx[h][1]);
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+    base[h] = (kCheckInf && m == -INFINITY) ? 0.0f : m * scale_log2;
+    alpha[h] = fast_exp2(m_run[h] * scale_log2 - base[h]);  // m_run = -inf (nothing seen yet): 0
+    m_run[h] = m;
+  }
+  float sum[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};
+#pragma unroll
+  for (int i = 0; i < kBlockN / 2; ++i) {
+    const int h = (i / 2) % 2;
+    const float x = fmaf(sc[i], scale_log2, -base[h]);
+    sc[i] = (kFmaExp2 && i % 16 >= 16 - kFmaExp2Of16) ? exp2_fma(x) : fast_exp2(x);
+    sum[h][i % 2] += sc[i];
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) l_run[h] = l_run[h] * alpha[h] + (sum[h][0] + sum[h][1]);
+}
+
+// kFmaExp2: a share of the steady state's exp2 on the FMA pipe (exp2_fma); FwdVariant::overlap sets it
+// at D = 64, overlap_mufu never (at D = 128 the tensor cores, not the MUFU, bound the loop).
+template <int D, bool kCausal, bool kF32Out, bool kMerge, bool kFmaExp2>
+__global__ void __launch_bounds__(OverlapTiles<D>::kThreads, 1)
+    fwd_overlap_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
+                       const __grid_constant__ CUtensorMap tm_v, const Params p) {
+#if LT_HOPPER_DEVICE_CODE
+  using Tl = OverlapTiles<D>;
+  constexpr int S = Tl::kStages;
+  constexpr int kWGs = Tl::kConsumerWGs;
+  extern __shared__ unsigned char smem_raw[];
+  const uint32_t smem = (smem_u32(smem_raw) + 1023u) & ~1023u;
+  const uint32_t sQ = smem, sK = smem + Tl::kKOffset, sV = smem + Tl::kVOffset;
+  const uint32_t bars = smem + Tl::kBarrierOffset;
+  const uint32_t q_full = bars;
+  auto k_full = [&](int s) { return bars + 8u * (1 + s); };
+  auto v_full = [&](int s) { return bars + 8u * (1 + S + s); };
+  auto k_empty = [&](int s) { return bars + 8u * (1 + 2 * S + s); };
+  auto v_empty = [&](int s) { return bars + 8u * (1 + 3 * S + s); };
+
+  const int head = blockIdx.x;
+  const int q_tile = p.num_q_tiles - 1 - static_cast<int>(blockIdx.y);  // longest causal tiles first
+  const int m0 = q_tile * Tl::kBlockM;
+  const int kv_head = head / p.group;
+  const int q_end = min(m0 + Tl::kBlockM, p.tq);
+  const int kv_tiles_all = (p.tk + kBlockN - 1) / kBlockN;
+  // Causal (Tq == Tk): the last query row of this tile sees keys up to q_end - 1; later tiles are skipped.
+  const int n_tiles = kCausal ? min(kv_tiles_all, (q_end - 1) / kBlockN + 1) : kv_tiles_all;
+  // Iteration i (producer and consumers alike) works on K/V tile n_tiles - 1 - i: keys from key0(i).
+  auto key0 = [&](int i) { return (n_tiles - 1 - i) * kBlockN; };
+
+  if (threadIdx.x == 0) {
+    mbar_init(q_full, 1);
+    for (int s = 0; s < S; ++s) {
+      mbar_init(k_full(s), 1);  // the producer's arrive_expect_tx; TMA completes the bytes
+      mbar_init(v_full(s), 1);
+      mbar_init(k_empty(s), Tl::kConsumerWarps);  // one arrival per consumer warp and tile
+      mbar_init(v_empty(s), Tl::kConsumerWarps);
+    }
+    fence_barrier_init();
+  }
+  __syncthreads();
+
+  const int warpgroup = threadIdx.x / 128;
+  if (warpgroup == 0) {
+    // ---- producer: one thread issues every load, in the order the consumers use them ----
+    setmaxnreg_dec<Tl::kProducerRegs>();
+    if (threadIdx.x == 0) {
+      prefetch_tensor_map(&tm_q);
+      prefetch_tensor_map(&tm_k);
+      prefetch_tensor_map(&tm_v);
+      mbar_arrive_expect_tx(q_full, Tl::kQBytes);
+#pragma unroll
+      for (int c = 0; c < Tl::kColBlocks; ++c)
+        tma_load_3d(sQ + c * Tl::kQColBlockBytes, &tm_q, q_full, c * kSwizzleElems, head, m0);
+      // Load i into stage i % S waits for the release of load i - S from that stage, which completed
+      // phase (i - S) / S of its empty barrier: parity ((i / S) & 1) ^ 1. A fresh barrier counts as
+      // having completed the phase before phase 0, so the first pass (i < S) does not wait.
+      auto load = [&](const CUtensorMap* map, uint32_t ring, uint32_t full, uint32_t empty_bar, int i) {
+        mbar_wait(empty_bar, ((i / S) & 1) ^ 1);
+        mbar_arrive_expect_tx(full, Tl::kKVBytes);
+#pragma unroll
+        for (int c = 0; c < Tl::kColBlocks; ++c)
+          tma_load_3d(ring + (i % S) * Tl::kKVBytes + c * Tl::kKVColBlockBytes, map, full, c * kSwizzleElems,
+                      kv_head, key0(i));
+      };
+      auto load_k = [&](int i) { load(&tm_k, sK, k_full(i % S), k_empty(i % S), i); };
+      auto load_v = [&](int i) { load(&tm_v, sV, v_full(i % S), v_empty(i % S), i); };
+      load_k(0);
+      for (int i = 1; i < n_tiles; ++i) {
+        load_k(i);
+        load_v(i - 1);
+      }
+      load_v(n_tiles - 1);
+      // Stay until the consumers have released the last loads (phase i / S of their empty barriers),
+      // so no load is in flight when this thread leaves.
+      for (int i = max(0, n_tiles - S); i < n_tiles; ++i) {
+        mbar_wait(k_empty(i % S), (i / S) & 1);
+        mbar_wait(v_empty(i % S), (i / S) & 1);
       }
     }
-  }
-  if constexpr (kMerge) __syncwarp();  // every lane of the quad has read the old LSE before lane 0 writes it
+  } else {
+    // ---- consumers ----
+    // Their waits are mbar_wait_no_trap: a trap after setmaxnreg.inc makes ptxas allocate this branch
+    // within the entry count (168 / 128 registers) instead of kConsumerRegs, and spill (hopper_ptx.cuh).
+    setmaxnreg_inc<Tl::kConsumerRegs>();
+    const int cw = warpgroup - 1;  // consumer warpgroup: query rows m0 + 64·cw + [0, 64)
+    const int t = threadIdx.x % 128;
+    const int warp = t / 32, lane = t % 32;
+    const int wg_row0 = m0 + kWarpgroupRows * cw;
+    const int row_lo = wg_row0 + 16 * warp + lane / 4;  // this thread's half-0 row; half 1 is row_lo + 8
+    const int col_lane = 2 * (lane % 4);
+    const bool warp_leader = lane == 0;  // arrives on the empty barriers for its warp
+    // Keys >= key_end[h] are masked for the row of half h: past Tk (zero-filled by TMA) and, causal,
+    // after the query. Rows >= Tq (zero-filled Q) compute harmless finite values and are never stored.
+    int key_end[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) key_end[h] = kCausal ? min(p.tk, row_lo + 8 * h + 1) : p.tk;
+    // The first n_masked iterations need the mask: causal, the tiles from the one holding this
+    // warpgroup's first row on (tiles before it hold only keys < wg_row0, visible to all its rows);
+    // else the tail tile if Tk is not a multiple of the tile.
+    int n_masked = kCausal ? n_tiles - wg_row0 / kBlockN : 0;
+    if (p.tk % kBlockN != 0 && n_tiles == kv_tiles_all) n_masked = max(n_masked, 1);
+    n_masked = min(max(n_masked, 0), n_tiles);
 
-  using Out = std::conditional_t<kF32Out, float, __nv_bfloat16>;
-  Out* const out = static_cast<Out*>(p.o) + static_cast<int64_t>(head) * p.o_hs;
+    // Turns: this warpgroup's barrier and the next one's (round robin cw -> cw + 1 -> ... -> 0). The
+    // turns are iterations 1 .. n_tiles - 1 of every warpgroup. The last warpgroup hands warpgroup 0 its
+    // first turn here, and skips the hand-over after its last turn (nobody takes it), so every barrier
+    // phase has exactly 256 arrivals: barrier cw gets n_tiles - 1 arrivals from its predecessor and
+    // n_tiles - 1 syncs.
+    const uint32_t my_turn = kTurnBarrier + cw, next_turn = kTurnBarrier + (cw + 1) % kWGs;
+    const bool last_wg = cw == kWGs - 1;
+    named_barrier_arrive_if(kTurnBarrier, kTurnThreads, last_wg && n_tiles > 1);
+
+    float o[D / 2];
 #pragma unroll
-  for (int i = 0; i < D / 2; i += 2) {
-    const int h = (i / 2) % 2;
-    if (!write[h]) continue;
-    const int64_t row = row_lo + 8 * h;
-    Out* dst = out + row * p.o_ts + 8 * (i / 4) + col_lane;
-    float v0 = o[i] * inv[h], v1 = o[i + 1] * inv[h];
-    if constexpr (kMerge) {
-      const float2 old = w_old[h] == 0.0f ? make_float2(0.0f, 0.0f) : *reinterpret_cast<const float2*>(dst);
-      v0 = (w_old[h] == 0.0f ? 0.0f : w_old[h] * old.x) + w_new[h] * v0;
-      v1 = (w_old[h] == 0.0f ? 0.0f : w_old[h] * old.y) + w_new[h] * v1;
-    }
-    if constexpr (kF32Out) {
-      *reinterpret_cast<float2*>(dst) = make_float2(v0, v1);
-    } else {
-      *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(v0, v1);
-    }
-  }
-  if (lane % 4 == 0) {
+    for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
+    float m_run[2] = {-INFINITY, -INFINITY};  // running max of the raw (unscaled) scores, per row half
+    float l_run[2] = {0.0f, 0.0f};            // this thread's part of the running softmax denominator
+    uint32_t pa[kBlockN / 4];                 // P of the previous tile, bf16 pairs: the A operand of P·V
+
+    const uint32_t sQ_wg = sQ + cw * kWarpgroupRows * 128;  // this warpgroup's 64 rows of each column block
+    auto k_stage = [&](int i) { return sK + (i % S) * Tl::kKVBytes; };
+    auto v_stage = [&](int i) { return sV + (i % S) * Tl::kKVBytes; };
+    auto mask = [&](float (&sc)[kBlockN / 2], int i) {
+      int lim[2];  // element j is masked where its offset 8·(j/4) + j % 2 from key0 + col_lane reaches lim
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int64_t row = row_lo + 8 * h;
-      if (write[h]) p.lse[row * p.lse_ts + head * p.lse_hs] = lse_out[h];
+      for (int h = 0; h < 2; ++h) lim[h] = key_end[h] - key0(i) - col_lane;
+#pragma unroll
+      for (int j = 0; j < kBlockN / 2; ++j)
+        if (8 * (j / 4) + (j % 2) >= lim[(j / 2) % 2]) sc[j] = -INFINITY;
+    };
+    auto to_p = [&](const float (&sc)[kBlockN / 2]) {
+#pragma unroll
+      for (int j = 0; j < kBlockN / 4; ++j) pa[j] = pack_bf16(sc[2 * j], sc[2 * j + 1]);
+    };
+
+    mbar_wait_no_trap(q_full, 0);
+
+    // Iteration 0: S(0) alone (no P yet), outside the turns.
+    {
+      float sc[kBlockN / 2];
+      mbar_wait_no_trap(k_full(0), 0);
+      wgmma_fence();
+      issue_qk<D, Tl::kQColBlockBytes, Tl::kKVColBlockBytes>(sc, sQ_wg, k_stage(0));
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_operands(sc);
+      mbar_arrive_if(k_empty(0), warp_leader);
+      if (n_masked > 0) mask(sc, 0);
+      float alpha[2];  // unused: O is still zero
+      online_softmax<true, false>(sc, m_run, l_run, alpha, p.scale_log2);
+      to_p(sc);
     }
+
+    // Iteration i >= 1, in this warpgroup's turn: S(i) and P(i-1)·V(i-1), then the softmax of S(i)
+    // while P(i-1)·V(i-1) runs. Branch-free from the first wgmma to the last wait (predicated arrives).
+    auto step = [&](const int i, auto masked_tag) {
+      constexpr bool kMasked = decltype(masked_tag)::value;
+      mbar_wait_no_trap(k_full(i % S), (i / S) & 1);
+      mbar_wait_no_trap(v_full((i - 1) % S), ((i - 1) / S) & 1);
+      named_barrier_sync(my_turn, kTurnThreads);  // the previous warpgroup has issued its GEMMs
+      float sc[kBlockN / 2];
+      wgmma_fence();  // P(i-1) and the rescaled O were written by ordinary instructions
+      issue_qk<D, Tl::kQColBlockBytes, Tl::kKVColBlockBytes>(sc, sQ_wg, k_stage(i));
+      wgmma_commit();
+      issue_pv<D, Tl::kKVColBlockBytes>(o, pa, v_stage(i - 1));
+      wgmma_commit();
+      named_barrier_arrive_if(next_turn, kTurnThreads, !(last_wg && i == n_tiles - 1));
+      wgmma_wait<1>();  // S(i) is complete (groups complete in order); P(i-1)·V(i-1) may still run
+      fence_operands(sc);
+      mbar_arrive_if(k_empty(i % S), warp_leader);
+      if constexpr (kMasked) mask(sc, i);
+      float alpha[2];
+      online_softmax<kMasked, kFmaExp2 && !kMasked>(sc, m_run, l_run, alpha, p.scale_log2);
+      wgmma_wait<0>();  // P(i-1)·V(i-1) is complete: O may be rescaled, P's registers rewritten
+      fence_operands(o);
+      fence_operands(sc);  // keeps the bf16 packing of P(i) after the wait (P(i-1) is read until then)
+      mbar_arrive_if(v_empty((i - 1) % S), warp_leader);
+#pragma unroll
+      for (int j = 0; j < D / 2; ++j) o[j] *= alpha[(j / 2) % 2];
+      to_p(sc);
+    };
+    int i = 1;
+#pragma unroll 1
+    for (; i < n_masked; ++i) step(i, std::true_type{});
+#pragma unroll 1
+    for (; i < n_tiles; ++i) step(i, std::false_type{});
+
+    // The last tile's P·V, outside the turns.
+    {
+      const int last = n_tiles - 1;
+      mbar_wait_no_trap(v_full(last % S), (last / S) & 1);
+      wgmma_fence();
+      issue_pv<D, Tl::kKVColBlockBytes>(o, pa, v_stage(last));
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_operands(o);
+      mbar_arrive_if(v_empty(last % S), warp_leader);
+    }
+
+    store_rows<D, kF32Out, kMerge>(o, m_run, l_run, row_lo, col_lane, lane, head, p);
   }
 #endif  // LT_HOPPER_DEVICE_CODE
 }
@@ -363,18 +754,53 @@ CUtensorMap tensor_map(const View& v, int rows, const char* name) {
   return map;
 }
 
-template <int D, bool kCausal, bool kF32Out, bool kMerge>
-void launch(const CUtensorMap& mq, const CUtensorMap& mk, const CUtensorMap& mv, const Params& p, int q_heads) {
-  auto* kernel = hopper_attention_fwd_kernel<D, kCausal, kF32Out, kMerge>;
+// Query rows per CTA of each variant (the Q tensor map's box and the grid's tiles).
+int block_rows(FwdVariant variant, int64_t head_dim) {
+  if (variant == FwdVariant::baseline) return kBlockM;
+  return head_dim == 64 ? OverlapTiles<64>::kBlockM : OverlapTiles<128>::kBlockM;
+}
+
+template <int D, bool kCausal, bool kF32Out, bool kMerge, bool kFmaExp2>
+void launch_overlap(const CUtensorMap& mq, const CUtensorMap& mk, const CUtensorMap& mv, const Params& p,
+                    int q_heads) {
+  using Tl = OverlapTiles<D>;
+  auto* kernel = fwd_overlap_kernel<D, kCausal, kF32Out, kMerge, kFmaExp2>;
   static const bool configured = [kernel] {
     LT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       static_cast<int>(Tiles<D>::kSmemBytes)));
+                                       static_cast<int>(Tl::kSmemBytes)));
     return true;
   }();
   (void)configured;
   const dim3 grid(static_cast<unsigned>(q_heads), static_cast<unsigned>(p.num_q_tiles));
-  kernel<<<grid, kThreads, Tiles<D>::kSmemBytes, cuda_stream()>>>(mq, mk, mv, p);
-  LT_CUDA_LAUNCH_CHECK("hopper_attention_fwd_kernel");
+  kernel<<<grid, Tl::kThreads, Tl::kSmemBytes, cuda_stream()>>>(mq, mk, mv, p);
+  LT_CUDA_LAUNCH_CHECK("hopper fwd_overlap_kernel");
+}
+
+template <int D, bool kCausal, bool kF32Out, bool kMerge>
+void launch(FwdVariant variant, const CUtensorMap& mq, const CUtensorMap& mk, const CUtensorMap& mv, const Params& p,
+            int q_heads) {
+  if (variant == FwdVariant::baseline) {
+    static const bool configured = [] {
+      LT_CUDA_CHECK(cudaFuncSetAttribute(fwd_baseline_kernel<D, kCausal, kF32Out, kMerge>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(Tiles<D>::kSmemBytes)));
+      return true;
+    }();
+    (void)configured;
+    const dim3 grid(static_cast<unsigned>(q_heads), static_cast<unsigned>(p.num_q_tiles));
+    fwd_baseline_kernel<D, kCausal, kF32Out, kMerge>
+        <<<grid, kThreads, Tiles<D>::kSmemBytes, cuda_stream()>>>(mq, mk, mv, p);
+    LT_CUDA_LAUNCH_CHECK("hopper fwd_baseline_kernel");
+  } else {
+    if constexpr (D == 64) {
+      if (variant == FwdVariant::overlap) {
+        launch_overlap<D, kCausal, kF32Out, kMerge, true>(mq, mk, mv, p, q_heads);
+        return;
+      }
+    }
+    // overlap_mufu, and overlap at D = 128 (the same kernel there)
+    launch_overlap<D, kCausal, kF32Out, kMerge, false>(mq, mk, mv, p, q_heads);
+  }
 }
 
 bool sm90_device() {
@@ -444,13 +870,44 @@ std::string unsupported_reason(const OutView& o, const StatsView& lse, const Vie
   return {};
 }
 
+FwdVariant parse_fwd_variant(const std::string& name, const char* source) {
+  if (name == "overlap") return FwdVariant::overlap;
+  if (name == "overlap-mufu") return FwdVariant::overlap_mufu;
+  if (name == "baseline") return FwdVariant::baseline;
+  throw Error(fmt::format("{}: the hopper forward variant must be overlap, overlap-mufu or baseline, got '{}'", source,
+                          name));
+}
+
+const char* fwd_variant_name(FwdVariant variant) {
+  switch (variant) {
+    case FwdVariant::overlap: return "overlap";
+    case FwdVariant::overlap_mufu: return "overlap-mufu";
+    case FwdVariant::baseline: return "baseline";
+  }
+  return "?";
+}
+
+FwdVariant default_fwd_variant() {
+  static const FwdVariant variant = [] {
+    const char* env = std::getenv("LONGTRAIN_HOPPER_FWD_VARIANT");
+    return env && *env ? parse_fwd_variant(env, "LONGTRAIN_HOPPER_FWD_VARIANT") : FwdVariant::overlap;
+  }();
+  return variant;
+}
+
 void forward(const OutView& o, const StatsView& lse, const View& q, const View& k, const View& v, bool causal,
              float scale, bool merge) {
+  forward(o, lse, q, k, v, causal, scale, merge, default_fwd_variant());
+}
+
+void forward(const OutView& o, const StatsView& lse, const View& q, const View& k, const View& v, bool causal,
+             float scale, bool merge, FwdVariant variant) {
   const std::string why = unsupported_reason(o, lse, q, k, v, causal, merge);
   LT_CHECK(why.empty(), "hopper attention forward: {}", why);
   LT_CHECK(scale > 0.0f && std::isfinite(scale), "hopper attention forward: scale must be positive and finite, got {}",
            scale);
-  const CUtensorMap mq = tensor_map(q, kBlockM, "q"), mk = tensor_map(k, kBlockN, "k"), mv = tensor_map(v, kBlockN, "v");
+  const int rows = block_rows(variant, q.dim);
+  const CUtensorMap mq = tensor_map(q, rows, "q"), mk = tensor_map(k, kBlockN, "k"), mv = tensor_map(v, kBlockN, "v");
   Params p{};
   p.o = o.data;
   p.o_ts = o.token_stride;
@@ -461,13 +918,13 @@ void forward(const OutView& o, const StatsView& lse, const View& q, const View& 
   p.tq = static_cast<int>(q.tokens);
   p.tk = static_cast<int>(k.tokens);
   p.group = static_cast<int>(q.heads / k.heads);
-  p.num_q_tiles = static_cast<int>((q.tokens + kBlockM - 1) / kBlockM);
+  p.num_q_tiles = static_cast<int>((q.tokens + rows - 1) / rows);
   p.scale = scale;
   p.scale_log2 = scale * 1.4426950408889634f;
   const int hq = static_cast<int>(q.heads);
   auto go = [&](auto d, auto causal_tag, auto f32_tag, auto merge_tag) {
     launch<decltype(d)::value, decltype(causal_tag)::value, decltype(f32_tag)::value, decltype(merge_tag)::value>(
-        mq, mk, mv, p, hq);
+        variant, mq, mk, mv, p, hq);
   };
   using T = std::true_type;
   using F = std::false_type;

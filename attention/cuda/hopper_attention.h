@@ -1,9 +1,9 @@
 // Our own Hopper (sm_90a) flash-attention forward and backward: wgmma tensor-core MMAs fed by TMA
-// loads through a multi-stage shared-memory ring, one producer warpgroup and two consumer warpgroups
-// per CTA (FlashAttention-3's structure, our code). hopper_attention.cu (forward) and
-// hopper_attention_bwd.cu (backward) are compiled for sm_90a only; on any
-// other device supported() is false and callers keep cuDNN (attention/cuda/local_attention.cu picks
-// this kernel as the kernel policy says: kernel_choice.h).
+// loads through a multi-stage shared-memory ring, one producer warpgroup and two or three consumer
+// warpgroups per CTA (FlashAttention-3's structure and schedule, our code; FwdVariant below).
+// hopper_attention.cu (forward) and hopper_attention_bwd.cu (backward) are compiled for sm_90a only;
+// on any other device supported() is false and callers keep cuDNN (attention/cuda/local_attention.cu
+// picks these kernels as the kernel policy says: kernel_choice.h).
 //
 // Plain views in, as cudnn_sdpa.h: q, k, v bf16 [tokens, heads, dim] with element strides (dim is
 // unit-stride; views into one fused QKV buffer are the common case), o bf16 or f32 of q's shape, lse
@@ -43,6 +43,24 @@ bool supported(int64_t head_dim, int64_t q_heads, int64_t kv_heads);
 std::string unsupported_reason(const OutView& o, const StatsView& lse, const View& q, const View& k, const View& v,
                                bool causal, bool merge);
 
+// The forward kernel's schedule (both give the same results up to rounding; hopper_attention.cu):
+// - overlap (the default): FlashAttention-3's schedule: within a consumer warpgroup the softmax of
+//   K/V tile n runs while the tensor cores compute P(n-1)·V(n-1), and the consumer warpgroups take
+//   turns issuing their GEMMs (ping-pong) so one's softmax runs while another's GEMMs do; head dim 64
+//   uses 192-row CTAs (three consumer warpgroups), head dim 128 uses 128-row CTAs (two). At head dim
+//   64, 3 of every 16 exp2 of the unmasked tiles are computed on the FMA pipe (a polynomial), not the
+//   MUFU, which is as busy as the tensor cores there;
+// - overlap_mufu ("overlap-mufu"): the same with every exp2 on the MUFU (identical at head dim 128);
+// - baseline: the first kernel: per tile S = Q·Kᵀ, wait, softmax, O += P·V, wait; nothing overlaps
+//   inside a warpgroup. Kept to measure against and to fall back to.
+enum class FwdVariant { overlap, overlap_mufu, baseline };
+
+// LONGTRAIN_HOPPER_FWD_VARIANT (overlap, overlap-mufu or baseline), read once; overlap when unset.
+// Throws on any other value.
+FwdVariant default_fwd_variant();
+const char* fwd_variant_name(FwdVariant variant);
+FwdVariant parse_fwd_variant(const std::string& name, const char* source);
+
 // o = softmax(scale · q·kᵀ [+ causal mask]) · v and lse, for this (Q block, K/V block) pair. Causal is
 // top-left aligned (query i sees keys j <= i, Tq == Tk). scale must be positive.
 // merge == false: o and lse are overwritten with the block's result.
@@ -52,8 +70,11 @@ std::string unsupported_reason(const OutView& o, const StatsView& lse, const Vie
 // is one call with no separate merge pass.
 // Bitwise deterministic: no atomics, a fixed reduction order. Throws (naming the argument) where
 // unsupported_reason() is not empty.
+// Runs default_fwd_variant(); the overload picks the schedule (tests and benchmarks run both).
 void forward(const OutView& o, const StatsView& lse, const View& q, const View& k, const View& v, bool causal,
              float scale, bool merge);
+void forward(const OutView& o, const StatsView& lse, const View& q, const View& k, const View& v, bool causal,
+             float scale, bool merge, FwdVariant variant);
 
 // ---- backward (hopper_attention_bwd.cu) ----------------------------------------------------------
 //

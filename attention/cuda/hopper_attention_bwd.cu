@@ -296,7 +296,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int m = m_first + step / p.group;
       const int head = kv_head * p.group + step % p.group;
       const int m0 = m * M;
-      mbar_wait_lean(empty(s), ((step / S) & 1) ^ 1);  // every lane: each overwrites its own lse/delta slots
+      mbar_wait_no_trap(empty(s), ((step / S) & 1) ^ 1);  // every lane: each overwrites its own lse/delta slots
       if (lane == 0) {
         mbar_expect_tx(q_full(s), Tl::kQBytes);
 #pragma unroll
@@ -320,7 +320,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     // Stay until the consumers have released every stage, so no load is in flight when warp 0 leaves.
     if (lane == 0)
-      for (int step = max(0, steps - S); step < steps; ++step) mbar_wait_lean(empty(step % S), (step / S) & 1);
+      for (int step = max(0, steps - S); step < steps; ++step) mbar_wait_no_trap(empty(step % S), (step / S) & 1);
     return;
   }
 
@@ -341,7 +341,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int i = 0; i < Tl::kKVFloats; ++i) dv[i] = dk[i] = 0.0f;
   const bool keys_past_end = key_wg + kWgKeys > p.tk;  // this warpgroup has keys >= Tk (zero rows)
 
-  mbar_wait_lean(kv_full, 0);
+  mbar_wait_no_trap(kv_full, 0);
   for (int step = 0; step < steps; ++step) {
     const int s = step % S;
     const uint32_t parity = (step / S) & 1;
@@ -352,7 +352,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // Sᵀ = K_w·Qᵀ and dPᵀ = V_w·dOᵀ over head_dim in steps of 16 (the k-th slice of a column block
     // starts 32·k bytes in; hopper_attention.cu's header).
     float st[Tl::kSFloats], dpt[Tl::kSFloats];
-    mbar_wait_lean(q_full(s), parity);
+    mbar_wait_no_trap(q_full(s), parity);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
@@ -362,7 +362,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       mma_ss_kmajor<M>(st, da, db, kk > 0 ? 1u : 0u);
     }
     wgmma_commit();
-    mbar_wait_lean(do_full(s), parity);
+    mbar_wait_no_trap(do_full(s), parity);
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
       const uint32_t in_block = (kk % 4) * 32;

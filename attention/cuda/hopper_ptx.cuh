@@ -78,21 +78,6 @@ static __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) 
   }
 }
 
-// The trap of mbar_wait_lean, out of line: ptxas treats an inline trap in a wait loop as a reason
-// to spill. Measured (CUDA 13.0, sm_90a): the backward kernel, whose consumers hold ~200 live
-// accumulator registers while they wait on a barrier, spilled ~600 bytes per thread and serialized
-// its wgmmas with mbar_wait's inline trap, and spilled nothing with this call on the cold path.
-static __device__ __noinline__ void trap_pipeline_hang() { __trap(); }
-
-// mbar_wait with the same ~10 s limit, its trap behind a call that only a hung pipeline makes.
-static __device__ __forceinline__ void mbar_wait_lean(uint32_t bar, uint32_t parity) {
-  if (mbar_try_wait(bar, parity)) return;
-  const long long start = clock64();
-  while (!mbar_try_wait(bar, parity)) {
-    if (clock64() - start > kHangCycles) trap_pipeline_hang();
-  }
-}
-
 // A 3-d tiled TMA load (coordinates innermost first: head_dim element, head, token) into shared
 // memory, completing `bar` with the box's bytes (out-of-bounds elements are written as zeros).
 static __device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0,
@@ -106,11 +91,6 @@ static __device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorM
 
 static __device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
-}
-
-// A named barrier (ids 1..15; 0 is __syncthreads) over `count` threads, a multiple of 32.
-static __device__ __forceinline__ void named_barrier_sync(uint32_t id, uint32_t count) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
 
 // Orders this thread's ordinary shared-memory stores before later reads of that memory by the async
@@ -252,6 +232,52 @@ static __device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], uint64
         "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
         "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
       : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(kTransA), "n"(kTransB));
+}
+
+// ---- added for the forward's overlapped schedule (hopper_attention.cu; the backward uses them too) ----
+
+// Named barriers (barrier 0 is __syncthreads'): the barrier completes once `count` threads (a multiple
+// of 32, counted per warp) have arrived; bar.sync arrives and waits, bar.arrive only arrives. Used for
+// warpgroups taking turns: the one whose turn it is arrives after its turn, the next one syncs.
+static __device__ __forceinline__ void named_barrier_sync(uint32_t id, uint32_t count) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+// Arrives where `pred` holds (warp-uniform), without a branch: it may sit between a wgmma and its wait.
+static __device__ __forceinline__ void named_barrier_arrive_if(uint32_t id, uint32_t count, bool pred) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %2, 0;\n"
+      "@p bar.arrive %0, %1;\n"
+      "}\n" ::"r"(id),
+      "r"(count), "r"(static_cast<uint32_t>(pred))
+      : "memory");
+}
+
+// An mbarrier arrive by the threads where `pred` holds (one lane per warp, say), without a branch.
+static __device__ __forceinline__ void mbar_arrive_if(uint32_t bar, bool pred) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %1, 0;\n"
+      "@p mbarrier.arrive.shared::cta.b64 _, [%0];\n"
+      "}\n" ::"r"(bar),
+      "r"(static_cast<uint32_t>(pred))
+      : "memory");
+}
+
+// mbar_wait for code after setmaxnreg.inc: a trap anywhere in such a region makes ptxas (13.0) drop
+// the region's budget and allocate it within the entry register count (168 at 384 threads), spilling
+// (measured on a small kernel: with a trap in the wait loop, 484 bytes spilled; without, none). So a
+// wait that lasts ~10 s (a pipeline bug) ends here with a store to an unmapped address instead: the
+// same launch failure on the host ("an illegal memory access was encountered"), never a hang.
+static __device__ __forceinline__ void mbar_wait_no_trap(uint32_t bar, uint32_t parity) {
+  if (mbar_try_wait(bar, parity)) return;
+  const long long start = clock64();
+  while (!mbar_try_wait(bar, parity)) {
+    if (clock64() - start > kHangCycles)
+      asm volatile("st.global.b32 [%0], %1;\n" ::"l"(static_cast<uint64_t>(0)), "r"(0xdeadu) : "memory");
+  }
 }
 
 }  // namespace longtrain::attn::hopper::ptx

@@ -487,16 +487,18 @@ INSTANTIATE_TEST_SUITE_P(
 // bf16 and f32 O written through padded strides (every element outside the view must keep its
 // sentinel), token-major and head-major LSE, Q/K/V as views of one fused QKV buffer; then merge mode
 // (a block merged into a running f32 partial, including empty NaN rows) against the whole, and
-// hopper against cuDNN on a larger shape, bitwise run twice. Then the backward
-// (hopper_attention_bwd.cu) through attention_block_backward under the hopper policy, against the
-// CPU reference: head dims 64 and 128, MHA/GQA/MQA, causal and unmasked, lengths 1, 127, 129, 777 and
-// Tq != Tk, bf16 and f32 dq/dk/dv inside padded buffers (sentinels must survive) or side by side in
-// one fused dQKV buffer, overwriting NaN or accumulating onto nonzero values, from O (bf16 or f32)
-// or from delta, rows whose lse is -inf (their O and delta NaN); and against cuDNN's backward on
-// larger shapes, dK/dV bitwise run twice. Skips without an sm_90 GPU.
+// hopper against cuDNN on a larger shape, bitwise run twice. Every forward test runs every forward
+// variant (FwdVariant: overlap, overlap-mufu, baseline). Then the backward (hopper_attention_bwd.cu)
+// through attention_block_backward under the hopper policy, against the CPU reference: head dims 64
+// and 128, MHA/GQA/MQA, causal and unmasked, lengths 1, 127, 129, 777 and Tq != Tk, bf16 and f32
+// dq/dk/dv inside padded buffers (sentinels must survive) or side by side in one fused dQKV buffer,
+// overwriting NaN or accumulating onto nonzero values, from O (bf16 or f32) or from delta, rows whose
+// lse is -inf (their O and delta NaN); and against cuDNN's backward on larger shapes, dK/dV bitwise
+// run twice. Skips without an sm_90 GPU.
 #ifdef LONGTRAIN_HAS_CUDA
 #include <algorithm>
 #include <memory>
+#include <tuple>
 
 #include "attention/cuda/hopper_attention.h"
 #include "runtime/cuda_check.h"
@@ -626,11 +628,23 @@ struct HopperCase {
 
 void PrintTo(const HopperCase& c, std::ostream* os) { *os << c.name; }
 
-class HopperAttention : public ::testing::TestWithParam<HopperCase> {};
+using attn::hopper::FwdVariant;
+constexpr FwdVariant kVariants[] = {FwdVariant::overlap, FwdVariant::overlap_mufu, FwdVariant::baseline};
+
+// A variant's name as a test name part (gtest allows letters, digits and '_').
+std::string variant_id(FwdVariant v) {
+  std::string id = attn::hopper::fwd_variant_name(v);
+  std::replace(id.begin(), id.end(), '-', '_');
+  return id;
+}
+
+// Every case runs through every forward variant (hopper_attention.h: FwdVariant).
+class HopperAttention : public ::testing::TestWithParam<std::tuple<HopperCase, FwdVariant>> {};
 
 TEST_P(HopperAttention, ForwardMatchesCpuReference) {
   LT_REQUIRE_HOPPER();
-  const HopperCase c = GetParam();
+  const HopperCase c = std::get<0>(GetParam());
+  const FwdVariant variant = std::get<1>(GetParam());
   const double scale = 1.0 / std::sqrt(static_cast<double>(c.D));
   const int64_t nq = c.Tq * c.Hq * c.D, nk = c.Tk * c.Hkv * c.D;
   const auto q = random_values(nq, 501, DType::bf16), k = random_values(nk, 502, DType::bf16);
@@ -661,10 +675,10 @@ TEST_P(HopperAttention, ForwardMatchesCpuReference) {
       attn::hopper::unsupported_reason(hout(o), hstats(lse), hview(in.q), hview(in.k), hview(in.v), causal, false);
   ASSERT_TRUE(why.empty()) << why;
   attn::hopper::forward(hout(o), hstats(lse), hview(in.q), hview(in.k), hview(in.v), causal,
-                        static_cast<float>(scale), false);
+                        static_cast<float>(scale), false, variant);
   LT_CUDA_CHECK(cudaStreamSynchronize(cuda_stream()));
 
-  const std::string tag = std::string(" [") + c.name + "]";
+  const std::string tag = std::string(" [") + c.name + " " + attn::hopper::fwd_variant_name(variant) + "]";
   const std::vector<double> o_all = download(o_buf), lse_all = download(lse_buf);
   // O comes from bf16 P·V (like cuDNN's), so an f32 O is held to the bf16 tolerance too.
   check_output("hopper O" + tag, DType::bf16, gather(o_all, c.Tq, c.Hq, c.D, o_ts, c.D), o_h.values, c.Hq, c.D);
@@ -675,30 +689,60 @@ TEST_P(HopperAttention, ForwardMatchesCpuReference) {
 
 constexpr BlockMask kCausal = BlockMask::causal_diagonal, kNone = BlockMask::none;
 
+// The first twelve: the cases the baseline kernel was written against. Then the overlapped
+// pipeline's edges (hopper_attention.cu: the loop runs n_tiles - 1 steps after a first tile, with
+// 128-key tiles and 192-row CTAs at D = 64, 128-row ones at D = 128): 1, 2, 3 and many key tiles
+// (lengths 128, 129, 256, 385, 4097), causal with odd lengths (rows past Tq in a CTA, warpgroups
+// whose rows all lie past Tq, diagonal tiles masked for one warpgroup and not another), GQA and MQA
+// at both head dims, Tq != Tk both ways.
+const HopperCase kHopperCases[] = {
+    HopperCase{"causal_mha8_t1_d64_fused", 1, 1, 8, 8, 64, kCausal, true, DType::bf16},
+    HopperCase{"causal_gqa8x2_t77_d128_fused", 77, 77, 8, 2, 128, kCausal, true, DType::bf16},
+    HopperCase{"causal_mqa4x1_t130_d64_f32o", 130, 130, 4, 1, 64, kCausal, false, DType::f32},
+    HopperCase{"causal_gqa32x4_t255_d128_fused_f32o", 255, 255, 32, 4, 128, kCausal, true, DType::f32},
+    HopperCase{"causal_mha8_t1000_d64_fused", 1000, 1000, 8, 8, 64, kCausal, true, DType::bf16},
+    HopperCase{"causal_gqa8x2_t1000_d128", 1000, 1000, 8, 2, 128, kCausal, false, DType::bf16},
+    HopperCase{"none_mha8_t130_d128_fused", 130, 130, 8, 8, 128, kNone, true, DType::bf16},
+    HopperCase{"none_gqa8x2_t255_d64_f32o", 255, 255, 8, 2, 64, kNone, false, DType::f32},
+    HopperCase{"none_gqa32x4_t1000_d64_fused", 1000, 1000, 32, 4, 64, kNone, true, DType::bf16},
+    HopperCase{"none_mqa4x1_q77_k1000_d128", 77, 1000, 4, 1, 128, kNone, false, DType::bf16},
+    HopperCase{"none_gqa8x2_q1000_k77_d64_f32o", 1000, 77, 8, 2, 64, kNone, false, DType::f32},
+    HopperCase{"none_mha8_q1_k255_d128_f32o", 1, 255, 8, 8, 128, kNone, false, DType::f32},
+    HopperCase{"causal_gqa4x2_t128_d64", 128, 128, 4, 2, 64, kCausal, false, DType::bf16},
+    HopperCase{"causal_gqa4x2_t128_d128_fused", 128, 128, 4, 2, 128, kCausal, true, DType::bf16},
+    HopperCase{"causal_mqa4x1_t129_d64_fused", 129, 129, 4, 1, 64, kCausal, true, DType::bf16},
+    HopperCase{"causal_mqa4x1_t129_d128_f32o", 129, 129, 4, 1, 128, kCausal, false, DType::f32},
+    HopperCase{"causal_gqa6x3_t256_d64_f32o", 256, 256, 6, 3, 64, kCausal, false, DType::f32},
+    HopperCase{"causal_gqa6x2_t256_d128", 256, 256, 6, 2, 128, kCausal, false, DType::bf16},
+    HopperCase{"causal_gqa8x2_t385_d64_fused", 385, 385, 8, 2, 64, kCausal, true, DType::bf16},
+    HopperCase{"causal_mqa4x1_t385_d128_fused", 385, 385, 4, 1, 128, kCausal, true, DType::bf16},
+    HopperCase{"causal_gqa4x2_t577_d64", 577, 577, 4, 2, 64, kCausal, false, DType::bf16},
+    HopperCase{"causal_gqa4x2_t4097_d64_fused", 4097, 4097, 4, 2, 64, kCausal, true, DType::bf16},
+    HopperCase{"causal_mqa2x1_t4097_d128", 4097, 4097, 2, 1, 128, kCausal, false, DType::bf16},
+    HopperCase{"none_gqa4x2_t128_d128", 128, 128, 4, 2, 128, kNone, false, DType::bf16},
+    HopperCase{"none_mqa4x1_q129_k385_d64", 129, 385, 4, 1, 64, kNone, false, DType::bf16},
+    HopperCase{"none_gqa4x2_q385_k129_d128_f32o", 385, 129, 4, 2, 128, kNone, false, DType::f32},
+    HopperCase{"none_gqa4x2_q256_k256_d64_fused", 256, 256, 4, 2, 64, kNone, true, DType::bf16},
+    HopperCase{"none_mqa2x1_q200_k4097_d128", 200, 4097, 2, 1, 128, kNone, false, DType::bf16},
+    HopperCase{"none_mha2_q1_k4097_d64_f32o", 1, 4097, 2, 2, 64, kNone, false, DType::f32},
+};
+
 INSTANTIATE_TEST_SUITE_P(
-    Blocks, HopperAttention,
-    ::testing::Values(HopperCase{"causal_mha8_t1_d64_fused", 1, 1, 8, 8, 64, kCausal, true, DType::bf16},
-                      HopperCase{"causal_gqa8x2_t77_d128_fused", 77, 77, 8, 2, 128, kCausal, true, DType::bf16},
-                      HopperCase{"causal_mqa4x1_t130_d64_f32o", 130, 130, 4, 1, 64, kCausal, false, DType::f32},
-                      HopperCase{"causal_gqa32x4_t255_d128_fused_f32o", 255, 255, 32, 4, 128, kCausal, true,
-                                 DType::f32},
-                      HopperCase{"causal_mha8_t1000_d64_fused", 1000, 1000, 8, 8, 64, kCausal, true, DType::bf16},
-                      HopperCase{"causal_gqa8x2_t1000_d128", 1000, 1000, 8, 2, 128, kCausal, false, DType::bf16},
-                      HopperCase{"none_mha8_t130_d128_fused", 130, 130, 8, 8, 128, kNone, true, DType::bf16},
-                      HopperCase{"none_gqa8x2_t255_d64_f32o", 255, 255, 8, 2, 64, kNone, false, DType::f32},
-                      HopperCase{"none_gqa32x4_t1000_d64_fused", 1000, 1000, 32, 4, 64, kNone, true, DType::bf16},
-                      HopperCase{"none_mqa4x1_q77_k1000_d128", 77, 1000, 4, 1, 128, kNone, false, DType::bf16},
-                      HopperCase{"none_gqa8x2_q1000_k77_d64_f32o", 1000, 77, 8, 2, 64, kNone, false, DType::f32},
-                      HopperCase{"none_mha8_q1_k255_d128_f32o", 1, 255, 8, 8, 128, kNone, false, DType::f32}),
-    [](const ::testing::TestParamInfo<HopperCase>& info) { return std::string(info.param.name); });
+    Blocks, HopperAttention, ::testing::Combine(::testing::ValuesIn(kHopperCases), ::testing::ValuesIn(kVariants)),
+    [](const ::testing::TestParamInfo<std::tuple<HopperCase, FwdVariant>>& info) {
+      return std::string(std::get<0>(info.param).name) + "_" + variant_id(std::get<1>(info.param));
+    });
 
 // Merge mode: K/V split into two blocks (at a row that is not a tile multiple), the second merged into
 // the first's f32 result in the kernel's epilogue, equals the whole; so does merging both blocks into
 // an empty accumulator (lse = -inf, O = NaN: the empty side's O must not be read) through the
 // Tensor-level entry; and the ring's causal decomposition (rows of the second half: an unmasked
 // block, then the causal diagonal block merged in).
-TEST(HopperAttention, MergeIntoRunningPartialEqualsTheWhole) {
+class HopperAttentionVariant : public ::testing::TestWithParam<FwdVariant> {};
+
+TEST_P(HopperAttentionVariant, MergeIntoRunningPartialEqualsTheWhole) {
   LT_REQUIRE_HOPPER();
+  const FwdVariant variant = GetParam();
   const double nan = std::numeric_limits<double>::quiet_NaN(), inf = std::numeric_limits<double>::infinity();
   for (int64_t D : {64, 128}) {
     SCOPED_TRACE("D = " + std::to_string(D));
@@ -714,20 +758,21 @@ TEST(HopperAttention, MergeIntoRunningPartialEqualsTheWhole) {
     const Tensor k1 = in.k.narrow(0, 0, split), v1 = in.v.narrow(0, 0, split);
     const Tensor k2 = in.k.narrow(0, split, Tk - split), v2 = in.v.narrow(0, split, Tk - split);
     DeviceTensor o_acc(DType::f32, {Tq, Hq, D}), lse_acc(DType::f32, {Tq, Hq});
-    const std::string dtag = " D=" + std::to_string(D);
+    const std::string dtag = " D=" + std::to_string(D) + " " + attn::hopper::fwd_variant_name(variant);
 
     // (a) block 1 overwrites garbage, block 2 merges into it.
     upload(o_acc, std::vector<double>(static_cast<size_t>(Tq * Hq * D), nan));
     upload(lse_acc, std::vector<double>(static_cast<size_t>(Tq * Hq), nan));
     attn::hopper::forward(hout(o_acc), hstats(lse_acc), hview(in.q), hview(k1), hview(v1), false,
-                          static_cast<float>(scale), false);
+                          static_cast<float>(scale), false, variant);
     attn::hopper::forward(hout(o_acc), hstats(lse_acc), hview(in.q), hview(k2), hview(v2), false,
-                          static_cast<float>(scale), true);
+                          static_cast<float>(scale), true, variant);
     check_output("merge: block 1, then block 2 merged, O" + dtag, DType::bf16, download(o_acc), o_h.values, Hq, D);
     check_output("merge: block 1, then block 2 merged, LSE" + dtag, DType::f32, download(lse_acc), lse_h.values, Hq,
                  1);
 
-    // (b) both blocks merged into an empty accumulator (O NaN, LSE -inf), through the Tensor entry.
+    // (b) both blocks merged into an empty accumulator (O NaN, LSE -inf), through the Tensor entry
+    // (which runs default_fwd_variant()).
     upload(o_acc, std::vector<double>(static_cast<size_t>(Tq * Hq * D), nan));
     upload(lse_acc, std::vector<double>(static_cast<size_t>(Tq * Hq), -inf));
     attn::hopper::attention_block_forward_merge(o_acc, lse_acc, in.q, k1, v1, kNone, scale);
@@ -753,9 +798,9 @@ TEST(HopperAttention, MergeIntoRunningPartialEqualsTheWhole) {
     const Tensor O1 = Tensor(co).narrow(0, 0, B), O2 = Tensor(co).narrow(0, B, B);
     const Tensor L1 = Tensor(clse).narrow(0, 0, B), L2 = Tensor(clse).narrow(0, B, B);
     const float sc = static_cast<float>(scale);
-    attn::hopper::forward(hout(O1), hstats(L1), hview(Q1), hview(K1), hview(V1), true, sc, false);
-    attn::hopper::forward(hout(O2), hstats(L2), hview(Q2), hview(K1), hview(V1), false, sc, false);
-    attn::hopper::forward(hout(O2), hstats(L2), hview(Q2), hview(K2), hview(V2), true, sc, true);
+    attn::hopper::forward(hout(O1), hstats(L1), hview(Q1), hview(K1), hview(V1), true, sc, false, variant);
+    attn::hopper::forward(hout(O2), hstats(L2), hview(Q2), hview(K1), hview(V1), false, sc, false, variant);
+    attn::hopper::forward(hout(O2), hstats(L2), hview(Q2), hview(K2), hview(V2), true, sc, true, variant);
     check_output("merge: causal ring blocks, O" + dtag, DType::bf16, download(co), co_h.values, Hq, D);
     check_output("merge: causal ring blocks, LSE" + dtag, DType::f32, download(clse), clse_h.values, Hq, 1);
   }
@@ -763,14 +808,17 @@ TEST(HopperAttention, MergeIntoRunningPartialEqualsTheWhole) {
 
 // Hopper against cuDNN on larger shapes from one fused QKV buffer (the model's layout), and bitwise
 // identical results from two runs.
-TEST(HopperAttention, MatchesCudnnAndIsDeterministic) {
+TEST_P(HopperAttentionVariant, MatchesCudnnAndIsDeterministic) {
   LT_REQUIRE_HOPPER();
+  const FwdVariant variant = GetParam();
   struct Shape {
     int64_t S, Hq, Hkv, D;
     bool causal;
   };
-  for (const Shape& s : {Shape{4096, 32, 4, 64, true}, Shape{2048, 32, 8, 128, false}, Shape{3000, 16, 2, 128, true}}) {
-    const std::string tag = fmt::format(" [S={} {}/{} D={} {}]", s.S, s.Hq, s.Hkv, s.D, s.causal ? "causal" : "none");
+  for (const Shape& s : {Shape{4096, 32, 4, 64, true}, Shape{2048, 32, 8, 128, false}, Shape{3000, 16, 2, 128, true},
+                         Shape{4096, 32, 8, 128, true}, Shape{3001, 16, 2, 64, false}}) {
+    const std::string tag = fmt::format(" [S={} {}/{} D={} {} {}]", s.S, s.Hq, s.Hkv, s.D, s.causal ? "causal" : "none",
+                                        attn::hopper::fwd_variant_name(variant));
     SCOPED_TRACE(tag);
     const double scale = 1.0 / std::sqrt(static_cast<double>(s.D));
     const auto q = random_values(s.S * s.Hq * s.D, 701, DType::bf16);
@@ -785,7 +833,7 @@ TEST(HopperAttention, MatchesCudnnAndIsDeterministic) {
     for (const DeviceTensor* o : {&o_a, &o_b}) {
       const DeviceTensor* lse = o == &o_a ? &lse_a : &lse_b;
       attn::hopper::forward(hout(*o), hstats(*lse), hview(in.q), hview(in.k), hview(in.v), s.causal,
-                            static_cast<float>(scale), false);
+                            static_cast<float>(scale), false, variant);
     }
     check_output("hopper O vs cuDNN" + tag, DType::bf16, download(o_a), download(o_ref), s.Hq, s.D);
     check_output("hopper LSE vs cuDNN" + tag, DType::f32, download(lse_a), download(lse_ref), s.Hq, 1);
@@ -794,6 +842,10 @@ TEST(HopperAttention, MatchesCudnnAndIsDeterministic) {
   }
 }
 
+INSTANTIATE_TEST_SUITE_P(Variants, HopperAttentionVariant, ::testing::ValuesIn(kVariants),
+                         [](const ::testing::TestParamInfo<FwdVariant>& info) {
+                           return variant_id(info.param);
+                         });
 
 // ---- the Hopper backward ------------------------------------------------------------------------------
 

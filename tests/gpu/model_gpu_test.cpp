@@ -24,6 +24,7 @@
 
 #include "gpu_test_util.h"
 #include "model/llama.h"
+#include "model/memory_plan.h"
 #include "model/parameters.h"
 #include "trainer/optimizer.h"
 
@@ -62,8 +63,9 @@ struct Batch {
   attn::Documents documents;
   // With `doc_starts` (window positions where a document begins): positions restart at each document
   // and the label across a boundary is ignored, as the loader makes them under data.document_mask.
-  Batch(int64_t T, int64_t vocab, int32_t first_position, const std::vector<int32_t>& doc_starts = {}) {
-    uint64_t s = 12345;
+  Batch(int64_t T, int64_t vocab, int32_t first_position, const std::vector<int32_t>& doc_starts = {},
+        uint64_t seed = 12345) {
+    uint64_t s = seed;
     auto next = [&] {
       s = s * 6364136223846793005ull + 1442695040888963407ull;
       return static_cast<int32_t>((s >> 33) % static_cast<uint64_t>(vocab));
@@ -308,6 +310,65 @@ TEST(GpuModel, TiledAndOffloadedStepsMatchKeptUntiledAndTheCpuReference) {
   }
   std::printf("  tiled + offloaded remat_aware vs CPU f64: worst gradient %.3e (tolerance %.2e)\n", w, kStepTolerance);
   ::testing::Test::RecordProperty("offload_worst_gradient_relative_error", std::to_string(w));
+}
+
+// train.grad_dtype f32: gradients in f32 beside bf16 parameters. Four micro-batches, each run in
+// token chunks of 16 (MLP) and 24 (loss), add into one gradient buffer; with f32 gradients every
+// weight-gradient GEMM and reduction adds into f32, so the sum is never rounded to bf16 between
+// chunks or micro-batches. Against the CPU f64 sum of the same four: every f32 gradient within the
+// step tolerance, and the f32 buffer's error norm-wise below the bf16 buffer's (the same model in
+// bf16 gradients, same inputs), tensor by tensor on the weight matrices where chunks and micro-batches
+// add up. The f32 buffer is what the plan counts: 4 bytes a parameter.
+TEST(GpuModel, F32GradientsSumChunksAndMicroBatchesWithoutBf16Rounding) {
+  LT_REQUIRE_GPU();
+  const LlamaConfig c = tiny_config();
+  const model::Tiling tiled{16, 24};
+  std::vector<Batch> batches;
+  int64_t valid = 0;
+  for (uint64_t i = 0; i < 4; ++i) {
+    batches.emplace_back(kTokens, c.vocab_size, static_cast<int32_t>(7 * i), std::vector<int32_t>{}, 1000 + 77 * i);
+    valid += batches.back().valid;
+  }
+  const double scale = 1.0 / static_cast<double>(valid);
+  auto gpu_run = [&](bool f32_grads) {
+    auto m = std::make_unique<LlamaModel>(c, Precision::cuda_mixed(f32_grads), CheckpointPolicy::remat_aware, kTokens,
+                                          nullptr, 1, tiled);
+    m->initialize(/*seed=*/2024, /*init_std=*/0.08);
+    m->zero_grads();
+    for (const Batch& b : batches) m->forward_backward(DeviceShard(b).shard(), scale);
+    return m;
+  };
+  auto bf = gpu_run(false), f32 = gpu_run(true);
+  EXPECT_EQ(bf->grads().table()[0].dtype, DType::bf16);
+  EXPECT_EQ(f32->grads().table()[0].dtype, DType::f32);
+  EXPECT_EQ(f32->grads().flat().numel(), bf->grads().flat().numel());
+  EXPECT_EQ(f32->grads().bytes(), 2 * bf->grads().bytes());
+  const model::MemoryPlan plan = model::plan_memory(c, Precision::cuda_mixed(true), CheckpointPolicy::remat_aware,
+                                                    kTokens, 1, {}, tiled);
+  EXPECT_EQ(plan.gradients, f32->grads().bytes());
+  auto cpu = cpu_copy(*bf, CheckpointPolicy::remat_aware);
+  cpu->zero_grads();
+  for (const Batch& b : batches) cpu->forward_backward(HostShard(b).shard(), scale);
+  int matrices = 0, f32_better = 0;
+  double worst = 0.0;
+  for (size_t i = 0; i < f32->grads().table().size(); ++i) {
+    const std::string& name = f32->grads().table()[i].name;
+    const std::vector<double> r = entry_values(cpu->grads(), i), g32 = entry_values(f32->grads(), i),
+                              g16 = entry_values(bf->grads(), i);
+    for (double x : g32) ASSERT_TRUE(std::isfinite(x)) << name;
+    const double e32 = norm_relative_error(g32, r), e16 = norm_relative_error(g16, r);
+    std::printf("  %-52s ||err||/||ref||: f32 gradients %.3e, bf16 gradients %.3e\n", name.c_str(), e32, e16);
+    EXPECT_LT(relative_error(g32, r), kStepTolerance) << name;
+    EXPECT_LT(e32, kStepTolerance) << name << " (norm-wise)";
+    worst = std::max(worst, relative_error(g32, r));
+    if (f32->grads().table()[i].shape.size() == 2) {
+      ++matrices;
+      f32_better += e32 < e16;
+    }
+  }
+  std::printf("  f32 gradients closer to the f64 sum than bf16 ones on %d of %d weight matrices; worst %.3e\n",
+              f32_better, matrices, worst);
+  EXPECT_EQ(f32_better, matrices);
 }
 
 // Same model, same batch, twice: the same loss bits (the forward pass is bitwise reproducible). The

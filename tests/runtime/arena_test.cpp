@@ -52,5 +52,44 @@ TEST(Arena, MixedDtypesHaveNoFlatView) {
   EXPECT_THROW(a.flat(), Error);
 }
 
+// f32 gradients beside bf16 parameters: entry i of the mirror starts at the same element of its
+// flat view, so one flat element range (a ZeRO-1 shard, a gradient range) means the same tensors in
+// both. Plain byte alignment would not give that: a 100-element bf16 entry pads to 128 elements,
+// a 100-element f32 one to 64.
+TEST(Arena, MirrorKeepsElementOffsetsInAnotherDtype) {
+  Arena params("parameters", Device::cpu);
+  params.add("a", {100}, DType::bf16);
+  params.add("b", {3, 7}, DType::bf16);
+  params.add("c", {5}, DType::bf16, /*align=*/false);
+  params.pad_to_multiple(2 * 3);
+  Arena grads("gradients", Device::cpu);
+  grads.add_mirror(params, DType::f32);
+  ASSERT_EQ(grads.table().size(), params.table().size());
+  for (size_t i = 0; i < params.table().size(); ++i) {
+    const ArenaEntry &p = params.table()[i], &g = grads.table()[i];
+    EXPECT_EQ(g.name, p.name);
+    EXPECT_EQ(g.shape, p.shape);
+    EXPECT_EQ(g.dtype, DType::f32);
+    EXPECT_EQ(g.offset / 4, p.offset / 2) << p.name;
+  }
+  EXPECT_EQ(grads.bytes() / 4, params.bytes() / 2);
+  params.allocate();
+  grads.allocate();
+  EXPECT_EQ(grads.flat().numel(), params.flat().numel());
+  const std::string msg = [&] {
+    try {
+      grads.add_mirror(params, DType::f32);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  }();
+  EXPECT_NE(msg.find("add_mirror needs an empty arena"), std::string::npos) << msg;
+  Arena mixed("activations", Device::cpu), m2("m2", Device::cpu);
+  mixed.add("x", {2}, DType::bf16);
+  mixed.add("lse", {2}, DType::f32);
+  EXPECT_THROW(m2.add_mirror(mixed, DType::f32), Error);
+}
+
 }  // namespace
 }  // namespace longtrain

@@ -514,6 +514,7 @@ const std::vector<KeyChange>& key_changes() {
       {"train.steps", {"train.steps=60"}, allowed},
       {"train.batch_size", {"train.batch_size=2"}, elastic},
       {"train.grad_accum", {"train.grad_accum=2"}, elastic},
+      {"train.grad_dtype", {"train.grad_dtype=f64"}, allowed},
       {"train.seed", {"train.seed=8"}, refused},
       {"train.on_nonfinite", {"train.on_nonfinite=stop"}, allowed},
       {"train.max_nonfinite_skips", {"train.max_nonfinite_skips=5"}, allowed},
@@ -628,11 +629,35 @@ TEST(TrainerConfig, ResolveDevice) {
   EXPECT_EQ(resolved({"data.document_mask=true"}, false), std::pair(DeviceChoice::cpu, DTypeChoice::f32));
 }
 
+// train.grad_dtype: auto is f32 on cuda when micro-batches are accumulated (grad_accum > 1), else the
+// parameters' dtype; f32 beside bf16 is the one mixed pairing; each wrong pairing names both keys.
+TEST(TrainerConfig, GradDtypeResolvesAndRefusesWhatCannotBe) {
+  auto resolved = [](const std::vector<std::string>& sets, bool cuda) {
+    TrainConfig c = load("data:\n  train: d\n", sets);
+    resolve_device(c, cuda);
+    return c.train.grad_dtype;
+  };
+  EXPECT_EQ(resolved({}, true), DTypeChoice::bf16);
+  EXPECT_EQ(resolved({"train.grad_accum=2"}, true), DTypeChoice::f32);
+  EXPECT_EQ(resolved({"train.grad_accum=2"}, false), DTypeChoice::f32);
+  EXPECT_EQ(resolved({"train.grad_accum=2", "train.dtype=f64"}, false), DTypeChoice::f64);
+  EXPECT_EQ(resolved({"train.grad_dtype=f32"}, true), DTypeChoice::f32);
+  EXPECT_EQ(resolved({"train.grad_dtype=bf16", "train.grad_accum=4"}, true), DTypeChoice::bf16);
+  // What other trainers call it is a did-you-mean.
+  EXPECT_TRUE(contains(error_of([&] { load("data:\n  train: d\ntrain:\n  accumulate_allreduce_grads_in_fp32: true\n"); }),
+                       "train.grad_dtype"));
+  EXPECT_TRUE(contains(error_of([&] { load("data:\n  train: d\n", {"train.grad_dtype=bf16", "train.device=cpu"}); }), "train.grad_dtype bf16 needs train.device cuda"));
+  EXPECT_TRUE(contains(error_of([&] { load("data:\n  train: d\n", {"train.grad_dtype=f32", "train.dtype=f64"}); }), "train.grad_dtype f32 cannot go with train.dtype f64"));
+  // With train.dtype auto the pairing is checked once the device is known.
+  EXPECT_TRUE(contains(error_of([&] { resolved({"train.grad_dtype=bf16"}, false); }), "cfg/test.yaml: train.grad_dtype bf16 needs train.device cuda"));
+  EXPECT_TRUE(contains(error_of([&] { resolved({"train.grad_dtype=f64"}, true); }), "cfg/test.yaml: train.grad_dtype f64 cannot go with train.dtype bf16"));
+}
+
 TEST(TrainerConfig, SchemaMentionsEveryKeyInItsSection) {
   const std::string schema = schema_text();
   const std::vector<std::string> keys = config_keys();
-  EXPECT_EQ(keys.size(), 69u);  // 65 before model.offload, model.mlp_chunk_tokens, model.loss_chunk_tokens and
-                                 // parallel.ulysses_size
+  EXPECT_EQ(keys.size(), 70u);  // 65 before model.offload, model.mlp_chunk_tokens, model.loss_chunk_tokens,
+                                 // parallel.ulysses_size and train.grad_dtype
   for (const std::string& full : keys) {
     const std::string section = full.substr(0, full.find('.')), key = full.substr(full.find('.') + 1);
     const size_t at = schema.find("\n" + section + ": ");
