@@ -13,12 +13,7 @@
 # under full, which is past one call's 10 minutes: 1M and 2M are shown by plan here (--longest) and
 # need a longer call to train.
 set -u
-W=$OUT/w; mkdir -p $W
-trap 'cd $OUT && tar -czf all.tar.gz -C w . && rm -rf w && ls -la all.tar.gz' EXIT
-t0=$(date +%s)
-stamp() { echo "[$(( $(date +%s) - t0 )) s] $*" | tee -a $W/timeline.txt; }
-source scripts/device/env.sh
-source scripts/device/unpack-build.sh || exit 1
+source scripts/device/session.sh
 B=build-carry
 COMMIT=${BENCH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 STAGES=${STAGES:-tests longest speed}

@@ -3,13 +3,7 @@
 # query heads, 4 KV heads) beside bench/anchors/attn_anchor.py in the same run, and the 1.1B step at
 # 64K. Run with .device carried (anchors/attn_anchor.py); everything comes back in $OUT/all.tar.gz.
 set -u
-W=$OUT/w; mkdir -p $W
-trap 'cd $OUT && tar -czf all.tar.gz -C w . && rm -rf w && ls -la all.tar.gz' EXIT
-t0=$(date +%s)
-stamp() { echo "[$(( $(date +%s) - t0 )) s] $*" | tee -a $W/timeline.txt; }
-source scripts/device/env.sh
-source scripts/device/unpack-build.sh || exit 1
-B=build-carry; COMMIT=$(cat .device/commit 2>/dev/null || echo unknown)
+source scripts/device/session.sh
 timeout 200 $B/tests/gpu/gpu_test --gtest_print_time=1 --gtest_output=json:$W/gpu_test.json > $W/gpu_test.log 2>&1
 stamp "gpu_test rc $?"; grep -E "FAILED|PASSED" $W/gpu_test.log | tail -8
 grep -q FAILED $W/gpu_test.log && exit 1

@@ -6,13 +6,7 @@
 # with .device carried (devroot, bin.tar.xz, anchors/docmask_anchor.py); everything comes back in
 # $OUT/all.tar.gz.
 set -u
-W=$OUT/w; mkdir -p $W
-trap 'cd $OUT && tar -czf all.tar.gz -C w . && rm -rf w && ls -la all.tar.gz' EXIT
-t0=$(date +%s)
-stamp() { echo "[$(( $(date +%s) - t0 )) s] $*" | tee -a $W/timeline.txt; }
-source scripts/device/env.sh
-source scripts/device/unpack-build.sh || exit 1
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > $W/gpu.txt 2>&1
+source scripts/device/session.sh
 stamp start
 B=build-carry
 timeout ${GPU_TEST_TIMEOUT:-200} $B/tests/gpu/gpu_test --gtest_filter="${GPU_TEST_FILTER:-*}" --gtest_print_time=1 \

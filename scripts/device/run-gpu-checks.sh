@@ -4,14 +4,7 @@
 # Run in the repository root on the GPU machine, with .device (devroot + bin.tar.xz) and data-cache/
 # (janeausten, austen-shards, austen-4k.model) carried; everything comes back in $OUT/all.tar.gz.
 set -u
-W=$OUT/w; mkdir -p $W
-# Only a few files come back: everything goes into one archive, also when a step hangs and the call ends.
-trap 'cd $OUT && tar -czf all.tar.gz -C w . && rm -rf w && ls -la all.tar.gz' EXIT
-t0=$(date +%s)
-stamp() { echo "[$(( $(date +%s) - t0 )) s] $*" | tee -a $W/timeline.txt; }
-source scripts/device/env.sh
-source scripts/device/unpack-build.sh || exit 1
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > $W/gpu.txt 2>&1
+source scripts/device/session.sh
 python3 -c "import transformers,torch,tokenizers,safetensors;print(transformers.__version__,torch.__version__,tokenizers.__version__,safetensors.__version__)" > $W/versions.txt 2>&1
 stamp start; cat $W/versions.txt
 TV=$(python3 -c "import transformers;print(transformers.__version__)")

@@ -7,14 +7,7 @@
 #   scripts/device/run-step-vs-compiled.sh 8192:none,remat_aware
 #   SKIP_TESTS=1 SHAPE=3b scripts/device/run-step-vs-compiled.sh 32768:none,remat_aware,full
 set -u
-W=$OUT/w; mkdir -p $W
-trap 'cd $OUT && tar -czf all.tar.gz -C w . && rm -rf w && ls -la all.tar.gz' EXIT
-t0=$(date +%s)
-stamp() { echo "[$(( $(date +%s) - t0 )) s] $*" | tee -a $W/timeline.txt; }
-source scripts/device/env.sh
-source scripts/device/unpack-build.sh || exit 1
-B=build-carry; COMMIT=$(cat .device/commit 2>/dev/null || echo unknown)
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > $W/gpu.txt 2>&1
+source scripts/device/session.sh
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   timeout 240 $B/tests/gpu/gpu_test --gtest_print_time=1 --gtest_output=json:$W/gpu_test.json > $W/gpu_test.log 2>&1
   stamp "gpu_test rc $?"; grep -E "FAILED|PASSED|SKIPPED \]" $W/gpu_test.log | tail -12

@@ -1,0 +1,40 @@
+#!/bin/bash
+# One GPU call for [hopper-attention]: our sm_90a attention kernels' GPU tests first (each in its own
+# process with a timeout: a kernel fault poisons the CUDA context of the process it happens in), the
+# rest of gpu_test under the default policy, the attention and model tests again with every block
+# call on our kernels (LONGTRAIN_ATTENTION_KERNEL=hopper), then attention_bench beside
+# bench/anchors/attn_anchor.py (torch's cuDNN SDPA) at head dim 64 (32/4 heads) and 128 (32/8).
+# Run with .device carried (devroot, run/bin.tar.xz, commit, anchors/); everything comes back in
+# $OUT/all.tar.gz. STAGES picks what runs (default "tests bench").
+set -u
+source scripts/device/session.sh
+STAGES=${STAGES:-tests bench}
+HOPPER_TESTS='*Hopper*:ScheduleBlocksInSequence.*:KernelChoiceAuto.*'
+for stage in $STAGES; do
+  case $stage in
+    tests)
+      timeout 240 $B/tests/gpu/gpu_test --gtest_filter="$HOPPER_TESTS" --gtest_output=json:$W/hopper_tests.json \
+        > $W/hopper_tests.log 2>&1
+      stamp "hopper tests rc $?"; grep -E "^\[  (FAILED|PASSED) |tests ran" $W/hopper_tests.log | tail -30
+      timeout 200 $B/tests/gpu/gpu_test --gtest_filter="-$HOPPER_TESTS" > $W/gpu_rest.log 2>&1
+      stamp "gpu_test (the rest) rc $?"; grep -E "^\[  (FAILED|PASSED) |tests ran" $W/gpu_rest.log | tail -12
+      LONGTRAIN_ATTENTION_KERNEL=hopper timeout 150 $B/tests/gpu/gpu_test \
+        --gtest_filter='GpuAttention*:GpuModel.*:*Schedule*:MemoryPlan*' > $W/gpu_hopper_policy.log 2>&1
+      stamp "gpu_test under the hopper policy rc $?"; grep -E "^\[  (FAILED|PASSED) |tests ran" $W/gpu_hopper_policy.log | tail -12
+      ;;
+    bench)
+      for shape in "64 4" "128 8"; do
+        set -- $shape; D=$1; KV=$2
+        OUT=$W HEAD_DIM=$D KV_HEADS=$KV timeout 150 python3 .device/anchors/attn_anchor.py > $W/attn_anchor_d$D.log 2>&1
+        stamp "attn anchor d$D rc $?"; tail -c 300 $W/attn_anchor_d$D.log
+        anchor=$W/attn_anchor_h32_d$D.json
+        kernels=cudnn,hopper-overlap,hopper-baseline; [ $D = 64 ] && kernels=$kernels,hopper-overlap-mufu
+        timeout 200 $B/bench/attention_bench --kernel $kernels --lengths 16384,65536 --head-dim $D --kv-heads $KV \
+          --reps 5 --commit $COMMIT $( [ -f $anchor ] && echo --anchor $anchor ) --out $W/attention_d$D.json \
+          > $W/attention_d$D.log 2>&1
+        stamp "attention_bench d$D rc $?"; grep -vE "^\s*$" $W/attention_d$D.log | tail -16
+      done
+      ;;
+  esac
+done
+stamp end
