@@ -71,6 +71,7 @@
 #include <vector>
 
 #include "attention/distributed/distributed_attention.h"
+#include "attention/local_attention.h"
 #include "attention/sequence_attention.h"
 #include "bench/bench_common.h"
 #include "parallel/distributed.h"
@@ -508,7 +509,8 @@ int main(int argc, char** argv) try {
       "inside a step), CUDA context excluded, NCCL buffers included, largest rank; anchor: "
       "torch.cuda.max_memory_allocated";
   result["ours"] =
-      "longtrain LlamaModel (cuBLASLt GEMMs, cuDNN fused attention, chunked LM head + cross-entropy) + "
+      "longtrain LlamaModel (cuBLASLt GEMMs, attention by cuDNN or our Hopper kernels as attention_kernel_policy "
+      "says, chunked LM head + cross-entropy) + "
       "trainer::AdamW (f32 master weights and moments, global-norm clipping at 1.0); zero_grads + "
       "forward_backward + AdamW step";
   if (!anchor.is_null()) result["anchor"] = {{"script", "bench/anchors/llama_anchor.py"}, {"file", opt.anchor}};
@@ -522,9 +524,16 @@ int main(int argc, char** argv) try {
   json rows = json::array();
   std::vector<std::string> summary;
   if (!anchor.is_null() && anchor.contains("params")) result["anchor_params"] = anchor["params"];
+  // Which attention kernel ran the block calls (LONGTRAIN_ATTENTION_KERNEL: cudnn, hopper, auto) and,
+  // under auto, what each call shape chose and both kernels' times.
+  result["attention_kernel_policy"] = std::string(attn::kernel_policy_name(attn::kernel_policy()));
   auto write_result = [&](const json& r) {
     if (opt.out.empty() || !main_rank) return;
     result["rows"] = r;
+    json choices = json::array();
+    for (const attn::KernelChoice& c : attn::kernel_choices())
+      choices.push_back({{"shape", c.shape}, {"kernel", c.kernel}, {"cudnn_ms", c.cudnn_ms}, {"hopper_ms", c.hopper_ms}});
+    if (!choices.empty()) result["attention_kernel_choices"] = choices;
     write_json("llama_bench", opt.out, result);
   };
 

@@ -76,6 +76,10 @@ std::vector<std::string_view> choices_of(DTypeChoice) { return name_list(kDTypeN
 std::vector<std::string_view> choices_of(NonFinitePolicy) { return name_list(kNonFiniteNames); }
 std::vector<std::string_view> choices_of(LrSchedule) { return name_list(kLrScheduleNames); }
 std::vector<std::string_view> choices_of(AttentionSchedule) { return name_list(kAttentionNames); }
+std::vector<std::string_view> choices_of(attn::KernelPolicy) {
+  using K = attn::KernelPolicy;
+  return {attn::kernel_policy_name(K::autotune), attn::kernel_policy_name(K::cudnn), attn::kernel_policy_name(K::hopper)};
+}
 std::vector<std::string_view> choices_of(std::optional<model::CheckpointPolicy>) {
   using P = model::CheckpointPolicy;
   return {"auto", model::checkpoint_policy_name(P::none), model::checkpoint_policy_name(P::full),
@@ -98,6 +102,7 @@ Value to_value(DTypeChoice v) { return std::string(enum_name(v)); }
 Value to_value(NonFinitePolicy v) { return std::string(enum_name(v)); }
 Value to_value(LrSchedule v) { return std::string(enum_name(v)); }
 Value to_value(AttentionSchedule v) { return std::string(enum_name(v)); }
+Value to_value(attn::KernelPolicy v) { return std::string(attn::kernel_policy_name(v)); }
 Value to_value(std::optional<model::CheckpointPolicy> v) {
   return std::string(v ? model::checkpoint_policy_name(*v) : "auto");
 }
@@ -137,6 +142,9 @@ void from_value(const Value& v, NonFinitePolicy& out) {
   out = by_index<NonFinitePolicy>(kNonFiniteNames, std::get<std::string>(v));
 }
 void from_value(const Value& v, LrSchedule& out) { out = by_index<LrSchedule>(kLrScheduleNames, std::get<std::string>(v)); }
+void from_value(const Value& v, attn::KernelPolicy& out) {
+  out = attn::parse_kernel_policy(std::get<std::string>(v), "attention.kernel");
+}
 void from_value(const Value& v, AttentionSchedule& out) {
   out = by_index<AttentionSchedule>(kAttentionNames, std::get<std::string>(v));
 }
@@ -528,6 +536,12 @@ const std::vector<KeySpec>& key_table() {
        .resume = OnResume::allowed},
       {.section = "attention", .key = "causal", .default_value = true, .meaning = "causal mask (language modelling)",
        .bind = LT_CONFIG_FIELD(attention.causal), .aliases = {"is_causal", "mask"}, .resume = OnResume::refused},
+      {.section = "attention", .key = "kernel", .default_value = std::string("auto"),
+       .meaning = "which kernel runs attention's block calls on cuda: cudnn (cuDNN's fused SDPA), hopper (ours, "
+                  "sm_90 only; cuDNN where it does not apply), auto (each call shape timed both ways on its first "
+                  "calls, the faster kept); LONGTRAIN_ATTENTION_KERNEL overrides it",
+       .bind = LT_CONFIG_FIELD(attention.kernel), .aliases = {"attn_implementation", "attn_impl", "backend", "sdpa_backend"},
+       .hashed = false, .resume = OnResume::allowed},
 
       // checkpoint
       {.section = "checkpoint", .key = "every", .default_value = int64_t{500},

@@ -24,6 +24,7 @@
 #include <string_view>
 #include <vector>
 
+#include "attention/local_attention.h"
 #include "model/llama.h"
 #include "model/llama_config.h"
 #include "parallel/layout.h"
@@ -117,6 +118,7 @@ struct ParallelSection {
 struct AttentionSection {
   AttentionSchedule schedule{};
   bool causal{};
+  attn::KernelPolicy kernel{};  // which kernel runs the block calls on CUDA: cudnn, hopper, auto
 };
 
 struct CheckpointSection {

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <fstream>
 #include <optional>
 #include <span>
@@ -130,6 +131,10 @@ Ranks join_world(const TrainConfig& c) {
 // The attention every layer runs: one block on a single rank, else the configured distributed
 // schedule over this rank's sequence-parallel group.
 std::unique_ptr<attn::SequenceAttention> make_attention(const TrainConfig& c, const Ranks& r) {
+  // The kernel of the block calls is process-wide: the config's attention.kernel, unless
+  // LONGTRAIN_ATTENTION_KERNEL names one (a developer's override, read by the attention itself).
+  const char* env_kernel = std::getenv("LONGTRAIN_ATTENTION_KERNEL");
+  if (env_kernel == nullptr || *env_kernel == '\0') attn::set_kernel_policy(c.attention.kernel);
   attn::SequenceAttentionSpec spec;
   spec.schedule = attn::parse_schedule(enum_name(c.attention.schedule));
   spec.causal = c.attention.causal;
@@ -785,7 +790,7 @@ TrainSummary train(TrainConfig c, const std::string& resume, const TrainHooks& h
                               precision.device == Device::cuda ? "pinned " : "")
                 : std::string(),
             static_cast<double>(plan.total()) / 1073741824.0, static_cast<double>(device_free.free) / 1073741824.0);
-  log->info("  {} ranks (data parallel {} × sequence parallel {}, layout {}, attention {}); {} training windows "
+  log->info("  {} ranks (data parallel {} × sequence parallel {}, layout {}, attention {}, kernel {}); {} training windows "
             "per epoch; model state {:.1f} MiB per rank; run directory {}",
             ranks.world_size, ranks.dp_size, ranks.sp_size, layout_name(c.parallel.layout),
             c.parallel.ulysses_size > 1 && c.parallel.ulysses_size < ranks.sp_size &&
@@ -793,6 +798,7 @@ TrainSummary train(TrainConfig c, const std::string& resume, const TrainHooks& h
                 ? fmt::format("ulysses {} x {} {}", c.parallel.ulysses_size, ranks.sp_size / c.parallel.ulysses_size,
                               enum_name(c.attention.schedule))
                 : std::string(enum_name(c.attention.schedule)),
+            precision.device == Device::cuda ? attn::kernel_policy_name(attn::kernel_policy()) : "cpu reference",
             loader.num_windows(), state_bytes / 1048576.0, run_dir.string());
   for (int i = 0; loader.num_sources() > 1 && i < loader.num_sources(); ++i)
     log->info("  mixture source {}: {} (weight {:g}{}), {} windows per epoch", i, loader.source(i).path,

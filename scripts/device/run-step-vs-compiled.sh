@@ -6,6 +6,8 @@
 # anchors/compiled_llama_anchor.py); everything comes back in $OUT/all.tar.gz.
 #   scripts/device/run-step-vs-compiled.sh 8192:none,remat_aware
 #   SKIP_TESTS=1 SHAPE=3b scripts/device/run-step-vs-compiled.sh 32768:none,remat_aware,full
+# KERNELS (default "cudnn") lists attention kernel policies (LONGTRAIN_ATTENTION_KERNEL: cudnn, hopper,
+# auto): our step runs once per policy, each merged with the same anchor run.
 set -u
 source scripts/device/session.sh
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
@@ -18,16 +20,20 @@ fi
 # SHAPE=3b: the Llama-3.2-3B shape on both sides (the anchor with our vocabulary, 128256).
 SHAPE=${SHAPE:-1b}
 if [ "$SHAPE" = 3b ]; then BSHAPE=llama3.2-3b; export VOCAB=128256; else BSHAPE=tinyllama; fi
+KERNELS=${KERNELS:-cudnn}
 for item in "${@:-8192:none,remat_aware}"; do
   S=${item%%:*}; P=${item#*:}; N=$SHAPE-$S
-  timeout 200 $B/bench/llama_bench --shape $BSHAPE --lengths $S --policies $P --warmup 1 --steps 3 --profile \
-    --commit $COMMIT --out $W/ours-$N.json > $W/ours-$N.log 2>&1
-  stamp "llama_bench $SHAPE $item rc $?"; grep -E "^S=|tok/s" $W/ours-$N.log | tail -4
+  for K in $KERNELS; do
+    LONGTRAIN_ATTENTION_KERNEL=$K timeout 200 $B/bench/llama_bench --shape $BSHAPE --lengths $S --policies $P \
+      --warmup 1 --steps 3 --profile --commit $COMMIT --out $W/ours-$K-$N.json > $W/ours-$K-$N.log 2>&1
+    stamp "llama_bench $SHAPE $item kernel $K rc $?"; grep -E "^S=|tok/s|attention kernel" $W/ours-$K-$N.log | tail -8
+  done
   OUT=$W SHAPE=$SHAPE timeout 300 python3 .device/anchors/compiled_llama_anchor.py $item > $W/anchor-$N.log 2>&1
   stamp "compiled anchor $SHAPE $item rc $?"; grep -E "^$S:" $W/anchor-$N.log
   [ -f $W/compiled_llama_anchor_$SHAPE.json ] && mv $W/compiled_llama_anchor_$SHAPE.json $W/compiled-$N.json
-  S=$N
-  [ -f $W/compiled-$S.json ] && $B/bench/llama_bench --merge $W/ours-$S.json --anchor $W/compiled-$S.json \
-    --out $W/merged-$S.json > $W/merge-$S.log 2>&1
-  stamp "merge $S rc $?"; cat $W/merge-$S.log
+  for K in $KERNELS; do
+    [ -f $W/compiled-$N.json ] && $B/bench/llama_bench --merge $W/ours-$K-$N.json --anchor $W/compiled-$N.json \
+      --out $W/merged-$K-$N.json > $W/merge-$K-$N.log 2>&1
+    stamp "merge $K $N rc $?"; cat $W/merge-$K-$N.log
+  done
 done

@@ -536,6 +536,7 @@ const std::vector<KeyChange>& key_changes() {
       {"parallel.store_timeout_s", {"parallel.store_timeout_s=5"}, allowed},
       {"attention.schedule", {"attention.schedule=ring"}, allowed},
       {"attention.causal", {"attention.causal=false"}, refused},
+      {"attention.kernel", {"attention.kernel=cudnn"}, allowed},
       {"checkpoint.every", {"checkpoint.every=7"}, allowed},
       {"checkpoint.keep_last", {"checkpoint.keep_last=9"}, allowed},
       {"checkpoint.dir", {"checkpoint.dir=ck"}, allowed},
@@ -653,11 +654,22 @@ TEST(TrainerConfig, GradDtypeResolvesAndRefusesWhatCannotBe) {
   EXPECT_TRUE(contains(error_of([&] { resolved({"train.grad_dtype=f64"}, true); }), "cfg/test.yaml: train.grad_dtype f64 cannot go with train.dtype bf16"));
 }
 
+// attention.kernel: auto by default (each call shape timed on cuDNN and our Hopper kernels), the three
+// names, and a wrong one named with the accepted values.
+TEST(TrainerConfig, AttentionKernelTakesItsThreeNames) {
+  EXPECT_EQ(load("data:\n  train: d\n").attention.kernel, attn::KernelPolicy::autotune);
+  EXPECT_EQ(load("data:\n  train: d\n", {"attention.kernel=cudnn"}).attention.kernel, attn::KernelPolicy::cudnn);
+  EXPECT_EQ(load("data:\n  train: d\nattention:\n  kernel: hopper\n").attention.kernel, attn::KernelPolicy::hopper);
+  const std::string msg = error_of([] { load("data:\n  train: d\n", {"attention.kernel=flash"}); });
+  EXPECT_TRUE(contains(msg, "attention.kernel")) << msg;
+  EXPECT_TRUE(contains(msg, "cudnn")) << msg;
+}
+
 TEST(TrainerConfig, SchemaMentionsEveryKeyInItsSection) {
   const std::string schema = schema_text();
   const std::vector<std::string> keys = config_keys();
-  EXPECT_EQ(keys.size(), 70u);  // 65 before model.offload, model.mlp_chunk_tokens, model.loss_chunk_tokens,
-                                 // parallel.ulysses_size and train.grad_dtype
+  EXPECT_EQ(keys.size(), 71u);  // 65 before model.offload, model.mlp_chunk_tokens, model.loss_chunk_tokens,
+                                 // parallel.ulysses_size, train.grad_dtype and attention.kernel
   for (const std::string& full : keys) {
     const std::string section = full.substr(0, full.find('.')), key = full.substr(full.find('.') + 1);
     const size_t at = schema.find("\n" + section + ": ");
