@@ -15,16 +15,20 @@
 // attention/cuda/hopper_attention_bwd.cu: delta from O by attention_delta, then dQ/dK/dV overwritten
 // in the fused bf16 dQKV buffer, as the model's one-rank backward runs it under the hopper policy),
 // hopper-<variant> (hopper-overlap, hopper-overlap-mufu, hopper-baseline: hopper_attention.h,
-// FwdVariant), or a list of them, e.g. cudnn,hopper-overlap,hopper-overlap-mufu,hopper-baseline: each
-// hopper variant is timed (its forward, and with our backward), the backward alone once per shape,
-// and, with cudnn in the list, each gets its speed ratios to cuDNN and the largest |O_hopper - O_cudnn|
-// and |LSE_hopper - LSE_cudnn| of the two forwards, and the shape the largest dQ/dK/dV differences
-// between our backward and cuDNN's (both from the same O and LSE, our forward's). Given an anchor, the
-// hopper rows get their fwd and fwd+bwd ratios to torch's rows too.
+// FwdVariant), hopper-bwd-<variant> (hopper-bwd-alternate, hopper-bwd-alternate-mufu,
+// hopper-bwd-baseline: BwdVariant), or a list of them, e.g.
+// cudnn,hopper-overlap,hopper-baseline,hopper-bwd-alternate,hopper-bwd-baseline: each hopper forward
+// variant is timed (its forward, and with our backward in its default variant), the default backward
+// alone once per shape, each hopper-bwd variant alone (delta + backward, after our forward); with cudnn
+// in the list, each forward variant gets its speed ratios to cuDNN and the largest |O_hopper - O_cudnn|
+// and |LSE_hopper - LSE_cudnn| of the two forwards, and each backward (the default one, and every
+// hopper-bwd variant) the largest dQ/dK/dV differences from cuDNN's backward (both from the same O
+// and LSE, our forward's) and its speed ratio to cuDNN's backward (cuDNN-only fwd+bwd minus fwd, the
+// same calls). Given an anchor, the hopper rows get their fwd and fwd+bwd ratios to torch's rows too.
 //
 //   attention_bench [--lengths 4096,16384,65536] [--anchor attn_anchor.json] [--out result.json]
 //                   [--commit SHA] [--warmup 3] [--reps 10] [--kv-heads 32,8] [--head-dim 128]
-//                   [--layouts bshd,bhsd] [--kernel cudnn,hopper,hopper-overlap,hopper-overlap-mufu,...]
+//                   [--layouts bshd,bhsd] [--kernel cudnn,hopper,hopper-overlap,...,hopper-bwd-alternate,...]
 //
 // Timing as the anchor does it: CUDA events around each call, the median of the timed runs.
 // FLOPs count the causal half: fwd = 4·Hq·S²·D / 2, fwd+bwd = 3.5 × fwd.
@@ -163,8 +167,16 @@ int main(int argc, char** argv) try {
     std::string key;
   };
   std::vector<HopperRun> hopper_runs;
+  // The backward variants to time alone (hopper-bwd-<variant>), each once.
+  std::vector<attn::hopper::BwdVariant> bwd_runs;
   for (const std::string& k : opt.kernels) {
-    if (k.rfind("hopper", 0) != 0) continue;
+    if (k.rfind("hopper-bwd-", 0) != 0) continue;
+    const attn::hopper::BwdVariant variant =
+        attn::hopper::parse_bwd_variant(k.substr(std::string("hopper-bwd-").size()), "--kernel");
+    if (std::find(bwd_runs.begin(), bwd_runs.end(), variant) == bwd_runs.end()) bwd_runs.push_back(variant);
+  }
+  for (const std::string& k : opt.kernels) {
+    if (k.rfind("hopper", 0) != 0 || k.rfind("hopper-bwd-", 0) == 0) continue;
     const attn::hopper::FwdVariant variant =
         k == "hopper" ? attn::hopper::default_fwd_variant()
                       : attn::hopper::parse_fwd_variant(k.substr(std::string("hopper-").size()), "--kernel");
@@ -177,7 +189,7 @@ int main(int argc, char** argv) try {
   }
   const bool run_hopper = !hopper_runs.empty();
   result["kernels"] = opt.kernels;
-  if (run_hopper) {
+  if (run_hopper || !bwd_runs.empty()) {
     LT_CHECK(attn::hopper::supported(opt.head_dim, 32, opt.kv_heads.empty() ? 1 : opt.kv_heads[0]),
              "attention_bench: --kernel hopper needs an sm_90 GPU and head dim 64 or 128, got head dim {}",
              opt.head_dim);
@@ -188,6 +200,11 @@ int main(int argc, char** argv) try {
     json variants = json::object();
     for (const HopperRun& r : hopper_runs) variants[r.key] = attn::hopper::fwd_variant_name(r.variant);
     result["hopper_variants"] = variants;
+    result["hopper_bwd_default_variant"] = attn::hopper::bwd_variant_name(attn::hopper::default_bwd_variant());
+    if (!bwd_runs.empty())
+      result["hopper_bwd_variants"] =
+          "hopper_bwd_<variant>: delta + our backward in that variant alone (after our forward), 2.5x the fwd FLOPs; "
+          "bwd_speedup_vs_cudnn_only: cuDNN-only (fwd+bwd - fwd) / ours";
   }
   if (!anchor.is_null()) result["anchor"] = {{"script", "bench/anchors/attn_anchor.py"}, {"file", opt.anchor}};
   json rows = json::array();
@@ -241,17 +258,67 @@ int main(int argc, char** argv) try {
       auto grad = [&](const Tensor& g) {
         return attn::hopper::OutView{g.data, false, g.shape[0], g.shape[1], g.shape[2], g.stride[0], g.stride[1]};
       };
-      auto hopper_bwd = [&] {
+      auto hopper_bwd_variant = [&](attn::hopper::BwdVariant variant) {
         attn::attention_delta(delta.t, o.t, d_o.t);
         attn::hopper::backward(grad(gq), grad(gk), grad(gv), view(q), view(k), view(v), view(d_o.t), stats, delta_view,
-                               true, static_cast<float>(scale), /*accumulate=*/false);
+                               true, static_cast<float>(scale), /*accumulate=*/false, variant);
       };
-      if (run_hopper) {
-        // A forward first, so that the timed backward reads a real O and LSE.
+      auto hopper_bwd = [&] { hopper_bwd_variant(attn::hopper::default_bwd_variant()); };
+      // The largest |dQ/dK/dV (ours) - cuDNN's| (and relative to the largest |cuDNN value|) into `out`,
+      // both backwards from the O and LSE in o/lse now; our backward by run_ours.
+      auto bwd_diffs = [&](const std::function<void()>& run_ours, json& out, const char* label) {
+        attn::cudnn_sdpa::backward(view(gq), view(gk), view(gv), view(q), view(k), view(v), view(o.t), view(d_o.t),
+                                   stats, true, static_cast<float>(scale));
+        const std::vector<float> g_c = download_floats(dqkv.t);
+        run_ours();
+        const std::vector<float> g_h = download_floats(dqkv.t);
+        // dqkv is [S, Hq + 2·hkv, D]: per token Hq·D of dQ, then hkv·D of dK, then of dV.
+        double diff[3] = {0, 0, 0}, ref_max[3] = {0, 0, 0};
+        int64_t grad_nonfinite = 0;
+        for (size_t i = 0; i < g_h.size(); ++i) {
+          const int64_t slot = static_cast<int64_t>(i % static_cast<size_t>(W * D)) / D;  // head slot
+          const int which = slot < Hq ? 0 : (slot < Hq + hkv ? 1 : 2);
+          grad_nonfinite += !std::isfinite(g_h[i]);
+          diff[which] = std::max(diff[which], double(std::fabs(g_h[i] - g_c[i])));
+          ref_max[which] = std::max(ref_max[which], double(std::fabs(g_c[i])));
+        }
+        const char* names[3] = {"dq", "dk", "dv"};
+        for (int w = 0; w < 3; ++w) {
+          out[fmt::format("max_abs_diff_{}_vs_cudnn", names[w])] = diff[w];
+          out[fmt::format("max_rel_diff_{}_vs_cudnn", names[w])] = diff[w] / std::max(ref_max[w], 1e-30);
+        }
+        out["nonfinite_grads"] = grad_nonfinite;
+        std::printf("hkv=%2lld S=%6lld: %s vs cuDNN backward: max|ddQ| %.3e (%.2e of max), max|ddK| %.3e "
+                    "(%.2e), max|ddV| %.3e (%.2e), %lld NaN/Inf\n",
+                    static_cast<long long>(hkv), static_cast<long long>(S), label, diff[0], diff[0] / ref_max[0],
+                    diff[1], diff[1] / ref_max[1], diff[2], diff[2] / ref_max[2], static_cast<long long>(grad_nonfinite));
+      };
+      if (run_hopper || !bwd_runs.empty()) {
+        // A forward first, so that the timed backwards read a real O and LSE.
         attn::hopper::forward({o.t.data, false, S, Hq, D, o.t.stride[0], o.t.stride[1]}, stats, view(q), view(k),
-                              view(v), true, static_cast<float>(scale), false, hopper_runs[0].variant);
+                              view(v), true, static_cast<float>(scale), false,
+                              run_hopper ? hopper_runs[0].variant : attn::hopper::default_fwd_variant());
+      }
+      std::vector<double> ms_bwd_runs(bwd_runs.size(), 0.0);
+      for (size_t r = 0; r < bwd_runs.size(); ++r) {
+        const attn::hopper::BwdVariant variant = bwd_runs[r];
+        std::string key = std::string("hopper_bwd_") + attn::hopper::bwd_variant_name(variant);
+        std::replace(key.begin(), key.end(), '-', '_');
+        const double ms_b = median_ms([&] { hopper_bwd_variant(variant); }, opt.warmup, opt.reps);
+        ms_bwd_runs[r] = ms_b;
+        row[key] = {{"variant", attn::hopper::bwd_variant_name(variant)},
+                    {"bwd_ms", round3(ms_b)},
+                    {"bwd_tflops", round1(2.5 * fwd_flops / ms_b / 1e9)}};
+        std::printf("hkv=%2lld S=%6lld: hopper backward %-14s %8.3f ms (%5.1f TFLOP/s)\n", static_cast<long long>(hkv),
+                    static_cast<long long>(S), attn::hopper::bwd_variant_name(variant), ms_b,
+                    2.5 * fwd_flops / ms_b / 1e9);
+        if (run_cudnn) bwd_diffs([&] { hopper_bwd_variant(variant); }, row[key], key.c_str());
+      }
+      if (run_hopper) {
         const double ms_b = median_ms(hopper_bwd, opt.warmup, opt.reps);
-        row["hopper_bwd"] = {{"bwd_ms", round3(ms_b)}, {"bwd_tflops", round1(2.5 * fwd_flops / ms_b / 1e9)}};
+        row["hopper_bwd"] = {{"variant", attn::hopper::bwd_variant_name(attn::hopper::default_bwd_variant())},
+                             {"bwd_ms", round3(ms_b)},
+                             {"bwd_tflops", round1(2.5 * fwd_flops / ms_b / 1e9)}};
         std::printf("hkv=%2lld S=%6lld: hopper backward %8.3f ms (%5.1f TFLOP/s)\n", static_cast<long long>(hkv),
                     static_cast<long long>(S), ms_b, 2.5 * fwd_flops / ms_b / 1e9);
       }
@@ -311,36 +378,9 @@ int main(int argc, char** argv) try {
                       static_cast<long long>(hkv), static_cast<long long>(S), vname, do_max, dl_max,
                       static_cast<long long>(nonfinite));
           if (r == 0) {
-            // Both backwards from this forward's O and LSE: the largest |difference| of dQ, dK, dV (bf16),
-            // and relative to the largest |cuDNN value| of each.
+            // Both backwards from this forward's O and LSE.
             hopper_fwd();
-            attn::cudnn_sdpa::backward(view(gq), view(gk), view(gv), view(q), view(k), view(v), view(o.t),
-                                       view(d_o.t), stats, true, static_cast<float>(scale));
-            const std::vector<float> g_c = download_floats(dqkv.t);
-            hopper_bwd();
-            const std::vector<float> g_h = download_floats(dqkv.t);
-            // dqkv is [S, Hq + 2·hkv, D]: per token Hq·D of dQ, then hkv·D of dK, then of dV.
-            double diff[3] = {0, 0, 0}, ref_max[3] = {0, 0, 0};
-            int64_t grad_nonfinite = 0;
-            for (size_t i = 0; i < g_h.size(); ++i) {
-              const int64_t slot = static_cast<int64_t>(i % static_cast<size_t>(W * D)) / D;  // head slot
-              const int which = slot < Hq ? 0 : (slot < Hq + hkv ? 1 : 2);
-              grad_nonfinite += !std::isfinite(g_h[i]);
-              diff[which] = std::max(diff[which], double(std::fabs(g_h[i] - g_c[i])));
-              ref_max[which] = std::max(ref_max[which], double(std::fabs(g_c[i])));
-            }
-            const char* names[3] = {"dq", "dk", "dv"};
-            for (int w = 0; w < 3; ++w) {
-              row["hopper_bwd"][fmt::format("max_abs_diff_{}_vs_cudnn", names[w])] = diff[w];
-              row["hopper_bwd"][fmt::format("max_rel_diff_{}_vs_cudnn", names[w])] =
-                  diff[w] / std::max(ref_max[w], 1e-30);
-            }
-            row["hopper_bwd"]["nonfinite_grads"] = grad_nonfinite;
-            std::printf("hkv=%2lld S=%6lld: hopper vs cuDNN backward: max|ddQ| %.3e (%.2e of max), max|ddK| %.3e "
-                        "(%.2e), max|ddV| %.3e (%.2e), %lld NaN/Inf\n",
-                        static_cast<long long>(hkv), static_cast<long long>(S), diff[0], diff[0] / ref_max[0],
-                        diff[1], diff[1] / ref_max[1], diff[2], diff[2] / ref_max[2],
-                        static_cast<long long>(grad_nonfinite));
+            bwd_diffs(hopper_bwd, row["hopper_bwd"], "hopper_bwd");
           }
         }
       }
@@ -354,6 +394,21 @@ int main(int argc, char** argv) try {
       const double ms_db = median_ms(block_delta_fwd_bwd, opt.warmup, opt.reps);
       const double ms_cf = median_ms(cudnn_fwd, opt.warmup, opt.reps);
       const double ms_cfb = median_ms(cudnn_fwd_bwd, opt.warmup, opt.reps);
+      // cuDNN's backward alone, as the fwd+bwd call pays it (the two timings' difference).
+      const double ms_cb = ms_cfb - ms_cf;
+      row["cudnn_bwd_from_difference"] = {{"bwd_ms", round3(ms_cb)}, {"bwd_tflops", round1(2.5 * fwd_flops / ms_cb / 1e9)}};
+      auto bwd_ratio = [&](const std::string& key, double ms_ours) {
+        row[key]["bwd_speedup_vs_cudnn_only"] = round3(ms_cb / ms_ours);
+        std::printf("hkv=%2lld S=%6lld: %-28s bwd %.3fx cuDNN-only (%.3f ms against %.3f ms)\n",
+                    static_cast<long long>(hkv), static_cast<long long>(S), key.c_str(), ms_cb / ms_ours, ms_ours,
+                    ms_cb);
+      };
+      if (row.contains("hopper_bwd")) bwd_ratio("hopper_bwd", row["hopper_bwd"]["bwd_ms"].get<double>());
+      for (size_t r = 0; r < bwd_runs.size(); ++r) {
+        std::string key = std::string("hopper_bwd_") + attn::hopper::bwd_variant_name(bwd_runs[r]);
+        std::replace(key.begin(), key.end(), '-', '_');
+        bwd_ratio(key, ms_bwd_runs[r]);
+      }
 
       for (size_t r = 0; r < hopper_runs.size(); ++r) {
         row[hopper_runs[r].key]["fwd_speedup_vs_cudnn_only"] = round3(ms_cf / ms_hopper[r]);

@@ -99,12 +99,37 @@ std::string backward_unsupported_reason(const OutView& dq, const OutView& dk, co
                                         const View& k, const View& v, const View& d_o, const StatsView& lse,
                                         bool causal);
 
+// The backward kernel's schedule (the same results up to rounding and dQ's summation order;
+// hopper_attention_bwd.cu's comments):
+// - alternate (the default): the two consumer warpgroups take turns computing the whole dQ tile of a
+//   step (one 64 x 128 product per step instead of two 64 x 64 ones), so the warpgroup without it runs
+//   ahead into the next step's products while the other finishes dQ, and their exp/dS work overlaps
+//   the other's MMAs; dS stored with stmatrix; a 3-stage (Q, dO) ring; at head dim 64 a quarter of
+//   the exp2 on the FMA pipe (a polynomial) instead of the MUFU;
+// - alternate_mufu ("alternate-mufu"): the same with every exp2 on the MUFU (identical at head dim 128);
+// - baseline: the first kernel: both warpgroups compute half of dQ each step after a barrier, in
+//   lockstep. Kept to measure against and to fall back to.
+enum class BwdVariant { alternate, alternate_mufu, baseline };
+
+// The variant backward() runs: the last set_bwd_variant(), else LONGTRAIN_HOPPER_BWD_VARIANT
+// (alternate, alternate-mufu or baseline; read once; throws on any other value), else alternate.
+BwdVariant default_bwd_variant();
+// For tests and benchmarks: makes backward() (and so attention_block_backward under the hopper
+// policy) run `variant` from now on. Not synchronised with calls on other threads.
+void set_bwd_variant(BwdVariant variant);
+const char* bwd_variant_name(BwdVariant variant);
+BwdVariant parse_bwd_variant(const std::string& name, const char* source);
+
 void backward(const OutView& dq, const OutView& dk, const OutView& dv, const View& q, const View& k, const View& v,
               const View& d_o, const StatsView& lse, const StatsView& delta, bool causal, float scale,
               bool accumulate);
+void backward(const OutView& dq, const OutView& dk, const OutView& dv, const View& q, const View& k, const View& v,
+              const View& d_o, const StatsView& lse, const StatsView& delta, bool causal, float scale,
+              bool accumulate, BwdVariant variant);
 
-// The bytes of the f32 dQ accumulator backward() takes from scratch: Tq rounded up to the 128-row
-// tile, times Hq · head_dim floats (model/memory_plan.cpp counts the same).
+// The bytes of the f32 dQ accumulator backward() takes from scratch: Tq rounded up to the query tile
+// (128 rows at head dim 64, 64 at 128; every variant uses the same tiles), times Hq · head_dim floats
+// (model/memory_plan.cpp counts the same).
 size_t backward_dq_accum_bytes(int64_t tq, int64_t q_heads, int64_t head_dim);
 
 // Tensor-level entry of the merge mode (defined in local_attention.cu beside attention_block_forward,

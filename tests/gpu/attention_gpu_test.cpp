@@ -494,7 +494,10 @@ INSTANTIATE_TEST_SUITE_P(
 // dq/dk/dv inside padded buffers (sentinels must survive) or side by side in one fused dQKV buffer,
 // overwriting NaN or accumulating onto nonzero values, from O (bf16 or f32) or from delta, rows whose
 // lse is -inf (their O and delta NaN); and against cuDNN's backward on larger shapes, dK/dV bitwise
-// run twice. Skips without an sm_90 GPU.
+// run twice. Every backward test runs every backward variant (BwdVariant: alternate, alternate-mufu,
+// baseline), with cases for the alternate kernel's turns: 1, 2, 3 and more steps per CTA (odd and
+// even counts: the dQ turn alternates between the consumer warpgroups by step), 1, 2, 3 and 4 key
+// tiles. Skips without an sm_90 GPU.
 #ifdef LONGTRAIN_HAS_CUDA
 #include <algorithm>
 #include <memory>
@@ -940,37 +943,80 @@ struct HopperBwdCase {
 
 void PrintTo(const HopperBwdCase& c, std::ostream* os) { *os << c.name; }
 
-class HopperAttentionBackward : public ::testing::TestWithParam<HopperBwdCase> {};
+using attn::hopper::BwdVariant;
+constexpr BwdVariant kBwdVariants[] = {BwdVariant::alternate, BwdVariant::alternate_mufu, BwdVariant::baseline};
 
-TEST_P(HopperAttentionBackward, MatchesCpuReference) {
-  LT_REQUIRE_HOPPER();
-  const HopperBwdCase c = GetParam();
+std::string bwd_variant_id(BwdVariant v) {
+  std::string id = attn::hopper::bwd_variant_name(v);
+  std::replace(id.begin(), id.end(), '-', '_');
+  return id;
+}
+
+// Makes attention_block_backward (through hopper::backward) run `variant` in its scope.
+struct BwdVariantScope {
+  BwdVariant saved = attn::hopper::default_bwd_variant();
+  explicit BwdVariantScope(BwdVariant v) { attn::hopper::set_bwd_variant(v); }
+  ~BwdVariantScope() { attn::hopper::set_bwd_variant(saved); }
+};
+
+// The CPU reference of one case (inputs, the forward's O and LSE with the dead rows applied, delta,
+// and the backward's gradients), kept for the next test of the same case: every case runs once per
+// variant, one after the other, and the f64 reference dominates the time of the larger cases.
+struct BwdReference {
+  std::string name;
+  std::vector<double> q, k, v, d_o, o_in, delta_in, lse;
+  std::vector<double> dq, dk, dv;
+};
+
+const BwdReference& bwd_reference(const HopperBwdCase& c) {
+  static BwdReference cached;
+  if (cached.name == c.name) return cached;
+  BwdReference r;
+  r.name = c.name;
   const double scale = 1.0 / std::sqrt(static_cast<double>(c.D));
   const double nan = std::numeric_limits<double>::quiet_NaN(), inf = std::numeric_limits<double>::infinity();
   const int64_t nq = c.Tq * c.Hq * c.D, nk = c.Tk * c.Hkv * c.D;
-  const bool from_o = c.o_dtype != DType::f64;
-  const auto q = random_values(nq, 1501, DType::bf16), k = random_values(nk, 1502, DType::bf16);
-  const auto v = random_values(nk, 1503, DType::bf16), d_o = random_values(nq, 1504, DType::bf16);
+  r.q = random_values(nq, 1501, DType::bf16), r.k = random_values(nk, 1502, DType::bf16);
+  r.v = random_values(nk, 1503, DType::bf16), r.d_o = random_values(nq, 1504, DType::bf16);
 
   // CPU reference in double: the forward's O and LSE, then the backward's increments from delta.
-  HostTensor<double> q_h = host_tensor({c.Tq, c.Hq, c.D}, q), k_h = host_tensor({c.Tk, c.Hkv, c.D}, k);
-  HostTensor<double> v_h = host_tensor({c.Tk, c.Hkv, c.D}, v), do_h = host_tensor({c.Tq, c.Hq, c.D}, d_o);
+  HostTensor<double> q_h = host_tensor({c.Tq, c.Hq, c.D}, r.q), k_h = host_tensor({c.Tk, c.Hkv, c.D}, r.k);
+  HostTensor<double> v_h = host_tensor({c.Tk, c.Hkv, c.D}, r.v), do_h = host_tensor({c.Tq, c.Hq, c.D}, r.d_o);
   HostTensor<double> o_h({c.Tq, c.Hq, c.D}), lse_h({c.Tq, c.Hq}), delta_h({c.Tq, c.Hq});
   attn::attention_block_forward(o_h, lse_h, q_h, k_h, v_h, c.mask, scale);
   attn::attention_delta(delta_h, o_h, do_h);
-  std::vector<double> o_in = o_h.values, delta_in = delta_h.values;
+  r.o_in = o_h.values, r.delta_in = delta_h.values;
   if (c.dead_rows) {
     for (int64_t t = 2; t < c.Tq; t += 5) {
       const int64_t h = t % c.Hq;
       lse_h[t * c.Hq + h] = -inf;
-      delta_in[t * c.Hq + h] = nan;
-      for (int64_t d = 0; d < c.D; ++d) o_in[(t * c.Hq + h) * c.D + d] = nan;
+      r.delta_in[t * c.Hq + h] = nan;
+      for (int64_t d = 0; d < c.D; ++d) r.o_in[(t * c.Hq + h) * c.D + d] = nan;
     }
   }
   HostTensor<double> dq_h({c.Tq, c.Hq, c.D}), dk_h({c.Tk, c.Hkv, c.D}), dv_h({c.Tk, c.Hkv, c.D});
   attn::attention_block_backward(dq_h, dk_h, dv_h, q_h, k_h, v_h, do_h, lse_h, Tensor{}, delta_h, c.mask, scale,
                                  GradMode::accumulate);
-  const std::vector<double>* ref[3] = {&dq_h.values, &dk_h.values, &dv_h.values};
+  r.lse = lse_h.values;
+  r.dq = dq_h.values, r.dk = dk_h.values, r.dv = dv_h.values;
+  cached = std::move(r);
+  return cached;
+}
+
+// Every case runs through every backward variant (hopper_attention.h: BwdVariant).
+class HopperAttentionBackward : public ::testing::TestWithParam<std::tuple<HopperBwdCase, BwdVariant>> {};
+
+TEST_P(HopperAttentionBackward, MatchesCpuReference) {
+  LT_REQUIRE_HOPPER();
+  const HopperBwdCase c = std::get<0>(GetParam());
+  const BwdVariant variant = std::get<1>(GetParam());
+  const double scale = 1.0 / std::sqrt(static_cast<double>(c.D));
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const int64_t nq = c.Tq * c.Hq * c.D, nk = c.Tk * c.Hkv * c.D;
+  const bool from_o = c.o_dtype != DType::f64;
+  const BwdReference& R = bwd_reference(c);
+  const std::vector<double>&q = R.q, &k = R.k, &v = R.v, &d_o = R.d_o, &o_in = R.o_in, &delta_in = R.delta_in;
+  const std::vector<double>* ref[3] = {&R.dq, &R.dk, &R.dv};
 
   // GPU inputs: q/k/v (fused or not), d_o, the LSE (head-major [Hq, Tq + 3] storage when fused, else
   // token-major [Tq + 3, Hq]), and O or delta.
@@ -982,7 +1028,7 @@ TEST_P(HopperAttentionBackward, MatchesCpuReference) {
   std::vector<double> lse_host(static_cast<size_t>(lrows * c.Hq), kSentinel);
   const int64_t l_ts = c.fused ? 1 : c.Hq, l_hs = c.fused ? lrows : 1;
   for (int64_t t = 0; t < c.Tq; ++t)
-    for (int64_t h = 0; h < c.Hq; ++h) lse_host[t * l_ts + h * l_hs] = lse_h[t * c.Hq + h];
+    for (int64_t h = 0; h < c.Hq; ++h) lse_host[t * l_ts + h * l_hs] = R.lse[t * c.Hq + h];
   upload(lse_buf, lse_host);
   Tensor lse = lse_buf;
   lse.ndim = 2;
@@ -1011,13 +1057,14 @@ TEST_P(HopperAttentionBackward, MatchesCpuReference) {
   ASSERT_TRUE(why.empty()) << why;
   {
     PolicyScope hopper(attn::KernelPolicy::hopper);
+    BwdVariantScope use(variant);
     attn::attention_block_backward(g.views[0], g.views[1], g.views[2], in.q, in.k, in.v, do_d, lse,
                                    from_o ? Tensor(o_d) : Tensor{}, from_o ? Tensor{} : Tensor(delta_d), c.mask,
                                    scale, c.accumulate ? GradMode::accumulate : GradMode::overwrite);
     LT_CUDA_CHECK(cudaStreamSynchronize(cuda_stream()));
   }
 
-  const std::string tag = std::string(" [") + c.name + "]";
+  const std::string tag = std::string(" [") + c.name + " " + attn::hopper::bwd_variant_name(variant) + "]";
   g.download_and_check_sentinels(tag);
   const char* names[3] = {"hopper dQ", "hopper dK", "hopper dV"};
   const int64_t heads[3] = {c.Hq, c.Hkv, c.Hkv};
@@ -1039,8 +1086,7 @@ TEST_P(HopperAttentionBackward, MatchesCpuReference) {
 
 constexpr DType kBf16 = DType::bf16, kF32 = DType::f32, kFromDelta = DType::f64;
 
-INSTANTIATE_TEST_SUITE_P(
-    Blocks, HopperAttentionBackward,
+const auto kHopperBwdCases =
     ::testing::Values(
         HopperBwdCase{"causal_mha4_t1_d64_fused_bf16_from_o", 1, 1, 4, 4, 64, kCausal, true, kBf16, kBf16, false, false},
         HopperBwdCase{"causal_gqa8x2_t127_d128_f32_acc_from_delta", 127, 127, 8, 2, 128, kCausal, false, kF32,
@@ -1066,21 +1112,50 @@ INSTANTIATE_TEST_SUITE_P(
         HopperBwdCase{"none_mha2_q200_k1_d128_f32_from_bf16o", 200, 1, 2, 2, 128, kNone, false, kF32, kBf16, false,
                       false},
         HopperBwdCase{"none_gqa6x2_q333_k129_d128_f32_acc_from_bf16o_dead", 333, 129, 6, 2, 128, kNone, false, kF32,
-                      kBf16, true, true}),
-    [](const ::testing::TestParamInfo<HopperBwdCase>& info) { return std::string(info.param.name); });
+                      kBf16, true, true},
+        // The alternate kernel's turns (steps per CTA = query tiles met × group; 128-query tiles at
+        // D = 64, 64 at D = 128; 128-key CTAs): one step; two; three; 4, 3, 2, 1 (causal, one key
+        // tile per CTA); 15, 9, 3 (causal GQA, group 3); 6 with a ragged last key tile; many.
+        HopperBwdCase{"causal_mha2_t64_d128_f32_acc_from_delta", 64, 64, 2, 2, 128, kCausal, false, kF32, kFromDelta,
+                      true, false},
+        HopperBwdCase{"none_gqa4x2_t128_d64_bf16_from_delta", 128, 128, 4, 2, 64, kNone, false, kBf16, kFromDelta,
+                      false, false},
+        HopperBwdCase{"none_mha3_q129_k129_d128_bf16_acc_from_o", 129, 129, 3, 3, 128, kNone, false, kBf16, kBf16, true,
+                      false},
+        HopperBwdCase{"causal_mha2_t385_d64_fused_bf16_from_o", 385, 385, 2, 2, 64, kCausal, true, kBf16, kBf16, false,
+                      false},
+        HopperBwdCase{"causal_gqa6x2_t300_d128_f32_acc_from_f32o_dead", 300, 300, 6, 2, 128, kCausal, false, kF32, kF32,
+                      true, true},
+        HopperBwdCase{"none_mqa3x1_q129_k300_d64_f32_acc_from_delta_dead", 129, 300, 3, 1, 64, kNone, false, kF32,
+                      kFromDelta, true, true},
+        HopperBwdCase{"causal_gqa4x2_t1100_d64_fused_f32_from_o", 1100, 1100, 4, 2, 64, kCausal, true, kF32, kBf16,
+                      false, false},
+        HopperBwdCase{"causal_mqa2x1_t1100_d128_bf16_acc_from_delta", 1100, 1100, 2, 1, 128, kCausal, false, kBf16,
+                      kFromDelta, true, false});
 
-// Our backward against cuDNN's on larger shapes from one fused QKV buffer, both from the same O and
-// LSE (cuDNN's forward): bf16 dq/dk/dv overwritten. dK and dV are summed in a fixed order (bitwise
-// the same on a second run); dQ is summed over the key tiles with f32 atomics, so only close.
-TEST(HopperAttentionBackward, MatchesCudnn) {
+INSTANTIATE_TEST_SUITE_P(
+    Blocks, HopperAttentionBackward, ::testing::Combine(kHopperBwdCases, ::testing::ValuesIn(kBwdVariants)),
+    [](const ::testing::TestParamInfo<std::tuple<HopperBwdCase, BwdVariant>>& info) {
+      return std::string(std::get<0>(info.param).name) + "_" + bwd_variant_id(std::get<1>(info.param));
+    });
+
+// Our backward against cuDNN's on larger shapes (many tiles) from one fused QKV buffer, both from the
+// same O and LSE (cuDNN's forward): bf16 dq/dk/dv overwritten, every variant. dK and dV are summed in
+// a fixed order (bitwise the same on a second run); dQ is summed over the key tiles with f32 atomics,
+// so only close.
+class HopperAttentionBackwardVariant : public ::testing::TestWithParam<BwdVariant> {};
+
+TEST_P(HopperAttentionBackwardVariant, MatchesCudnn) {
   LT_REQUIRE_HOPPER();
+  const BwdVariant variant = GetParam();
   struct Shape {
     int64_t S, Hq, Hkv, D;
     bool causal;
   };
   for (const Shape& s : {Shape{4096, 32, 4, 64, true}, Shape{2048, 32, 8, 128, false}, Shape{3000, 16, 2, 128, true},
                          Shape{1500, 8, 1, 64, false}}) {
-    const std::string tag = fmt::format(" [S={} {}/{} D={} {}]", s.S, s.Hq, s.Hkv, s.D, s.causal ? "causal" : "none");
+    const std::string tag = fmt::format(" [S={} {}/{} D={} {} {}]", s.S, s.Hq, s.Hkv, s.D, s.causal ? "causal" : "none",
+                                        attn::hopper::bwd_variant_name(variant));
     SCOPED_TRACE(tag);
     const double scale = 1.0 / std::sqrt(static_cast<double>(s.D));
     const float sc = static_cast<float>(scale);
@@ -1107,7 +1182,7 @@ TEST(HopperAttentionBackward, MatchesCudnn) {
       const DeviceTensor& gk = run == 0 ? hk1 : hk2;
       const DeviceTensor& gv = run == 0 ? hv1 : hv2;
       attn::hopper::backward(hout(gq), hout(gk), hout(gv), hview(in.q), hview(in.k), hview(in.v), hview(d_o),
-                             hstats(lse), hstats(delta), s.causal, sc, /*accumulate=*/false);
+                             hstats(lse), hstats(delta), s.causal, sc, /*accumulate=*/false, variant);
     }
     LT_CUDA_CHECK(cudaStreamSynchronize(cuda_stream()));
     check_output("hopper dQ vs cuDNN" + tag, DType::bf16, download(hq1), download(cq), s.Hq, s.D);
@@ -1118,6 +1193,9 @@ TEST(HopperAttentionBackward, MatchesCudnn) {
     expect_close("hopper dQ, run 2 vs run 1" + tag, DType::bf16, download(hq2), download(hq1));
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Variants, HopperAttentionBackwardVariant, ::testing::ValuesIn(kBwdVariants),
+                         [](const ::testing::TestParamInfo<BwdVariant>& info) { return bwd_variant_id(info.param); });
 
 }  // namespace
 }  // namespace longtrain::test
