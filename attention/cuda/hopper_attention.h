@@ -104,15 +104,19 @@ std::string backward_unsupported_reason(const OutView& dq, const OutView& dk, co
 // - alternate (the default): the two consumer warpgroups take turns computing the whole dQ tile of a
 //   step (one 64 x 128 product per step instead of two 64 x 64 ones), so the warpgroup without it runs
 //   ahead into the next step's products while the other finishes dQ, and their exp/dS work overlaps
-//   the other's MMAs; dS stored with stmatrix; a 3-stage (Q, dO) ring; at head dim 64 a quarter of
-//   the exp2 on the FMA pipe (a polynomial) instead of the MUFU;
+//   the other's MMAs; dS stored with stmatrix; at head dim 64 a quarter of the exp2 on the FMA pipe
+//   (a polynomial) instead of the MUFU; dQ tiles added to the f32 accumulator by one TMA bulk
+//   reduction each from a shared-memory staging buffer (2 (Q, dO) stages beside it);
 // - alternate_mufu ("alternate-mufu"): the same with every exp2 on the MUFU (identical at head dim 128);
+// - alternate_red ("alternate-red"): alternate with the dQ tiles added by the dQ warpgroup's own
+//   red.global.add.v4.f32 from registers (as the baseline), 3 (Q, dO) stages;
 // - baseline: the first kernel: both warpgroups compute half of dQ each step after a barrier, in
 //   lockstep. Kept to measure against and to fall back to.
-enum class BwdVariant { alternate, alternate_mufu, baseline };
+enum class BwdVariant { alternate, alternate_mufu, alternate_red, baseline };
 
 // The variant backward() runs: the last set_bwd_variant(), else LONGTRAIN_HOPPER_BWD_VARIANT
-// (alternate, alternate-mufu or baseline; read once; throws on any other value), else alternate.
+// (alternate, alternate-mufu, alternate-red or baseline; read once; throws on any other value), else
+// alternate.
 BwdVariant default_bwd_variant();
 // For tests and benchmarks: makes backward() (and so attention_block_backward under the hopper
 // policy) run `variant` from now on. Not synchronised with calls on other threads.

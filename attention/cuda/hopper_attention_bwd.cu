@@ -4,8 +4,9 @@
 //   warpgroups compute half of the dQ tile after a barrier, in lockstep;
 // - alternate (bwd_alternate_kernel, the default; its own comment further down): the same products,
 //   but the warpgroups take turns computing the whole dQ tile of a step, so they drift apart and one's
-//   elementwise work overlaps the other's MMAs; stmatrix for dSᵀ, 3 (Q, dO) stages, and at D = 64 a
-//   share of the exp2 on the FMA pipe (alternate_mufu: none).
+//   elementwise work overlaps the other's MMAs; stmatrix for dSᵀ; dQ tiles added by TMA bulk
+//   reductions (alternate_red: red.global from registers, as the baseline); at D = 64 a share of the
+//   exp2 on the FMA pipe (alternate_mufu: none).
 // Both share the producer (produce()), the tile shapes, the dK/dV epilogue and the dQ accumulator's
 // size, each with its own fragment order in it (and its own conversion kernel).
 //
@@ -557,10 +558,20 @@ __global__ void __launch_bounds__(kThreads, 1)
 // time, and one's elementwise work overlaps the other's MMAs. Its registers: the dQ accumulator (64)
 // is live only after dV/dK are complete (wait_group 0 first), beside dK, dV: 64 + 64 at D = 64,
 // 128 + 64 at D = 128, within the 192 the S/dP peak already needs.
-// Also: dSᵀ goes to shared memory with stmatrix (16 bytes per lane and instruction instead of 4); the
-// (Q, dO) ring has 3 stages (shared memory allows it without a P buffer); with kFmaExp2 (D = 64,
-// BwdVariant::alternate) kFmaExp2Of16 of every 16 exp2 run on the FMA pipe (exp2_poly), taking load
-// off the MUFU, whose 16 exp2 per cycle and SM otherwise take ~40% as long as the step's MMAs.
+// Also: dSᵀ goes to shared memory with stmatrix (16 bytes per lane and instruction instead of 4); with
+// kFmaExp2 (D = 64, BwdVariant::alternate) kFmaExp2Of16 of every 16 exp2 run on the FMA pipe
+// (exp2_poly), taking load off the MUFU, whose 16 exp2 per cycle and SM otherwise take ~40% as long
+// as the step's MMAs.
+// The dQ tile reaches the f32 accumulator in one of two ways:
+// - kBulkDq (alternate, alternate_mufu): the dQ warpgroup stores it into a 32 KB staging buffer in
+//   the accumulator tile's order, and its thread 0 issues one bulk reduction (cp.reduce.async.bulk
+//   .add.f32, FlashAttention-3's choice at these head dims) that the L2 performs on whole lines. Why:
+//   the baseline's dQ reductions run at 1.1-1.4 TB/s into the L2 in every shape measured (32 KB per
+//   step at 363-441 TFLOP/s), a likely ceiling for 16-byte reds, and they stall the issuing warps
+//   when the queue backs up. The (Q, dO) ring has 2 stages beside the buffer (3 would pass 227 KB at
+//   D = 64).
+// - else (alternate_red): 16 red.global.add.v4.f32 per thread from registers, as the baseline; 3
+//   (Q, dO) stages.
 //
 // Synchronisation beyond the baseline's (kv_full, q_full/do_full, empty: unchanged, 3 stages):
 // - ds_full[b] = named barrier kDsFullBarrier + b, b = i % 2, 256 threads: at step i the other
@@ -579,14 +590,27 @@ __global__ void __launch_bounds__(kThreads, 1)
 // phase is left open at exit. No wait cycle: a warpgroup only ever waits for the other's earlier step.
 // - Stage s (Q, dO, lse, delta) is released (empty[s], all 256 threads) after the step's dV/dK MMAs
 //   completed; the dQ MMAs read only dS and K.
+// - kBulkDq: the staging buffer is written at every step, by that step's dQ warpgroup, after
+//   dq_empty (mbarrier, count 1) completed the phase of the previous step: thread 0 of the warpgroup
+//   that issued the previous step's reduction waits until the bulk copy has read the buffer
+//   (cp.async.bulk.wait_group.read) and arrives, during its next step (then the other role) before its
+//   ds_full arrival, which the refilling warpgroup waits for first, so the refill rarely waits. Phase
+//   k completes at step k + 1 and is waited at step k + 1 (parity (k + 1) % 2 ^ 1; at step 0 the
+//   fresh barrier's "previous phase"); phase k + 1 needs the arrival of the warpgroup that waited for
+//   phase k, so no phase is skipped. The stores reach the bulk copy through each thread's
+//   fence.proxy.async and a barrier of the warpgroup's 128 threads (kDqStoreBarrier + cw) before
+//   thread 0 issues it; thread 0 waits for its last copy before the CTA can exit.
+// Named barriers cannot time out as the mbarrier waits do (mbar_wait_no_trap); this protocol (ds_full,
+// ds_free, dq_empty) was checked in a model against every interleaving tried of 1..11 steps.
 // The dQ accumulator tile holds this one 64 x 128 fragment in order: float4 j = 0..15, then thread t
 // = 0..127, then 4 floats: (j, t, e) is the accumulator element 4j + e of thread t, i.e. fragment row
 // 16·(t/32) + (t%32)/4 + 8·(e/2), column 8j + 2·(t%4) + e%2 (rows = d, columns = queries at D = 64;
 // rows = queries, columns = d at D = 128); dq_from_accum_alt_kernel inverts it.
-template <int D> struct AltTiles {
+template <int D, bool kBulkDq> struct AltTiles {
   static_assert(D == 64 || D == 128, "head_dim 64 or 128");
   static constexpr int kBlockM = BwdTiles<D>::kBlockM;  // the same query tiles: the same accumulator size
-  static constexpr int kStages = 3;
+  // 3 (Q, dO) stages, or 2 beside the dQ staging buffer (3 would exceed the 227 KB at D = 64).
+  static constexpr int kStages = kBulkDq ? 2 : 3;
   static constexpr int kColBlocks = D / kSwizzleElems;
   static constexpr uint32_t kKVColBlockBytes = kBlockN * kRowBytes;
   static constexpr uint32_t kKVBytes = kColBlocks * kKVColBlockBytes;
@@ -601,16 +625,23 @@ template <int D> struct AltTiles {
   static constexpr uint32_t kQOffset = kVOffset + kKVBytes;
   static constexpr uint32_t kDoOffset = kQOffset + kStages * kQBytes;
   static constexpr uint32_t kDsOffset = kDoOffset + kStages * kQBytes;
-  static constexpr uint32_t kLseOffset = kDsOffset + kDsBuffers * kDsBytes;  // f32 [kStages][kBlockM]
+  // kBulkDq: the step's dQ tile in f32 (the accumulator tile's order), read by the bulk reduction.
+  static constexpr uint32_t kDqStageOffset = kDsOffset + kDsBuffers * kDsBytes;
+  static constexpr uint32_t kDqStageBytes = kBulkDq ? kBlockM * D * 4 : 0;
+  static constexpr uint32_t kLseOffset = kDqStageOffset + kDqStageBytes;  // f32 [kStages][kBlockM]
   static constexpr uint32_t kDeltaOffset = kLseOffset + kStages * kBlockM * 4;
   static constexpr uint32_t kBarrierOffset = kDeltaOffset + kStages * kBlockM * 4;
-  static constexpr int kBarriers = 1 + 3 * kStages;  // kv_full, q_full[s], do_full[s], empty[s]
-  // D = 64: K 16 + V 16 + Q 3×16 + dO 3×16 + dS 2×32 KB = 192 KB (+3 KB rows);
-  // D = 128: K 32 + V 32 + Q 3×16 + dO 3×16 + dS 2×16 KB = 192 KB (+1.5 KB rows). +1024: alignment.
+  // kv_full, q_full[s], do_full[s], empty[s]; kBulkDq: dq_empty.
+  static constexpr int kBarriers = 1 + 3 * kStages + (kBulkDq ? 1 : 0);
+  static constexpr uint32_t kDqEmptyBarrier = kBarrierOffset + 8 * (1 + 3 * kStages);
+  // Red: D = 64: K 16 + V 16 + Q 3×16 + dO 3×16 + dS 2×32 KB = 192 KB (+3 KB rows); D = 128: K 32 +
+  // V 32 + Q 3×16 + dO 3×16 + dS 2×16 = 192 KB (+1.5 KB rows). Bulk: one (Q, dO) stage less, 32 KB of
+  // dQ staging: 192 KB (+2 / +1 KB rows). +1024: alignment.
   static constexpr uint32_t kSmemBytes = kBarrierOffset + 8 * kBarriers + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "shared memory per CTA");
   static_assert(kKVBytes % kAtomBytes == 0 && kQBytes % kAtomBytes == 0 && kDsBytes % kAtomBytes == 0,
                 "tiles are whole 1024-byte swizzle atoms");
+  static_assert(kDqStageOffset % 16 == 0, "the bulk reduction's source is 16-byte aligned");
   static_assert(kBarrierOffset % 8 == 0, "mbarriers are 8-byte aligned");
   static_assert(kBlockM % 32 == 0 && kBlockM % 16 == 0, "the producer's lanes and the stmatrix/MMA k-steps");
 
@@ -621,11 +652,13 @@ template <int D> struct AltTiles {
   static constexpr int kDqTileFloats = kBlockM * D;
   static_assert(2 * kSFloats + 2 * kKVFloats <= 192, "S/dP peak within 240 registers");
   static_assert(2 * kKVFloats + kDqFloats <= 192, "dK, dV and the dQ accumulator within 240 registers");
+  static_assert(!kBulkDq || kDqStageBytes == 4 * kDqTileFloats, "the staging buffer is one accumulator tile");
 };
 
 constexpr uint32_t kDsFullBarrier = 1;  // + step % 2 (named barrier ids; 0 is __syncthreads')
-constexpr uint32_t kDsFreeBarrier = 3;  // + step % 2
-static_assert(kDsFreeBarrier + 1 < 16, "16 named barriers");
+constexpr uint32_t kDsFreeBarrier = 3;   // + step % 2
+constexpr uint32_t kDqStoreBarrier = 5;  // + consumer warpgroup (kBulkDq: its 128 threads' staging stores)
+static_assert(kDqStoreBarrier + 1 < 16, "16 named barriers");
 
 // At D = 64, exp2 number i % 16 >= 16 - kFmaExp2Of16 of each thread's Sᵀ runs on exp2_poly. Per
 // element the step otherwise has ~4 FMA-pipe operations (the exponent argument, dP - delta, the
@@ -650,13 +683,13 @@ __device__ __forceinline__ float exp2_poly(float x) {
   return x < -125.0f ? 0.0f : r;
 }
 
-template <int D, bool kCausal, bool kFmaExp2>
+template <int D, bool kCausal, bool kFmaExp2, bool kBulkDq>
 __global__ void __launch_bounds__(kThreads, 1)
     bwd_alternate_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                          const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_do,
                          const BwdParams p) {
 #if LT_HOPPER_DEVICE_CODE
-  using Tl = AltTiles<D>;
+  using Tl = AltTiles<D, kBulkDq>;
   constexpr int M = Tl::kBlockM;
   constexpr int S = Tl::kStages;
   extern __shared__ unsigned char smem_raw[];
@@ -664,6 +697,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t smem = (raw + 1023u) & ~1023u;
   unsigned char* const smem_ptr = smem_raw + (smem - raw);  // the same address, generic
   const uint32_t sK = smem + Tl::kKOffset, sV = smem + Tl::kVOffset;
+  const uint32_t dq_empty = smem + Tl::kDqEmptyBarrier;  // kBulkDq
   auto sQ = [&](int s) { return smem + Tl::kQOffset + s * Tl::kQBytes; };
   auto sDo = [&](int s) { return smem + Tl::kDoOffset + s * Tl::kQBytes; };
   auto sDs = [&](int b) { return smem + Tl::kDsOffset + b * Tl::kDsBytes; };
@@ -689,6 +723,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_init(do_full(s), 32);
       mbar_init(empty(s), kConsumerThreads);
     }
+    if (kBulkDq) mbar_init(dq_empty, 1);  // thread 0 of the warpgroup that issued the reduction
     fence_barrier_init();
   }
   __syncthreads();
@@ -801,6 +836,14 @@ __global__ void __launch_bounds__(kThreads, 1)
       dsa[q] = pack_bf16(dpt[2 * q], dpt[2 * q + 1]);
     }
 
+    // kBulkDq: this warpgroup issued the previous step's dQ reduction (thread 0); once it has read the
+    // staging buffer, the dQ warpgroup of this step may refill it (dq_empty). Here, well after the
+    // issue, and before the ds_full arrival that the other warpgroup waits for ahead of its refill.
+    if (kBulkDq && !dq_turn && step > 0 && t == 0) {
+      bulk_wait_group_read<0>();
+      mbar_arrive(dq_empty);
+    }
+
     // dSᵀ into buffer b (the baseline's layout: per 64 queries a block of 128 key rows of 128 bytes,
     // chunk c of row r at c ^ (r % 8)). The other warpgroup first waits until the dQ warpgroup of step
     // - 2 has finished reading the buffer (ds_free); the dQ warpgroup read it itself and waited.
@@ -855,14 +898,38 @@ __global__ void __launch_bounds__(kThreads, 1)
       fence_operands(dq);
       named_barrier_arrive_if(kDsFreeBarrier + b, kConsumerThreads, step + 2 < steps);
 
-      // Into the f32 accumulator, this kernel's fragment order (above): a warp's red.v4 covers 512
-      // contiguous bytes.
-      float* const acc = p.dq_accum + (static_cast<int64_t>(head) * p.num_q_tiles + m) * Tl::kDqTileFloats + 4 * t;
+      if constexpr (kBulkDq) {
+        // Into the staging buffer in the accumulator tile's order (a warp's st.shared.v4 covers 512
+        // contiguous bytes, no bank conflict) once the previous step's reduction has read it (phase
+        // step - 1 of dq_empty; step 0: a fresh barrier's previous phase counts as complete); then,
+        // after every thread's stores and proxy fence (a barrier of this warpgroup), thread 0 adds the
+        // tile to the accumulator with one bulk reduction, performed at the L2.
+        mbar_wait_no_trap(dq_empty, (step & 1) ^ 1);
+        const uint32_t stage = smem + Tl::kDqStageOffset;
 #pragma unroll
-      for (int j = 0; j < Tl::kDqFloats / 4; ++j)
-        red_add_v4(acc + j * 4 * 128, dq[4 * j], dq[4 * j + 1], dq[4 * j + 2], dq[4 * j + 3]);
+        for (int j = 0; j < Tl::kDqFloats / 4; ++j)
+          st_shared_v4(stage + (j * 128 + t) * 16, dq[4 * j], dq[4 * j + 1], dq[4 * j + 2], dq[4 * j + 3]);
+        fence_proxy_async_shared();  // before the bulk reduction (async proxy) reads them
+        named_barrier_sync(kDqStoreBarrier + cw, 128);
+        if (t == 0) {
+          bulk_reduce_add_f32(p.dq_accum + (static_cast<int64_t>(head) * p.num_q_tiles + m) * Tl::kDqTileFloats,
+                              stage, Tl::kDqStageBytes);
+          bulk_commit_group();
+        }
+      } else {
+        // Into the f32 accumulator, this kernel's fragment order (above): a warp's red.v4 covers 512
+        // contiguous bytes.
+        float* const acc = p.dq_accum + (static_cast<int64_t>(head) * p.num_q_tiles + m) * Tl::kDqTileFloats + 4 * t;
+#pragma unroll
+        for (int j = 0; j < Tl::kDqFloats / 4; ++j)
+          red_add_v4(acc + j * 4 * 128, dq[4 * j], dq[4 * j + 1], dq[4 * j + 2], dq[4 * j + 3]);
+      }
     }
   }
+
+  // kBulkDq: the last reduction this thread issued (if any) completes before the CTA can exit (its
+  // source is this CTA's shared memory).
+  if (kBulkDq && t == 0) bulk_wait_group<0>();
 
   // ---- epilogue: dK = scale · Σ dSᵀ·Q, dV = Σ Pᵀ·dO for this warpgroup's keys (as the baseline) ----
   char* const dk_base = static_cast<char*>(p.dk);
@@ -947,7 +1014,7 @@ template <int D, class Out>
 __global__ void dq_from_accum_alt_kernel(Out* dq, int64_t dq_ts, int64_t dq_hs, const float* __restrict__ acc,
                                          int tq, int num_q_tiles, int64_t total_float4, float scale,
                                          bool accumulate) {
-  constexpr int M = AltTiles<D>::kBlockM;
+  constexpr int M = AltTiles<D, false>::kBlockM;
   const int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (idx >= total_float4) return;
   constexpr int kTileFloat4 = M * D / 4;
@@ -996,18 +1063,19 @@ void launch_bwd(const CUtensorMap& mq, const CUtensorMap& mk, const CUtensorMap&
   LT_CUDA_LAUNCH_CHECK("hopper_attention_bwd_kernel");
 }
 
-template <int D, bool kCausal, bool kFmaExp2>
+template <int D, bool kCausal, bool kFmaExp2, bool kBulkDq>
 void launch_bwd_alternate(const CUtensorMap& mq, const CUtensorMap& mk, const CUtensorMap& mv,
                           const CUtensorMap& mdo, const BwdParams& p, int kv_heads, int kv_tiles) {
-  auto* kernel = bwd_alternate_kernel<D, kCausal, kFmaExp2>;
+  using Tl = AltTiles<D, kBulkDq>;
+  auto* kernel = bwd_alternate_kernel<D, kCausal, kFmaExp2, kBulkDq>;
   static const bool configured = [kernel] {
     LT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       static_cast<int>(AltTiles<D>::kSmemBytes)));
+                                       static_cast<int>(Tl::kSmemBytes)));
     return true;
   }();
   (void)configured;
   const dim3 grid(static_cast<unsigned>(kv_heads), static_cast<unsigned>(kv_tiles));
-  kernel<<<grid, kThreads, AltTiles<D>::kSmemBytes, cuda_stream()>>>(mq, mk, mv, mdo, p);
+  kernel<<<grid, kThreads, Tl::kSmemBytes, cuda_stream()>>>(mq, mk, mv, mdo, p);
   LT_CUDA_LAUNCH_CHECK("hopper bwd_alternate_kernel");
 }
 
@@ -1015,7 +1083,9 @@ void launch_bwd_alternate(const CUtensorMap& mq, const CUtensorMap& mk, const CU
 template <int D>
 void launch_dq(BwdVariant variant, const OutView& dq, const float* acc, int tq, int hq, int num_q_tiles, float scale,
                bool accumulate) {
-  static_assert(BwdTiles<D>::kDqTileFloats == AltTiles<D>::kDqTileFloats, "one accumulator size for all variants");
+  static_assert(BwdTiles<D>::kDqTileFloats == AltTiles<D, false>::kDqTileFloats &&
+                    BwdTiles<D>::kDqTileFloats == AltTiles<D, true>::kDqTileFloats,
+                "one accumulator size for all variants");
   const int64_t total = static_cast<int64_t>(hq) * num_q_tiles * BwdTiles<D>::kDqTileFloats / 4;
   constexpr int kBlock = 256;
   const unsigned blocks = static_cast<unsigned>((total + kBlock - 1) / kBlock);
@@ -1043,10 +1113,13 @@ void launch_variant(BwdVariant variant, const CUtensorMap& mq, const CUtensorMap
       return;
     case BwdVariant::alternate:
       // exp2 on the FMA pipe only at D = 64 (at D = 128 the MUFU has half the relative load)
-      launch_bwd_alternate<D, kCausal, D == 64>(mq, mk, mv, mdo, p, kv_heads, kv_tiles);
+      launch_bwd_alternate<D, kCausal, D == 64, true>(mq, mk, mv, mdo, p, kv_heads, kv_tiles);
       return;
     case BwdVariant::alternate_mufu:
-      launch_bwd_alternate<D, kCausal, false>(mq, mk, mv, mdo, p, kv_heads, kv_tiles);
+      launch_bwd_alternate<D, kCausal, false, true>(mq, mk, mv, mdo, p, kv_heads, kv_tiles);
+      return;
+    case BwdVariant::alternate_red:
+      launch_bwd_alternate<D, kCausal, D == 64, false>(mq, mk, mv, mdo, p, kv_heads, kv_tiles);
       return;
   }
   LT_CHECK(false, "hopper attention backward: unknown variant {}", static_cast<int>(variant));
@@ -1114,15 +1187,18 @@ std::string backward_unsupported_reason(const OutView& dq, const OutView& dk, co
 BwdVariant parse_bwd_variant(const std::string& name, const char* source) {
   if (name == "alternate") return BwdVariant::alternate;
   if (name == "alternate-mufu") return BwdVariant::alternate_mufu;
+  if (name == "alternate-red") return BwdVariant::alternate_red;
   if (name == "baseline") return BwdVariant::baseline;
-  throw Error(fmt::format("{}: the hopper backward variant must be alternate, alternate-mufu or baseline, got '{}'",
-                          source, name));
+  throw Error(fmt::format(
+      "{}: the hopper backward variant must be alternate, alternate-mufu, alternate-red or baseline, got '{}'", source,
+      name));
 }
 
 const char* bwd_variant_name(BwdVariant variant) {
   switch (variant) {
     case BwdVariant::alternate: return "alternate";
     case BwdVariant::alternate_mufu: return "alternate-mufu";
+    case BwdVariant::alternate_red: return "alternate-red";
     case BwdVariant::baseline: return "baseline";
   }
   return "?";

@@ -320,4 +320,28 @@ static __device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t r0, u
                : "memory");
 }
 
+// 16 bytes into shared memory.
+static __device__ __forceinline__ void st_shared_v4(uint32_t addr, float a, float b, float c, float d) {
+  asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
+}
+
+// A bulk asynchronous reduction (the TMA unit, no tensor map): global[dst .. dst + bytes) += shared[src ..
+// src + bytes), f32 element-wise, performed at the L2; bytes a multiple of 16, both addresses 16-byte
+// aligned. Completion is tracked by the issuing thread's bulk async-groups (commit, wait below).
+static __device__ __forceinline__ void bulk_reduce_add_f32(float* dst, uint32_t src, uint32_t bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst), "r"(src),
+               "r"(bytes)
+               : "memory");
+}
+static __device__ __forceinline__ void bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// Until at most N of this thread's bulk groups are pending in reading their shared-memory source
+// (the source may then be overwritten; the global writes may still be in flight).
+template <int N> static __device__ __forceinline__ void bulk_wait_group_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+}
+// Until at most N of this thread's bulk groups are pending at all (writes performed).
+template <int N> static __device__ __forceinline__ void bulk_wait_group() {
+  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
 }  // namespace longtrain::attn::hopper::ptx

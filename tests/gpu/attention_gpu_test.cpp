@@ -495,7 +495,7 @@ INSTANTIATE_TEST_SUITE_P(
 // overwriting NaN or accumulating onto nonzero values, from O (bf16 or f32) or from delta, rows whose
 // lse is -inf (their O and delta NaN); and against cuDNN's backward on larger shapes, dK/dV bitwise
 // run twice. Every backward test runs every backward variant (BwdVariant: alternate, alternate-mufu,
-// baseline), with cases for the alternate kernel's turns: 1, 2, 3 and more steps per CTA (odd and
+// alternate-red, baseline), with cases for the alternate kernel's turns: 1, 2, 3 and more steps per CTA (odd and
 // even counts: the dQ turn alternates between the consumer warpgroups by step), 1, 2, 3 and 4 key
 // tiles. Skips without an sm_90 GPU.
 #ifdef LONGTRAIN_HAS_CUDA
@@ -944,7 +944,8 @@ struct HopperBwdCase {
 void PrintTo(const HopperBwdCase& c, std::ostream* os) { *os << c.name; }
 
 using attn::hopper::BwdVariant;
-constexpr BwdVariant kBwdVariants[] = {BwdVariant::alternate, BwdVariant::alternate_mufu, BwdVariant::baseline};
+constexpr BwdVariant kBwdVariants[] = {BwdVariant::alternate, BwdVariant::alternate_mufu, BwdVariant::alternate_red,
+                                       BwdVariant::baseline};
 
 std::string bwd_variant_id(BwdVariant v) {
   std::string id = attn::hopper::bwd_variant_name(v);
