@@ -245,7 +245,7 @@ TEST(TrainerConfig, UnknownKeysSuggestTheRightOne) {
             "cfg/test.yaml:2: unknown key train.max_steps (did you mean train.steps?)");
   // Nothing close: the section's keys are listed instead.
   EXPECT_EQ(load_error("attention:\n  xyzzy: 1\n"),
-            "cfg/test.yaml:2: unknown key attention.xyzzy; the keys of attention are schedule, causal");
+            "cfg/test.yaml:2: unknown key attention.xyzzy; the keys of attention are schedule, causal, kernel");
 }
 
 TEST(TrainerConfig, UnknownSectionsSuggestTheRightOne) {
