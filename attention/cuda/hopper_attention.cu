@@ -452,34 +452,14 @@ __device__ __forceinline__ void issue_pv(float (&o)[D / 2], const uint32_t (&pa)
   }
 }
 
-// 2^x for x <= 0 (a scaled score minus its row max) on the FMA and integer pipes instead of the
-// MUFU: x = j + f with j = round(x) and f in [-0.5, 0.5], 2^f by a degree-4 polynomial (max relative
-// error 2.6e-6, fitted for relative error; P is then rounded to bf16, 2^-9), 2^j added to the exponent
-// field. Adding 1.5·2^23 rounds x to the integer j in the low mantissa bits of t, and t's bits shifted
-// left by 23 are j << 23 (the bits above are 0x4B400000's, which the shift drops). x is clamped to
-// -125 so the exponent stays normal: 2^-125 stands in for 0, below any sum's rounding (never used
-// where a mask made x = -inf). Why: at D = 64 the MUFU's 16 exp2 per cycle and SM take as long as
-// the tile's GEMMs; moving a share of them to the 128-wide FMA pipe (FlashAttention-4's trick) takes
-// the exp2 unit off the critical path.
-__device__ __forceinline__ float exp2_fma(float x) {
-  x = fmaxf(x, -125.0f);
-  const float t = x + 12582912.0f;
-  const float f = x - (t - 12582912.0f);
-  float p = fmaf(0.009570069742398551f, f, 0.055917888117809456f);
-  p = fmaf(p, f, 0.24024745678622056f);
-  p = fmaf(p, f, 0.693121811640916f);
-  p = fmaf(p, f, 0.999999261185911f);
-  return __uint_as_float(__float_as_uint(p) + (__float_as_uint(t) << 23));
-}
-
 // The online softmax of one S tile in place (S becomes the unnormalised P = exp2(S·scale_log2 - base)):
 // the new row maxima (over the quad sharing a row), alpha = the factor for what came before, the
 // denominators. kCheckInf: a row may have seen only masked (-inf) scores so far; its max stays -inf
-// and 0 stands in as the base so that exp2(-inf - base) = 0, not NaN. kFmaExp2: kFmaExp2Of16 of
-// every 16 exp2 go to exp2_fma (only where nothing is masked). Two accumulators per row half halve
-// the dependent chains of fmax and add.
-constexpr int kFmaExp2Of16 = 3;  // ~19%: balances MUFU (16/clk) against ~10 FMA-pipe ops (128/clk) each
-template <bool kCheckInf, bool kFmaExp2>
+// and 0 stands in as the base so that exp2(-inf - base) = 0, not NaN. Two accumulators per row half
+// halve the dependent chains of fmax and add. Every exp2 is the MUFU's ex2: moving 3 of 16 to an FMA
+// polynomial (FlashAttention-4's trick) measured ~10% slower at D = 64 on the H200 (464 against 516
+// TFLOP/s at 16K), so it was removed.
+template <bool kCheckInf>
 __device__ __forceinline__ void online_softmax(float (&sc)[kBlockN / 2], float (&m_run)[2], float (&l_run)[2],
                                                float (&alpha)[2], const float scale_log2) {
   float mx[2][2] = {{m_run[0], m_run[0]}, {m_run[1], m_run[1]}};
@@ -500,16 +480,14 @@ __device__ __forceinline__ void online_softmax(float (&sc)[kBlockN / 2], float (
   for (int i = 0; i < kBlockN / 2; ++i) {
     const int h = (i / 2) % 2;
     const float x = fmaf(sc[i], scale_log2, -base[h]);
-    sc[i] = (kFmaExp2 && i % 16 >= 16 - kFmaExp2Of16) ? exp2_fma(x) : fast_exp2(x);
+    sc[i] = fast_exp2(x);
     sum[h][i % 2] += sc[i];
   }
 #pragma unroll
   for (int h = 0; h < 2; ++h) l_run[h] = l_run[h] * alpha[h] + (sum[h][0] + sum[h][1]);
 }
 
-// kFmaExp2: a share of the steady state's exp2 on the FMA pipe (exp2_fma); FwdVariant::overlap sets it
-// at D = 64, overlap_mufu never (at D = 128 the tensor cores, not the MUFU, bound the loop).
-template <int D, bool kCausal, bool kF32Out, bool kMerge, bool kFmaExp2>
+template <int D, bool kCausal, bool kF32Out, bool kMerge>
 __global__ void __launch_bounds__(OverlapTiles<D>::kThreads, 1)
     fwd_overlap_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                        const __grid_constant__ CUtensorMap tm_v, const Params p) {
@@ -658,7 +636,7 @@ __global__ void __launch_bounds__(OverlapTiles<D>::kThreads, 1)
       mbar_arrive_if(k_empty(0), warp_leader);
       if (n_masked > 0) mask(sc, 0);
       float alpha[2];  // unused: O is still zero
-      online_softmax<true, false>(sc, m_run, l_run, alpha, p.scale_log2);
+      online_softmax<true>(sc, m_run, l_run, alpha, p.scale_log2);
       to_p(sc);
     }
 
@@ -681,7 +659,7 @@ __global__ void __launch_bounds__(OverlapTiles<D>::kThreads, 1)
       mbar_arrive_if(k_empty(i % S), warp_leader);
       if constexpr (kMasked) mask(sc, i);
       float alpha[2];
-      online_softmax<kMasked, kFmaExp2 && !kMasked>(sc, m_run, l_run, alpha, p.scale_log2);
+      online_softmax<kMasked>(sc, m_run, l_run, alpha, p.scale_log2);
       wgmma_wait<0>();  // P(i-1)·V(i-1) is complete: O may be rescaled, P's registers rewritten
       fence_operands(o);
       fence_operands(sc);  // keeps the bf16 packing of P(i) after the wait (P(i-1) is read until then)
@@ -760,11 +738,11 @@ int block_rows(FwdVariant variant, int64_t head_dim) {
   return head_dim == 64 ? OverlapTiles<64>::kBlockM : OverlapTiles<128>::kBlockM;
 }
 
-template <int D, bool kCausal, bool kF32Out, bool kMerge, bool kFmaExp2>
+template <int D, bool kCausal, bool kF32Out, bool kMerge>
 void launch_overlap(const CUtensorMap& mq, const CUtensorMap& mk, const CUtensorMap& mv, const Params& p,
                     int q_heads) {
   using Tl = OverlapTiles<D>;
-  auto* kernel = fwd_overlap_kernel<D, kCausal, kF32Out, kMerge, kFmaExp2>;
+  auto* kernel = fwd_overlap_kernel<D, kCausal, kF32Out, kMerge>;
   static const bool configured = [kernel] {
     LT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        static_cast<int>(Tl::kSmemBytes)));
@@ -792,14 +770,7 @@ void launch(FwdVariant variant, const CUtensorMap& mq, const CUtensorMap& mk, co
         <<<grid, kThreads, Tiles<D>::kSmemBytes, cuda_stream()>>>(mq, mk, mv, p);
     LT_CUDA_LAUNCH_CHECK("hopper fwd_baseline_kernel");
   } else {
-    if constexpr (D == 64) {
-      if (variant == FwdVariant::overlap) {
-        launch_overlap<D, kCausal, kF32Out, kMerge, true>(mq, mk, mv, p, q_heads);
-        return;
-      }
-    }
-    // overlap_mufu, and overlap at D = 128 (the same kernel there)
-    launch_overlap<D, kCausal, kF32Out, kMerge, false>(mq, mk, mv, p, q_heads);
+    launch_overlap<D, kCausal, kF32Out, kMerge>(mq, mk, mv, p, q_heads);
   }
 }
 
@@ -872,16 +843,14 @@ std::string unsupported_reason(const OutView& o, const StatsView& lse, const Vie
 
 FwdVariant parse_fwd_variant(const std::string& name, const char* source) {
   if (name == "overlap") return FwdVariant::overlap;
-  if (name == "overlap-mufu") return FwdVariant::overlap_mufu;
   if (name == "baseline") return FwdVariant::baseline;
-  throw Error(fmt::format("{}: the hopper forward variant must be overlap, overlap-mufu or baseline, got '{}'", source,
+  throw Error(fmt::format("{}: the hopper forward variant must be overlap or baseline, got '{}'", source,
                           name));
 }
 
 const char* fwd_variant_name(FwdVariant variant) {
   switch (variant) {
     case FwdVariant::overlap: return "overlap";
-    case FwdVariant::overlap_mufu: return "overlap-mufu";
     case FwdVariant::baseline: return "baseline";
   }
   return "?";

@@ -47,15 +47,13 @@ std::string unsupported_reason(const OutView& o, const StatsView& lse, const Vie
 // - overlap (the default): FlashAttention-3's schedule: within a consumer warpgroup the softmax of
 //   K/V tile n runs while the tensor cores compute P(n-1)·V(n-1), and the consumer warpgroups take
 //   turns issuing their GEMMs (ping-pong) so one's softmax runs while another's GEMMs do; head dim 64
-//   uses 192-row CTAs (three consumer warpgroups), head dim 128 uses 128-row CTAs (two). At head dim
-//   64, 3 of every 16 exp2 of the unmasked tiles are computed on the FMA pipe (a polynomial), not the
-//   MUFU, which is as busy as the tensor cores there;
-// - overlap_mufu ("overlap-mufu"): the same with every exp2 on the MUFU (identical at head dim 128);
+//   uses 192-row CTAs (three consumer warpgroups), head dim 128 uses 128-row CTAs (two). Every exp2
+//   on the MUFU (an FMA-pipe polynomial for a share of them measured ~10% slower at head dim 64);
 // - baseline: the first kernel: per tile S = Q·Kᵀ, wait, softmax, O += P·V, wait; nothing overlaps
 //   inside a warpgroup. Kept to measure against and to fall back to.
-enum class FwdVariant { overlap, overlap_mufu, baseline };
+enum class FwdVariant { overlap, baseline };
 
-// LONGTRAIN_HOPPER_FWD_VARIANT (overlap, overlap-mufu or baseline), read once; overlap when unset.
+// LONGTRAIN_HOPPER_FWD_VARIANT (overlap or baseline), read once; overlap when unset.
 // Throws on any other value.
 FwdVariant default_fwd_variant();
 const char* fwd_variant_name(FwdVariant variant);

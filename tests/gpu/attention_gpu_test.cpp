@@ -488,7 +488,7 @@ INSTANTIATE_TEST_SUITE_P(
 // sentinel), token-major and head-major LSE, Q/K/V as views of one fused QKV buffer; then merge mode
 // (a block merged into a running f32 partial, including empty NaN rows) against the whole, and
 // hopper against cuDNN on a larger shape, bitwise run twice. Every forward test runs every forward
-// variant (FwdVariant: overlap, overlap-mufu, baseline). Then the backward (hopper_attention_bwd.cu)
+// variant (FwdVariant: overlap, baseline). Then the backward (hopper_attention_bwd.cu)
 // through attention_block_backward under the hopper policy, against the CPU reference: head dims 64
 // and 128, MHA/GQA/MQA, causal and unmasked, lengths 1, 127, 129, 777 and Tq != Tk, bf16 and f32
 // dq/dk/dv inside padded buffers (sentinels must survive) or side by side in one fused dQKV buffer,
@@ -629,7 +629,7 @@ struct HopperCase {
 void PrintTo(const HopperCase& c, std::ostream* os) { *os << c.name; }
 
 using attn::hopper::FwdVariant;
-constexpr FwdVariant kVariants[] = {FwdVariant::overlap, FwdVariant::overlap_mufu, FwdVariant::baseline};
+constexpr FwdVariant kVariants[] = {FwdVariant::overlap, FwdVariant::baseline};
 
 // A variant's name as a test name part (gtest allows letters, digits and '_').
 std::string variant_id(FwdVariant v) {
