@@ -10,12 +10,12 @@
 // memory layouts (bshd: [S, H, D] per tensor; bhsd: head-major [H, S, D], as the anchor's tensors are),
 // to show what the fused token-major layout costs cuDNN. --kernel picks what is timed: cudnn (the
 // default: everything above), hopper (our sm_90a kernels on the same fused buffers: the forward,
-// attention/cuda/hopper_attention.cu, in its default variant: overlap unless
+// attention/cuda/hopper_attention.cu, in its default variant: persistent unless
 // LONGTRAIN_HOPPER_FWD_VARIANT says otherwise; and forward + backward, the backward
 // attention/cuda/hopper_attention_bwd.cu: delta from O by attention_delta, then dQ/dK/dV overwritten
 // in the fused bf16 dQKV buffer, as the model's one-rank backward runs it under the hopper policy),
-// hopper-<variant> (hopper-overlap, hopper-overlap-mufu, hopper-baseline: hopper_attention.h,
-// FwdVariant), or a list of them, e.g. cudnn,hopper-overlap,hopper-overlap-mufu,hopper-baseline: each
+// hopper-<variant> (hopper-persistent, hopper-persistent-flat, hopper-overlap, hopper-baseline:
+// hopper_attention.h, FwdVariant), or a list of them, e.g. cudnn,hopper-persistent,hopper-overlap: each
 // hopper variant is timed (its forward, and with our backward), the backward alone once per shape,
 // and, with cudnn in the list, each gets its speed ratios to cuDNN and the largest |O_hopper - O_cudnn|
 // and |LSE_hopper - LSE_cudnn| of the two forwards, and the shape the largest dQ/dK/dV differences
@@ -24,7 +24,7 @@
 //
 //   attention_bench [--lengths 4096,16384,65536] [--anchor attn_anchor.json] [--out result.json]
 //                   [--commit SHA] [--warmup 3] [--reps 10] [--kv-heads 32,8] [--head-dim 128]
-//                   [--layouts bshd,bhsd] [--kernel cudnn,hopper,hopper-overlap,hopper-overlap-mufu,...]
+//                   [--layouts bshd,bhsd] [--kernel cudnn,hopper,hopper-persistent,hopper-overlap,...]
 //
 // Timing as the anchor does it: CUDA events around each call, the median of the timed runs.
 // FLOPs count the causal half: fwd = 4·Hq·S²·D / 2, fwd+bwd = 3.5 × fwd.
