@@ -10,14 +10,14 @@
 // memory layouts (bshd: [S, H, D] per tensor; bhsd: head-major [H, S, D], as the anchor's tensors are),
 // to show what the fused token-major layout costs cuDNN. --kernel picks what is timed: cudnn (the
 // default: everything above), hopper (our sm_90a kernels on the same fused buffers: the forward,
-// attention/cuda/hopper_attention.cu, in its default variant: overlap unless
+// attention/cuda/hopper_attention.cu, in its default variant: persistent unless
 // LONGTRAIN_HOPPER_FWD_VARIANT says otherwise; and forward + backward, the backward
 // attention/cuda/hopper_attention_bwd.cu: delta from O by attention_delta, then dQ/dK/dV overwritten
 // in the fused bf16 dQKV buffer, as the model's one-rank backward runs it under the hopper policy),
-// hopper-<variant> (hopper-overlap, hopper-overlap-mufu, hopper-baseline: hopper_attention.h,
-// FwdVariant), hopper-bwd-<variant> (hopper-bwd-alternate, hopper-bwd-alternate-mufu,
-// hopper-bwd-baseline: BwdVariant), or a list of them, e.g.
-// cudnn,hopper-overlap,hopper-baseline,hopper-bwd-alternate,hopper-bwd-baseline: each hopper forward
+// hopper-<variant> (hopper-persistent, hopper-persistent-flat, hopper-overlap, hopper-baseline:
+// hopper_attention.h, FwdVariant), hopper-bwd-<variant> (hopper-bwd-alternate,
+// hopper-bwd-alternate-mufu, hopper-bwd-alternate-red, hopper-bwd-baseline: BwdVariant), or a list of
+// them, e.g. cudnn,hopper-persistent,hopper-bwd-alternate,hopper-bwd-baseline: each hopper forward
 // variant is timed (its forward, and with our backward in its default variant), the default backward
 // alone once per shape, each hopper-bwd variant alone (delta + backward, after our forward); with cudnn
 // in the list, each forward variant gets its speed ratios to cuDNN and the largest |O_hopper - O_cudnn|
@@ -28,7 +28,7 @@
 //
 //   attention_bench [--lengths 4096,16384,65536] [--anchor attn_anchor.json] [--out result.json]
 //                   [--commit SHA] [--warmup 3] [--reps 10] [--kv-heads 32,8] [--head-dim 128]
-//                   [--layouts bshd,bhsd] [--kernel cudnn,hopper,hopper-overlap,...,hopper-bwd-alternate,...]
+//                   [--layouts bshd,bhsd] [--kernel cudnn,hopper,hopper-persistent,...,hopper-bwd-alternate,...]
 //
 // Timing as the anchor does it: CUDA events around each call, the median of the timed runs.
 // FLOPs count the causal half: fwd = 4·Hq·S²·D / 2, fwd+bwd = 3.5 × fwd.

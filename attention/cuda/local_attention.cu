@@ -548,9 +548,13 @@ void hopper_block_backward(Tensor dq, Tensor dk, Tensor dv, Tensor q, Tensor k, 
 
 }  // namespace
 
-void attention_block_backward(Tensor dq, Tensor dk, Tensor dv, Tensor q, Tensor k, Tensor v, Tensor d_o, Tensor lse,
-                              Tensor o, Tensor delta, BlockMask mask, double scale, GradMode mode) {
-  const char* op = "attention_block_backward";
+namespace {
+
+// The arguments of a backward call (block or segments): q, k, v and their gradients' shapes, a bf16
+// d_o of q's shape, lse [Tq, Hq], and exactly one of o (the final O) and delta.
+void check_backward_args(const char* op, const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& q,
+                         const Tensor& k, const Tensor& v, const Tensor& d_o, const Tensor& lse, const Tensor& o,
+                         const Tensor& delta) {
   check_qkv(op, q, k, v);
   check_rows(op, dq, "dq", q);
   check_rows(op, dk, "dk", k);
@@ -558,8 +562,7 @@ void attention_block_backward(Tensor dq, Tensor dk, Tensor dv, Tensor q, Tensor 
   check_tensor(d_o, 3, op, "d_o");
   check_dtype(d_o, DType::bf16, op, "d_o");
   check_same_shape(d_o, q, op);
-  const int64_t tq = q.size(0), tk = k.size(0), hq = q.size(1), hkv = k.size(1), d = q.size(2);
-  check_stats(op, lse, "lse", tq, hq);
+  check_stats(op, lse, "lse", q.size(0), q.size(1));
   const bool from_o = o.ndim != 0;
   LT_CHECK(from_o != (delta.ndim != 0),
            "{}: pass exactly one of o (the final O of the query rows) and delta = rowsum(dO ⊙ O), got o {} and "
@@ -568,8 +571,17 @@ void attention_block_backward(Tensor dq, Tensor dk, Tensor dv, Tensor q, Tensor 
   if (from_o) {
     check_rows(op, o, "o", q);
   } else {
-    check_stats(op, delta, "delta", tq, hq);
+    check_stats(op, delta, "delta", q.size(0), q.size(1));
   }
+}
+
+}  // namespace
+
+void attention_block_backward(Tensor dq, Tensor dk, Tensor dv, Tensor q, Tensor k, Tensor v, Tensor d_o, Tensor lse,
+                              Tensor o, Tensor delta, BlockMask mask, double scale, GradMode mode) {
+  const char* op = "attention_block_backward";
+  check_backward_args(op, dq, dk, dv, q, k, v, d_o, lse, o, delta);
+  const int64_t tq = q.size(0), tk = k.size(0), hq = q.size(1), hkv = k.size(1), d = q.size(2);
   const bool causal = mask == BlockMask::causal_diagonal;
   LT_CHECK(!causal || tq == tk, "{}: a causal_diagonal block needs as many queries as keys, got {} and {}", op, tq, tk);
   const bool overwrite = mode == GradMode::overwrite;
@@ -658,18 +670,9 @@ void segments_backward(Tensor dq, Tensor dk, Tensor dv, Tensor q, Tensor k, Tens
                        Tensor o, Tensor delta, const std::vector<Segment>& segments, BlockMask mask, double scale,
                        GradMode mode) {
   const char* op = "attention_segments_backward";
-  check_qkv(op, q, k, v);
-  check_rows(op, dq, "dq", q);
-  check_rows(op, dk, "dk", k);
-  check_rows(op, dv, "dv", v);
-  check_tensor(d_o, 3, op, "d_o");
-  check_dtype(d_o, DType::bf16, op, "d_o");
-  check_same_shape(d_o, q, op);
+  check_backward_args(op, dq, dk, dv, q, k, v, d_o, lse, o, delta);
   const int64_t tq = q.size(0), tk = k.size(0), hq = q.size(1), hkv = k.size(1), d = q.size(2);
-  check_stats(op, lse, "lse", tq, hq);
   const bool from_o = o.ndim != 0;
-  LT_CHECK(from_o != (delta.ndim != 0), "{}: pass exactly one of o and delta; the other must be an empty Tensor{{}}",
-           op);
   const bool causal = mask == BlockMask::causal_diagonal;
   const RowView qrows = contiguous_rows(tq, hq, d), krows = contiguous_rows(tk, hkv, d);
   const size_t qbytes = static_cast<size_t>(tq * hq * d) * sizeof(__nv_bfloat16);

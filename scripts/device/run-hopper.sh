@@ -27,8 +27,8 @@ for stage in $STAGES; do
         set -- $shape; D=$1; KV=$2
         OUT=$W HEAD_DIM=$D KV_HEADS=$KV timeout 150 python3 .device/anchors/attn_anchor.py > $W/attn_anchor_d$D.log 2>&1
         stamp "attn anchor d$D rc $?"; tail -c 300 $W/attn_anchor_d$D.log
-        anchor=$W/attn_anchor_h32_d$D.json
-        kernels=cudnn,hopper-overlap,hopper-baseline; [ $D = 64 ] && kernels=$kernels,hopper-overlap-mufu
+        anchor=$W/attn_anchor_h32_d$D.json; [ $D = 128 ] && anchor=$W/attn_anchor.json  # the anchor's own names
+        kernels=cudnn,hopper-persistent,hopper-persistent-flat,hopper-overlap,hopper-baseline
         timeout 200 $B/bench/attention_bench --kernel $kernels --lengths 16384,65536 --head-dim $D --kv-heads $KV \
           --reps 5 --commit $COMMIT $( [ -f $anchor ] && echo --anchor $anchor ) --out $W/attention_d$D.json \
           > $W/attention_d$D.log 2>&1
