@@ -13,7 +13,7 @@ HOPPER_TESTS='*Hopper*:ScheduleBlocksInSequence.*:KernelChoiceAuto.*'
 for stage in $STAGES; do
   case $stage in
     tests)
-      timeout 240 $B/tests/gpu/gpu_test --gtest_filter="$HOPPER_TESTS" --gtest_output=json:$W/hopper_tests.json \
+      timeout 300 $B/tests/gpu/gpu_test --gtest_filter="$HOPPER_TESTS" --gtest_output=json:$W/hopper_tests.json \
         > $W/hopper_tests.log 2>&1
       stamp "hopper tests rc $?"; grep -E "^\[  (FAILED|PASSED) |tests ran" $W/hopper_tests.log | tail -30
       timeout 200 $B/tests/gpu/gpu_test --gtest_filter="-$HOPPER_TESTS" > $W/gpu_rest.log 2>&1
@@ -28,8 +28,12 @@ for stage in $STAGES; do
         OUT=$W HEAD_DIM=$D KV_HEADS=$KV timeout 150 python3 .device/anchors/attn_anchor.py > $W/attn_anchor_d$D.log 2>&1
         stamp "attn anchor d$D rc $?"; tail -c 300 $W/attn_anchor_d$D.log
         anchor=$W/attn_anchor_h32_d$D.json; [ $D = 128 ] && anchor=$W/attn_anchor.json  # the anchor's own names
+        # Every forward variant, then every backward variant alone (alternate-mufu differs from alternate
+        # only at head dim 64), each beside cuDNN with its largest differences from it.
         kernels=cudnn,hopper-persistent,hopper-persistent-flat,hopper-overlap,hopper-baseline
-        timeout 200 $B/bench/attention_bench --kernel $kernels --lengths 16384,65536 --head-dim $D --kv-heads $KV \
+        kernels=$kernels,hopper-bwd-alternate,hopper-bwd-alternate-red,hopper-bwd-baseline
+        [ $D = 64 ] && kernels=$kernels,hopper-bwd-alternate-mufu
+        timeout 240 $B/bench/attention_bench --kernel $kernels --lengths 16384,65536 --head-dim $D --kv-heads $KV \
           --reps 5 --commit $COMMIT $( [ -f $anchor ] && echo --anchor $anchor ) --out $W/attention_d$D.json \
           > $W/attention_d$D.log 2>&1
         stamp "attention_bench d$D rc $?"; grep -vE "^\s*$" $W/attention_d$D.log | tail -16
