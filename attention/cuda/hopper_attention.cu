@@ -33,6 +33,7 @@
 //   LBO = the distance between column blocks (the next 64 of head_dim), SBO = 1024 bytes (the next 8
 //   keys); the 16 keys of the k-th step start 16·128·k bytes in.
 #include "attention/cuda/hopper_attention.h"
+#include "attention/cuda/hopper_host.h"
 #include "attention/cuda/hopper_ptx.cuh"
 
 #include <cuda.h>  // CUtensorMap and its enums only: the encode function comes from the driver at run time
@@ -862,45 +863,6 @@ __global__ void __launch_bounds__(OverlapTiles<D, kPersistent>::kThreads, 1)
 
 // ---- host side ---------------------------------------------------------------------------------------
 
-using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
-                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
-                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-
-// cuTensorMapEncodeTiled from the driver through the runtime, so longtrain does not link libcuda.
-EncodeTiledFn encode_tiled() {
-  static const EncodeTiledFn fn = [] {
-    void* f = nullptr;
-    cudaDriverEntryPointQueryResult found{};
-    LT_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &found));
-    LT_CHECK(found == cudaDriverEntryPointSuccess && f != nullptr,
-             "hopper attention: the CUDA driver does not provide cuTensorMapEncodeTiled (a CUDA 12 or newer driver "
-             "is needed); unset LONGTRAIN_ATTENTION_KERNEL to use cuDNN");
-    return reinterpret_cast<EncodeTiledFn>(f);
-  }();
-  return fn;
-}
-
-// A TMA map over the bf16 [tokens, heads, dim] view: dims (dim, heads, tokens) innermost first, byte
-// strides of heads and tokens, box (64 of dim, 1 head, `rows` tokens), 128-byte swizzle, zero fill.
-CUtensorMap tensor_map(const View& v, int rows, const char* name) {
-  CUtensorMap map;
-  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(v.dim), static_cast<cuuint64_t>(v.heads),
-                              static_cast<cuuint64_t>(v.tokens)};
-  // With one head its stride is never used; any multiple of 16 bytes satisfies the encoder.
-  const int64_t head_bytes = v.heads > 1 ? v.head_stride * 2 : v.dim * 2;
-  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(head_bytes), static_cast<cuuint64_t>(v.token_stride * 2)};
-  const cuuint32_t box[3] = {static_cast<cuuint32_t>(kSwizzleElems), 1u, static_cast<cuuint32_t>(rows)};
-  const cuuint32_t elem_strides[3] = {1u, 1u, 1u};
-  const CUresult r = encode_tiled()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, v.data, dims, strides, box,
-                                    elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                                    CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  LT_CHECK(r == CUDA_SUCCESS,
-           "hopper attention: cuTensorMapEncodeTiled rejected {} (tokens {}, heads {}, dim {}, token stride {}, head "
-           "stride {} elements, address {}): CUresult {}",
-           name, v.tokens, v.heads, v.dim, v.token_stride, v.head_stride, v.data, static_cast<int>(r));
-  return map;
-}
-
 // Query rows per CTA of each variant (the Q tensor map's box and the grid's tiles).
 int block_rows(FwdVariant variant, int64_t head_dim) {
   if (variant == FwdVariant::baseline) return kBlockM;
@@ -1007,42 +969,16 @@ void launch(FwdVariant variant, const CUtensorMap& mq, const CUtensorMap& mk, co
   }
 }
 
-bool sm90_device() {
-  static const bool yes = [] {
-    int dev = 0, major = 0, minor = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess) return false;
-    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) return false;
-    if (cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess) return false;
-    return major == 9 && minor == 0;
-  }();
-  return yes;
-}
-
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
-std::string check_input(const View& v, const char* name) {
-  if (v.data == nullptr) return fmt::format("{} has no data", name);
-  if (!aligned16(v.data))
-    return fmt::format("{} must start at a 16-byte aligned address for TMA, got {}", name, v.data);
-  if (v.token_stride % 8 != 0 || (v.heads > 1 && v.head_stride % 8 != 0))
-    return fmt::format("{}'s token stride {} and head stride {} (elements) must be multiples of 8 (16 bytes) for TMA",
-                       name, v.token_stride, v.head_stride);
-  if (v.token_stride <= 0 || (v.heads > 1 && v.head_stride <= 0))
-    return fmt::format("{}'s strides must be positive, got token stride {} and head stride {}", name, v.token_stride,
-                       v.head_stride);
-  return {};
-}
-
 }  // namespace
 
 bool supported(int64_t head_dim, int64_t q_heads, int64_t kv_heads) {
   return (head_dim == 64 || head_dim == 128) && kv_heads > 0 && q_heads > 0 && q_heads % kv_heads == 0 &&
-         sm90_device();
+         host::sm90_device();
 }
 
 std::string unsupported_reason(const OutView& o, const StatsView& lse, const View& q, const View& k, const View& v,
                                bool causal, bool merge) {
-  if (!sm90_device()) return "the hopper attention kernel needs an sm_90 (H100/H200) GPU";
+  if (!host::sm90_device()) return "the hopper attention kernel needs an sm_90 (H100/H200) GPU";
   if (q.dim != 64 && q.dim != 128) return fmt::format("head_dim must be 64 or 128, got {}", q.dim);
   if (k.dim != q.dim || v.dim != q.dim || o.dim != q.dim)
     return fmt::format("q, k, v and o must share head_dim, got {}, {}, {}, {}", q.dim, k.dim, v.dim, o.dim);
@@ -1056,7 +992,7 @@ std::string unsupported_reason(const OutView& o, const StatsView& lse, const Vie
   if (q.tokens > int64_t{65535} * kBlockM || k.tokens > (int64_t{1} << 30))
     return fmt::format("Tq {} / Tk {} too long for one call", q.tokens, k.tokens);
   for (const auto& [view, name] : {std::pair{&q, "q"}, std::pair{&k, "k"}, std::pair{&v, "v"}}) {
-    std::string why = check_input(*view, name);
+    std::string why = host::check_tma_input(*view, name);
     if (!why.empty()) return why;
   }
   if (o.tokens != q.tokens || o.heads != q.heads)
@@ -1116,7 +1052,7 @@ void forward(const OutView& o, const StatsView& lse, const View& q, const View& 
   LT_CHECK(scale > 0.0f && std::isfinite(scale), "hopper attention forward: scale must be positive and finite, got {}",
            scale);
   const int rows = block_rows(variant, q.dim);
-  const CUtensorMap mq = tensor_map(q, rows, "q"), mk = tensor_map(k, kBlockN, "k"), mv = tensor_map(v, kBlockN, "v");
+  const CUtensorMap mq = host::tile_map(q, rows, "q"), mk = host::tile_map(k, kBlockN, "k"), mv = host::tile_map(v, kBlockN, "v");
   Params p{};
   p.o = o.data;
   p.o_ts = o.token_stride;

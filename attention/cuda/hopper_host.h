@@ -1,7 +1,6 @@
 // Host-side helpers of our Hopper attention kernels: the TMA tensor maps over bf16 [tokens, heads,
-// dim] views, the sm_90 device check, and the TMA alignment checks of an input view. Used by the
-// backward (hopper_attention_bwd.cu); the forward (hopper_attention.cu) still has its own copies of
-// the same code and can switch to these.
+// dim] views, the sm_90 device check, and the TMA alignment checks of an input view, shared by the
+// forward (hopper_attention.cu) and the backward (hopper_attention_bwd.cu).
 #pragma once
 
 #include <cuda.h>  // CUtensorMap and its enums only: the encode function comes from the driver at run time
