@@ -907,12 +907,6 @@ TEST(HopperAttentionPersistent, L2SectionsMatchCpuReferenceAndOneSection) {
 
 // ---- the Hopper backward ------------------------------------------------------------------------------
 
-// Restores the kernel policy in force when the scope began.
-struct PolicyScope {
-  attn::KernelPolicy saved = attn::kernel_policy();
-  explicit PolicyScope(attn::KernelPolicy p) { attn::set_kernel_policy(p); }
-  ~PolicyScope() { attn::set_kernel_policy(saved); }
-};
 
 // dq, dk, dv inside buffers whose every other element holds kSentinel: three separate buffers
 // [T + 3, H·D + 8], or (fused, Tq == Tk) one [T + 3, (Hq + 2·Hkv)·D + 8] buffer with the three views

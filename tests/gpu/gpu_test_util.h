@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "attention/local_attention.h"
 #include "runtime/device.h"
 #include "runtime/tensor.h"
 #include "test_util.h"
@@ -131,5 +132,15 @@ inline void expect_close(const std::string& what, DType storage, const std::vect
     }
   }
 }
+
+// Sets the attention kernel policy (cudnn, hopper, auto) for a scope and restores the one in force
+// before it (the policy is process-wide; a decided shape under auto stays decided).
+struct PolicyScope {
+  attn::KernelPolicy saved = attn::kernel_policy();
+  explicit PolicyScope(attn::KernelPolicy p) { attn::set_kernel_policy(p); }
+  ~PolicyScope() { attn::set_kernel_policy(saved); }
+  PolicyScope(const PolicyScope&) = delete;
+  PolicyScope& operator=(const PolicyScope&) = delete;
+};
 
 }  // namespace longtrain::test

@@ -25,12 +25,6 @@ namespace {
 
 using attn::BlockMask;
 
-// Restores the policy in force when the test started.
-struct PolicyScope {
-  attn::KernelPolicy saved = attn::kernel_policy();
-  explicit PolicyScope(attn::KernelPolicy p) { attn::set_kernel_policy(p); }
-  ~PolicyScope() { attn::set_kernel_policy(saved); }
-};
 
 const attn::KernelChoice* find_choice(const std::vector<attn::KernelChoice>& all, const std::string& part) {
   for (const auto& c : all)

@@ -171,13 +171,6 @@ TEST(ScheduleBlocksInSequence, HopperF32PartialsKeepTwoRanksErrorAtOneRanks) {
   }
 }
 
-// Restores the kernel policy in force when the scope began.
-struct PolicyScope {
-  attn::KernelPolicy saved = attn::kernel_policy();
-  explicit PolicyScope(attn::KernelPolicy p) { attn::set_kernel_policy(p); }
-  ~PolicyScope() { attn::set_kernel_policy(saved); }
-};
-
 struct Grads {
   std::vector<double> dq, dk, dv;
 };
