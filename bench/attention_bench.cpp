@@ -10,25 +10,23 @@
 // memory layouts (bshd: [S, H, D] per tensor; bhsd: head-major [H, S, D], as the anchor's tensors are),
 // to show what the fused token-major layout costs cuDNN. --kernel picks what is timed: cudnn (the
 // default: everything above), hopper (our sm_90a kernels on the same fused buffers: the forward,
-// attention/cuda/hopper_attention.cu, in its default variant: persistent unless
+// attention/cuda/hopper_attention.cu, in its default variant: overlap unless
 // LONGTRAIN_HOPPER_FWD_VARIANT says otherwise; and forward + backward, the backward
 // attention/cuda/hopper_attention_bwd.cu: delta from O by attention_delta, then dQ/dK/dV overwritten
 // in the fused bf16 dQKV buffer, as the model's one-rank backward runs it under the hopper policy),
 // hopper-<variant> (hopper-persistent, hopper-persistent-flat, hopper-overlap, hopper-baseline:
-// hopper_attention.h, FwdVariant), hopper-bwd-<variant> (hopper-bwd-alternate,
-// hopper-bwd-alternate-mufu, hopper-bwd-alternate-red, hopper-bwd-baseline: BwdVariant), or a list of
-// them, e.g. cudnn,hopper-persistent,hopper-bwd-alternate,hopper-bwd-baseline: each hopper forward
-// variant is timed (its forward, and with our backward in its default variant), the default backward
-// alone once per shape, each hopper-bwd variant alone (delta + backward, after our forward); with cudnn
-// in the list, each forward variant gets its speed ratios to cuDNN and the largest |O_hopper - O_cudnn|
-// and |LSE_hopper - LSE_cudnn| of the two forwards, and each backward (the default one, and every
-// hopper-bwd variant) the largest dQ/dK/dV differences from cuDNN's backward (both from the same O
-// and LSE, our forward's) and its speed ratio to cuDNN's backward (cuDNN-only fwd+bwd minus fwd, the
-// same calls). Given an anchor, the hopper rows get their fwd and fwd+bwd ratios to torch's rows too.
+// hopper_attention.h, FwdVariant), or a list of them, e.g. cudnn,hopper-overlap,hopper-baseline: each
+// hopper forward variant is timed (its forward, and with our backward), our backward alone once per
+// shape (delta + backward, after our forward); with cudnn in the list, each forward variant gets its
+// speed ratios to cuDNN and the largest |O_hopper - O_cudnn| and |LSE_hopper - LSE_cudnn| of the two
+// forwards, and our backward the largest dQ/dK/dV differences from cuDNN's backward (both from the
+// same O and LSE, our forward's) and its speed ratio to cuDNN's backward (cuDNN-only fwd+bwd minus
+// fwd, the same calls). Given an anchor, the hopper rows get their fwd and fwd+bwd ratios to torch's
+// rows too.
 //
 //   attention_bench [--lengths 4096,16384,65536] [--anchor attn_anchor.json] [--out result.json]
 //                   [--commit SHA] [--warmup 3] [--reps 10] [--kv-heads 32,8] [--head-dim 128]
-//                   [--layouts bshd,bhsd] [--kernel cudnn,hopper,hopper-persistent,...,hopper-bwd-alternate,...]
+//                   [--layouts bshd,bhsd] [--kernel cudnn,hopper,hopper-overlap,...]
 //
 // Timing as the anchor does it: CUDA events around each call, the median of the timed runs.
 // FLOPs count the causal half: fwd = 4·Hq·S²·D / 2, fwd+bwd = 3.5 × fwd.
@@ -167,16 +165,8 @@ int main(int argc, char** argv) try {
     std::string key;
   };
   std::vector<HopperRun> hopper_runs;
-  // The backward variants to time alone (hopper-bwd-<variant>), each once.
-  std::vector<attn::hopper::BwdVariant> bwd_runs;
   for (const std::string& k : opt.kernels) {
-    if (k.rfind("hopper-bwd-", 0) != 0) continue;
-    const attn::hopper::BwdVariant variant =
-        attn::hopper::parse_bwd_variant(k.substr(std::string("hopper-bwd-").size()), "--kernel");
-    if (std::find(bwd_runs.begin(), bwd_runs.end(), variant) == bwd_runs.end()) bwd_runs.push_back(variant);
-  }
-  for (const std::string& k : opt.kernels) {
-    if (k.rfind("hopper", 0) != 0 || k.rfind("hopper-bwd-", 0) == 0) continue;
+    if (k.rfind("hopper", 0) != 0) continue;
     const attn::hopper::FwdVariant variant =
         k == "hopper" ? attn::hopper::default_fwd_variant()
                       : attn::hopper::parse_fwd_variant(k.substr(std::string("hopper-").size()), "--kernel");
@@ -189,7 +179,7 @@ int main(int argc, char** argv) try {
   }
   const bool run_hopper = !hopper_runs.empty();
   result["kernels"] = opt.kernels;
-  if (run_hopper || !bwd_runs.empty()) {
+  if (run_hopper) {
     LT_CHECK(attn::hopper::supported(opt.head_dim, 32, opt.kv_heads.empty() ? 1 : opt.kv_heads[0]),
              "attention_bench: --kernel hopper needs an sm_90 GPU and head dim 64 or 128, got head dim {}",
              opt.head_dim);
@@ -200,11 +190,6 @@ int main(int argc, char** argv) try {
     json variants = json::object();
     for (const HopperRun& r : hopper_runs) variants[r.key] = attn::hopper::fwd_variant_name(r.variant);
     result["hopper_variants"] = variants;
-    result["hopper_bwd_default_variant"] = attn::hopper::bwd_variant_name(attn::hopper::default_bwd_variant());
-    if (!bwd_runs.empty())
-      result["hopper_bwd_variants"] =
-          "hopper_bwd_<variant>: delta + our backward in that variant alone (after our forward), 2.5x the fwd FLOPs; "
-          "bwd_speedup_vs_cudnn_only: cuDNN-only (fwd+bwd - fwd) / ours";
   }
   if (!anchor.is_null()) result["anchor"] = {{"script", "bench/anchors/attn_anchor.py"}, {"file", opt.anchor}};
   json rows = json::array();
@@ -258,12 +243,11 @@ int main(int argc, char** argv) try {
       auto grad = [&](const Tensor& g) {
         return attn::hopper::OutView{g.data, false, g.shape[0], g.shape[1], g.shape[2], g.stride[0], g.stride[1]};
       };
-      auto hopper_bwd_variant = [&](attn::hopper::BwdVariant variant) {
+      auto hopper_bwd = [&] {
         attn::attention_delta(delta.t, o.t, d_o.t);
         attn::hopper::backward(grad(gq), grad(gk), grad(gv), view(q), view(k), view(v), view(d_o.t), stats, delta_view,
-                               true, static_cast<float>(scale), /*accumulate=*/false, variant);
+                               true, static_cast<float>(scale), /*accumulate=*/false);
       };
-      auto hopper_bwd = [&] { hopper_bwd_variant(attn::hopper::default_bwd_variant()); };
       // The largest |dQ/dK/dV (ours) - cuDNN's| (and relative to the largest |cuDNN value|) into `out`,
       // both backwards from the O and LSE in o/lse now; our backward by run_ours.
       auto bwd_diffs = [&](const std::function<void()>& run_ours, json& out, const char* label) {
@@ -293,31 +277,14 @@ int main(int argc, char** argv) try {
                     static_cast<long long>(hkv), static_cast<long long>(S), label, diff[0], diff[0] / ref_max[0],
                     diff[1], diff[1] / ref_max[1], diff[2], diff[2] / ref_max[2], static_cast<long long>(grad_nonfinite));
       };
-      if (run_hopper || !bwd_runs.empty()) {
-        // A forward first, so that the timed backwards read a real O and LSE.
+      if (run_hopper) {
+        // A forward first, so that the timed backward reads a real O and LSE.
         attn::hopper::forward({o.t.data, false, S, Hq, D, o.t.stride[0], o.t.stride[1]}, stats, view(q), view(k),
-                              view(v), true, static_cast<float>(scale), false,
-                              run_hopper ? hopper_runs[0].variant : attn::hopper::default_fwd_variant());
-      }
-      std::vector<double> ms_bwd_runs(bwd_runs.size(), 0.0);
-      for (size_t r = 0; r < bwd_runs.size(); ++r) {
-        const attn::hopper::BwdVariant variant = bwd_runs[r];
-        std::string key = std::string("hopper_bwd_") + attn::hopper::bwd_variant_name(variant);
-        std::replace(key.begin(), key.end(), '-', '_');
-        const double ms_b = median_ms([&] { hopper_bwd_variant(variant); }, opt.warmup, opt.reps);
-        ms_bwd_runs[r] = ms_b;
-        row[key] = {{"variant", attn::hopper::bwd_variant_name(variant)},
-                    {"bwd_ms", round3(ms_b)},
-                    {"bwd_tflops", round1(2.5 * fwd_flops / ms_b / 1e9)}};
-        std::printf("hkv=%2lld S=%6lld: hopper backward %-14s %8.3f ms (%5.1f TFLOP/s)\n", static_cast<long long>(hkv),
-                    static_cast<long long>(S), attn::hopper::bwd_variant_name(variant), ms_b,
-                    2.5 * fwd_flops / ms_b / 1e9);
-        if (run_cudnn) bwd_diffs([&] { hopper_bwd_variant(variant); }, row[key], key.c_str());
+                              view(v), true, static_cast<float>(scale), false, hopper_runs[0].variant);
       }
       if (run_hopper) {
         const double ms_b = median_ms(hopper_bwd, opt.warmup, opt.reps);
-        row["hopper_bwd"] = {{"variant", attn::hopper::bwd_variant_name(attn::hopper::default_bwd_variant())},
-                             {"bwd_ms", round3(ms_b)},
+        row["hopper_bwd"] = {{"bwd_ms", round3(ms_b)},
                              {"bwd_tflops", round1(2.5 * fwd_flops / ms_b / 1e9)}};
         std::printf("hkv=%2lld S=%6lld: hopper backward %8.3f ms (%5.1f TFLOP/s)\n", static_cast<long long>(hkv),
                     static_cast<long long>(S), ms_b, 2.5 * fwd_flops / ms_b / 1e9);
@@ -404,11 +371,6 @@ int main(int argc, char** argv) try {
                     ms_cb);
       };
       if (row.contains("hopper_bwd")) bwd_ratio("hopper_bwd", row["hopper_bwd"]["bwd_ms"].get<double>());
-      for (size_t r = 0; r < bwd_runs.size(); ++r) {
-        std::string key = std::string("hopper_bwd_") + attn::hopper::bwd_variant_name(bwd_runs[r]);
-        std::replace(key.begin(), key.end(), '-', '_');
-        bwd_ratio(key, ms_bwd_runs[r]);
-      }
 
       for (size_t r = 0; r < hopper_runs.size(); ++r) {
         row[hopper_runs[r].key]["fwd_speedup_vs_cudnn_only"] = round3(ms_cf / ms_hopper[r]);

@@ -44,14 +44,14 @@ std::string unsupported_reason(const OutView& o, const StatsView& lse, const Vie
                                bool causal, bool merge);
 
 // The forward kernel's schedule (all give the same results up to rounding; hopper_attention.cu):
-// - persistent (the default): overlap's schedule in a persistent kernel: one CTA per SM takes work
+// - persistent: overlap's schedule in a persistent kernel: one CTA per SM takes work
 //   tiles (query tile, query head), longest first, from a global counter; the next tile's loads run
 //   during this one's last iterations and epilogue; the tiles are ordered in sections of kv heads
 //   whose K and V fit in the L2, so the CTAs running together share K/V in the L2; K/V loads are
 //   marked evict_last, Q loads evict_first;
 // - persistent_flat ("persistent-flat"): the same with one section (overlap's order), to measure what
 //   the sections add;
-// - overlap: FlashAttention-3's schedule, one CTA per work tile: within a consumer warpgroup the
+// - overlap (the default): FlashAttention-3's schedule, one CTA per work tile: within a consumer warpgroup the
 //   softmax of K/V tile n runs while the tensor cores compute P(n-1)·V(n-1), and the consumer
 //   warpgroups take turns issuing their GEMMs (ping-pong) so one's softmax runs while another's GEMMs
 //   do; head dim 64 uses 192-row tiles (three consumer warpgroups), head dim 128 uses 128-row tiles
@@ -62,7 +62,9 @@ std::string unsupported_reason(const OutView& o, const StatsView& lse, const Vie
 enum class FwdVariant { persistent, persistent_flat, overlap, baseline };
 
 // LONGTRAIN_HOPPER_FWD_VARIANT (persistent, persistent-flat, overlap or baseline), read once;
-// persistent when unset. Throws on any other value.
+// overlap when unset: on the H200 the persistent variants measured 0.2-5% slower than overlap at head
+// dims 64 and 128, 16K and 64K (bench/results/attention-hopper-round2-h200-2026-12-03.json), the L2
+// sections no help. Throws on any other value.
 FwdVariant default_fwd_variant();
 const char* fwd_variant_name(FwdVariant variant);
 FwdVariant parse_fwd_variant(const std::string& name, const char* source);
@@ -109,40 +111,12 @@ std::string backward_unsupported_reason(const OutView& dq, const OutView& dk, co
                                         const View& k, const View& v, const View& d_o, const StatsView& lse,
                                         bool causal);
 
-// The backward kernel's schedule (the same results up to rounding and dQ's summation order;
-// hopper_attention_bwd.cu's comments):
-// - alternate (the default): the two consumer warpgroups take turns computing the whole dQ tile of a
-//   step (one 64 x 128 product per step instead of two 64 x 64 ones), so the warpgroup without it runs
-//   ahead into the next step's products while the other finishes dQ, and their exp/dS work overlaps
-//   the other's MMAs; dS stored with stmatrix; at head dim 64 a quarter of the exp2 on the FMA pipe
-//   (a polynomial) instead of the MUFU; dQ tiles added to the f32 accumulator by one TMA bulk
-//   reduction each from a shared-memory staging buffer (2 (Q, dO) stages beside it);
-// - alternate_mufu ("alternate-mufu"): the same with every exp2 on the MUFU (identical at head dim 128);
-// - alternate_red ("alternate-red"): alternate with the dQ tiles added by the dQ warpgroup's own
-//   red.global.add.v4.f32 from registers (as the baseline), 3 (Q, dO) stages;
-// - baseline: the first kernel: both warpgroups compute half of dQ each step after a barrier, in
-//   lockstep. Kept to measure against and to fall back to.
-enum class BwdVariant { alternate, alternate_mufu, alternate_red, baseline };
-
-// The variant backward() runs: the last set_bwd_variant(), else LONGTRAIN_HOPPER_BWD_VARIANT
-// (alternate, alternate-mufu, alternate-red or baseline; read once; throws on any other value), else
-// alternate.
-BwdVariant default_bwd_variant();
-// For tests and benchmarks: makes backward() (and so attention_block_backward under the hopper
-// policy) run `variant` from now on. Not synchronised with calls on other threads.
-void set_bwd_variant(BwdVariant variant);
-const char* bwd_variant_name(BwdVariant variant);
-BwdVariant parse_bwd_variant(const std::string& name, const char* source);
-
 void backward(const OutView& dq, const OutView& dk, const OutView& dv, const View& q, const View& k, const View& v,
               const View& d_o, const StatsView& lse, const StatsView& delta, bool causal, float scale,
               bool accumulate);
-void backward(const OutView& dq, const OutView& dk, const OutView& dv, const View& q, const View& k, const View& v,
-              const View& d_o, const StatsView& lse, const StatsView& delta, bool causal, float scale,
-              bool accumulate, BwdVariant variant);
 
 // The bytes of the f32 dQ accumulator backward() takes from scratch: Tq rounded up to the query tile
-// (128 rows at head dim 64, 64 at 128; every variant uses the same tiles), times Hq · head_dim floats
+// (128 rows at head dim 64, 64 at 128), times Hq · head_dim floats
 // (model/memory_plan.cpp counts the same).
 size_t backward_dq_accum_bytes(int64_t tq, int64_t q_heads, int64_t head_dim);
 

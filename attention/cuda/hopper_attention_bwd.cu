@@ -1,14 +1,10 @@
 // Our Hopper flash-attention backward (hopper_attention.h: backward): one CTA per (K/V tile of 128
-// keys, kv head), FlashAttention-3's structure with our own code. Two kernels (BwdVariant):
-// - baseline (hopper_attention_bwd_kernel, described in this comment): per step both consumer
-//   warpgroups compute half of the dQ tile after a barrier, in lockstep;
-// - alternate (bwd_alternate_kernel, the default; its own comment further down): the same products,
-//   but the warpgroups take turns computing the whole dQ tile of a step, so they drift apart and one's
-//   elementwise work overlaps the other's MMAs; stmatrix for dSᵀ; dQ tiles added by TMA bulk
-//   reductions (alternate_red: red.global from registers, as the baseline); at D = 64 a share of the
-//   exp2 on the FMA pipe (alternate_mufu: none).
-// Both share the producer (produce()), the tile shapes, the dK/dV epilogue and the dQ accumulator's
-// size, each with its own fragment order in it (and its own conversion kernel).
+// keys, kv head), FlashAttention-3's structure with our own code. Per step both consumer warpgroups
+// compute half of the dQ tile after a barrier, in lockstep. (A second kernel in which the warpgroups
+// took turns computing a step's whole dQ tile, with TMA bulk or red.global dQ reductions and a share
+// of the exp2 on the FMA pipe, measured 1.09-1.22x slower on the H200 at head dim 64 (16K, 64K) and
+// 1.03-1.09x at 128 and 64K, 6% faster only at 128 and 16K where cuDNN is faster still
+// (bench/results/attention-hopper-round2-h200-2026-12-03.json), was removed: see git history.)
 //
 // Why per kv head and not per query head: the CTA loops over every query head of its kv head's group,
 // so dK and dV of its 128 keys are summed over the whole group (GQA/MQA) in f32 registers and stored
@@ -85,7 +81,6 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -239,8 +234,7 @@ __device__ __forceinline__ void put_pair(void* dst, bool f32, bool accumulate, f
 // queries. The pairs (2q, 2q+1), read four at a time for the k-th 16 columns, are the bf16 A fragment
 // of the next MMA over those columns (a_r = pair 4k + r), which is how Pᵀ and dSᵀ feed dV and dK.
 
-// The producer warp of both kernels (its 32 lanes; the smem layout and barriers of Tl, a BwdTiles or
-// AltTiles): lane 0 TMA-loads the K and V tiles once (kv_full), then for every step the (Q, dO) tiles
+// The producer warp (its 32 lanes; the smem layout and barriers of Tl, a BwdTiles): lane 0 TMA-loads the K and V tiles once (kv_full), then for every step the (Q, dO) tiles
 // into stage step % kStages after the consumers released it (empty), raising each full barrier's
 // expected bytes first; every lane copies its rows' lse (times log2 e) and delta and arrives on both
 // full barriers (count 32), so a phase completes when the TMA bytes and all 32 lanes' stores are in.
@@ -538,416 +532,6 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif  // LT_HOPPER_DEVICE_CODE
 }
 
-// ---- the alternate kernel (BwdVariant::alternate, alternate_mufu) ------------------------------------
-//
-// The baseline runs its two consumer warpgroups in lockstep: each step both wait at one barrier for
-// the other's dSᵀ, then both compute half of dQ (64 x 64 each), then both wait for all their MMAs. So
-// both run their exp/dS work at the same time, while the tensor cores have little to do (only the
-// other product of the pair in flight), and every step issues 16 small (N = 64) dQ MMAs from shared
-// memory. Here the warpgroups take turns: at step i warpgroup i % 2 (the "dQ warpgroup") computes the
-// whole dQ tile of the step, and the other one only publishes its dSᵀ and goes on to step i + 1:
-//   D = 64  (128 queries): dQᵀ[64 d × 128 q] = Kᵀ·dSᵀ over the 128 keys, A = the K tile read M-major
-//           (rows = keys, d contiguous), B = the dS buffer read N-major (rows = keys, queries
-//           contiguous, two 64-query blocks at LBO);
-//   D = 128 (64 queries):  dQ[64 q × 128 d] = dS·K, A = the dS buffer M-major (one 64-query block), B =
-//           the K tile N-major (two column blocks at LBO);
-// 8 m64n128k16 MMAs either way (the same FLOPs as the baseline's 16 m64n64k16, with a quarter less
-// operand traffic from shared memory: 6 KB per 64·128·16 instead of 4 KB per 64·64·16). The
-// warpgroup without dQ is then ahead by about one dQ product, and the other catches up at its next
-// dQ turn (where it waits for the first one's dSᵀ): the two no longer run their exp/dS at the same
-// time, and one's elementwise work overlaps the other's MMAs. Its registers: the dQ accumulator (64)
-// is live only after dV/dK are complete (wait_group 0 first), beside dK, dV: 64 + 64 at D = 64,
-// 128 + 64 at D = 128, within the 192 the S/dP peak already needs.
-// Also: dSᵀ goes to shared memory with stmatrix (16 bytes per lane and instruction instead of 4); with
-// kFmaExp2 (D = 64, BwdVariant::alternate) kFmaExp2Of16 of every 16 exp2 run on the FMA pipe
-// (exp2_poly), taking load off the MUFU, whose 16 exp2 per cycle and SM otherwise take ~40% as long
-// as the step's MMAs.
-// The dQ tile reaches the f32 accumulator in one of two ways:
-// - kBulkDq (alternate, alternate_mufu): the dQ warpgroup stores it into a 32 KB staging buffer in
-//   the accumulator tile's order, and its thread 0 issues one bulk reduction (cp.reduce.async.bulk
-//   .add.f32, FlashAttention-3's choice at these head dims) that the L2 performs on whole lines. Why:
-//   the baseline's dQ reductions run at 1.1-1.4 TB/s into the L2 in every shape measured (32 KB per
-//   step at 363-441 TFLOP/s), a likely ceiling for 16-byte reds, and they stall the issuing warps
-//   when the queue backs up. The (Q, dO) ring has 2 stages beside the buffer (3 would pass 227 KB at
-//   D = 64).
-// - else (alternate_red): 16 red.global.add.v4.f32 per thread from registers, as the baseline; 3
-//   (Q, dO) stages.
-//
-// Synchronisation beyond the baseline's (kv_full, q_full/do_full, empty: unchanged, 3 stages):
-// - ds_full[b] = named barrier kDsFullBarrier + b, b = i % 2, 256 threads: at step i the other
-//   warpgroup arrives (bar.arrive) after its stmatrix stores and fence.proxy.async; the dQ warpgroup
-//   syncs (bar.sync) after its own stores and fence, then issues the dQ MMAs that read both halves.
-// - ds_free[b] = named barrier kDsFreeBarrier + b, 256 threads: dS buffer b is written again at step
-//   i + 2. The dQ warpgroup of step i (the same one as at i + 2) reads it in its dQ MMAs and waits for
-//   them before step i + 1, so only the other warpgroup must wait: the dQ warpgroup arrives after its
-//   dQ MMAs completed (when a step i + 2 exists), the other syncs before its stores of step i + 2.
-// One barrier per parity, so a phase never mixes two steps' arrivals: the next arrival on
-// ds_full[b] (the other warpgroup at step i + 2) follows its ds_free[b] sync of step i + 2, which
-// follows the dQ warpgroup's ds_free arrival of step i, which follows its ds_full[b] sync of step i;
-// the next arrival on ds_free[b] (the dQ warpgroup at step i + 2) follows its ds_full[b] sync of step
-// i + 2, which needs the other warpgroup's arrival there, made after its ds_free[b] sync of step i + 2.
-// Every arrival has its sync (the guards match: arrive at i iff i + 2 < steps, sync at i + 2), so no
-// phase is left open at exit. No wait cycle: a warpgroup only ever waits for the other's earlier step.
-// - Stage s (Q, dO, lse, delta) is released (empty[s], all 256 threads) after the step's dV/dK MMAs
-//   completed; the dQ MMAs read only dS and K.
-// - kBulkDq: the staging buffer is written at every step, by that step's dQ warpgroup, after
-//   dq_empty (mbarrier, count 1) completed the phase of the previous step: thread 0 of the warpgroup
-//   that issued the previous step's reduction waits until the bulk copy has read the buffer
-//   (cp.async.bulk.wait_group.read) and arrives, during its next step (then the other role) before its
-//   ds_full arrival, which the refilling warpgroup waits for first, so the refill rarely waits. Phase
-//   k completes at step k + 1 and is waited at step k + 1 (parity (k + 1) % 2 ^ 1; at step 0 the
-//   fresh barrier's "previous phase"); phase k + 1 needs the arrival of the warpgroup that waited for
-//   phase k, so no phase is skipped. The stores reach the bulk copy through each thread's
-//   fence.proxy.async and a barrier of the warpgroup's 128 threads (kDqStoreBarrier + cw) before
-//   thread 0 issues it; thread 0 waits for its last copy before the CTA can exit.
-// Named barriers cannot time out as the mbarrier waits do (mbar_wait_no_trap); this protocol (ds_full,
-// ds_free, dq_empty) was checked in a model against every interleaving tried of 1..11 steps.
-// The dQ accumulator tile holds this one 64 x 128 fragment in order: float4 j = 0..15, then thread t
-// = 0..127, then 4 floats: (j, t, e) is the accumulator element 4j + e of thread t, i.e. fragment row
-// 16·(t/32) + (t%32)/4 + 8·(e/2), column 8j + 2·(t%4) + e%2 (rows = d, columns = queries at D = 64;
-// rows = queries, columns = d at D = 128); dq_from_accum_alt_kernel inverts it.
-template <int D, bool kBulkDq> struct AltTiles {
-  static_assert(D == 64 || D == 128, "head_dim 64 or 128");
-  static constexpr int kBlockM = BwdTiles<D>::kBlockM;  // the same query tiles: the same accumulator size
-  // 3 (Q, dO) stages, or 2 beside the dQ staging buffer (3 would exceed the 227 KB at D = 64).
-  static constexpr int kStages = kBulkDq ? 2 : 3;
-  static constexpr int kColBlocks = D / kSwizzleElems;
-  static constexpr uint32_t kKVColBlockBytes = kBlockN * kRowBytes;
-  static constexpr uint32_t kKVBytes = kColBlocks * kKVColBlockBytes;
-  static constexpr uint32_t kQColBlockBytes = kBlockM * kRowBytes;
-  static constexpr uint32_t kQBytes = kColBlocks * kQColBlockBytes;
-  static constexpr int kQueryBlocks = kBlockM / 64;
-  static constexpr uint32_t kDsBlockBytes = kBlockN * kRowBytes;
-  static constexpr uint32_t kDsBytes = kQueryBlocks * kDsBlockBytes;
-  static constexpr int kDsBuffers = 2;  // step i uses buffer i % 2 (the ds_full/ds_free barriers' b)
-  static constexpr uint32_t kKOffset = 0;
-  static constexpr uint32_t kVOffset = kKOffset + kKVBytes;
-  static constexpr uint32_t kQOffset = kVOffset + kKVBytes;
-  static constexpr uint32_t kDoOffset = kQOffset + kStages * kQBytes;
-  static constexpr uint32_t kDsOffset = kDoOffset + kStages * kQBytes;
-  // kBulkDq: the step's dQ tile in f32 (the accumulator tile's order), read by the bulk reduction.
-  static constexpr uint32_t kDqStageOffset = kDsOffset + kDsBuffers * kDsBytes;
-  static constexpr uint32_t kDqStageBytes = kBulkDq ? kBlockM * D * 4 : 0;
-  static constexpr uint32_t kLseOffset = kDqStageOffset + kDqStageBytes;  // f32 [kStages][kBlockM]
-  static constexpr uint32_t kDeltaOffset = kLseOffset + kStages * kBlockM * 4;
-  static constexpr uint32_t kBarrierOffset = kDeltaOffset + kStages * kBlockM * 4;
-  // kv_full, q_full[s], do_full[s], empty[s]; kBulkDq: dq_empty.
-  static constexpr int kBarriers = 1 + 3 * kStages + (kBulkDq ? 1 : 0);
-  static constexpr uint32_t kDqEmptyBarrier = kBarrierOffset + 8 * (1 + 3 * kStages);
-  // Red: D = 64: K 16 + V 16 + Q 3×16 + dO 3×16 + dS 2×32 KB = 192 KB (+3 KB rows); D = 128: K 32 +
-  // V 32 + Q 3×16 + dO 3×16 + dS 2×16 = 192 KB (+1.5 KB rows). Bulk: one (Q, dO) stage less, 32 KB of
-  // dQ staging: 192 KB (+2 / +1 KB rows). +1024: alignment.
-  static constexpr uint32_t kSmemBytes = kBarrierOffset + 8 * kBarriers + 1024;
-  static_assert(kSmemBytes <= 227 * 1024, "shared memory per CTA");
-  static_assert(kKVBytes % kAtomBytes == 0 && kQBytes % kAtomBytes == 0 && kDsBytes % kAtomBytes == 0,
-                "tiles are whole 1024-byte swizzle atoms");
-  static_assert(kDqStageOffset % 16 == 0, "the bulk reduction's source is 16-byte aligned");
-  static_assert(kBarrierOffset % 8 == 0, "mbarriers are 8-byte aligned");
-  static_assert(kBlockM % 32 == 0 && kBlockM % 16 == 0, "the producer's lanes and the stmatrix/MMA k-steps");
-
-  static constexpr int kSFloats = kBlockM / 2;  // Sᵀ, dPᵀ
-  static constexpr int kKVFloats = D / 2;       // dK, dV
-  static constexpr int kDqFloats = 64;          // one 64 x 128 accumulator: dQᵀ (D = 64) or dQ (D = 128)
-  static_assert(kBlockM * D == 128 * kDqFloats, "the dQ tile is one 64 x 128 product");
-  static constexpr int kDqTileFloats = kBlockM * D;
-  static_assert(2 * kSFloats + 2 * kKVFloats <= 192, "S/dP peak within 240 registers");
-  static_assert(2 * kKVFloats + kDqFloats <= 192, "dK, dV and the dQ accumulator within 240 registers");
-  static_assert(!kBulkDq || kDqStageBytes == 4 * kDqTileFloats, "the staging buffer is one accumulator tile");
-};
-
-constexpr uint32_t kDsFullBarrier = 1;  // + step % 2 (named barrier ids; 0 is __syncthreads')
-constexpr uint32_t kDsFreeBarrier = 3;   // + step % 2
-constexpr uint32_t kDqStoreBarrier = 5;  // + consumer warpgroup (kBulkDq: its 128 threads' staging stores)
-static_assert(kDqStoreBarrier + 1 < 16, "16 named barriers");
-
-// At D = 64, exp2 number i % 16 >= 16 - kFmaExp2Of16 of each thread's Sᵀ runs on exp2_poly. Per
-// element the step otherwise has ~4 FMA-pipe operations (the exponent argument, dP - delta, the
-// product, its share of the bf16 conversions) at 128 per cycle and SM against one MUFU exp2 at 16:
-// moving a quarter (~10 operations each) equalises the two pipes: (4 + 10/4)/128 ≈ (3/4)/16.
-constexpr int kFmaExp2Of16 = 4;
-
-// 2^x on the FMA and integer pipes (hopper_attention.cu's exp2_fma: round x to j, a degree-4
-// polynomial for 2^(x - j) in [-0.5, 0.5], max relative error 2.6e-6, j added to the exponent
-// field), and exactly 0 below -125, where the bit trick would leave the normal range: dead rows
-// (lse = +inf) give x = -inf and must contribute nothing; below 2^-125 nothing is lost (bf16's
-// smallest normal is 2^-126, far below any sum's rounding).
-__device__ __forceinline__ float exp2_poly(float x) {
-  const float xc = fmaxf(x, -125.0f);
-  const float t = xc + 12582912.0f;
-  const float f = xc - (t - 12582912.0f);
-  float q = fmaf(0.009570069742398551f, f, 0.055917888117809456f);
-  q = fmaf(q, f, 0.24024745678622056f);
-  q = fmaf(q, f, 0.693121811640916f);
-  q = fmaf(q, f, 0.999999261185911f);
-  const float r = __uint_as_float(__float_as_uint(q) + (__float_as_uint(t) << 23));
-  return x < -125.0f ? 0.0f : r;
-}
-
-template <int D, bool kCausal, bool kFmaExp2, bool kBulkDq>
-__global__ void __launch_bounds__(kThreads, 1)
-    bwd_alternate_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
-                         const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_do,
-                         const BwdParams p) {
-#if LT_HOPPER_DEVICE_CODE
-  using Tl = AltTiles<D, kBulkDq>;
-  constexpr int M = Tl::kBlockM;
-  constexpr int S = Tl::kStages;
-  extern __shared__ unsigned char smem_raw[];
-  const uint32_t raw = smem_u32(smem_raw);
-  const uint32_t smem = (raw + 1023u) & ~1023u;
-  unsigned char* const smem_ptr = smem_raw + (smem - raw);  // the same address, generic
-  const uint32_t sK = smem + Tl::kKOffset, sV = smem + Tl::kVOffset;
-  const uint32_t dq_empty = smem + Tl::kDqEmptyBarrier;  // kBulkDq
-  auto sQ = [&](int s) { return smem + Tl::kQOffset + s * Tl::kQBytes; };
-  auto sDo = [&](int s) { return smem + Tl::kDoOffset + s * Tl::kQBytes; };
-  auto sDs = [&](int b) { return smem + Tl::kDsOffset + b * Tl::kDsBytes; };
-  float* const lse_rows = reinterpret_cast<float*>(smem_ptr + Tl::kLseOffset);      // [S][M], lse · log2 e
-  float* const delta_rows = reinterpret_cast<float*>(smem_ptr + Tl::kDeltaOffset);  // [S][M]
-  const uint32_t bars = smem + Tl::kBarrierOffset;
-  const uint32_t kv_full = bars;
-  auto q_full = [&](int s) { return bars + 8u * (1 + s); };
-  auto do_full = [&](int s) { return bars + 8u * (1 + S + s); };
-  auto empty = [&](int s) { return bars + 8u * (1 + 2 * S + s); };
-
-  const int kv_head = blockIdx.x;
-  const int n_tile = blockIdx.y;  // causal: tile 0 (the most query tiles) is launched first
-  const int n0 = n_tile * kBlockN;
-  const int m_first = kCausal ? n0 / M : 0;  // as the baseline: n0 < Tk = Tq leaves >= 1 query tile
-  const int n_m = p.num_q_tiles - m_first;
-  const int steps = n_m * p.group;  // step = (query tile m_first + step / group, query head step % group)
-
-  if (threadIdx.x == 0) {
-    mbar_init(kv_full, 1);
-    for (int s = 0; s < S; ++s) {
-      mbar_init(q_full(s), 32);
-      mbar_init(do_full(s), 32);
-      mbar_init(empty(s), kConsumerThreads);
-    }
-    if (kBulkDq) mbar_init(dq_empty, 1);  // thread 0 of the warpgroup that issued the reduction
-    fence_barrier_init();
-  }
-  __syncthreads();
-
-  const int warpgroup = threadIdx.x / 128;
-  if (warpgroup == 0) {
-    // ---- producer: warp 0 only; warps 1-3 leave at once (no later CTA-wide barrier) ----
-    setmaxnreg_dec<kProducerRegs>();
-    if (threadIdx.x >= 32) return;
-    produce<Tl>(&tm_q, &tm_k, &tm_v, &tm_do, p, threadIdx.x, smem, lse_rows, delta_rows, kv_head, n0, m_first, steps);
-    return;
-  }
-
-  // ---- consumers ----
-  setmaxnreg_inc<kConsumerRegs>();
-  const int cw = warpgroup - 1;  // keys n0 + 64·cw + [0, 64); the dQ warpgroup at steps i with i % 2 == cw
-  const int t = threadIdx.x % 128;
-  const int warp = t / 32, lane = t % 32;
-  const int key_wg = n0 + kWgKeys * cw;
-  const int key_row = kWgKeys * cw + 16 * warp + lane / 4;  // this thread's half-0 key row in the tile
-  const int key_lo = n0 + key_row;                          // ... as a key index; half 1 is +8
-  const int col_lane = 2 * (lane % 4);
-  const uint32_t sK_wg = sK + kWgKeys * cw * kRowBytes;  // this warpgroup's 64 rows of each column block
-  const uint32_t sV_wg = sV + kWgKeys * cw * kRowBytes;
-  // stmatrix of dSᵀ: per 16 queries kk, matrices r = 0..3 are the pairs dsa[4kk + r]: key rows
-  // +8·(r % 2) of the warp's 16, queries 16kk + 8·(r / 2) + [0, 8). Lane l addresses row l % 8 of
-  // matrix l / 8: key row st_row, the (2kk + l/16)-th 8 queries of the tile, one 16-byte swizzle chunk.
-  const int st_row = kWgKeys * cw + 16 * warp + 8 * ((lane / 8) % 2) + lane % 8;
-  const int st_chunk = lane / 16;
-
-  float dv[Tl::kKVFloats], dk[Tl::kKVFloats];
-#pragma unroll
-  for (int i = 0; i < Tl::kKVFloats; ++i) dv[i] = dk[i] = 0.0f;
-  const bool keys_past_end = key_wg + kWgKeys > p.tk;  // this warpgroup has keys >= Tk (zero rows)
-
-  mbar_wait_no_trap(kv_full, 0);
-  for (int step = 0; step < steps; ++step) {
-    const int s = step % S;
-    const uint32_t parity = (step / S) & 1;
-    const int m = m_first + step / p.group;
-    const int head = kv_head * p.group + step % p.group;
-    const int m0 = m * M;
-    const int b = step & 1;         // dS buffer and barrier parity
-    const bool dq_turn = b == cw;  // warpgroup-uniform
-
-    // Sᵀ = K_w·Qᵀ and dPᵀ = V_w·dOᵀ, as the baseline.
-    float st[Tl::kSFloats], dpt[Tl::kSFloats];
-    mbar_wait_no_trap(q_full(s), parity);
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      const uint32_t in_block = (kk % 4) * 32;
-      const uint64_t da = smem_desc(sK_wg + (kk / 4) * Tl::kKVColBlockBytes + in_block, 16, kAtomBytes);
-      const uint64_t db = smem_desc(sQ(s) + (kk / 4) * Tl::kQColBlockBytes + in_block, 16, kAtomBytes);
-      mma_ss_kmajor<M>(st, da, db, kk > 0 ? 1u : 0u);
-    }
-    wgmma_commit();
-    mbar_wait_no_trap(do_full(s), parity);
-    wgmma_fence();  // explicit (else ptxas injects one here, and C7520-serialises with the dQ turn's branch)
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      const uint32_t in_block = (kk % 4) * 32;
-      const uint64_t da = smem_desc(sV_wg + (kk / 4) * Tl::kKVColBlockBytes + in_block, 16, kAtomBytes);
-      const uint64_t db = smem_desc(sDo(s) + (kk / 4) * Tl::kQColBlockBytes + in_block, 16, kAtomBytes);
-      mma_ss_kmajor<M>(dpt, da, db, kk > 0 ? 1u : 0u);
-    }
-    wgmma_commit();
-    wgmma_wait<1>();  // Sᵀ done (dPᵀ may still run)
-    fence_operands(st);
-
-    // Pᵀ = exp2(Sᵀ·scale·log2e − lse·log2e), masked as the baseline; with kFmaExp2 a share on exp2_poly.
-    const float* lse_s = lse_rows + s * M;
-    const bool mask = keys_past_end || (kCausal && key_wg + kWgKeys - 1 > m0);
-#pragma unroll
-    for (int jj = 0; jj < M / 8; ++jj) {
-      const float2 l = *reinterpret_cast<const float2*>(lse_s + 8 * jj + col_lane);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int i = 4 * jj + e;
-        const float arg = fmaf(st[i], p.scale_log2, -((e % 2) ? l.y : l.x));
-        float x = (kFmaExp2 && i % 16 >= 16 - kFmaExp2Of16) ? exp2_poly(arg) : fast_exp2(arg);
-        if (mask) {
-          const int key = key_lo + 8 * (e / 2);
-          const int query = m0 + 8 * jj + col_lane + (e % 2);
-          if (key >= p.tk || (kCausal && key > query)) x = 0.0f;
-        }
-        st[i] = x;
-      }
-    }
-    wgmma_wait<0>();  // dPᵀ done
-    fence_operands(dpt);
-
-    // dSᵀ = Pᵀ ⊙ (dPᵀ − delta), in place of dPᵀ.
-    const float* delta_s = delta_rows + s * M;
-#pragma unroll
-    for (int jj = 0; jj < M / 8; ++jj) {
-      const float2 dl = *reinterpret_cast<const float2*>(delta_s + 8 * jj + col_lane);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int i = 4 * jj + e;
-        dpt[i] = st[i] * (dpt[i] - ((e % 2) ? dl.y : dl.x));
-      }
-    }
-
-    // bf16 A fragments: pair q = elements (2q, 2q+1).
-    uint32_t pa[M / 4], dsa[M / 4];
-#pragma unroll
-    for (int q = 0; q < M / 4; ++q) {
-      pa[q] = pack_bf16(st[2 * q], st[2 * q + 1]);
-      dsa[q] = pack_bf16(dpt[2 * q], dpt[2 * q + 1]);
-    }
-
-    // kBulkDq: this warpgroup issued the previous step's dQ reduction (thread 0); once it has read the
-    // staging buffer, the dQ warpgroup of this step may refill it (dq_empty). Here, well after the
-    // issue, and before the ds_full arrival that the other warpgroup waits for ahead of its refill.
-    if (kBulkDq && !dq_turn && step > 0 && t == 0) {
-      bulk_wait_group_read<0>();
-      mbar_arrive(dq_empty);
-    }
-
-    // dSᵀ into buffer b (the baseline's layout: per 64 queries a block of 128 key rows of 128 bytes,
-    // chunk c of row r at c ^ (r % 8)). The other warpgroup first waits until the dQ warpgroup of step
-    // - 2 has finished reading the buffer (ds_free); the dQ warpgroup read it itself and waited.
-    const uint32_t ds_buf = sDs(b);
-    if (!dq_turn && step >= 2) named_barrier_sync(kDsFreeBarrier + b, kConsumerThreads);
-#pragma unroll
-    for (int kk = 0; kk < M / 16; ++kk) {
-      const int chunk = 2 * kk + st_chunk;  // the tile's 8-query group
-      const uint32_t addr = ds_buf + (chunk / 8) * Tl::kDsBlockBytes + st_row * kRowBytes +
-                            (((chunk % 8) ^ (st_row % 8)) << 4);
-      stmatrix_x4(addr, dsa[4 * kk], dsa[4 * kk + 1], dsa[4 * kk + 2], dsa[4 * kk + 3]);
-    }
-    fence_proxy_async_shared();  // the stores, before the dQ MMAs (async proxy) read them
-    named_barrier_arrive_if(kDsFullBarrier + b, kConsumerThreads, !dq_turn);
-
-    // dV_w += Pᵀ·dO and dK_w += dSᵀ·Q, as the baseline.
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < M / 16; ++kk) {
-      const uint64_t db = smem_desc(sDo(s) + kk * 16 * kRowBytes, Tl::kQColBlockBytes, kAtomBytes);
-      mma_rs<D>(dv, pa[4 * kk], pa[4 * kk + 1], pa[4 * kk + 2], pa[4 * kk + 3], db);
-    }
-#pragma unroll
-    for (int kk = 0; kk < M / 16; ++kk) {
-      const uint64_t db = smem_desc(sQ(s) + kk * 16 * kRowBytes, Tl::kQColBlockBytes, kAtomBytes);
-      mma_rs<D>(dk, dsa[4 * kk], dsa[4 * kk + 1], dsa[4 * kk + 2], dsa[4 * kk + 3], db);
-    }
-    wgmma_commit();
-    wgmma_wait<0>();  // dV, dK done: stage s's Q, dO (and lse/delta, read above) are free; pa/dsa dead
-    fence_operands(dv);
-    fence_operands(dk);
-    mbar_arrive(empty(s));
-
-    if (dq_turn) {
-      // Both warpgroups' dSᵀ of this step are in buffer b (and fenced), then the dQ tile over all 128
-      // keys: 8 k-steps of 16 keys, 2048 bytes of K rows and of dS rows each (header of this kernel).
-      named_barrier_sync(kDsFullBarrier + b, kConsumerThreads);
-      const uint32_t a_base = D == 64 ? sK : ds_buf;
-      const uint32_t a_lbo = D == 64 ? Tl::kKVColBlockBytes : Tl::kDsBlockBytes;  // unused: M = 64 is one block
-      const uint32_t b_base = D == 64 ? ds_buf : sK;
-      const uint32_t b_lbo = D == 64 ? Tl::kDsBlockBytes : Tl::kKVColBlockBytes;  // the second 64 of N
-      float dq[Tl::kDqFloats];
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kBlockN / 16; ++kk) {
-        const uint64_t da = smem_desc(a_base + kk * 16 * kRowBytes, a_lbo, kAtomBytes);
-        const uint64_t db = smem_desc(b_base + kk * 16 * kRowBytes, b_lbo, kAtomBytes);
-        wgmma_m64n128k16_ss_t<1, 1>(dq, da, db, kk > 0 ? 1u : 0u);
-      }
-      wgmma_commit();
-      wgmma_wait<0>();  // buffer b is read
-      fence_operands(dq);
-      named_barrier_arrive_if(kDsFreeBarrier + b, kConsumerThreads, step + 2 < steps);
-
-      if constexpr (kBulkDq) {
-        // Into the staging buffer in the accumulator tile's order (a warp's st.shared.v4 covers 512
-        // contiguous bytes, no bank conflict) once the previous step's reduction has read it (phase
-        // step - 1 of dq_empty; step 0: a fresh barrier's previous phase counts as complete); then,
-        // after every thread's stores and proxy fence (a barrier of this warpgroup), thread 0 adds the
-        // tile to the accumulator with one bulk reduction, performed at the L2.
-        mbar_wait_no_trap(dq_empty, (step & 1) ^ 1);
-        const uint32_t stage = smem + Tl::kDqStageOffset;
-#pragma unroll
-        for (int j = 0; j < Tl::kDqFloats / 4; ++j)
-          st_shared_v4(stage + (j * 128 + t) * 16, dq[4 * j], dq[4 * j + 1], dq[4 * j + 2], dq[4 * j + 3]);
-        fence_proxy_async_shared();  // before the bulk reduction (async proxy) reads them
-        named_barrier_sync(kDqStoreBarrier + cw, 128);
-        if (t == 0) {
-          bulk_reduce_add_f32(p.dq_accum + (static_cast<int64_t>(head) * p.num_q_tiles + m) * Tl::kDqTileFloats,
-                              stage, Tl::kDqStageBytes);
-          bulk_commit_group();
-        }
-      } else {
-        // Into the f32 accumulator, this kernel's fragment order (above): a warp's red.v4 covers 512
-        // contiguous bytes.
-        float* const acc = p.dq_accum + (static_cast<int64_t>(head) * p.num_q_tiles + m) * Tl::kDqTileFloats + 4 * t;
-#pragma unroll
-        for (int j = 0; j < Tl::kDqFloats / 4; ++j)
-          red_add_v4(acc + j * 4 * 128, dq[4 * j], dq[4 * j + 1], dq[4 * j + 2], dq[4 * j + 3]);
-      }
-    }
-  }
-
-  // kBulkDq: the last reduction this thread issued (if any) completes before the CTA can exit (its
-  // source is this CTA's shared memory).
-  if (kBulkDq && t == 0) bulk_wait_group<0>();
-
-  // ---- epilogue: dK = scale · Σ dSᵀ·Q, dV = Σ Pᵀ·dO for this warpgroup's keys (as the baseline) ----
-  char* const dk_base = static_cast<char*>(p.dk);
-  char* const dv_base = static_cast<char*>(p.dv);
-  const int dk_elem = p.dk_f32 ? 4 : 2, dv_elem = p.dv_f32 ? 4 : 2;
-#pragma unroll
-  for (int i = 0; i < Tl::kKVFloats; i += 2) {
-    const int64_t key = key_lo + 8 * ((i / 2) % 2);
-    if (key >= p.tk) continue;
-    const int64_t col = 8 * (i / 4) + col_lane;
-    put_pair(dk_base + (key * p.dk_ts + kv_head * p.dk_hs + col) * dk_elem, p.dk_f32, p.accumulate,
-             dk[i] * p.scale, dk[i + 1] * p.scale);
-    put_pair(dv_base + (key * p.dv_ts + kv_head * p.dv_hs + col) * dv_elem, p.dv_f32, p.accumulate, dv[i],
-             dv[i + 1]);
-  }
-#endif  // LT_HOPPER_DEVICE_CODE
-}
-
 // dst[0] (+)= x (and dst[1] (+)= y with kPair), f32 or bf16.
 template <class Out, bool kPair>
 __device__ __forceinline__ void put_dq(Out* dst, float x, float y, bool accumulate) {
@@ -1006,44 +590,6 @@ __global__ void dq_from_accum_kernel(Out* dq, int64_t dq_ts, int64_t dq_hs, cons
   }
 }
 
-// The same for the alternate kernel's accumulator (one 64 x 128 fragment per tile, bwd_alternate_kernel's
-// header): float4 (j, t) holds fragment rows r = 16·(t/32) + (t%32)/4 and r + 8, columns c = 8j + 2·(t%4)
-// and c + 1. D = 128: rows are queries, columns d (pairs along d, as above); D = 64: rows are d,
-// columns queries, so the four floats go to four (query, d) places: (c, r), (c+1, r), (c, r+8), (c+1, r+8).
-template <int D, class Out>
-__global__ void dq_from_accum_alt_kernel(Out* dq, int64_t dq_ts, int64_t dq_hs, const float* __restrict__ acc,
-                                         int tq, int num_q_tiles, int64_t total_float4, float scale,
-                                         bool accumulate) {
-  constexpr int M = AltTiles<D, false>::kBlockM;
-  const int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (idx >= total_float4) return;
-  constexpr int kTileFloat4 = M * D / 4;
-  static_assert(kTileFloat4 == 16 * 128, "16 float4 per thread of one 64 x 128 fragment");
-  const int64_t tile = idx / kTileFloat4;
-  const int rem = static_cast<int>(idx % kTileFloat4);
-  const int j = rem / 128, t = rem % 128;
-  const int head = static_cast<int>(tile / num_q_tiles), m = static_cast<int>(tile % num_q_tiles);
-  const float4 v = reinterpret_cast<const float4*>(acc)[idx];
-  const int r = 16 * (t / 32) + (t % 32) / 4, c = 8 * j + 2 * (t % 4);
-  Out* const out = dq + static_cast<int64_t>(head) * dq_hs;
-  if constexpr (D == 128) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int64_t row = static_cast<int64_t>(m) * M + r + 8 * h;
-      if (row >= tq) continue;
-      put_dq<Out, true>(out + row * dq_ts + c, scale * (h ? v.z : v.x), scale * (h ? v.w : v.y), accumulate);
-    }
-  } else {
-    const float vals[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int64_t row = static_cast<int64_t>(m) * M + c + e % 2;
-      if (row >= tq) continue;
-      put_dq<Out, false>(out + row * dq_ts + r + 8 * (e / 2), scale * vals[e], 0.0f, accumulate);
-    }
-  }
-}
-
 // ---- host side ---------------------------------------------------------------------------------------
 
 int block_m(int64_t head_dim) { return head_dim == 64 ? BwdTiles<64>::kBlockM : BwdTiles<128>::kBlockM; }
@@ -1063,29 +609,9 @@ void launch_bwd(const CUtensorMap& mq, const CUtensorMap& mk, const CUtensorMap&
   LT_CUDA_LAUNCH_CHECK("hopper_attention_bwd_kernel");
 }
 
-template <int D, bool kCausal, bool kFmaExp2, bool kBulkDq>
-void launch_bwd_alternate(const CUtensorMap& mq, const CUtensorMap& mk, const CUtensorMap& mv,
-                          const CUtensorMap& mdo, const BwdParams& p, int kv_heads, int kv_tiles) {
-  using Tl = AltTiles<D, kBulkDq>;
-  auto* kernel = bwd_alternate_kernel<D, kCausal, kFmaExp2, kBulkDq>;
-  static const bool configured = [kernel] {
-    LT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       static_cast<int>(Tl::kSmemBytes)));
-    return true;
-  }();
-  (void)configured;
-  const dim3 grid(static_cast<unsigned>(kv_heads), static_cast<unsigned>(kv_tiles));
-  kernel<<<grid, kThreads, Tl::kSmemBytes, cuda_stream()>>>(mq, mk, mv, mdo, p);
-  LT_CUDA_LAUNCH_CHECK("hopper bwd_alternate_kernel");
-}
-
-// dq (+)= scale · the accumulator, in the variant's accumulator order.
+// dq (+)= scale · the accumulator.
 template <int D>
-void launch_dq(BwdVariant variant, const OutView& dq, const float* acc, int tq, int hq, int num_q_tiles, float scale,
-               bool accumulate) {
-  static_assert(BwdTiles<D>::kDqTileFloats == AltTiles<D, false>::kDqTileFloats &&
-                    BwdTiles<D>::kDqTileFloats == AltTiles<D, true>::kDqTileFloats,
-                "one accumulator size for all variants");
+void launch_dq(const OutView& dq, const float* acc, int tq, int hq, int num_q_tiles, float scale, bool accumulate) {
   const int64_t total = static_cast<int64_t>(hq) * num_q_tiles * BwdTiles<D>::kDqTileFloats / 4;
   constexpr int kBlock = 256;
   const unsigned blocks = static_cast<unsigned>((total + kBlock - 1) / kBlock);
@@ -1093,36 +619,12 @@ void launch_dq(BwdVariant variant, const OutView& dq, const float* acc, int tq, 
     kernel<<<blocks, kBlock, 0, cuda_stream()>>>(out, dq.token_stride, dq.head_stride, acc, tq, num_q_tiles, total,
                                                  scale, accumulate);
   };
-  const bool alt = variant != BwdVariant::baseline;
   if (dq.f32) {
-    float* out = static_cast<float*>(dq.data);
-    alt ? go(dq_from_accum_alt_kernel<D, float>, out) : go(dq_from_accum_kernel<D, float>, out);
+    go(dq_from_accum_kernel<D, float>, static_cast<float*>(dq.data));
   } else {
-    __nv_bfloat16* out = static_cast<__nv_bfloat16*>(dq.data);
-    alt ? go(dq_from_accum_alt_kernel<D, __nv_bfloat16>, out) : go(dq_from_accum_kernel<D, __nv_bfloat16>, out);
+    go(dq_from_accum_kernel<D, __nv_bfloat16>, static_cast<__nv_bfloat16*>(dq.data));
   }
   LT_CUDA_LAUNCH_CHECK("dq_from_accum_kernel");
-}
-
-template <int D, bool kCausal>
-void launch_variant(BwdVariant variant, const CUtensorMap& mq, const CUtensorMap& mk, const CUtensorMap& mv,
-                    const CUtensorMap& mdo, const BwdParams& p, int kv_heads, int kv_tiles) {
-  switch (variant) {
-    case BwdVariant::baseline:
-      launch_bwd<D, kCausal>(mq, mk, mv, mdo, p, kv_heads, kv_tiles);
-      return;
-    case BwdVariant::alternate:
-      // exp2 on the FMA pipe only at D = 64 (at D = 128 the MUFU has half the relative load)
-      launch_bwd_alternate<D, kCausal, D == 64, true>(mq, mk, mv, mdo, p, kv_heads, kv_tiles);
-      return;
-    case BwdVariant::alternate_mufu:
-      launch_bwd_alternate<D, kCausal, false, true>(mq, mk, mv, mdo, p, kv_heads, kv_tiles);
-      return;
-    case BwdVariant::alternate_red:
-      launch_bwd_alternate<D, kCausal, D == 64, false>(mq, mk, mv, mdo, p, kv_heads, kv_tiles);
-      return;
-  }
-  LT_CHECK(false, "hopper attention backward: unknown variant {}", static_cast<int>(variant));
 }
 
 // An output written in element pairs: aligned to a pair, even strides.
@@ -1184,52 +686,9 @@ std::string backward_unsupported_reason(const OutView& dq, const OutView& dk, co
   return check_stats(lse, "lse", q.tokens, q.heads);
 }
 
-BwdVariant parse_bwd_variant(const std::string& name, const char* source) {
-  if (name == "alternate") return BwdVariant::alternate;
-  if (name == "alternate-mufu") return BwdVariant::alternate_mufu;
-  if (name == "alternate-red") return BwdVariant::alternate_red;
-  if (name == "baseline") return BwdVariant::baseline;
-  throw Error(fmt::format(
-      "{}: the hopper backward variant must be alternate, alternate-mufu, alternate-red or baseline, got '{}'", source,
-      name));
-}
-
-const char* bwd_variant_name(BwdVariant variant) {
-  switch (variant) {
-    case BwdVariant::alternate: return "alternate";
-    case BwdVariant::alternate_mufu: return "alternate-mufu";
-    case BwdVariant::alternate_red: return "alternate-red";
-    case BwdVariant::baseline: return "baseline";
-  }
-  return "?";
-}
-
-namespace {
-// -1: not set by set_bwd_variant (the environment, or alternate, decides).
-std::atomic<int> g_bwd_variant{-1};
-}  // namespace
-
-BwdVariant default_bwd_variant() {
-  const int set = g_bwd_variant.load(std::memory_order_relaxed);
-  if (set >= 0) return static_cast<BwdVariant>(set);
-  static const BwdVariant from_env = [] {
-    const char* env = std::getenv("LONGTRAIN_HOPPER_BWD_VARIANT");
-    return env && *env ? parse_bwd_variant(env, "LONGTRAIN_HOPPER_BWD_VARIANT") : BwdVariant::alternate;
-  }();
-  return from_env;
-}
-
-void set_bwd_variant(BwdVariant variant) { g_bwd_variant.store(static_cast<int>(variant), std::memory_order_relaxed); }
-
 void backward(const OutView& dq, const OutView& dk, const OutView& dv, const View& q, const View& k, const View& v,
               const View& d_o, const StatsView& lse, const StatsView& delta, bool causal, float scale,
               bool accumulate) {
-  backward(dq, dk, dv, q, k, v, d_o, lse, delta, causal, scale, accumulate, default_bwd_variant());
-}
-
-void backward(const OutView& dq, const OutView& dk, const OutView& dv, const View& q, const View& k, const View& v,
-              const View& d_o, const StatsView& lse, const StatsView& delta, bool causal, float scale,
-              bool accumulate, BwdVariant variant) {
   std::string why = backward_unsupported_reason(dq, dk, dv, q, k, v, d_o, lse, causal);
   if (why.empty()) why = check_stats(delta, "delta", q.tokens, q.heads);
   LT_CHECK(why.empty(), "hopper attention backward: {}", why);
@@ -1271,18 +730,18 @@ void backward(const OutView& dq, const OutView& dk, const OutView& dv, const Vie
   const int hq = static_cast<int>(q.heads);
   if (q.dim == 64) {
     if (causal) {
-      launch_variant<64, true>(variant, mq, mk, mv, mdo, p, hkv, kv_tiles);
+      launch_bwd<64, true>(mq, mk, mv, mdo, p, hkv, kv_tiles);
     } else {
-      launch_variant<64, false>(variant, mq, mk, mv, mdo, p, hkv, kv_tiles);
+      launch_bwd<64, false>(mq, mk, mv, mdo, p, hkv, kv_tiles);
     }
-    launch_dq<64>(variant, dq, p.dq_accum, p.tq, hq, p.num_q_tiles, scale, accumulate);
+    launch_dq<64>(dq, p.dq_accum, p.tq, hq, p.num_q_tiles, scale, accumulate);
   } else {
     if (causal) {
-      launch_variant<128, true>(variant, mq, mk, mv, mdo, p, hkv, kv_tiles);
+      launch_bwd<128, true>(mq, mk, mv, mdo, p, hkv, kv_tiles);
     } else {
-      launch_variant<128, false>(variant, mq, mk, mv, mdo, p, hkv, kv_tiles);
+      launch_bwd<128, false>(mq, mk, mv, mdo, p, hkv, kv_tiles);
     }
-    launch_dq<128>(variant, dq, p.dq_accum, p.tq, hq, p.num_q_tiles, scale, accumulate);
+    launch_dq<128>(dq, p.dq_accum, p.tq, hq, p.num_q_tiles, scale, accumulate);
   }
 }
 

@@ -28,11 +28,9 @@ for stage in $STAGES; do
         OUT=$W HEAD_DIM=$D KV_HEADS=$KV timeout 150 python3 .device/anchors/attn_anchor.py > $W/attn_anchor_d$D.log 2>&1
         stamp "attn anchor d$D rc $?"; tail -c 300 $W/attn_anchor_d$D.log
         anchor=$W/attn_anchor_h32_d$D.json; [ $D = 128 ] && anchor=$W/attn_anchor.json  # the anchor's own names
-        # Every forward variant, then every backward variant alone (alternate-mufu differs from alternate
-        # only at head dim 64), each beside cuDNN with its largest differences from it.
+        # Every forward variant (each with our backward, which is also timed alone), beside cuDNN with
+        # the largest differences from it.
         kernels=cudnn,hopper-persistent,hopper-persistent-flat,hopper-overlap,hopper-baseline
-        kernels=$kernels,hopper-bwd-alternate,hopper-bwd-alternate-red,hopper-bwd-baseline
-        [ $D = 64 ] && kernels=$kernels,hopper-bwd-alternate-mufu
         timeout 240 $B/bench/attention_bench --kernel $kernels --lengths 16384,65536 --head-dim $D --kv-heads $KV \
           --reps 5 --commit $COMMIT $( [ -f $anchor ] && echo --anchor $anchor ) --out $W/attention_d$D.json \
           > $W/attention_d$D.log 2>&1

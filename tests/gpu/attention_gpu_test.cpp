@@ -495,10 +495,8 @@ INSTANTIATE_TEST_SUITE_P(
 // dq/dk/dv inside padded buffers (sentinels must survive) or side by side in one fused dQKV buffer,
 // overwriting NaN or accumulating onto nonzero values, from O (bf16 or f32) or from delta, rows whose
 // lse is -inf (their O and delta NaN); and against cuDNN's backward on larger shapes, dK/dV bitwise
-// run twice. Every backward test runs every backward variant (BwdVariant: alternate, alternate-mufu,
-// alternate-red, baseline), with cases for the alternate kernel's turns: 1, 2, 3 and more steps per CTA (odd and
-// even counts: the dQ turn alternates between the consumer warpgroups by step), 1, 2, 3 and 4 key
-// tiles. Skips without an sm_90 GPU.
+// run twice; with cases for 1, 2, 3 and more (query head, query tile) steps per CTA (odd and even
+// counts), 1, 2, 3 and 4 key tiles. Skips without an sm_90 GPU.
 #ifdef LONGTRAIN_HAS_CUDA
 #include <algorithm>
 #include <memory>
@@ -992,26 +990,9 @@ struct HopperBwdCase {
 
 void PrintTo(const HopperBwdCase& c, std::ostream* os) { *os << c.name; }
 
-using attn::hopper::BwdVariant;
-constexpr BwdVariant kBwdVariants[] = {BwdVariant::alternate, BwdVariant::alternate_mufu, BwdVariant::alternate_red,
-                                       BwdVariant::baseline};
-
-std::string bwd_variant_id(BwdVariant v) {
-  std::string id = attn::hopper::bwd_variant_name(v);
-  std::replace(id.begin(), id.end(), '-', '_');
-  return id;
-}
-
-// Makes attention_block_backward (through hopper::backward) run `variant` in its scope.
-struct BwdVariantScope {
-  BwdVariant saved = attn::hopper::default_bwd_variant();
-  explicit BwdVariantScope(BwdVariant v) { attn::hopper::set_bwd_variant(v); }
-  ~BwdVariantScope() { attn::hopper::set_bwd_variant(saved); }
-};
-
 // The CPU reference of one case (inputs, the forward's O and LSE with the dead rows applied, delta,
-// and the backward's gradients), kept for the next test of the same case: every case runs once per
-// variant, one after the other, and the f64 reference dominates the time of the larger cases.
+// and the backward's gradients), kept for the next test of the same case (the f64 reference dominates
+// the time of the larger cases).
 struct BwdReference {
   std::string name;
   std::vector<double> q, k, v, d_o, o_in, delta_in, lse;
@@ -1053,13 +1034,11 @@ const BwdReference& bwd_reference(const HopperBwdCase& c) {
   return cached;
 }
 
-// Every case runs through every backward variant (hopper_attention.h: BwdVariant).
-class HopperAttentionBackward : public ::testing::TestWithParam<std::tuple<HopperBwdCase, BwdVariant>> {};
+class HopperAttentionBackward : public ::testing::TestWithParam<HopperBwdCase> {};
 
 TEST_P(HopperAttentionBackward, MatchesCpuReference) {
   LT_REQUIRE_HOPPER();
-  const HopperBwdCase c = std::get<0>(GetParam());
-  const BwdVariant variant = std::get<1>(GetParam());
+  const HopperBwdCase c = GetParam();
   const double scale = 1.0 / std::sqrt(static_cast<double>(c.D));
   const double nan = std::numeric_limits<double>::quiet_NaN();
   const int64_t nq = c.Tq * c.Hq * c.D, nk = c.Tk * c.Hkv * c.D;
@@ -1107,14 +1086,13 @@ TEST_P(HopperAttentionBackward, MatchesCpuReference) {
   ASSERT_TRUE(why.empty()) << why;
   {
     PolicyScope hopper(attn::KernelPolicy::hopper);
-    BwdVariantScope use(variant);
     attn::attention_block_backward(g.views[0], g.views[1], g.views[2], in.q, in.k, in.v, do_d, lse,
                                    from_o ? Tensor(o_d) : Tensor{}, from_o ? Tensor{} : Tensor(delta_d), c.mask,
                                    scale, c.accumulate ? GradMode::accumulate : GradMode::overwrite);
     LT_CUDA_CHECK(cudaStreamSynchronize(cuda_stream()));
   }
 
-  const std::string tag = std::string(" [") + c.name + " " + attn::hopper::bwd_variant_name(variant) + "]";
+  const std::string tag = std::string(" [") + c.name + "]";
   g.download_and_check_sentinels(tag);
   const char* names[3] = {"hopper dQ", "hopper dK", "hopper dV"};
   const int64_t heads[3] = {c.Hq, c.Hkv, c.Hkv};
@@ -1163,9 +1141,9 @@ const auto kHopperBwdCases =
                       false},
         HopperBwdCase{"none_gqa6x2_q333_k129_d128_f32_acc_from_bf16o_dead", 333, 129, 6, 2, 128, kNone, false, kF32,
                       kBf16, true, true},
-        // The alternate kernel's turns (steps per CTA = query tiles met × group; 128-query tiles at
-        // D = 64, 64 at D = 128; 128-key CTAs): one step; two; three; 4, 3, 2, 1 (causal, one key
-        // tile per CTA); 15, 9, 3 (causal GQA, group 3); 6 with a ragged last key tile; many.
+        // Steps per CTA (query tiles met × group; 128-query tiles at D = 64, 64 at D = 128; 128-key
+        // CTAs): one step; two; three; 4, 3, 2, 1 (causal, one key tile per CTA); 15, 9, 3 (causal
+        // GQA, group 3); 6 with a ragged last key tile; many.
         HopperBwdCase{"causal_mha2_t64_d128_f32_acc_from_delta", 64, 64, 2, 2, 128, kCausal, false, kF32, kFromDelta,
                       true, false},
         HopperBwdCase{"none_gqa4x2_t128_d64_bf16_from_delta", 128, 128, 4, 2, 64, kNone, false, kBf16, kFromDelta,
@@ -1183,29 +1161,22 @@ const auto kHopperBwdCases =
         HopperBwdCase{"causal_mqa2x1_t1100_d128_bf16_acc_from_delta", 1100, 1100, 2, 1, 128, kCausal, false, kBf16,
                       kFromDelta, true, false});
 
-INSTANTIATE_TEST_SUITE_P(
-    Blocks, HopperAttentionBackward, ::testing::Combine(kHopperBwdCases, ::testing::ValuesIn(kBwdVariants)),
-    [](const ::testing::TestParamInfo<std::tuple<HopperBwdCase, BwdVariant>>& info) {
-      return std::string(std::get<0>(info.param).name) + "_" + bwd_variant_id(std::get<1>(info.param));
-    });
+INSTANTIATE_TEST_SUITE_P(Blocks, HopperAttentionBackward, kHopperBwdCases,
+                         [](const ::testing::TestParamInfo<HopperBwdCase>& info) { return std::string(info.param.name); });
 
 // Our backward against cuDNN's on larger shapes (many tiles) from one fused QKV buffer, both from the
-// same O and LSE (cuDNN's forward): bf16 dq/dk/dv overwritten, every variant. dK and dV are summed in
+// same O and LSE (cuDNN's forward): bf16 dq/dk/dv overwritten. dK and dV are summed in
 // a fixed order (bitwise the same on a second run); dQ is summed over the key tiles with f32 atomics,
 // so only close.
-class HopperAttentionBackwardVariant : public ::testing::TestWithParam<BwdVariant> {};
-
-TEST_P(HopperAttentionBackwardVariant, MatchesCudnn) {
+TEST(HopperAttentionBackwardVsCudnn, MatchesOnLargerShapes) {
   LT_REQUIRE_HOPPER();
-  const BwdVariant variant = GetParam();
   struct Shape {
     int64_t S, Hq, Hkv, D;
     bool causal;
   };
   for (const Shape& s : {Shape{4096, 32, 4, 64, true}, Shape{2048, 32, 8, 128, false}, Shape{3000, 16, 2, 128, true},
                          Shape{1500, 8, 1, 64, false}}) {
-    const std::string tag = fmt::format(" [S={} {}/{} D={} {} {}]", s.S, s.Hq, s.Hkv, s.D, s.causal ? "causal" : "none",
-                                        attn::hopper::bwd_variant_name(variant));
+    const std::string tag = fmt::format(" [S={} {}/{} D={} {}]", s.S, s.Hq, s.Hkv, s.D, s.causal ? "causal" : "none");
     SCOPED_TRACE(tag);
     const double scale = 1.0 / std::sqrt(static_cast<double>(s.D));
     const float sc = static_cast<float>(scale);
@@ -1232,7 +1203,7 @@ TEST_P(HopperAttentionBackwardVariant, MatchesCudnn) {
       const DeviceTensor& gk = run == 0 ? hk1 : hk2;
       const DeviceTensor& gv = run == 0 ? hv1 : hv2;
       attn::hopper::backward(hout(gq), hout(gk), hout(gv), hview(in.q), hview(in.k), hview(in.v), hview(d_o),
-                             hstats(lse), hstats(delta), s.causal, sc, /*accumulate=*/false, variant);
+                             hstats(lse), hstats(delta), s.causal, sc, /*accumulate=*/false);
     }
     LT_CUDA_CHECK(cudaStreamSynchronize(cuda_stream()));
     check_output("hopper dQ vs cuDNN" + tag, DType::bf16, download(hq1), download(cq), s.Hq, s.D);
@@ -1243,9 +1214,6 @@ TEST_P(HopperAttentionBackwardVariant, MatchesCudnn) {
     expect_close("hopper dQ, run 2 vs run 1" + tag, DType::bf16, download(hq2), download(hq1));
   }
 }
-
-INSTANTIATE_TEST_SUITE_P(Variants, HopperAttentionBackwardVariant, ::testing::ValuesIn(kBwdVariants),
-                         [](const ::testing::TestParamInfo<BwdVariant>& info) { return bwd_variant_id(info.param); });
 
 }  // namespace
 }  // namespace longtrain::test
