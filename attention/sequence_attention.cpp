@@ -47,8 +47,18 @@ void LocalSequenceAttention::backward(Tensor dq, Tensor dk, Tensor dv, Tensor q,
   ++counters.backward_calls;
   const WallClock wall(counters.wall_seconds), busy(counters.compute_seconds);
   if (documents_.empty()) {
-    attention_block_backward(dq, dk, dv, q, k, v, d_o, lse, o, Tensor{},
-                             causal_ ? BlockMask::causal_diagonal : BlockMask::none, scale_, GradMode::overwrite);
+    // head_groups_ calls of whole kv-head groups (a query head reads only its own kv head).
+    const int64_t hkv = k.size(1), hq = q.size(1);
+    LT_CHECK(hkv % head_groups_ == 0,
+             "attention backward: {} head groups (model.attention_head_groups) do not divide the {} kv heads",
+             head_groups_, hkv);
+    const int64_t gkv = hkv / head_groups_, gq = hq / head_groups_;
+    for (int64_t g = 0; g < head_groups_; ++g) {
+      auto qh = [&](const Tensor& t) { return head_groups_ == 1 ? t : t.narrow(1, g * gq, gq); };
+      auto kh = [&](const Tensor& t) { return head_groups_ == 1 ? t : t.narrow(1, g * gkv, gkv); };
+      attention_block_backward(qh(dq), kh(dk), kh(dv), qh(q), kh(k), kh(v), qh(d_o), qh(lse), qh(o), Tensor{},
+                               causal_ ? BlockMask::causal_diagonal : BlockMask::none, scale_, GradMode::overwrite);
+    }
     counters.pairs += BlockCall{0, q.size(0), 0, k.size(0), causal_ ? BlockMask::causal_diagonal : BlockMask::none}
                           .pairs();
     return;
@@ -60,6 +70,11 @@ void LocalSequenceAttention::backward(Tensor dq, Tensor dk, Tensor dv, Tensor q,
                                 GradMode::overwrite);
     counters.pairs += c.pairs;
   }
+}
+
+void LocalSequenceAttention::set_backward_head_groups(int64_t groups) {
+  LT_CHECK(groups >= 1, "attention backward head groups must be at least 1, got {}", groups);
+  head_groups_ = groups;
 }
 
 }  // namespace longtrain::attn

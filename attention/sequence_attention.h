@@ -55,6 +55,13 @@ class SequenceAttention {
   // buffers, so they keep the default.
   virtual bool head_major_lse() const { return false; }
 
+  // The number of calls the backward of a dense (document-free) sequence is split into by kv heads
+  // (model.attention_head_groups; a divisor of Hkv, checked at the call). One rank's attention runs
+  // each call over Hkv / groups kv heads and their query heads, so the backward's workspace shrinks
+  // by that factor; the distributed schedules keep one call (their blocks are shorter already).
+  virtual void set_backward_head_groups(int64_t groups) { (void)groups; }
+  virtual int64_t backward_head_groups() const { return 1; }
+
   // Per-layer state. A model whose checkpoint policy keeps every layer's O and LSE and does not run the
   // attention forward again in backward (none, remat_aware; not with offloaded checkpoints) calls
   // keep_forward(n_layers) once, then set_layer(l) before each forward and backward call of layer l.
@@ -87,10 +94,13 @@ class LocalSequenceAttention final : public SequenceAttention {
   void forward(Tensor o, Tensor lse, Tensor q, Tensor k, Tensor v) override;
   void backward(Tensor dq, Tensor dk, Tensor dv, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse,
                 Tensor d_o) override;
+  void set_backward_head_groups(int64_t groups) override;
+  int64_t backward_head_groups() const override { return head_groups_; }
 
  private:
   bool causal_;
   double scale_;
+  int64_t head_groups_ = 1;
 };
 
 }  // namespace longtrain::attn

@@ -155,6 +155,7 @@ LlamaModel::LlamaModel(const LlamaConfig& config, Precision precision, Checkpoin
   // The activation table (model/memory_plan.cpp), shared with the memory plan so that the plan is
   // exactly what is allocated here.
   tiling_ = resolve_tiling(config_, precision_, tiling, max_tokens);
+  attention_->set_backward_head_groups(tiling_.attention_head_groups);
   add_activation_entries(acts_, config_, precision_, policy_, max_tokens, tiling_, offload_);
   acts_.allocate();
   if (offload_ == Offload::checkpoints) {

@@ -53,9 +53,15 @@ bool attention_keeps_forward(CheckpointPolicy policy, Offload offload);
 // only the residual stream, attention's own tensors (QKV, O, LSE, dO, dQKV) and the per-token losses
 // scale with the shard. 0 = auto (resolve_tiling in model/memory_plan.h). The chunking is the same
 // under every policy, so the policies stay bit-identical to each other on CPU.
+// attention_head_groups (model.attention_head_groups): one rank's attention backward runs as that many
+// calls, each over n_kv_heads / groups kv heads and their query heads, so the backward's f32
+// workspace (cuDNN's workspace and dQ accumulator, 8 bytes per query element) is that many times
+// smaller; heads are independent, so the results are the same. 0 = auto. The distributed schedules
+// ignore it.
 struct Tiling {
   int64_t mlp_chunk_tokens = 0;
   int64_t loss_chunk_tokens = 0;
+  int64_t attention_head_groups = 0;
 };
 
 // Where and in which types the model lives. CPU: everything in one float type (f32 to train, f64 for

@@ -27,7 +27,7 @@ bool keeps_activation(CheckpointPolicy policy, std::string_view kind) {
   return false;
 }
 
-Tiling resolve_tiling(const LlamaConfig&, const Precision&, Tiling requested, int64_t max_tokens) {
+Tiling resolve_tiling(const LlamaConfig& config, const Precision& precision, Tiling requested, int64_t max_tokens) {
   LT_CHECK(requested.mlp_chunk_tokens >= 0, "model.mlp_chunk_tokens is {}; expected a token count, or 0 for auto",
            requested.mlp_chunk_tokens);
   LT_CHECK(requested.loss_chunk_tokens >= 0, "model.loss_chunk_tokens is {}; expected a token count, or 0 for auto",
@@ -37,6 +37,22 @@ Tiling resolve_tiling(const LlamaConfig&, const Precision&, Tiling requested, in
   t.mlp_chunk_tokens = std::min(T, requested.mlp_chunk_tokens > 0 ? requested.mlp_chunk_tokens : kAutoMlpChunkTokens);
   t.loss_chunk_tokens =
       std::min(T, requested.loss_chunk_tokens > 0 ? requested.loss_chunk_tokens : kAutoLossChunkTokens);
+  const int64_t hkv = config.n_kv_heads;
+  LT_CHECK(requested.attention_head_groups >= 0 &&
+               (requested.attention_head_groups == 0 || hkv % requested.attention_head_groups == 0),
+           "model.attention_head_groups is {}; expected a divisor of the {} kv heads (model.n_kv_heads), or 0 for auto",
+           requested.attention_head_groups, hkv);
+  t.attention_head_groups = requested.attention_head_groups;
+  if (t.attention_head_groups == 0) {
+    t.attention_head_groups = 1;
+    if (precision.device == Device::cuda) {
+      while (t.attention_head_groups < hkv &&
+             (hkv % t.attention_head_groups != 0 ||
+              attention_backward_workspace_bytes(T, config.n_heads / t.attention_head_groups, config.head_dim) >
+                  kAutoAttentionWorkspaceBytes))
+        ++t.attention_head_groups;
+    }
+  }
   return t;
 }
 
@@ -147,6 +163,17 @@ int cuda_sm_count() {
 
 }  // namespace
 
+size_t attention_backward_workspace_bytes(int64_t tokens, int64_t q_heads, int64_t head_dim) {
+  // cudnn_sdpa.cpp's backward: cuDNN's own workspace (fp32, Hq·T·D, as measured with cuDNN 9.19), the
+  // fp32 dQ accumulator it is given (same size) and rowsum(dO ⊙ O). Our Hopper backward
+  // (hopper_attention_bwd.cu) takes the same two scratch buffers: its f32 dQ accumulator has T rounded
+  // up to its 128-row query tiles (hopper::backward_dq_accum_bytes), and delta = rowsum(dO ⊙ O).
+  const size_t q_elems = static_cast<size_t>(tokens * q_heads * head_dim);
+  const size_t dq_accum_elems = static_cast<size_t>((tokens + 127) / 128 * 128 * q_heads * head_dim);
+  return scratch_bytes(q_elems * 4 + 256) + scratch_bytes(dq_accum_elems * 4) +
+         scratch_bytes(static_cast<size_t>(tokens * q_heads) * 4);
+}
+
 MemoryPlan plan_memory(const LlamaConfig& config, const Precision& precision, CheckpointPolicy policy,
                        int64_t tokens_per_rank, int64_t optimizer_shards, const SequenceParallelPlan& sp,
                        const Tiling& tiling, Offload offload) {
@@ -217,20 +244,14 @@ MemoryPlan plan_memory(const LlamaConfig& config, const Precision& precision, Ch
   const int64_t chunk = plan.tiling.loss_chunk_tokens;  // head() calls the op once per loss chunk
   const size_t act = dtype_size(precision.act);
   const size_t q_elems = static_cast<size_t>(T * Hq * D), kv_elems = static_cast<size_t>(T * Hkv * D);
-  const size_t rows = static_cast<size_t>(T * Hq);
   if (dev == Device::cuda) {
     // cross_entropy.cu: f32 logits and act-dtype d(logits) of one chunk.
     plan.lm_head_workspace = scratch_bytes(static_cast<size_t>(chunk * V) * 4) +
                              scratch_bytes(static_cast<size_t>(chunk * V) * act);
-    // cudnn_sdpa.cpp's backward: cuDNN's own workspace (fp32, Hq·T·D, as measured with cuDNN 9.19), the fp32
-    // dQ accumulator it is given (same size) and rowsum(dO ⊙ O). One rank's backward hands cuDNN the
-    // model's O and lets it write dQ/dK/dV straight into the fused dQKV buffer (no more scratch).
-    // Our Hopper backward (hopper_attention_bwd.cu) takes the same two scratch buffers: its f32 dQ
-    // accumulator has T rounded up to its 128-row query tiles (hopper::backward_dq_accum_bytes), and
-    // delta = rowsum(dO ⊙ O).
-    const size_t dq_accum_elems = static_cast<size_t>((T + 127) / 128 * 128 * Hq * D);
-    plan.attention_workspace =
-        scratch_bytes(q_elems * 4 + 256) + scratch_bytes(dq_accum_elems * 4) + scratch_bytes(rows * 4);
+    // One rank's backward hands cuDNN the model's O and lets it write dQ/dK/dV straight into the fused
+    // dQKV buffer (no more scratch), in attention_head_groups calls of Hq / groups query heads each.
+    const int64_t groups = sp.sp_size > 1 ? 1 : plan.tiling.attention_head_groups;
+    plan.attention_workspace = attention_backward_workspace_bytes(T, Hq / groups, D);
     if (sp.sp_size > 1) {
       // local_attention.cu under a distributed schedule: the block's bf16 dQ/dK/dV before they are added
       // into the schedule's f32 accumulators; burst (visiting query rows) and distflash with helpers
@@ -301,13 +322,16 @@ std::string MemoryPlan::table() const {
   const Precision& p = precision;
   std::string out = fmt::format(
       "memory plan: {} parameters, {} layers, dim {}, vocab {}; {} (parameters {}, activations {}, statistics {}); "
-      "checkpoint {}, offload {}; {} tokens per rank{}; token chunks: MLP {}, loss {}\n",
+      "checkpoint {}, offload {}; {} tokens per rank{}; token chunks: MLP {}, loss {}{}\n",
       config.num_parameters(), config.n_layers, config.dim, config.vocab_size, p.device == Device::cuda ? "cuda" : "cpu",
       dtype_name(p.param), dtype_name(p.act), dtype_name(p.stat), checkpoint_policy_name(policy), offload_name(offload), tokens,
       sp.sp_size > 1 ? fmt::format(" ({} sequence-parallel ranks, {} schedule)", sp.sp_size,
                                    attn::schedule_name(sp.schedule))
                      : std::string(),
-      tiling.mlp_chunk_tokens, tiling.loss_chunk_tokens);
+      tiling.mlp_chunk_tokens, tiling.loss_chunk_tokens,
+      sp.sp_size == 1 && tiling.attention_head_groups > 1
+          ? fmt::format("; attention backward in {} head groups", tiling.attention_head_groups)
+          : std::string());
   auto row = [&](const std::string& what, size_t bytes, const std::string& detail) {
     out += fmt::format("  {:<22} {:>11}   {}\n", what, human(bytes), detail);
   };

@@ -40,9 +40,16 @@ bool keeps_activation(CheckpointPolicy policy, std::string_view kind);
 // MLP chunks of kAutoMlpChunkTokens (at 16K tokens the 1.1B shape's four MLP chunk buffers take
 // 1.1 GiB in bf16 against 14 GiB of attention tensors at 1M tokens), loss chunks of
 // kAutoLossChunkTokens (f32 logits and their gradient, 0.75 GiB at a 32K vocabulary).
+// attention_head_groups: a divisor of n_kv_heads (else an error naming the key); auto is 1 on CPU (no
+// workspace) and on CUDA the fewest groups whose backward workspace (attention_backward_workspace_bytes)
+// stays within kAutoAttentionWorkspaceBytes, at most n_kv_heads: for the 1.1B shape (32/4 heads, head
+// dim 64) one group up to 256K tokens, 2 at 512K, 4 at 1M (4 GiB instead of 16).
 constexpr int64_t kAutoMlpChunkTokens = 16384;
 constexpr int64_t kAutoLossChunkTokens = 4096;
+constexpr size_t kAutoAttentionWorkspaceBytes = size_t{5} << 30;
 Tiling resolve_tiling(const LlamaConfig& config, const Precision& precision, Tiling requested, int64_t max_tokens);
+// The CUDA attention backward's scratch for one call over `tokens` queries and `q_heads` heads.
+size_t attention_backward_workspace_bytes(int64_t tokens, int64_t q_heads, int64_t head_dim);
 
 // Adds every activation entry of a model with shards of up to `max_tokens` tokens to `acts`, with the
 // (resolved) token chunks `tiling`: residual.0 .. residual.L [T, C]; layers.<l>.<kind> for kept kinds,

@@ -368,6 +368,13 @@ const std::vector<KeySpec>& key_table() {
                   "chunk; the [T, vocab] logits never exist); 0 = auto (4096)",
        .bind = LT_CONFIG_FIELD(model.tiling.loss_chunk_tokens), .range = at_least(0),
        .aliases = {"logits_chunk", "loss_chunk", "ce_chunk_tokens", "tiled_loss_chunk"}, .resume = OnResume::allowed},
+      {.section = "model", .key = "attention_head_groups", .default_value = int64_t{0},
+       .meaning = "calls one rank's attention backward is split into by kv heads, each over n_kv_heads / groups kv "
+                  "heads and their query heads, so its f32 workspace (cuDNN's workspace and dQ accumulator) is that "
+                  "many times smaller; a divisor of n_kv_heads; 0 = auto (on CUDA the fewest groups keeping it "
+                  "within 5 GiB)",
+       .bind = LT_CONFIG_FIELD(model.tiling.attention_head_groups), .range = at_least(0),
+       .aliases = {"attention_backward_head_groups", "attn_head_groups", "head_groups"}, .resume = OnResume::allowed},
       {.section = "model", .key = "init_std", .default_value = 0.02,
        .meaning = "standard deviation of the normal init of weight matrices", .bind = LT_CONFIG_FIELD(model.init_std),
        .range = above(0), .aliases = {"initializer_range", "init_method_std", "std"}, .resume = OnResume::refused},

@@ -72,7 +72,7 @@ struct ModelSection : model::LlamaConfig {
   // (model::choose_memory; model/memory_plan.h holds the measured order).
   std::optional<model::CheckpointPolicy> checkpoint;
   std::optional<model::Offload> offload;
-  model::Tiling tiling;   // model.mlp_chunk_tokens, model.loss_chunk_tokens; 0 = auto
+  model::Tiling tiling;   // model.mlp_chunk_tokens, model.loss_chunk_tokens, model.attention_head_groups; 0 = auto
   double init_std{};      // std of the normal initialization of weight matrices
   std::string init_from;  // a Hugging Face Llama directory whose weights start the run; "" = random init
 };

@@ -96,5 +96,43 @@ TEST(LocalSequenceAttention, MatchesDirectBlockCallsAndCountsThem) {
   }
 }
 
+// model.attention_head_groups: the backward in calls over groups of kv heads (and their query heads)
+// writes the same bits as one call (heads are independent) and counts the same pairs; a count that
+// does not divide the kv heads is refused naming the key. (The head-major LSE of the CUDA path is in
+// tests/gpu/attention_gpu_test.cpp.)
+template <class T>
+void check_head_groups(bool causal) {
+  SCOPED_TRACE(::testing::Message() << (std::is_same_v<T, double> ? "f64" : "f32") << (causal ? " causal" : " full"));
+  const double scale = 1.0 / std::sqrt(static_cast<double>(kHeadDim));
+  Fused<T> qkv, dqkv_one, dqkv_groups;
+  test::fill_uniform(qkv.buffer, 15, -1.5, 1.5);
+  test::fill_uniform(dqkv_one.buffer, 16, -3.0, 3.0);
+  test::fill_uniform(dqkv_groups.buffer, 17, -3.0, 3.0);
+  HostTensor<T> o({kTokens, kHeads, kHeadDim}), lse({kTokens, kHeads}), d_o({kTokens, kHeads, kHeadDim});
+  test::fill_uniform(d_o, 18);
+  LocalSequenceAttention one(causal, scale), groups(causal, scale);
+  groups.set_backward_head_groups(kKvHeads);
+  one.forward(o, lse, qkv.q, qkv.k, qkv.v);
+  one.counters.pairs = 0;
+  one.backward(dqkv_one.q, dqkv_one.k, dqkv_one.v, qkv.q, qkv.k, qkv.v, o, lse, d_o);
+  groups.backward(dqkv_groups.q, dqkv_groups.k, dqkv_groups.v, qkv.q, qkv.k, qkv.v, o, lse, d_o);
+  EXPECT_EQ(dqkv_groups.buffer.values, dqkv_one.buffer.values);
+  EXPECT_EQ(groups.counters.pairs, one.counters.pairs);
+
+  LocalSequenceAttention three(causal, scale);
+  three.set_backward_head_groups(3);
+  test::expect_error(
+      [&] { three.backward(dqkv_groups.q, dqkv_groups.k, dqkv_groups.v, qkv.q, qkv.k, qkv.v, o, lse, d_o); },
+      {"model.attention_head_groups", "3 head groups"});
+}
+
+TEST(LocalSequenceAttention, BackwardInKvHeadGroupsEqualsOneCall) {
+  static_assert(kKvHeads > 1, "two or more kv heads to split");
+  for (bool causal : {true, false}) {
+    check_head_groups<double>(causal);
+    check_head_groups<float>(causal);
+  }
+}
+
 }  // namespace
 }  // namespace longtrain::attn

@@ -241,9 +241,11 @@ TEST(GpuModel, CheckpointPoliciesAgreeWithinBf16Rounding) {
 
 // Token tiling and checkpoint offload on the GPU (model.offload: checkpoints: pinned host memory, a copy
 // stream, events): a 6-layer model, so that layers come back from the host a layer ahead, with MLP
-// chunks of 16 and loss chunks of 24 tokens (neither divides 61). Offloaded equals kept in the same
-// tiling to the loss bits (the forward is bitwise reproducible; the copies are exact), gradients within
-// bf16 rounding (cuDNN's dQ atomics); tiled equals untiled within bf16 rounding; and the tiled,
+// chunks of 16 and loss chunks of 24 tokens (neither divides 61), and the attention backward in two
+// kv-head groups (model.attention_head_groups: views of the fused buffers and of the head-major LSE).
+// Offloaded equals kept in the same tiling to the loss bits (the forward is bitwise reproducible; the
+// copies are exact), gradients within bf16 rounding (cuDNN's dQ atomics); tiled equals untiled (one
+// chunk, one head group) within bf16 rounding; and the tiled,
 // offloaded model still matches the CPU f64 reference within the step tolerance. Two steps each, so the
 // second reuses slots and events of the first.
 TEST(GpuModel, TiledAndOffloadedStepsMatchKeptUntiledAndTheCpuReference) {
@@ -254,7 +256,7 @@ TEST(GpuModel, TiledAndOffloadedStepsMatchKeptUntiledAndTheCpuReference) {
   DeviceShard ds(batch);
   HostShard hs(batch);
   const double scale = 1.0 / static_cast<double>(batch.valid);
-  const model::Tiling tiled{16, 24}, untiled{kTokens, kTokens};
+  const model::Tiling tiled{16, 24, 2}, untiled{kTokens, kTokens, 1};
   struct Result {
     double loss;
     std::vector<std::vector<double>> grads;
@@ -268,6 +270,7 @@ TEST(GpuModel, TiledAndOffloadedStepsMatchKeptUntiledAndTheCpuReference) {
     Result r{loss, {}};
     for (size_t i = 0; i < m->grads().table().size(); ++i) r.grads.push_back(entry_values(m->grads(), i));
     EXPECT_EQ(m->offload_host_bytes() > 0, offload == model::Offload::checkpoints);
+    EXPECT_EQ(m->attention().backward_head_groups(), tiling.attention_head_groups);
     return r;
   };
   auto worst = [&](const Result& a, const Result& b) {

@@ -228,6 +228,38 @@ TEST(LlamaModel, TiledEqualsUntiled) {
   ::testing::Test::RecordProperty("max_relative_error", fmt::format("{:.3e}", worst));
 }
 
+// model.attention_head_groups reaches one rank's attention (resolved: auto is one group on CPU) and
+// changes no bit of the loss or the gradients under any policy; a count that does not divide the kv
+// heads is refused naming the key.
+TEST(LlamaModel, AttentionHeadGroupsChangeNothing) {
+  LlamaConfig c = tiny_config();
+  const int64_t T = 23;
+  ShardData data(T, c.vocab_size);
+  for (CheckpointPolicy policy : {CheckpointPolicy::none, CheckpointPolicy::full, CheckpointPolicy::remat_aware}) {
+    std::vector<float> reference;
+    for (int64_t groups : {int64_t{0}, c.n_kv_heads}) {
+      LlamaModel model(c, Precision::cpu(DType::f32), policy, T, nullptr, 1, Tiling{0, 0, groups});
+      const int64_t want = groups == 0 ? 1 : groups;
+      EXPECT_EQ(model.tiling().attention_head_groups, want);
+      EXPECT_EQ(model.attention().backward_head_groups(), want);
+      model.initialize(4);
+      model.zero_grads();
+      const LossSum ls = model.forward_backward(data.shard(), 1.0 / T);
+      ASSERT_TRUE(std::isfinite(ls.sum));
+      const Tensor g = model.grads().flat();
+      const std::vector<float> grads(g.ptr<float>(), g.ptr<float>() + g.numel());
+      if (reference.empty()) {
+        reference = grads;
+      } else {
+        EXPECT_EQ(grads, reference) << checkpoint_policy_name(policy) << ", " << groups << " head groups";
+      }
+    }
+  }
+  test::expect_error(
+      [&] { LlamaModel bad(c, Precision::cpu(DType::f32), CheckpointPolicy::none, T, nullptr, 1, Tiling{0, 0, 3}); },
+      {"model.attention_head_groups", "3"});
+}
+
 // The policies stay bit-identical to each other when tiled (they chunk alike).
 TEST(LlamaModel, CheckpointPoliciesAreBitIdenticalWhenTiled) {
   LlamaConfig c = tiny_config();

@@ -500,6 +500,7 @@ const std::vector<KeyChange>& key_changes() {
       {"model.offload", {"model.offload=checkpoints"}, allowed},
       {"model.mlp_chunk_tokens", {"model.mlp_chunk_tokens=64"}, allowed},
       {"model.loss_chunk_tokens", {"model.loss_chunk_tokens=64"}, allowed},
+      {"model.attention_head_groups", {"model.attention_head_groups=2"}, allowed},
       {"model.init_std", {"model.init_std=0.01"}, refused},
       // Needs a Hugging Face directory whose config.json is kValid's shape (tests/trainer/init_from_test.cpp).
       {"model.init_from", {}, allowed},
@@ -668,8 +669,8 @@ TEST(TrainerConfig, AttentionKernelTakesItsThreeNames) {
 TEST(TrainerConfig, SchemaMentionsEveryKeyInItsSection) {
   const std::string schema = schema_text();
   const std::vector<std::string> keys = config_keys();
-  EXPECT_EQ(keys.size(), 71u);  // 65 before model.offload, model.mlp_chunk_tokens, model.loss_chunk_tokens,
-                                 // parallel.ulysses_size, train.grad_dtype and attention.kernel
+  EXPECT_EQ(keys.size(), 72u);  // 65 before model.offload, model.mlp_chunk_tokens, model.loss_chunk_tokens,
+                                 // parallel.ulysses_size, train.grad_dtype, attention.kernel and model.attention_head_groups
   for (const std::string& full : keys) {
     const std::string section = full.substr(0, full.find('.')), key = full.substr(full.find('.') + 1);
     const size_t at = schema.find("\n" + section + ": ");
