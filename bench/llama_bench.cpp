@@ -9,7 +9,7 @@
 //               [--out result.json] [--commit SHA] [--warmup 1] [--steps 3] [--plan-only]
 //               [--schedule zigzag] [--chunk-calls merged|per_chunk] [--longest] [--gpus P]
 //               [--memory FREE_GIB,TOTAL_GIB] [--documents docmask_anchor.json]
-//               [--offload none,checkpoints] [--mlp-chunk N] [--loss-chunk N] [--shape tinyllama|llama3.2-3b]
+//               [--offload none,checkpoints] [--mlp-chunk N] [--loss-chunk N] [--head-groups N] [--shape tinyllama|llama3.2-3b]
 //               [--profile]
 //   longtrain-run --nproc-per-node 2 -- llama_bench ...     (sequence parallel over 2 GPUs)
 //   llama_bench --merge result.json --anchor llama_anchor.json --out merged.json
@@ -38,8 +38,9 @@
 // --policies takes auto as well: the policy and offload model::choose_memory picks for the free
 // memory (what `longtrain train` does with model.checkpoint: auto); its row names the choice and why.
 // --offload lists the offload settings each fixed policy runs with (model.offload; checkpoints: the
-// kept tensors in pinned host memory, checked against /proc/meminfo). --mlp-chunk and --loss-chunk set
-// model.mlp_chunk_tokens and model.loss_chunk_tokens (0 = auto). --shape llama3.2-3b: dim 3072, 28
+// kept tensors in pinned host memory, checked against /proc/meminfo). --mlp-chunk, --loss-chunk and
+// --head-groups set model.mlp_chunk_tokens, model.loss_chunk_tokens and model.attention_head_groups
+// (0 = auto). --shape llama3.2-3b: dim 3072, 28
 // layers, 24 heads, 8 KV heads, head dim 128, ffn 8192, vocab 128256, tied embeddings.
 //
 // For each length (ascending) and checkpoint policy: the memory plan is printed and checked against
@@ -126,6 +127,8 @@ Options parse(int argc, char** argv) {
       o.tiling.mlp_chunk_tokens = std::stoll(next());
     } else if (a == "--loss-chunk") {
       o.tiling.loss_chunk_tokens = std::stoll(next());
+    } else if (a == "--head-groups") {
+      o.tiling.attention_head_groups = std::stoll(next());
     } else if (a == "--shape") {
       o.shape = next();
       LT_CHECK(o.shape == "tinyllama" || o.shape == "llama3.2-3b", "llama_bench: --shape is tinyllama or llama3.2-3b, got '{}'", o.shape);
@@ -587,7 +590,8 @@ int main(int argc, char** argv) try {
       json row = {{"S", S}, {"gpus", P}, {"tokens_per_gpu", T}, {"policy", setup.label()},
                   {"checkpoint", model::checkpoint_policy_name(policy)}, {"offload", model::offload_name(choice.offload)},
                   {"choice", choice.reason}, {"mlp_chunk_tokens", plan.tiling.mlp_chunk_tokens},
-                  {"loss_chunk_tokens", plan.tiling.loss_chunk_tokens}};
+                  {"loss_chunk_tokens", plan.tiling.loss_chunk_tokens},
+                  {"attention_head_groups", plan.tiling.attention_head_groups}};
       if (!docs.empty()) row["documents"] = docs.count();
       if (main_rank) std::printf("\n%s%s\n", plan.table().c_str(), choice.reason.c_str());
       row["plan_GiB"] = round3(plan.total() / kGiB);
