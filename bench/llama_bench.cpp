@@ -247,6 +247,8 @@ class TimedAttention final : public attn::SequenceAttention {
     end(i);
   }
   bool head_major_lse() const override { return inner_->head_major_lse(); }
+  void set_backward_head_groups(int64_t groups) override { inner_->set_backward_head_groups(groups); }
+  int64_t backward_head_groups() const override { return inner_->backward_head_groups(); }
   void reset() { used_ = 0; }
   // Milliseconds of every call since reset() (events are kept, one pair per call); the device must
   // have passed the last call.

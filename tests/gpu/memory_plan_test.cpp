@@ -101,11 +101,13 @@ TEST(MemoryPlan, AttentionHeadGroupsBoundTheBackwardWorkspace) {
   c.n_kv_heads = 4;
   c.head_dim = 64;
   c.ffn_dim = 5632;
-  const std::pair<int64_t, int64_t> expected[] = {{65536, 1}, {262144, 1}, {524288, 2}, {1 << 20, 4}, {1 << 22, 4}};
+  const std::pair<int64_t, int64_t> expected[] = {{65536, 1},   {262144, 1},  {524288, 2},
+                                                  {1 << 20, 4}, {1 << 22, 4}, {(1 << 20) + 2, 1}};
   for (const auto& [T, groups] : expected) {
     const model::Tiling t = model::resolve_tiling(c, Precision::cuda_mixed(), {}, T);
     EXPECT_EQ(t.attention_head_groups, groups) << T;
     EXPECT_EQ(model::resolve_tiling(c, Precision::cpu(DType::f32), {}, T).attention_head_groups, 1) << T;
+    if (T % 4 != 0) continue;  // auto keeps one group: the model's LSE groups would be misaligned
     if (groups < c.n_kv_heads) {
       EXPECT_LE(model::attention_backward_workspace_bytes(T, c.n_heads / groups, c.head_dim),
                 model::kAutoAttentionWorkspaceBytes)

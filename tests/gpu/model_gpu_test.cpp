@@ -261,8 +261,11 @@ TEST(GpuModel, TiledAndOffloadedStepsMatchKeptUntiledAndTheCpuReference) {
     double loss;
     std::vector<std::vector<double>> grads;
   };
+  // Room for 64 tokens (a multiple of 4: each head group's slice of the head-major LSE starts 16-byte
+  // aligned), steps of 61.
+  constexpr int64_t kRoom = 64;
   auto run = [&](CheckpointPolicy policy, model::Tiling tiling, model::Offload offload) {
-    auto m = std::make_unique<LlamaModel>(c, Precision::cuda_mixed(), policy, kTokens, nullptr, 1, tiling, offload);
+    auto m = std::make_unique<LlamaModel>(c, Precision::cuda_mixed(), policy, kRoom, nullptr, 1, tiling, offload);
     m->initialize(/*seed=*/77, /*init_std=*/0.08);
     m->zero_grads();
     m->forward_backward(ds.shard(), scale);
@@ -291,8 +294,11 @@ TEST(GpuModel, TiledAndOffloadedStepsMatchKeptUntiledAndTheCpuReference) {
     EXPECT_LT(w_tile, 4.0 / 256.0) << name;
     EXPECT_LT(std::abs(off.loss - plain.loss) / std::abs(plain.loss), kLossTolerance) << name;
   }
+  // Head groups with room for 61 tokens would start the second group's LSE 488 bytes in: refused.
+  test::expect_error([&] { LlamaModel bad(c, Precision::cuda_mixed(), CheckpointPolicy::none, kTokens, nullptr, 1, tiled); },
+                     {"model.attention_head_groups", "multiple of 4"});
   // The tiled, offloaded remat_aware model against the CPU reference (one step).
-  auto gpu = std::make_unique<LlamaModel>(c, Precision::cuda_mixed(), CheckpointPolicy::remat_aware, kTokens, nullptr, 1,
+  auto gpu = std::make_unique<LlamaModel>(c, Precision::cuda_mixed(), CheckpointPolicy::remat_aware, kRoom, nullptr, 1,
                                           tiled, model::Offload::checkpoints);
   gpu->initialize(2024, 0.08);
   auto cpu = std::make_unique<LlamaModel>(c, Precision::cpu(DType::f64), CheckpointPolicy::remat_aware, kTokens);
