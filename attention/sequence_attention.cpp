@@ -54,8 +54,8 @@ void LocalSequenceAttention::backward(Tensor dq, Tensor dk, Tensor dv, Tensor q,
              head_groups_, hkv);
     const int64_t gkv = hkv / head_groups_, gq = hq / head_groups_;
     for (int64_t g = 0; g < head_groups_; ++g) {
-      auto qh = [&](const Tensor& t) { return head_groups_ == 1 ? t : t.narrow(1, g * gq, gq); };
-      auto kh = [&](const Tensor& t) { return head_groups_ == 1 ? t : t.narrow(1, g * gkv, gkv); };
+      auto qh = [&](const Tensor& t) { return t.narrow(1, g * gq, gq); };
+      auto kh = [&](const Tensor& t) { return t.narrow(1, g * gkv, gkv); };
       attention_block_backward(qh(dq), kh(dk), kh(dv), qh(q), kh(k), kh(v), qh(d_o), qh(lse), qh(o), Tensor{},
                                causal_ ? BlockMask::causal_diagonal : BlockMask::none, scale_, GradMode::overwrite);
     }

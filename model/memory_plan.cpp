@@ -163,6 +163,13 @@ int cuda_sm_count() {
 
 }  // namespace
 
+std::string tiling_summary(const Tiling& tiling, int sp_size) {
+  return fmt::format("token chunks: MLP {}, loss {}{}", tiling.mlp_chunk_tokens, tiling.loss_chunk_tokens,
+                     sp_size == 1 && tiling.attention_head_groups > 1
+                         ? fmt::format("; attention backward in {} head groups", tiling.attention_head_groups)
+                         : std::string());
+}
+
 size_t attention_backward_workspace_bytes(int64_t tokens, int64_t q_heads, int64_t head_dim) {
   // cudnn_sdpa.cpp's backward: cuDNN's own workspace (fp32, Hq·T·D, as measured with cuDNN 9.19), the
   // fp32 dQ accumulator it is given (same size) and rowsum(dO ⊙ O). Our Hopper backward
@@ -322,16 +329,13 @@ std::string MemoryPlan::table() const {
   const Precision& p = precision;
   std::string out = fmt::format(
       "memory plan: {} parameters, {} layers, dim {}, vocab {}; {} (parameters {}, activations {}, statistics {}); "
-      "checkpoint {}, offload {}; {} tokens per rank{}; token chunks: MLP {}, loss {}{}\n",
+      "checkpoint {}, offload {}; {} tokens per rank{}; {}\n",
       config.num_parameters(), config.n_layers, config.dim, config.vocab_size, p.device == Device::cuda ? "cuda" : "cpu",
       dtype_name(p.param), dtype_name(p.act), dtype_name(p.stat), checkpoint_policy_name(policy), offload_name(offload), tokens,
       sp.sp_size > 1 ? fmt::format(" ({} sequence-parallel ranks, {} schedule)", sp.sp_size,
                                    attn::schedule_name(sp.schedule))
                      : std::string(),
-      tiling.mlp_chunk_tokens, tiling.loss_chunk_tokens,
-      sp.sp_size == 1 && tiling.attention_head_groups > 1
-          ? fmt::format("; attention backward in {} head groups", tiling.attention_head_groups)
-          : std::string());
+      tiling_summary(tiling, sp.sp_size));
   auto row = [&](const std::string& what, size_t bytes, const std::string& detail) {
     out += fmt::format("  {:<22} {:>11}   {}\n", what, human(bytes), detail);
   };

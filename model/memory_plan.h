@@ -50,6 +50,9 @@ constexpr size_t kAutoAttentionWorkspaceBytes = size_t{5} << 30;
 Tiling resolve_tiling(const LlamaConfig& config, const Precision& precision, Tiling requested, int64_t max_tokens);
 // The CUDA attention backward's scratch for one call over `tokens` queries and `q_heads` heads.
 size_t attention_backward_workspace_bytes(int64_t tokens, int64_t q_heads, int64_t head_dim);
+// "token chunks: MLP M, loss L" and, where one rank's attention runs its backward in head groups
+// (sp_size 1), "; attention backward in N head groups": the plan's table and the train log say it alike.
+std::string tiling_summary(const Tiling& tiling, int sp_size);
 
 // Adds every activation entry of a model with shards of up to `max_tokens` tokens to `acts`, with the
 // (resolved) token chunks `tiling`: residual.0 .. residual.L [T, C]; layers.<l>.<kind> for kept kinds,

@@ -782,11 +782,8 @@ TrainSummary train(TrainConfig c, const std::string& resume, const TrainHooks& h
   log->info("  device {} {}, checkpoint policy {}, seq_len {}, {} sequences per step ({} tokens), {} steps",
             enum_name(c.train.device), enum_name(c.train.dtype), model::checkpoint_policy_name(memory.policy),
             c.data.seq_len, micro * ranks.dp_size, tokens_per_step, c.train.steps);
-  log->info("  memory: {}; token chunks: MLP {}, loss {}{}{}; plan {:.2f} GiB per rank of {:.2f} GiB free",
-            memory.reason, model.tiling().mlp_chunk_tokens, model.tiling().loss_chunk_tokens,
-            model.tiling().attention_head_groups > 1 && ranks.sp_size == 1
-                ? fmt::format("; attention backward in {} head groups", model.tiling().attention_head_groups)
-                : std::string(),
+  log->info("  memory: {}; {}{}; plan {:.2f} GiB per rank of {:.2f} GiB free", memory.reason,
+            model::tiling_summary(model.tiling(), ranks.sp_size),
             model.offload_host_bytes() > 0
                 ? fmt::format("; {:.2f} GiB of {}host memory for the offloaded checkpoints",
                               static_cast<double>(model.offload_host_bytes()) / 1073741824.0,
