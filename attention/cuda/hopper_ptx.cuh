@@ -327,4 +327,78 @@ static __device__ __forceinline__ int ld_shared_s32(uint32_t addr) {
   return v;
 }
 
+// ---- thread-block clusters (the backward's CTA pairs, hopper_attention_bwd.cu) ----
+
+// This CTA's rank in its cluster.
+static __device__ __forceinline__ uint32_t cluster_ctarank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return r;
+}
+
+// The shared::cluster address of CTA `rank`'s copy of this CTA's shared::cta address `addr` (every CTA
+// of a kernel lays its shared memory out alike).
+static __device__ __forceinline__ uint32_t mapa_shared(uint32_t addr, uint32_t rank) {
+  uint32_t r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(addr), "r"(rank));
+  return r;
+}
+
+// Every thread of the cluster (all of each CTA's threads, none exited) arrives and waits: the
+// release/acquire makes each CTA's earlier shared-memory writes (mbarrier inits included) visible to
+// the others, and a CTA leaves only once no peer can still address its shared memory.
+static __device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+
+// 16 bytes into another CTA's shared memory (a shared::cluster address from mapa_shared), completing
+// 16 bytes of the transaction count of that CTA's mbarrier `remote_bar` (also mapped): the receiver
+// waits on its barrier, with no fence or cluster barrier on the way.
+static __device__ __forceinline__ void st_async_v4(uint32_t remote_addr, float a, float b, float c, float d,
+                                                   uint32_t remote_bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];\n" ::"r"(
+                   remote_addr),
+               "r"(__float_as_uint(a)), "r"(__float_as_uint(b)), "r"(__float_as_uint(c)), "r"(__float_as_uint(d)),
+               "r"(remote_bar)
+               : "memory");
+}
+
+// Arrives on another CTA's mbarrier (a mapped address), releasing this thread's earlier accesses at
+// cluster scope (its reads of a buffer the peer will overwrite after waiting on the barrier).
+static __device__ __forceinline__ void mbar_arrive_remote(uint32_t remote_bar) {
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(remote_bar) : "memory");
+}
+
+// mbar_wait_no_trap for a barrier that a peer CTA arrives on (acquire at cluster scope).
+static __device__ __forceinline__ bool mbar_try_wait_cluster(uint32_t bar, uint32_t parity) {
+  uint32_t done;
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
+      "selp.u32 %0, 1, 0, p;\n"
+      "}\n"
+      : "=r"(done)
+      : "r"(bar), "r"(parity)
+      : "memory");
+  return done != 0;
+}
+static __device__ __forceinline__ void mbar_wait_cluster_no_trap(uint32_t bar, uint32_t parity) {
+  if (mbar_try_wait_cluster(bar, parity)) return;
+  const long long start = clock64();
+  while (!mbar_try_wait_cluster(bar, parity)) {
+    if (clock64() - start > kHangCycles)
+      asm volatile("st.global.b32 [%0], %1;\n" ::"l"(static_cast<uint64_t>(0)), "r"(0xdeadu) : "memory");
+  }
+}
+
+static __device__ __forceinline__ float4 ld_shared_v4(uint32_t addr) {
+  float4 v;
+  asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "r"(addr)
+               : "memory");
+  return v;
+}
+
 }  // namespace longtrain::attn::hopper::ptx
