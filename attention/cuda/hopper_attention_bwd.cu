@@ -140,16 +140,10 @@ template <int D> struct BwdTiles {
   static constexpr uint32_t kLseOffset = kDsOffset + kDsBuffers * kDsBytes;  // f32 [kStages][kBlockM]
   static constexpr uint32_t kDeltaOffset = kLseOffset + kStages * kBlockM * 4;
   static constexpr uint32_t kBarrierOffset = kDeltaOffset + kStages * kBlockM * 4;
-  // kv_full, q_full[s], do_full[s], empty[s]; with CTA pairs recv_full[b], peer_free[b]
-  static constexpr int kRecvBuffers = 2;
-  static constexpr int kBarriers = 1 + 3 * kStages + 2 * kRecvBuffers;
-  // CTA pairs: the peer's dQ sub-block arrives here (kRecvBuffers × 64 × 64 f32, fragment order).
-  static constexpr uint32_t kRecvOffset = (kBarrierOffset + 8 * kBarriers + 15) / 16 * 16;
-  static constexpr uint32_t kRecvBytes = kDqSub * kDqSub * 4;
+  static constexpr int kBarriers = 1 + 3 * kStages;  // kv_full, q_full[s], do_full[s], empty[s]
   // +1024: the dynamic shared memory base is only 16-byte aligned; the tiles are moved up to 1024.
   static constexpr uint32_t kSmemBytes = kBarrierOffset + 8 * kBarriers + 1024;
-  static constexpr uint32_t kSmemBytesPaired = kRecvOffset + kRecvBuffers * kRecvBytes + 1024;
-  static_assert(kSmemBytesPaired <= 227 * 1024, "shared memory per CTA");
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory per CTA");
   // Every tile starts on a swizzle atom (the descriptors' base offset is 0).
   static_assert(kKVBytes % kAtomBytes == 0 && kQBytes % kAtomBytes == 0 && kDsBytes % kAtomBytes == 0,
                 "tiles are whole 1024-byte swizzle atoms");
@@ -312,7 +306,7 @@ __device__ __forceinline__ void produce(const CUtensorMap* tm_q, const CUtensorM
 #endif  // LT_HOPPER_DEVICE_CODE
 }
 
-template <int D, bool kCausal, bool kPaired>
+template <int D, bool kCausal>
 __global__ void __launch_bounds__(kThreads, 1)
     hopper_attention_bwd_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                                 const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_do,
@@ -336,17 +330,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto q_full = [&](int s) { return bars + 8u * (1 + s); };
   auto do_full = [&](int s) { return bars + 8u * (1 + S + s); };
   auto empty = [&](int s) { return bars + 8u * (1 + 2 * S + s); };
-  auto recv_full = [&](int b) { return bars + 8u * (1 + 3 * S + b); };
-  auto peer_free = [&](int b) { return bars + 8u * (1 + 3 * S + Tl::kRecvBuffers + b); };
-  auto recv = [&](int b) { return smem + Tl::kRecvOffset + b * Tl::kRecvBytes; };
 
   const int kv_head = blockIdx.x;
   const int n_tile = blockIdx.y;  // causal: tile 0 (the most query tiles) is launched first
   const int n0 = n_tile * kBlockN;
   // Causal (Tq == Tk): query tiles wholly before key n0 see none of these keys. n0 < Tk = Tq, so at
-  // least one tile remains; without a mask every query tile meets the keys. A pair's two CTAs run the
-  // same steps (those of its first tile: for the second, the first query tile or two are all masked).
-  const int m_first = kCausal ? (kPaired ? (n_tile & ~1) * kBlockN : n0) / M : 0;
+  // least one tile remains; without a mask every query tile meets the keys.
+  const int m_first = kCausal ? n0 / M : 0;
   const int n_m = p.num_q_tiles - m_first;
   const int steps = n_m * p.group;  // step = (query tile m_first + step / group, query head step % group)
 
@@ -357,22 +347,13 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_init(do_full(s), 32);
       mbar_init(empty(s), kConsumerThreads);
     }
-    for (int b = 0; b < Tl::kRecvBuffers; ++b) {
-      mbar_init(recv_full(b), 1);  // the receiving warpgroup's thread 0 (expect_tx) + the peer's bytes
-      mbar_init(peer_free(b), 4);  // one lane per warp of the peer's receiving warpgroup
-    }
     fence_barrier_init();
   }
-  // A pair's barriers must be initialised before the peer arrives on them or sends bytes.
-  if constexpr (kPaired) {
-    cluster_sync();
-  } else {
-    __syncthreads();
-  }
+  __syncthreads();
 
   const int warpgroup = threadIdx.x / 128;
   if (warpgroup == 0) {
-    // ---- producer: warp 0 only; warps 1-3 leave at once (no later CTA-wide or cluster barrier) ----
+    // ---- producer: warp 0 only; warps 1-3 leave at once (no later CTA-wide barrier) ----
     setmaxnreg_dec<kProducerRegs>();
     if (threadIdx.x >= 32) return;
     produce<Tl>(&tm_q, &tm_k, &tm_v, &tm_do, p, threadIdx.x, smem, lse_rows, delta_rows, kv_head, n0, m_first, steps);
@@ -390,17 +371,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int col_lane = 2 * (lane % 4);
   const uint32_t sK_wg = sK + kWgKeys * cw * kRowBytes;  // this warpgroup's 64 rows of each column block
   const uint32_t sV_wg = sV + kWgKeys * cw * kRowBytes;
-  // CTA pairs (kPaired): the two CTAs of a cluster hold adjacent key tiles of one kv head and run the
-  // same steps, so at every step both have a dQ sub-block of the same (query tile, head) per
-  // warpgroup. Consumer warpgroup w of CTA rank r receives (w == r): it adds the peer's sub-block w,
-  // sent into its recv buffer, to its own before the red.global; otherwise it sends its sub-block to
-  // the peer. No CTA can leave while its peer still addresses its shared memory, without a closing
-  // cluster barrier: a receiver waits for every send into it, and frees a buffer (a remote arrive)
-  // only when the sender will wait for that before sending into it again. The L2 reductions halve: with one CTA per key tile they bound the kernel (skipping them
-  // made it 1.28x faster at head dim 64 and 1.35x at 128 on the H200, 64K tokens).
-  const uint32_t rank = kPaired ? cluster_ctarank() : 0;
-  const bool receiver = kPaired && cw == static_cast<int>(rank);
-  const uint32_t peer_smem = kPaired ? mapa_shared(smem, rank ^ 1u) : 0;  // the peer's copy of `smem`
 
   float dv[Tl::kKVFloats], dk[Tl::kKVFloats];
 #pragma unroll
@@ -537,40 +507,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     fence_operands(dq);
     mbar_arrive(empty(s));
 
-    // dQ sub-block into the f32 accumulator (fragment order; header comment). A pair's buffer b is
-    // used every second step; `use` is the parity of its phase.
+    // dQ sub-block into the f32 accumulator (fragment order; header comment).
     float* const acc = p.dq_accum + (static_cast<int64_t>(head) * p.num_q_tiles + m) * Tl::kDqTileFloats +
                        cw * kDqSubFloats + 4 * t;
-    if constexpr (kPaired) {
-      const int b = step % Tl::kRecvBuffers;
-      const uint32_t use = (step / Tl::kRecvBuffers) & 1;
-      const uint32_t slot = recv(b) + 16u * t;  // float4 j of thread t at slot + 2048·j, as in the accumulator
-      if (!receiver) {
-        // Send once the peer has read this buffer's previous contents (a fresh barrier's previous
-        // phase counts as complete, so the first use does not wait).
-        mbar_wait_cluster_no_trap(peer_free(b), use ^ 1u);
-        const uint32_t remote = slot - smem + peer_smem, remote_bar = recv_full(b) - smem + peer_smem;
-#pragma unroll
-        for (int j = 0; j < Tl::kDqFloats / 4; ++j)
-          st_async_v4(remote + 2048u * j, dq[4 * j], dq[4 * j + 1], dq[4 * j + 2], dq[4 * j + 3], remote_bar);
-        continue;
-      }
-      if (t == 0) mbar_arrive_expect_tx(recv_full(b), Tl::kRecvBytes);
-      mbar_wait_no_trap(recv_full(b), use);
-#pragma unroll
-      for (int j = 0; j < Tl::kDqFloats / 4; ++j) {
-        const float4 v = ld_shared_v4(slot + 2048u * j);
-        dq[4 * j] += v.x;
-        dq[4 * j + 1] += v.y;
-        dq[4 * j + 2] += v.z;
-        dq[4 * j + 3] += v.w;
-      }
-      // Free the buffer for the peer's next send into it, if there is one (else the peer may have left).
-      if (step + Tl::kRecvBuffers < steps) {
-        __syncwarp();
-        if (lane == 0) mbar_arrive_remote(peer_free(b) - smem + peer_smem);
-      }
-    }
 #pragma unroll
     for (int j = 0; j < Tl::kDqFloats / 4; ++j)
       red_add_v4(acc + j * 4 * 128, dq[4 * j], dq[4 * j + 1], dq[4 * j + 2], dq[4 * j + 3]);
@@ -655,60 +594,19 @@ __global__ void dq_from_accum_kernel(Out* dq, int64_t dq_ts, int64_t dq_hs, cons
 
 int block_m(int64_t head_dim) { return head_dim == 64 ? BwdTiles<64>::kBlockM : BwdTiles<128>::kBlockM; }
 
-template <int D, bool kCausal, bool kPaired>
+template <int D, bool kCausal>
 void launch_bwd(const CUtensorMap& mq, const CUtensorMap& mk, const CUtensorMap& mv, const CUtensorMap& mdo,
                 const BwdParams& p, int kv_heads, int kv_tiles) {
-  auto* kernel = hopper_attention_bwd_kernel<D, kCausal, kPaired>;
-  constexpr uint32_t smem_bytes = kPaired ? BwdTiles<D>::kSmemBytesPaired : BwdTiles<D>::kSmemBytes;
+  auto* kernel = hopper_attention_bwd_kernel<D, kCausal>;
   static const bool configured = [kernel] {
-    LT_CUDA_CHECK(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem_bytes)));
+    LT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       static_cast<int>(BwdTiles<D>::kSmemBytes)));
     return true;
   }();
   (void)configured;
-  if constexpr (kPaired) {
-    // Clusters of two key tiles; an odd count gets one more CTA, whose keys are all past Tk (its K/V
-    // tile loads as zeros, it stores no dK/dV and sends its peer a zero dQ sub-block).
-    cudaLaunchConfig_t config{};
-    config.gridDim = dim3(static_cast<unsigned>(kv_heads), static_cast<unsigned>((kv_tiles + 1) / 2 * 2));
-    config.blockDim = dim3(kThreads);
-    config.dynamicSmemBytes = smem_bytes;
-    config.stream = cuda_stream();
-    cudaLaunchAttribute cluster{};
-    cluster.id = cudaLaunchAttributeClusterDimension;
-    cluster.val.clusterDim.x = 1;
-    cluster.val.clusterDim.y = 2;
-    cluster.val.clusterDim.z = 1;
-    config.attrs = &cluster;
-    config.numAttrs = 1;
-    LT_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, mq, mk, mv, mdo, p));
-  } else {
-    const dim3 grid(static_cast<unsigned>(kv_heads), static_cast<unsigned>(kv_tiles));
-    kernel<<<grid, kThreads, smem_bytes, cuda_stream()>>>(mq, mk, mv, mdo, p);
-  }
+  const dim3 grid(static_cast<unsigned>(kv_heads), static_cast<unsigned>(kv_tiles));
+  kernel<<<grid, kThreads, BwdTiles<D>::kSmemBytes, cuda_stream()>>>(mq, mk, mv, mdo, p);
   LT_CUDA_LAUNCH_CHECK("hopper_attention_bwd_kernel");
-}
-
-// LONGTRAIN_HOPPER_BWD_PAIRED=0 runs one CTA per key tile (no clusters), read once.
-bool paired_default() {
-  static const bool paired = [] {
-    const char* v = std::getenv("LONGTRAIN_HOPPER_BWD_PAIRED");
-    return v == nullptr || std::string(v) != "0";
-  }();
-  return paired;
-}
-
-template <int D>
-void launch_bwd_any(bool causal, const CUtensorMap& mq, const CUtensorMap& mk, const CUtensorMap& mv,
-                    const CUtensorMap& mdo, const BwdParams& p, int kv_heads, int kv_tiles) {
-  const bool paired = paired_default();
-  if (causal) {
-    paired ? launch_bwd<D, true, true>(mq, mk, mv, mdo, p, kv_heads, kv_tiles)
-           : launch_bwd<D, true, false>(mq, mk, mv, mdo, p, kv_heads, kv_tiles);
-  } else {
-    paired ? launch_bwd<D, false, true>(mq, mk, mv, mdo, p, kv_heads, kv_tiles)
-           : launch_bwd<D, false, false>(mq, mk, mv, mdo, p, kv_heads, kv_tiles);
-  }
 }
 
 // dq (+)= scale · the accumulator.
@@ -831,10 +729,18 @@ void backward(const OutView& dq, const OutView& dk, const OutView& dv, const Vie
   const int hkv = static_cast<int>(k.heads), kv_tiles = static_cast<int>((k.tokens + kBlockN - 1) / kBlockN);
   const int hq = static_cast<int>(q.heads);
   if (q.dim == 64) {
-    launch_bwd_any<64>(causal, mq, mk, mv, mdo, p, hkv, kv_tiles);
+    if (causal) {
+      launch_bwd<64, true>(mq, mk, mv, mdo, p, hkv, kv_tiles);
+    } else {
+      launch_bwd<64, false>(mq, mk, mv, mdo, p, hkv, kv_tiles);
+    }
     launch_dq<64>(dq, p.dq_accum, p.tq, hq, p.num_q_tiles, scale, accumulate);
   } else {
-    launch_bwd_any<128>(causal, mq, mk, mv, mdo, p, hkv, kv_tiles);
+    if (causal) {
+      launch_bwd<128, true>(mq, mk, mv, mdo, p, hkv, kv_tiles);
+    } else {
+      launch_bwd<128, false>(mq, mk, mv, mdo, p, hkv, kv_tiles);
+    }
     launch_dq<128>(dq, p.dq_accum, p.tq, hq, p.num_q_tiles, scale, accumulate);
   }
 }

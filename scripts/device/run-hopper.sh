@@ -5,9 +5,7 @@
 # call on our kernels (LONGTRAIN_ATTENTION_KERNEL=hopper), then attention_bench beside
 # bench/anchors/attn_anchor.py (torch's cuDNN SDPA) at head dim 64 (32/4 heads) and 128 (32/8).
 # Run with .device carried (devroot, run/bin.tar.xz, commit, anchors/); everything comes back in
-# $OUT/all.tar.gz. STAGES picks what runs (default "tests bench"). The backward runs in CTA pairs by
-# default; the tests run its cases again with one CTA per key tile (LONGTRAIN_HOPPER_BWD_PAIRED=0), and
-# the bench times that beside the pairs.
+# $OUT/all.tar.gz. STAGES picks what runs (default "tests bench").
 set -u
 source scripts/device/session.sh
 STAGES=${STAGES:-tests bench}
@@ -18,9 +16,6 @@ for stage in $STAGES; do
       timeout 300 $B/tests/gpu/gpu_test --gtest_filter="$HOPPER_TESTS" --gtest_output=json:$W/hopper_tests.json \
         > $W/hopper_tests.log 2>&1
       stamp "hopper tests rc $?"; grep -E "^\[  (FAILED|PASSED) |tests ran" $W/hopper_tests.log | tail -30
-      LONGTRAIN_HOPPER_BWD_PAIRED=0 timeout 200 $B/tests/gpu/gpu_test --gtest_filter='*HopperAttentionBackward*' \
-        > $W/hopper_bwd_single.log 2>&1
-      stamp "hopper backward tests, one CTA per key tile, rc $?"; grep -E "^\[  (FAILED|PASSED) |tests ran" $W/hopper_bwd_single.log | tail -12
       timeout 200 $B/tests/gpu/gpu_test --gtest_filter="-$HOPPER_TESTS" > $W/gpu_rest.log 2>&1
       stamp "gpu_test (the rest) rc $?"; grep -E "^\[  (FAILED|PASSED) |tests ran" $W/gpu_rest.log | tail -12
       LONGTRAIN_ATTENTION_KERNEL=hopper timeout 150 $B/tests/gpu/gpu_test \
@@ -33,18 +28,13 @@ for stage in $STAGES; do
         OUT=$W HEAD_DIM=$D KV_HEADS=$KV timeout 150 python3 .device/anchors/attn_anchor.py > $W/attn_anchor_d$D.log 2>&1
         stamp "attn anchor d$D rc $?"; tail -c 300 $W/attn_anchor_d$D.log
         anchor=$W/attn_anchor_h32_d$D.json; [ $D = 128 ] && anchor=$W/attn_anchor.json  # the anchor's own names
-        # The forward variants (KERNELS; each with our backward, which is also timed alone), beside cuDNN
-        # with the largest differences from it; then our backward with one CTA per key tile.
-        kernels=${KERNELS:-cudnn,hopper-persistent,hopper-persistent-flat,hopper-overlap,hopper-baseline}
+        # Every forward variant (each with our backward, which is also timed alone), beside cuDNN with
+        # the largest differences from it.
+        kernels=cudnn,hopper-persistent,hopper-persistent-flat,hopper-overlap,hopper-baseline
         timeout 240 $B/bench/attention_bench --kernel $kernels --lengths 16384,65536 --head-dim $D --kv-heads $KV \
           --reps 5 --commit $COMMIT $( [ -f $anchor ] && echo --anchor $anchor ) --out $W/attention_d$D.json \
           > $W/attention_d$D.log 2>&1
         stamp "attention_bench d$D rc $?"; grep -vE "^\s*$" $W/attention_d$D.log | tail -16
-        LONGTRAIN_HOPPER_BWD_PAIRED=0 timeout 120 $B/bench/attention_bench --kernel hopper-overlap \
-          --lengths 16384,65536 --head-dim $D --kv-heads $KV --reps 5 --commit $COMMIT \
-          $( [ -f $anchor ] && echo --anchor $anchor ) --out $W/attention_d${D}_bwd_single.json \
-          > $W/attention_d${D}_bwd_single.log 2>&1
-        stamp "attention_bench d$D, backward one CTA per key tile, rc $?"; grep -E "backward" $W/attention_d${D}_bwd_single.log
       done
       ;;
   esac
