@@ -14,6 +14,18 @@
 // 32/4 heads: 128+ key tiles × 4 kv heads >= 512 CTAs on 132 SMs) the per-kv-head grid already fills
 // the GPU; causal CTAs are launched longest first (key tile 0 meets every query tile).
 //
+// The step order, and what bounds the kernel: every step adds a 32 KB dQ tile into the f32
+// accumulator with red.global (L2 reductions: a diagnostic build without them ran 1.28x faster at
+// head dim 64 and 1.35x at 128, 64K tokens, on the H200). A CTA visits the query tiles from the LAST
+// down to the first that meets its keys, so the CTAs running together are on the same few query tiles
+// at once and their reductions (and Q/dO loads) hit the L2; visiting them from the diagonal up put
+// the running CTAs on ~132 different tiles, a working set past the L2: on the H200 descending cut the
+// DRAM traffic 2.5x (ncu, D 64 64K: 108 -> 43 GB) and the kernel's time by 12% / 13% at 8K (D 64 /
+// 128), 6% / 15% at 16K and 1.5-4% / 0.4-2.4% at 64K in two calls
+// (bench/results/attention-hopper-bwd-order-h200-2026-12-03.json).
+// (Pairing two key tiles' CTAs in a cluster to add their dQ tiles in distributed shared memory before
+// one reduction measured 1.18-1.35x slower: see git history.)
+//
 // Per CTA: 384 threads = a producer warpgroup and two consumer warpgroups (setmaxnreg 24 / 240).
 // - The producer's warp 0 TMA-loads the K and V tiles once, then streams (Q, dO) tiles of kBlockM
 //   query rows (128 for head_dim 64, 64 for head_dim 128) through a kStages ring, for every query head
@@ -271,7 +283,7 @@ __device__ __forceinline__ void produce(const CUtensorMap* tm_q, const CUtensorM
   }
   for (int step = 0; step < steps; ++step) {
     const int s = step % S;
-    const int m = m_first + step / p.group;
+    const int m = p.num_q_tiles - 1 - step / p.group;  // last query tile first (header: the step order)
     const int head = kv_head * p.group + step % p.group;
     const int m0 = m * M;
     // Load `step` into stage s waits for the release of load step - S from it: phase (step - S) / S of
@@ -381,7 +393,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int step = 0; step < steps; ++step) {
     const int s = step % S;
     const uint32_t parity = (step / S) & 1;
-    const int m = m_first + step / p.group;
+    const int m = p.num_q_tiles - 1 - step / p.group;  // last query tile first (header: the step order)
     const int head = kv_head * p.group + step % p.group;
     const int m0 = m * M;
 

@@ -5,7 +5,8 @@
 # call on our kernels (LONGTRAIN_ATTENTION_KERNEL=hopper), then attention_bench beside
 # bench/anchors/attn_anchor.py (torch's cuDNN SDPA) at head dim 64 (32/4 heads) and 128 (32/8).
 # Run with .device carried (devroot, run/bin.tar.xz, commit, anchors/); everything comes back in
-# $OUT/all.tar.gz. STAGES picks what runs (default "tests bench").
+# $OUT/all.tar.gz. STAGES picks what runs (default "tests bench"); KERNELS and LENGTHS override the
+# bench's --kernel list (default: cuDNN and every forward variant) and --lengths (16384,65536).
 set -u
 source scripts/device/session.sh
 STAGES=${STAGES:-tests bench}
@@ -30,8 +31,8 @@ for stage in $STAGES; do
         anchor=$W/attn_anchor_h32_d$D.json; [ $D = 128 ] && anchor=$W/attn_anchor.json  # the anchor's own names
         # Every forward variant (each with our backward, which is also timed alone), beside cuDNN with
         # the largest differences from it.
-        kernels=cudnn,hopper-persistent,hopper-persistent-flat,hopper-overlap,hopper-baseline
-        timeout 240 $B/bench/attention_bench --kernel $kernels --lengths 16384,65536 --head-dim $D --kv-heads $KV \
+        kernels=${KERNELS:-cudnn,hopper-persistent,hopper-persistent-flat,hopper-overlap,hopper-baseline}
+        timeout 240 $B/bench/attention_bench --kernel $kernels --lengths ${LENGTHS:-16384,65536} --head-dim $D --kv-heads $KV \
           --reps 5 --commit $COMMIT $( [ -f $anchor ] && echo --anchor $anchor ) --out $W/attention_d$D.json \
           > $W/attention_d$D.log 2>&1
         stamp "attention_bench d$D rc $?"; grep -vE "^\s*$" $W/attention_d$D.log | tail -16
