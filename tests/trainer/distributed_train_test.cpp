@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <iostream>
+#include <limits>
 #include <map>
 
 #include <nlohmann/json.hpp>
@@ -37,6 +38,33 @@ std::vector<double> logged_losses(const fs::path& run_dir) {
     if (j.contains("loss")) out.push_back(j["loss"].get<double>());
   }
   return out;
+}
+
+// The largest |got - want| / |want| over the steps; infinity where a value is NaN or infinite, so a
+// comparison against a bound fails there.
+double worst_relative_difference(const std::vector<double>& got, const std::vector<double>& want) {
+  double worst = 0;
+  for (size_t i = 0; i < got.size() && i < want.size(); ++i) {
+    const double d = std::abs(got[i] - want[i]) / std::abs(want[i]);
+    if (!std::isfinite(d)) return std::numeric_limits<double>::infinity();
+    worst = std::max(worst, d);
+  }
+  return worst;
+}
+
+// Every sequence-parallel schedule with a layout it runs in, for the tests that run each over 2 ranks.
+struct TwoRankSchedule {
+  const char* schedule;
+  const char* layout;
+};
+constexpr TwoRankSchedule kTwoRankSchedules[] = {
+    {"ring", "contiguous"}, {"zigzag", "zigzag"}, {"distflash", "contiguous"}, {"burst", "zigzag"}};
+
+// `sets` with the sequence split over 2 ranks under schedule `s`.
+std::vector<std::string> over_two_ranks(std::vector<std::string> sets, const TwoRankSchedule& s) {
+  sets.insert(sets.end(), {"parallel.sp_size=2", fmt::format("attention.schedule={}", s.schedule),
+                           fmt::format("parallel.layout={}", s.layout)});
+  return sets;
 }
 
 int launch(int nproc, const std::string& args) {
@@ -98,16 +126,11 @@ TEST_F(DistributedTrainTest, DataParallelEqualsOneRankWithTheWholeBatch) {
   TrainSummary single = train(config("dp_single", one));
 
   two.push_back("train.batch_size=2");
-  std::string args = "train " + write_config("dp_two").string();
-  for (const std::string& s : two) args += " --set " + s;
-  ASSERT_EQ(launch(2, args), 0);
+  ASSERT_EQ(launch(2, train_args("dp_two", two)), 0);
   std::vector<double> parallel = logged_losses(root_ / "runs/dp_two");
   ASSERT_EQ(parallel.size(), single.losses.size());
-  double worst = 0;
-  for (size_t i = 0; i < parallel.size(); ++i) {
-    worst = std::max(worst, std::abs(parallel[i] - single.losses[i]) / std::abs(single.losses[i]));
-    EXPECT_NEAR(parallel[i], single.losses[i], 1e-5 * std::abs(single.losses[i])) << "step " << i + 1;
-  }
+  const double worst = worst_relative_difference(parallel, single.losses);
+  EXPECT_LT(worst, 1e-5);
   ::testing::Test::RecordProperty("worst_relative_loss_difference", fmt::format("{:.2e}", worst));
   // The replicas wrote one run directory (rank 0's) and one checkpoint.
   EXPECT_TRUE(fs::exists(root_ / "runs/dp_two/checkpoints/step_10/model.safetensors"));
@@ -123,16 +146,11 @@ TEST_F(DistributedTrainTest, DataParallelOverThreeRanksWithAccumulationEqualsOne
   TrainSummary single = train(config("dp3_single", one));
 
   three.insert(three.end(), {"train.batch_size=1", "train.grad_accum=2"});
-  std::string args = "train " + write_config("dp3_accum").string();
-  for (const std::string& s : three) args += " --set " + s;
-  ASSERT_EQ(launch(3, args), 0);
+  ASSERT_EQ(launch(3, train_args("dp3_accum", three)), 0);
   std::vector<double> parallel = logged_losses(root_ / "runs/dp3_accum");
   ASSERT_EQ(parallel.size(), single.losses.size());
-  double worst = 0;
-  for (size_t i = 0; i < parallel.size(); ++i) {
-    worst = std::max(worst, std::abs(parallel[i] - single.losses[i]) / std::abs(single.losses[i]));
-    EXPECT_NEAR(parallel[i], single.losses[i], 1e-5 * std::abs(single.losses[i])) << "step " << i + 1;
-  }
+  const double worst = worst_relative_difference(parallel, single.losses);
+  EXPECT_LT(worst, 1e-5);
   ::testing::Test::RecordProperty("worst_relative_loss_difference", fmt::format("{:.2e}", worst));
 }
 
@@ -142,25 +160,14 @@ TEST_F(DistributedTrainTest, SequenceParallelTrainingEqualsOneRank) {
   const std::vector<std::string> common = {"train.steps=20", "eval.batches=0", "checkpoint.every=0",
                                            "train.batch_size=1", "optim.warmup_steps=2"};
   TrainSummary single = train(config("sp_single", common));
-  struct Case {
-    const char* name;
-    const char* schedule;
-    const char* layout;
-  };
-  for (const Case& k : {Case{"sp_ring", "ring", "contiguous"}, Case{"sp_zigzag", "zigzag", "zigzag"},
-                        Case{"sp_distflash", "distflash", "contiguous"}, Case{"sp_burst", "burst", "zigzag"}}) {
-    std::string args = "train " + write_config(k.name).string();
-    for (const std::string& s : common) args += " --set " + s;
-    args += fmt::format(" --set parallel.sp_size=2 --set attention.schedule={} --set parallel.layout={}", k.schedule,
-                        k.layout);
-    ASSERT_EQ(launch(2, args), 0) << k.name;
-    std::vector<double> sp = logged_losses(root_ / "runs" / k.name);
-    ASSERT_EQ(sp.size(), single.losses.size()) << k.name;
-    double worst = 0;
-    for (size_t i = 0; i < sp.size(); ++i)
-      worst = std::max(worst, std::abs(sp[i] - single.losses[i]) / std::abs(single.losses[i]));
-    EXPECT_LT(worst, 1e-5) << k.name;
-    ::testing::Test::RecordProperty(k.name, fmt::format("{:.2e}", worst));
+  for (const TwoRankSchedule& k : kTwoRankSchedules) {
+    const std::string name = fmt::format("sp_{}", k.schedule);
+    ASSERT_EQ(launch(2, train_args(name, over_two_ranks(common, k))), 0) << name;
+    std::vector<double> sp = logged_losses(root_ / "runs" / name);
+    ASSERT_EQ(sp.size(), single.losses.size()) << name;
+    const double worst = worst_relative_difference(sp, single.losses);
+    EXPECT_LT(worst, 1e-5) << name;
+    ::testing::Test::RecordProperty(name, fmt::format("{:.2e}", worst));
   }
 }
 
@@ -257,40 +264,31 @@ TEST_F(DistributedTrainTest, DocumentMaskUnderSequenceParallelismEqualsOneRankAn
     }
   }
   ASSERT_EQ(single_pairs.size(), 4u);
-  struct Case {
-    const char* name;
-    const char* schedule;
-    const char* layout;
-  };
-  for (const Case& k : {Case{"dm_ring", "ring", "contiguous"}, Case{"dm_zigzag", "zigzag", "zigzag"},
-                        Case{"dm_distflash", "distflash", "contiguous"}, Case{"dm_burst", "burst", "zigzag"}}) {
-    std::string args = "train " + write_config(k.name).string();
-    for (const std::string& s : common) args += " --set " + s;
-    args += fmt::format(" --set parallel.sp_size=2 --set attention.schedule={} --set parallel.layout={}", k.schedule,
-                        k.layout);
-    ASSERT_EQ(launch(2, args), 0) << k.name;
-    std::ifstream in(root_ / "runs" / k.name / "metrics.jsonl");
+  for (const TwoRankSchedule& s : kTwoRankSchedules) {
+    const std::string name = fmt::format("dm_{}", s.schedule);
+    ASSERT_EQ(launch(2, train_args(name, over_two_ranks(common, s))), 0) << name;
+    std::ifstream in(root_ / "runs" / name / "metrics.jsonl");
     size_t step = 0;
     for (std::string line; std::getline(in, line);) {
       const nlohmann::json j = nlohmann::json::parse(line);
       if (!j.contains("loss")) continue;
-      ASSERT_LT(step, single.losses.size()) << k.name;
+      ASSERT_LT(step, single.losses.size()) << name;
       EXPECT_LT(std::abs(j.at("loss").get<double>() - single.losses[step]) / single.losses[step], 1e-5)
-          << k.name << " step " << step + 1;
+          << name << " step " << step + 1;
       const auto pairs = j.at("attention_pairs_per_rank").get<std::vector<double>>();
       const auto idle = j.at("attention_idle_fraction_per_rank").get<std::vector<double>>();
-      ASSERT_EQ(pairs.size(), 2u) << k.name;
-      ASSERT_EQ(idle.size(), 2u) << k.name;
-      EXPECT_EQ(pairs[0] + pairs[1], single_pairs[step]) << k.name << " step " << step + 1;
+      ASSERT_EQ(pairs.size(), 2u) << name;
+      ASSERT_EQ(idle.size(), 2u) << name;
+      EXPECT_EQ(pairs[0] + pairs[1], single_pairs[step]) << name << " step " << step + 1;
       for (double f : idle) {
-        EXPECT_GE(f, 0.0) << k.name;
-        EXPECT_LE(f, 1.0) << k.name;
+        EXPECT_GE(f, 0.0) << name;
+        EXPECT_LE(f, 1.0) << name;
       }
       EXPECT_DOUBLE_EQ(j.at("attention_imbalance").get<double>(), 2 * std::max(pairs[0], pairs[1]) / (pairs[0] + pairs[1]))
-          << k.name;
+          << name;
       ++step;
     }
-    EXPECT_EQ(step, single.losses.size()) << k.name;
+    EXPECT_EQ(step, single.losses.size()) << name;
   }
 }
 
