@@ -5,8 +5,13 @@
 # call on our kernels (LONGTRAIN_ATTENTION_KERNEL=hopper), then attention_bench beside
 # bench/anchors/attn_anchor.py (torch's cuDNN SDPA) at head dim 64 (32/4 heads) and 128 (32/8).
 # Run with .device carried (devroot, run/bin.tar.xz, commit, anchors/); everything comes back in
-# $OUT/all.tar.gz. STAGES picks what runs (default "tests bench"); KERNELS and LENGTHS override the
-# bench's --kernel list (default: cuDNN and every forward variant) and --lengths (16384,65536).
+# $OUT/all.tar.gz. STAGES picks what runs (default "tests bench"); KERNELS, LENGTHS and SHAPES override
+# the bench's --kernel list (default: cuDNN and every forward variant), --lengths (16384,65536) and
+# head dims (default "64:4 128:8", head dim:kv heads).
+# Stage "ab" compares settings of an environment switch in one call (a variant under trial on a
+# branch, say): for each item of AB_ENV (space-separated VAR=value) the backward tests under it, then
+# our backward timed under each item at SHAPES and LENGTHS, e.g.
+#   STAGES=ab AB_ENV="LONGTRAIN_HOPPER_BWD_DQ=red LONGTRAIN_HOPPER_BWD_DQ=bulk" LENGTHS=8192,16384,65536
 set -u
 source scripts/device/session.sh
 STAGES=${STAGES:-tests bench}
@@ -24,8 +29,8 @@ for stage in $STAGES; do
       stamp "gpu_test under the hopper policy rc $?"; grep -E "^\[  (FAILED|PASSED) |tests ran" $W/gpu_hopper_policy.log | tail -12
       ;;
     bench)
-      for shape in "64 4" "128 8"; do
-        set -- $shape; D=$1; KV=$2
+      for shape in ${SHAPES:-64:4 128:8}; do
+        D=${shape%%:*}; KV=${shape#*:}
         OUT=$W HEAD_DIM=$D KV_HEADS=$KV timeout 150 python3 .device/anchors/attn_anchor.py > $W/attn_anchor_d$D.log 2>&1
         stamp "attn anchor d$D rc $?"; tail -c 300 $W/attn_anchor_d$D.log
         anchor=$W/attn_anchor_h32_d$D.json; [ $D = 128 ] && anchor=$W/attn_anchor.json  # the anchor's own names
@@ -36,6 +41,24 @@ for stage in $STAGES; do
           --reps 5 --commit $COMMIT $( [ -f $anchor ] && echo --anchor $anchor ) --out $W/attention_d$D.json \
           > $W/attention_d$D.log 2>&1
         stamp "attention_bench d$D rc $?"; grep -vE "^\s*$" $W/attention_d$D.log | tail -16
+      done
+      ;;
+    ab)
+      for setting in ${AB_ENV:?stage ab needs AB_ENV}; do
+        tag=${setting//[^A-Za-z0-9_.-]/_}
+        env "$setting" timeout 120 $B/tests/gpu/gpu_test --gtest_filter='*HopperAttentionBackward*' \
+          > "$W/ab_tests_$tag.log" 2>&1
+        stamp "backward tests under $setting rc $?"; grep -E "^\[  (FAILED|PASSED) " "$W/ab_tests_$tag.log" | tail -8
+      done
+      for shape in ${SHAPES:-64:4 128:8}; do
+        D=${shape%%:*}; KV=${shape#*:}
+        for setting in $AB_ENV; do
+          tag=${setting//[^A-Za-z0-9_.-]/_}
+          env "$setting" timeout 120 $B/bench/attention_bench --kernel hopper-overlap --lengths ${LENGTHS:-16384,65536} \
+            --head-dim $D --kv-heads $KV --reps 3 --commit $COMMIT --out "$W/ab_d${D}_$tag.json" \
+            > "$W/ab_d${D}_$tag.log" 2>&1
+          stamp "attention_bench d$D under $setting rc $?"; grep -E "hopper backward" "$W/ab_d${D}_$tag.log"
+        done
       done
       ;;
   esac
