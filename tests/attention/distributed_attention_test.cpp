@@ -28,6 +28,7 @@
 #include "attention/distributed/ulysses_attention.h"
 #include "model/llama.h"
 #include "parallel/distributed.h"
+#include "parallel/loopback_world.h"
 #include "parallel/multiproc_util.h"
 #include "parallel/net.h"
 #include "test_util.h"
@@ -44,26 +45,6 @@ using parallel::WorldInfo;
 using test::HostTensor;
 
 // ---- process setup ----------------------------------------------------------------------------------
-
-WorldInfo local_world(int rank, int n, int port, int per_node) {
-  WorldInfo w;
-  w.rank = rank;
-  w.world_size = n;
-  w.local_world_size = per_node;
-  w.local_rank = rank % per_node;
-  w.master_addr = "127.0.0.1";
-  w.master_port = port;
-  w.source = "test";
-  return w;
-}
-
-parallel::DistributedOptions options(int sp) {
-  parallel::DistributedOptions o;
-  o.sp_size = sp;
-  o.timeout = 30s;
-  o.connect_timeout = 10s;
-  return o;
-}
 
 // Several ranks share 2 cores: one BLAS thread each (the CPU attention follows OpenBLAS's count).
 void one_thread_per_rank() { openblas_set_num_threads(1); }
@@ -330,7 +311,7 @@ void check_config(Communicator& sp, const Config& cfg, bool causal, Heads heads,
 
 std::string every_schedule(int rank, int P, int port) {
   one_thread_per_rank();
-  Distributed d(local_world(rank, P, port, P), options(P));
+  Distributed d(test::loopback_world(rank, P, port, P), test::distributed_options(P));
   std::ostringstream rep;
   rep.precision(3);
   for (const Config& cfg : kConfigs) {
@@ -635,7 +616,7 @@ void check_ulysses(Distributed& d, const Config& cfg, bool causal, Heads heads, 
 
 std::string ulysses_every_layout(int rank, int P, int port) {
   one_thread_per_rank();
-  Distributed d(local_world(rank, P, port, P), options(P));
+  Distributed d(test::loopback_world(rank, P, port, P), test::distributed_options(P));
   std::ostringstream rep;
   rep.precision(3);
   for (SeqLayout layout : {SeqLayout::contiguous, SeqLayout::zigzag})
@@ -685,9 +666,9 @@ INSTANTIATE_TEST_SUITE_P(Gloo, UlyssesRanks, testing::Values(2, 3, 4, 5, 6, 7, 8
 std::string ulysses_hybrid(int rank, int U, int R, int per_node, int port) {
   one_thread_per_rank();
   const int P = U * R;
-  parallel::DistributedOptions o = options(P);
+  parallel::DistributedOptions o = test::distributed_options(P);
   o.ulysses_size = U;
-  Distributed d(local_world(rank, P, port, per_node), o);
+  Distributed d(test::loopback_world(rank, P, port, per_node), o);
   std::ostringstream rep;
   rep.precision(3);
   rep << "CASE groups " << !(d.ulysses() && d.ulysses()->size() == U && d.ulysses_ring()->size() == R) << " 0\n";
@@ -832,7 +813,7 @@ std::string double_ring(int rank, int P, int per_node, int port) {
     auto it = env.find(k);
     return it == env.end() ? nullptr : it->second.c_str();
   });
-  Distributed d(w, options(P));
+  Distributed d(w, test::distributed_options(P));
   const int nodes = P / per_node;
   std::ostringstream rep;
   rep.precision(3);
@@ -926,7 +907,7 @@ INSTANTIATE_TEST_SUITE_P(Gloo, BurstDoubleRing,
 
 std::string burst_vs_ring_bytes(int rank, int P, int port) {
   one_thread_per_rank();
-  Distributed d(local_world(rank, P, port, P), options(P));
+  Distributed d(test::loopback_world(rank, P, port, P), test::distributed_options(P));
   std::ostringstream rep;
   const int64_t D = 16;
   const Problem p = make_problem(48, kMha, D, true, 99, false);
@@ -1049,7 +1030,7 @@ double worst_gradient_error(const Arena& got, const Arena& want) {
 
 std::string model_gradients(int rank, int P, int port) {
   one_thread_per_rank();
-  Distributed d(local_world(rank, P, port, P), options(P));
+  Distributed d(test::loopback_world(rank, P, port, P), test::distributed_options(P));
   const model::LlamaConfig c = tiny_config();
   const int64_t S = 24;
   const Sequence seq(S, c.vocab_size, 2024);
@@ -1117,7 +1098,7 @@ INSTANTIATE_TEST_SUITE_P(Gloo, ModelRanks, testing::Values(2, 4),
 template <class T>
 std::string training(int rank, int P, int port, double lr) {
   one_thread_per_rank();
-  Distributed d(local_world(rank, P, port, P), options(P));
+  Distributed d(test::loopback_world(rank, P, port, P), test::distributed_options(P));
   const model::LlamaConfig c = tiny_config();
   const int64_t S = 24;
   const DType dt = dtype_of<T>();

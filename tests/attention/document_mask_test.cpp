@@ -29,6 +29,7 @@
 #include "attention/document_mask.h"
 #include "model/llama.h"
 #include "parallel/distributed.h"
+#include "parallel/loopback_world.h"
 #include "parallel/multiproc_util.h"
 #include "parallel/net.h"
 #include "test_util.h"
@@ -156,26 +157,6 @@ TEST(Documents, FromStartsCutsAtTheWindowAndChecksOffsets) {
 
 // ---- processes ----------------------------------------------------------------------------------------
 
-parallel::WorldInfo local_world(int rank, int n, int port) {
-  parallel::WorldInfo w;
-  w.rank = rank;
-  w.world_size = n;
-  w.local_world_size = n;
-  w.local_rank = rank;
-  w.master_addr = "127.0.0.1";
-  w.master_port = port;
-  w.source = "test";
-  return w;
-}
-
-parallel::DistributedOptions options(int sp) {
-  parallel::DistributedOptions o;
-  o.sp_size = sp;
-  o.timeout = 30s;
-  o.connect_timeout = 10s;
-  return o;
-}
-
 struct Config {
   Schedule schedule;
   SeqLayout layout;
@@ -258,7 +239,7 @@ HostTensor<double> local_rows(const HostTensor<double>& t, const std::vector<int
 
 std::string attention_cases(int rank, int P, int port) {
   openblas_set_num_threads(1);
-  Distributed dist(local_world(rank, P, port), options(P));
+  Distributed dist(test::loopback_world(rank, P, port), test::distributed_options(P));
   Communicator& sp = dist.sp();
   std::ostringstream rep;
   rep.precision(3);
@@ -361,7 +342,7 @@ std::vector<double> values(const Arena& a) {
 
 std::string model_cases(int rank, int P, int port) {
   openblas_set_num_threads(1);
-  Distributed dist(local_world(rank, P, port), options(P));
+  Distributed dist(test::loopback_world(rank, P, port), test::distributed_options(P));
   Communicator& sp = dist.sp();
   const model::LlamaConfig c = tiny_config();
   const model::Precision f64 = model::Precision::cpu(DType::f64);

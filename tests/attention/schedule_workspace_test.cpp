@@ -17,6 +17,7 @@
 #include "attention/distributed/ulysses_attention.h"
 #include "attention/distributed/workspace.h"
 #include "parallel/distributed.h"
+#include "parallel/loopback_world.h"
 #include "parallel/multiproc_util.h"
 #include "parallel/net.h"
 #include "runtime/device.h"
@@ -44,18 +45,7 @@ constexpr Case kCases[] = {
 // P ranks as P / per_node nodes (burst runs its double ring over them when per_node < P).
 std::string rank_main(int rank, int P, int per_node, int port) {
   openblas_set_num_threads(1);
-  parallel::WorldInfo w;
-  w.rank = rank;
-  w.world_size = P;
-  w.local_world_size = per_node;
-  w.local_rank = rank % per_node;
-  w.master_port = port;
-  w.source = "test";
-  parallel::DistributedOptions o;
-  o.sp_size = P;
-  o.timeout = 30s;
-  o.connect_timeout = 10s;
-  parallel::Distributed d(w, o);
+  parallel::Distributed d(test::loopback_world(rank, P, port, per_node), test::distributed_options(P));
 
   const int64_t S = 48, T = S / P, Hq = 4, Hkv = 2, D = 8;
   HostTensor<float> q({T, Hq, D}), k({T, Hkv, D}), v({T, Hkv, D}), o_({T, Hq, D}), lse({T, Hq}), d_o({T, Hq, D}),

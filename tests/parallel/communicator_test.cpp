@@ -14,6 +14,7 @@
 #include <sstream>
 
 #include "collective_reference.h"
+#include "loopback_world.h"
 #include "multiproc_util.h"
 #include "parallel/distributed.h"
 #include "parallel/net.h"
@@ -24,26 +25,6 @@ namespace {
 
 using namespace std::chrono_literals;
 using namespace test;  // collective_reference.h: rank_input, the references, rel_error, tolerance
-
-WorldInfo local_world(int rank, int n, int port, int per_node = 0) {
-  WorldInfo w;
-  w.rank = rank;
-  w.world_size = n;
-  w.local_world_size = per_node > 0 ? per_node : n;
-  w.local_rank = rank % w.local_world_size;
-  w.master_addr = "127.0.0.1";
-  w.master_port = port;
-  w.source = "test";
-  return w;
-}
-
-DistributedOptions options(Millis timeout, int sp = 1) {
-  DistributedOptions o;
-  o.sp_size = sp;
-  o.timeout = timeout;
-  o.connect_timeout = 10s;
-  return o;
-}
 
 template <class T>
 Tensor view(std::vector<T>& v) {
@@ -249,7 +230,7 @@ void check_max_propagates_nan(Communicator& c, std::ostream& rep) {
 }
 
 std::string collectives_on_every_dtype(int rank, int p, int port) {
-  Distributed d(local_world(rank, p, port), options(20s));
+  Distributed d(loopback_world(rank, p, port), distributed_options(1, 20s));
   Communicator& c = d.world();
   std::ostringstream rep;
   rep.precision(3);
@@ -360,7 +341,7 @@ void check_all_to_all_parts(Communicator& c, std::ostream& rep) {
 }
 
 std::string all_to_all_cases(int rank, int p, int port) {
-  Distributed d(local_world(rank, p, port), options(20s));
+  Distributed d(loopback_world(rank, p, port), distributed_options(1, 20s));
   Communicator& c = d.world();
   std::ostringstream rep;
   rep.precision(3);
@@ -401,7 +382,7 @@ INSTANTIATE_TEST_SUITE_P(Gloo, CommunicatorRanks, testing::Values(2, 3),
 // A one-process world (what a plain `longtrain train` without the launcher gets): every collective
 // is the identity, nothing is sent, and no port is needed.
 TEST(OneRankWorld, CollectivesAreTheIdentity) {
-  Distributed d(WorldInfo{}, options(5s));
+  Distributed d(WorldInfo{}, distributed_options(1, 5s));
   Communicator& c = d.world();
   EXPECT_EQ(c.size(), 1);
   EXPECT_EQ(d.sp().size(), 1);
@@ -420,7 +401,7 @@ TEST(OneRankWorld, CollectivesAreTheIdentity) {
 // all_reduce_host_values' device buffer (host_values_staging) is the communicator's: asked again for as
 // many values or fewer it allocates nothing and hands out the same memory; asked for more it grows.
 TEST(OneRankWorld, HostValuesStagingIsKeptAcrossCallsAndGrows) {
-  Distributed d(WorldInfo{}, options(5s));
+  Distributed d(WorldInfo{}, distributed_options(1, 5s));
   Communicator& c = d.world();
   const Tensor first = c.host_values_staging(3);
   EXPECT_EQ(first.numel(), 3);
@@ -437,7 +418,7 @@ TEST(OneRankWorld, HostValuesStagingIsKeptAcrossCallsAndGrows) {
 }
 
 TEST(OneRankWorld, BadArgumentsNameTheOperationAndTheGroup) {
-  Distributed d(WorldInfo{}, options(5s));
+  Distributed d(WorldInfo{}, distributed_options(1, 5s));
   std::vector<float> in(4), out(3);
   try {
     d.world().reduce_scatter(view(out), view(in));
@@ -470,7 +451,7 @@ TEST(OneRankWorld, BadArgumentsNameTheOperationAndTheGroup) {
 TEST(ProcessGroupCommunicators, EachGroupReducesExactlyItsMembers) {
   const int port = net::pick_free_port();
   auto out = test::run_ranks(4, [&](int r) {
-    Distributed d(local_world(r, 4, port, 2), options(20s, 2));
+    Distributed d(loopback_world(r, 4, port, 2), distributed_options(2, 20s));
     std::ostringstream rep;
     auto check = [&](const char* name, Communicator& c, const RankGroup& g) {
       int32_t x = r + 1;
@@ -499,7 +480,7 @@ TEST(CommunicatorFailure, AMissingRankIsNamedWhenTheCollectiveTimesOut) {
   const int port = net::pick_free_port();
   const auto start = Clock::now();
   auto out = test::run_ranks(3, [&](int r) -> std::string {
-    Distributed d(local_world(r, 3, port), options(20s));  // a slow start must not trip the test
+    Distributed d(loopback_world(r, 3, port), distributed_options(1, 20s));  // a slow start must not trip the test
     d.world().barrier();
     d.world().set_timeout(1s);
     if (r == 2) {
@@ -536,7 +517,7 @@ TEST(CommunicatorFailure, AMissingRankIsNamedWhenTheCollectiveTimesOut) {
 TEST(CommunicatorFailure, AMissingSendIsNamed) {
   const int port = net::pick_free_port();
   auto out = test::run_ranks(2, [&](int r) -> std::string {
-    Distributed d(local_world(r, 2, port), options(20s));
+    Distributed d(loopback_world(r, 2, port), distributed_options(1, 20s));
     d.world().barrier();
     d.world().set_timeout(1s);
     std::vector<float> t(64, 1.0f);
@@ -567,7 +548,7 @@ TEST(CommunicatorFailure, AMissingSendIsNamed) {
 TEST(CommunicatorFailure, ARankThatNeverJoinsIsNamed) {
   const int port = net::pick_free_port();
   auto out = test::run_ranks(3, [&](int r) -> std::string {
-    Distributed d(local_world(r, 3, port), options(20s));
+    Distributed d(loopback_world(r, 3, port), distributed_options(1, 20s));
     if (r == 2) return "skipped";
     try {
       make_communicator(Backend::gloo, d.store(), "late", {0, 1, 2}, r, CommOptions{1s});
@@ -590,7 +571,7 @@ TEST(CommunicatorFailure, ARankThatDiesStopsTheOthersWithinSeconds) {
   const int port = net::pick_free_port();
   const auto start = Clock::now();
   auto out = test::run_ranks(3, [&](int r) -> std::string {
-    Distributed d(local_world(r, 3, port), options(20s));
+    Distributed d(loopback_world(r, 3, port), distributed_options(1, 20s));
     d.world().barrier();
     if (r == 1) ::_exit(3);
     std::vector<double> t(100, 1.0);

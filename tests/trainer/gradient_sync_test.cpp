@@ -17,6 +17,7 @@
 
 #include "model/llama.h"
 #include "parallel/distributed.h"
+#include "parallel/loopback_world.h"
 #include "parallel/multiproc_util.h"
 #include "parallel/net.h"
 #include "test_util.h"
@@ -158,27 +159,12 @@ TEST(GradientsReadyHookUnset, ForwardBackwardRunsWithoutIt) {
 
 // ---- over the ranks --------------------------------------------------------------------------
 
-parallel::WorldInfo local_world(int rank, int n, int port) {
-  parallel::WorldInfo w;
-  w.rank = rank;
-  w.world_size = n;
-  w.local_world_size = n;
-  w.local_rank = rank;
-  w.master_addr = "127.0.0.1";
-  w.master_port = port;
-  w.source = "test";
-  return w;
-}
-
 // One rank: two micro-batches of its own tokens, reduced (a) range by range during the second
 // one's backward, as the trainer does, and (b) by one reduce_scatter after it. Reports the
 // difference of the two shards ("CASE ..." lines, asserted by the parent) and how many reported
 // ranges straddled a shard boundary.
 std::string bucketed_against_whole(int rank, int p, int port) {
-  parallel::DistributedOptions o;
-  o.timeout = 20s;
-  o.connect_timeout = 10s;
-  parallel::Distributed d(local_world(rank, p, port), o);
+  parallel::Distributed d(test::loopback_world(rank, p, port), test::distributed_options(1, 20s));
   parallel::Communicator& world = d.world();
   const LlamaConfig c = small_config(false);
   const int64_t T = 13;
