@@ -64,11 +64,11 @@ Options parse(int argc, char** argv) {
   o.command = command_line(argc, argv);
   for_each_flag(argc, argv, "attention_bench", [&](const std::string& a, const FlagValue& next) {
     if (a == "--lengths") {
-      o.lengths = int_list(next());
+      o.lengths = next.integers();
     } else if (a == "--kv-heads") {
-      o.kv_heads = int_list(next());
+      o.kv_heads = next.integers();
     } else if (a == "--head-dim") {
-      o.head_dim = std::stoll(next());
+      o.head_dim = next.integer();
     } else if (a == "--layouts") {
       o.layouts = split_list(next());
       for (const std::string& l : o.layouts)
@@ -89,9 +89,9 @@ Options parse(int argc, char** argv) {
     } else if (a == "--commit") {
       o.commit = next();
     } else if (a == "--warmup") {
-      o.warmup = std::stoi(next());
+      o.warmup = next.int32();
     } else if (a == "--reps") {
-      o.reps = std::stoi(next());
+      o.reps = next.int32();
     } else {
       return false;
     }
@@ -469,6 +469,5 @@ int main(int argc, char** argv) try {
   std::printf("%s\n", result.dump(1).c_str());
   return 0;
 } catch (const std::exception& e) {
-  std::fprintf(stderr, "attention_bench: %s\n", e.what());
-  return 1;
+  return report_failure("attention_bench", e);
 }

@@ -10,12 +10,16 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdint>
+#include <cstdio>
 #include <ctime>
+#include <exception>
 #include <fstream>
 #include <functional>
 #include <initializer_list>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -41,8 +45,63 @@ inline std::string command_line(int argc, char** argv) {
   return command;
 }
 
-// The value of the flag being handled: the next argument (an error naming the flag when there is none).
-using FlagValue = std::function<std::string()>;
+// `text` as a whole number (all of it, within int64), else an error naming the tool and `what`.
+inline int64_t parse_integer(const std::string& tool, const std::string& what, const std::string& text) {
+  size_t used = 0;
+  int64_t v = 0;
+  try {
+    v = std::stoll(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  LT_CHECK(!text.empty() && used == text.size(), "{}: {} takes a whole number, got '{}'", tool, what, text);
+  return v;
+}
+
+// `text` as a finite number, else an error naming the tool and `what`.
+inline double parse_number(const std::string& tool, const std::string& what, const std::string& text) {
+  size_t used = 0;
+  double v = 0;
+  try {
+    v = std::stod(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  LT_CHECK(!text.empty() && used == text.size() && std::isfinite(v), "{}: {} takes a number, got '{}'", tool, what,
+           text);
+  return v;
+}
+
+// The value of the flag being handled: next() (or text()) is the next argument, an error naming the
+// flag when there is none; integer(), number() and integers() ("4096,16384") parse it, an error naming
+// the flag when it is not that.
+class FlagValue {
+ public:
+  FlagValue(std::string tool, std::string flag, std::function<std::string()> take)
+      : tool_(std::move(tool)), flag_(std::move(flag)), take_(std::move(take)) {}
+  std::string operator()() const { return take_(); }
+  std::string text() const { return take_(); }
+  int64_t integer() const { return parse_integer(tool_, flag_, take_()); }
+  int int32() const {
+    const int64_t v = integer();
+    LT_CHECK(v >= INT32_MIN && v <= INT32_MAX, "{}: {} is out of range: {}", tool_, flag_, v);
+    return static_cast<int>(v);
+  }
+  double number() const { return parse_number(tool_, flag_, take_()); }
+  std::vector<int64_t> integers() const;
+
+ private:
+  std::string tool_, flag_;
+  std::function<std::string()> take_;
+};
+
+// A benchmark's main() on an exception: prints "<tool>: <what>" (the message as it is where it already
+// names the tool, as the flag errors do) and returns the exit status 1.
+inline int report_failure(const std::string& tool, const std::exception& e) {
+  const std::string what = e.what(), prefix = tool + ": ";
+  std::fprintf(stderr, "%s\n", (what.rfind(prefix, 0) == 0 ? what : prefix + what).c_str());
+  return 1;
+}
 
 // Walks argv[1..]: handle(flag, value) takes each flag (and its value, if it has one) and returns
 // false for one it does not know, which is an error naming it and the comment that lists them.
@@ -50,10 +109,10 @@ inline void for_each_flag(int argc, char** argv, const std::string& tool,
                           const std::function<bool(const std::string& flag, const FlagValue& value)>& handle) {
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    const FlagValue value = [&]() -> std::string {
+    const FlagValue value(tool, a, [&]() -> std::string {
       LT_CHECK(i + 1 < argc, "{}: {} needs a value", tool, a);
       return argv[++i];
-    };
+    });
     if (!handle(a, value))
       LT_FAIL("{}: unknown argument '{}' (see the comment at the top of bench/{}.cpp)", tool, a, tool);
   }
@@ -67,10 +126,9 @@ inline std::vector<std::string> split_list(const std::string& s) {
   return items;
 }
 
-// "4096,16384" -> {4096, 16384}.
-inline std::vector<int64_t> int_list(const std::string& s) {
+inline std::vector<int64_t> FlagValue::integers() const {
   std::vector<int64_t> v;
-  for (const std::string& item : split_list(s)) v.push_back(std::stoll(item));
+  for (const std::string& item : split_list(take_())) v.push_back(parse_integer(tool_, flag_, item));
   return v;
 }
 

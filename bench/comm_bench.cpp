@@ -44,7 +44,7 @@ Options parse(int argc, char** argv) {
   o.command = command_line(argc, argv);
   for_each_flag(argc, argv, "comm_bench", [&](const std::string& a, const FlagValue& next) {
     if (a == "--sizes-mib") {
-      o.sizes_mib = int_list(next());
+      o.sizes_mib = next.integers();
     } else if (a == "--anchor") {
       o.anchor = next();
     } else if (a == "--out") {
@@ -54,7 +54,7 @@ Options parse(int argc, char** argv) {
     } else if (a == "--topology") {
       o.topology = next();
     } else if (a == "--warmup") {
-      o.warmup = std::stoi(next());
+      o.warmup = next.int32();
     } else {
       return false;
     }
@@ -182,7 +182,6 @@ int main(int argc, char** argv) {
     std::printf("wrote %s\n", o.out.c_str());
     return 0;
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "comm_bench: %s\n", e.what());
-    return 1;
+    return report_failure("comm_bench", e);
   }
 }

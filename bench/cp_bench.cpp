@@ -62,16 +62,16 @@ Options parse(int argc, char** argv) {
   o.command = command_line(argc, argv);
   for_each_flag(argc, argv, "cp_bench", [&](const std::string& a, const FlagValue& next) {
     if (a == "--lengths") {
-      o.lengths = int_list(next());
+      o.lengths = next.integers();
     } else if (a == "--schedules") {
       o.schedules.clear();
       for (const std::string& x : split_list(next())) o.schedules.push_back(attn::parse_schedule(x));
     } else if (a == "--warmup") {
-      o.warmup = std::stoi(next());
+      o.warmup = next.int32();
     } else if (a == "--reps") {
-      o.reps = std::stoi(next());
+      o.reps = next.int32();
     } else if (a == "--rep-seconds") {
-      o.rep_seconds = std::stod(next());
+      o.rep_seconds = next.number();
     } else if (a == "--chunk-calls") {
       o.chunk_calls = attn::parse_chunk_calls(next());
     } else if (a == "--qkv-layout") {
@@ -79,7 +79,7 @@ Options parse(int argc, char** argv) {
       LT_CHECK(o.qkv_layout == "fused" || o.qkv_layout == "bhsd", "cp_bench: --qkv-layout takes fused or bhsd, got '{}'",
                o.qkv_layout);
     } else if (a == "--budget-s") {
-      o.budget_s = std::stod(next());
+      o.budget_s = next.number();
     } else if (a == "--out") {
       o.out = next();
     } else if (a == "--commit") {
@@ -449,7 +449,6 @@ int main(int argc, char** argv) {
     if (main_rank && !o.out.empty()) std::printf("wrote %s\n", o.out.c_str());
     return 0;
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "cp_bench: %s\n", e.what());
-    return 1;
+    return report_failure("cp_bench", e);
   }
 }

@@ -43,9 +43,9 @@ Options parse(int argc, char** argv) {
     } else if (a == "--commit") {
       o.commit = next();
     } else if (a == "--warmup") {
-      o.warmup = std::stoi(next());
+      o.warmup = next.int32();
     } else if (a == "--reps") {
-      o.reps = std::stoi(next());
+      o.reps = next.int32();
     } else {
       return false;
     }
@@ -152,6 +152,5 @@ int main(int argc, char** argv) try {
   if (!opt.out.empty()) write_json("docmask_bench", opt.out, result);
   return 0;
 } catch (const std::exception& e) {
-  std::fprintf(stderr, "%s\n", e.what());
-  return 1;
+  return report_failure("docmask_bench", e);
 }

@@ -112,7 +112,7 @@ Options parse(int argc, char** argv) {
     if (a == "--documents") {
       o.documents = next();
     } else if (a == "--lengths") {
-      o.lengths = int_list(next());
+      o.lengths = next.integers();
       std::sort(o.lengths.begin(), o.lengths.end());  // ascending: scratch only grows, peaks stay honest
     } else if (a == "--policies") {
       o.policies.clear();
@@ -124,11 +124,11 @@ Options parse(int argc, char** argv) {
       o.offloads.clear();
       for (const std::string& s : split_list(next())) o.offloads.push_back(model::parse_offload(s));
     } else if (a == "--mlp-chunk") {
-      o.tiling.mlp_chunk_tokens = std::stoll(next());
+      o.tiling.mlp_chunk_tokens = next.integer();
     } else if (a == "--loss-chunk") {
-      o.tiling.loss_chunk_tokens = std::stoll(next());
+      o.tiling.loss_chunk_tokens = next.integer();
     } else if (a == "--head-groups") {
-      o.tiling.attention_head_groups = std::stoll(next());
+      o.tiling.attention_head_groups = next.integer();
     } else if (a == "--shape") {
       o.shape = next();
       LT_CHECK(o.shape == "tinyllama" || o.shape == "llama3.2-3b", "llama_bench: --shape is tinyllama or llama3.2-3b, got '{}'", o.shape);
@@ -139,9 +139,9 @@ Options parse(int argc, char** argv) {
     } else if (a == "--commit") {
       o.commit = next();
     } else if (a == "--warmup") {
-      o.warmup = std::stoi(next());
+      o.warmup = next.int32();
     } else if (a == "--steps") {
-      o.steps = std::stoi(next());
+      o.steps = next.int32();
     } else if (a == "--merge") {
       o.merge = next();
     } else if (a == "--plan-only") {
@@ -153,10 +153,10 @@ Options parse(int argc, char** argv) {
     } else if (a == "--memory") {
       const std::vector<std::string> v = split_list(next());
       LT_CHECK(v.size() == 2, "llama_bench: --memory takes FREE_GIB,TOTAL_GIB");
-      o.free_gib = std::stod(v[0]);
-      o.total_gib = std::stod(v[1]);
+      o.free_gib = parse_number("llama_bench", "--memory", v[0]);
+      o.total_gib = parse_number("llama_bench", "--memory", v[1]);
     } else if (a == "--gpus") {
-      o.plan_gpus = std::stoi(next());
+      o.plan_gpus = next.int32();
     } else if (a == "--schedule") {
       o.schedule = attn::parse_schedule(next());
     } else if (a == "--chunk-calls") {
@@ -814,6 +814,5 @@ int main(int argc, char** argv) try {
   }
   return 0;
 } catch (const std::exception& e) {
-  std::fprintf(stderr, "llama_bench: %s\n", e.what());
-  return 1;
+  return report_failure("llama_bench", e);
 }
