@@ -171,17 +171,8 @@ Options parse(int argc, char** argv) {
 }
 
 model::LlamaConfig tinyllama() {
-  model::LlamaConfig c;
-  c.vocab_size = 32000;
-  c.dim = 2048;
-  c.n_layers = 22;
-  c.n_heads = 32;
-  c.n_kv_heads = 4;
-  c.head_dim = 64;
-  c.ffn_dim = 5632;
-  c.rope_theta = 10000.0;
-  c.norm_eps = 1e-5;
-  c.max_seq_len = 1 << 20;
+  model::LlamaConfig c = model::tinyllama_1b_shape();
+  c.max_seq_len = 1 << 20;  // the benchmark's lengths, not TinyLlama's trained 2048
   return c;
 }
 

@@ -26,6 +26,21 @@ void LlamaConfig::validate() const {
   validate_rope_scaling(rope_scaling);
 }
 
+LlamaConfig tinyllama_1b_shape() {
+  LlamaConfig c;
+  c.vocab_size = 32000;
+  c.dim = 2048;
+  c.n_layers = 22;
+  c.n_heads = 32;
+  c.n_kv_heads = 4;
+  c.head_dim = 64;
+  c.ffn_dim = 5632;
+  c.rope_theta = 10000.0;
+  c.norm_eps = 1e-5;
+  c.max_seq_len = 2048;
+  return c;
+}
+
 int64_t LlamaConfig::num_parameters() const {
   int64_t per_layer = 2 * dim                            // input and post-attention norms
                       + qkv_dim() * dim                  // q, k, v projections

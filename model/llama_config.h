@@ -37,4 +37,9 @@ struct LlamaConfig {
   double train_flops_per_token(int64_t seq_len) const;
 };
 
+// TinyLlama-1.1B's shape (vocab 32000, dim 2048, 22 layers, 32 query and 4 KV heads of 64, ffn 5632;
+// RoPE theta 10000, norm eps 1e-5, TinyLlama's 2048 positions): the benchmark's (llama_bench --shape
+// tinyllama) and the tests' that plan memory at that scale.
+LlamaConfig tinyllama_1b_shape();
+
 }  // namespace longtrain::model

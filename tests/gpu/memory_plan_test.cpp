@@ -40,19 +40,6 @@ LlamaConfig small_config() {
   return c;
 }
 
-// The TinyLlama-1.1B shape (llama_bench --shape tinyllama).
-LlamaConfig tinyllama_config() {
-  LlamaConfig c;
-  c.vocab_size = 32000;
-  c.dim = 2048;
-  c.n_layers = 22;
-  c.n_heads = 32;
-  c.n_kv_heads = 4;
-  c.head_dim = 64;
-  c.ffn_dim = 5632;
-  return c;
-}
-
 const CheckpointPolicy kPolicies[] = {CheckpointPolicy::none, CheckpointPolicy::full, CheckpointPolicy::remat_aware};
 
 TEST(MemoryPlan, ArenasEqualWhatTheModelAndOptimizerAllocate) {
@@ -106,7 +93,7 @@ TEST(MemoryPlan, ArenasEqualWhatTheModelAndOptimizerAllocate) {
 // workspace is one group's, and the sequence-parallel plan ignores it. For the 1.1B shape at 1M
 // tokens under full (no offload) that is 12 GiB less: 16.1 -> 4.0 GiB.
 TEST(MemoryPlan, AttentionHeadGroupsBoundTheBackwardWorkspace) {
-  LlamaConfig c = tinyllama_config();
+  LlamaConfig c = model::tinyllama_1b_shape();
   const std::pair<int64_t, int64_t> expected[] = {{65536, 1},   {262144, 1},  {524288, 2},
                                                   {1 << 20, 4}, {1 << 22, 4}, {(1 << 20) + 2, 1}};
   for (const auto& [T, groups] : expected) {
@@ -152,7 +139,7 @@ TEST(MemoryPlan, AttentionHeadGroupsBoundTheBackwardWorkspace) {
 // gradient and the losses, to within the chunks; untiled, the [T, 2F] and [T, F] buffers alone
 // would add 64 GiB. The scratch is exactly the sum of those tensors plus the chunk buffers.
 TEST(MemoryPlan, TilingLeavesOnlyAttentionTensorsScalingWithTheShard) {
-  LlamaConfig c = tinyllama_config();
+  LlamaConfig c = model::tinyllama_1b_shape();
   const int64_t T = 1 << 20, F = c.ffn_dim, C = c.dim;
   for (CheckpointPolicy policy : {CheckpointPolicy::full, CheckpointPolicy::remat_aware}) {
     const MemoryPlan tiled = model::plan_memory(c, Precision::cuda_mixed(), policy, T);
@@ -207,7 +194,7 @@ TEST(MemoryPlan, PoliciesKeepWhatTheyPromise) {
 // The plan of the benchmark's shape for the GPU, computed on any machine (nothing is allocated), and
 // the error when it does not fit.
 TEST(MemoryPlan, TooLittleMemoryIsAnErrorNamingTheKnobs) {
-  LlamaConfig c = tinyllama_config();
+  LlamaConfig c = model::tinyllama_1b_shape();
   const MemoryPlan plan = model::plan_memory(c, Precision::cuda_mixed(), CheckpointPolicy::remat_aware, 65536);
   std::printf("%s", plan.table().c_str());
   const double n = static_cast<double>(c.num_parameters());
@@ -234,7 +221,7 @@ TEST(MemoryPlan, TooLittleMemoryIsAnErrorNamingTheKnobs) {
 // shape at 1M tokens under remat_aware offloads 22 layers × (x, O, LSE) = 178 GiB, more than a host with
 // 128 GiB available; the error names model.offload and the alternatives.
 TEST(MemoryPlan, OffloadIsCheckedAgainstHostMemory) {
-  LlamaConfig c = tinyllama_config();
+  LlamaConfig c = model::tinyllama_1b_shape();
   const int64_t T = 1 << 20;
   const MemoryPlan kept = model::plan_memory(c, Precision::cuda_mixed(), CheckpointPolicy::remat_aware, T);
   const MemoryPlan off = model::plan_memory(c, Precision::cuda_mixed(), CheckpointPolicy::remat_aware, T, 1, {}, {},
@@ -277,7 +264,7 @@ TEST(MemoryPlan, OffloadIsCheckedAgainstHostMemory) {
 // model.checkpoint: auto picks the first entry of the measured order (kAutoOrder) that fits, and says
 // why the faster ones did not: with fake budgets for the 1.1B shape on the GPU (nothing allocated).
 TEST(MemoryPlan, AutoChoosesTheFastestCombinationThatFits) {
-  LlamaConfig c = tinyllama_config();
+  LlamaConfig c = model::tinyllama_1b_shape();
   const model::DeviceMemory h200{139ull << 30, 141ull << 30};
   const model::DeviceMemory host_128{120ull << 30, 128ull << 30}, host_512{480ull << 30, 512ull << 30};
   auto choose = [&](int64_t T, const model::DeviceMemory& host, std::optional<CheckpointPolicy> policy = {},
