@@ -28,6 +28,7 @@
 #include "runtime/cuda_check.h"
 #include "runtime/device.h"
 #include "runtime/error.h"
+#include "runtime/text.h"
 
 namespace longtrain::bench {
 
@@ -45,30 +46,18 @@ inline std::string command_line(int argc, char** argv) {
   return command;
 }
 
-// `text` as a whole number (all of it, within int64), else an error naming the tool and `what`.
+// `text` as a whole number (runtime/text.h, as the config reads one), else an error naming the tool
+// and `what`.
 inline int64_t parse_integer(const std::string& tool, const std::string& what, const std::string& text) {
-  size_t used = 0;
   int64_t v = 0;
-  try {
-    v = std::stoll(text, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  LT_CHECK(!text.empty() && used == text.size(), "{}: {} takes a whole number, got '{}'", tool, what, text);
+  LT_CHECK(parse_int(text, v), "{}: {} takes a whole number, got '{}'", tool, what, text);
   return v;
 }
 
 // `text` as a finite number, else an error naming the tool and `what`.
 inline double parse_number(const std::string& tool, const std::string& what, const std::string& text) {
-  size_t used = 0;
   double v = 0;
-  try {
-    v = std::stod(text, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  LT_CHECK(!text.empty() && used == text.size() && std::isfinite(v), "{}: {} takes a number, got '{}'", tool, what,
-           text);
+  LT_CHECK(parse_double(text, v), "{}: {} takes a number, got '{}'", tool, what, text);
   return v;
 }
 
