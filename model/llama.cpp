@@ -156,12 +156,12 @@ LlamaModel::LlamaModel(const LlamaConfig& config, Precision precision, Checkpoin
   // exactly what is allocated here.
   tiling_ = resolve_tiling(config_, precision_, tiling, max_tokens);
   // A head group's slice of the head-major LSE ([Hq, max_tokens] storage) starts g·(Hq/groups)·max_tokens
-  // floats in: cuDNN wants 16-byte aligned tensors (resolve_tiling's auto keeps one group otherwise).
+  // floats in (memory_plan.h: kHeadGroupTokenMultiple).
   LT_CHECK(tiling_.attention_head_groups == 1 || precision_.device != Device::cuda || !attention_->head_major_lse() ||
-               max_tokens % 4 == 0,
-           "model.attention_head_groups {} needs a multiple of 4 tokens per rank on CUDA (the head-major LSE of each "
-           "group must start 16-byte aligned), got {}: set data.seq_len to a multiple of 4 or the key to 1",
-           tiling_.attention_head_groups, max_tokens);
+               max_tokens % kHeadGroupTokenMultiple == 0,
+           "model.attention_head_groups {} needs a multiple of {} tokens per rank on CUDA (the head-major LSE of each "
+           "group must start 16-byte aligned), got {}: set data.seq_len to a multiple of {} or the key to 1",
+           tiling_.attention_head_groups, kHeadGroupTokenMultiple, max_tokens, kHeadGroupTokenMultiple);
   attention_->set_backward_head_groups(tiling_.attention_head_groups);
   add_activation_entries(acts_, config_, precision_, policy_, max_tokens, tiling_, offload_);
   acts_.allocate();

@@ -45,7 +45,7 @@ Tiling resolve_tiling(const LlamaConfig& config, const Precision& precision, Til
   t.attention_head_groups = requested.attention_head_groups;
   if (t.attention_head_groups == 0) {
     t.attention_head_groups = 1;
-    if (precision.device == Device::cuda && T % 4 == 0) {  // LlamaModel: 16-byte aligned LSE groups
+    if (precision.device == Device::cuda && T % kHeadGroupTokenMultiple == 0) {
       while (t.attention_head_groups < hkv &&
              (hkv % t.attention_head_groups != 0 ||
               attention_backward_workspace_bytes(T, config.n_heads / t.attention_head_groups, config.head_dim) >

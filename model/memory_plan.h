@@ -47,6 +47,10 @@ bool keeps_activation(CheckpointPolicy policy, std::string_view kind);
 constexpr int64_t kAutoMlpChunkTokens = 16384;
 constexpr int64_t kAutoLossChunkTokens = 4096;
 constexpr size_t kAutoAttentionWorkspaceBytes = size_t{5} << 30;
+// Attention head groups on CUDA need tokens per rank in multiples of this: each group's slice of the
+// head-major LSE (f32 [Hq, T]) must start 16-byte aligned for cuDNN. Auto keeps one group otherwise,
+// and LlamaModel refuses an explicit count.
+constexpr int64_t kHeadGroupTokenMultiple = 4;
 Tiling resolve_tiling(const LlamaConfig& config, const Precision& precision, Tiling requested, int64_t max_tokens);
 // The CUDA attention backward's scratch for one call over `tokens` queries and `q_heads` heads.
 size_t attention_backward_workspace_bytes(int64_t tokens, int64_t q_heads, int64_t head_dim);
