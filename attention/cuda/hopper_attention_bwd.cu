@@ -15,8 +15,8 @@
 // the GPU; causal CTAs are launched longest first (key tile 0 meets every query tile).
 //
 // The step order, and what bounds the kernel: every step adds a 32 KB dQ tile into the f32
-// accumulator with red.global (L2 reductions: a diagnostic build without them ran 1.28x faster at
-// head dim 64 and 1.35x at 128, 64K tokens, on the H200). A CTA visits the query tiles from the LAST
+// accumulator (L2 reductions: a diagnostic build without them ran 1.28x faster at head dim 64 and
+// 1.35x at 128, 64K tokens, on the H200). A CTA visits the query tiles from the LAST
 // down to the first that meets its keys, so the CTAs running together are on the same few query tiles
 // at once and their reductions (and Q/dO loads) hit the L2; visiting them from the diagonal up put
 // the running CTAs on ~132 different tiles, a working set past the L2: on the H200 descending cut the
@@ -25,6 +25,9 @@
 // (bench/results/attention-hopper-bwd-order-h200-2026-12-03.json).
 // (Pairing two key tiles' CTAs in a cluster to add their dQ tiles in distributed shared memory before
 // one reduction measured 1.18-1.35x slower: see git history.)
+// The reductions are TMA bulk reductions (cp.reduce.async.bulk .add.f32), one 16 KB per warpgroup
+// and step from a staging buffer, instead of each thread's red.global.add.v4: 8-12% faster at head
+// dim 64 and 4-7% at 128 (8K-64K, H200, bench/results/attention-hopper-bwd-bulk-h200-2026-12-03.json).
 //
 // Per CTA: 384 threads = a producer warpgroup and two consumer warpgroups (setmaxnreg 24 / 240).
 // - The producer's warp 0 TMA-loads the K and V tiles once, then streams (Q, dO) tiles of kBlockM
@@ -44,17 +47,19 @@
 //   barrier between the two consumer warpgroups (dQ needs all 128 keys of dS):
 //     dQ_sub = dS·K       [64 × 64]  SS, A = dS M-major ("transposed"), B = K N-major
 //   where warpgroup w's 64×64 sub-block is query rows 64w.. (head_dim 64) or head_dim columns 64w..
-//   (head_dim 128) of the [kBlockM × D] dQ tile; it is added to the f32 dQ accumulator in global
-//   memory with red.global.add.v4.f32 (no return, coalesced: see the accumulator layout below).
+//   (head_dim 128) of the [kBlockM × D] dQ tile. The warpgroup stores it into its staging buffer
+//   in shared memory (the accumulator's order, below), and its thread 0 issues one 16 KB bulk
+//   reduction that adds the buffer into the f32 dQ accumulator in global memory.
 // - dK (times scale) and dV leave the registers once, at the end: stored or added (f32 or bf16
 //   destinations, their strides) by the thread that owns them.
 // A small kernel then adds scale · (the f32 dQ accumulator) into (or over) the caller's dq.
 //
 // Shared memory (128-byte swizzle everywhere, hopper_attention.cu's header explains the layout and
 // the descriptors): K and V tiles [128 keys][D] (kColBlocks column blocks of 64), a ring of kStages
-// (Q, dO) tiles [kBlockM rows][D], two dS buffers, lse/delta rows per stage, mbarriers. Budgets:
-//   D = 64,  kBlockM = 128: K 16 + V 16 + Q 2×16 + dO 2×16 + dS 2×32 KB = 160 KB (+2 KB rows)
-//   D = 128, kBlockM = 64:  K 32 + V 32 + Q 2×16 + dO 2×16 + dS 2×16 KB = 160 KB (+1 KB rows)
+// (Q, dO) tiles [kBlockM rows][D], two dS buffers, lse/delta rows per stage, mbarriers, and the two
+// warpgroups' f32 dQ staging buffers (2×16 KB). Budgets:
+//   D = 64,  kBlockM = 128: K 16 + V 16 + Q 2×16 + dO 2×16 + dS 2×16 + dQ 2×16 KB = 192 KB (+2 KB rows)
+//   D = 128, kBlockM = 64:  K 32 + V 32 + Q 2×16 + dO 2×16 + dS 2×16 + dQ 2×16 KB = 224 KB (+1 KB rows)
 // Registers per consumer thread (f32 accumulators): dV, dK D/2 each; Sᵀ, dPᵀ kBlockM/2 each; dQ 32:
 //   D = 64: 32 + 32 + 64 + 64 (+ 32 dQ once Sᵀ, dPᵀ are packed to bf16) = 192 at the peak;
 //   D = 128: 64 + 64 + 32 + 32 = 192. FlashAttention-3 runs the same tile shapes within 240.
@@ -73,6 +78,11 @@
 //   double-buffered (step i uses buffer i % 2): a warpgroup writes buffer b at step i + 2 only after
 //   passing the barrier of step i + 1, which the other warpgroup reaches only after its step-i dQ
 //   wgmma (the last reader of b) has completed.
+// - named barrier 2 + w (warpgroup w's 128 threads) per step: all of its dQ staging stores (fenced to
+//   the async proxy) are in before its thread 0 issues the bulk reduction that reads them. Before the
+//   next step's named barrier 1, thread 0 waits until that reduction has read the buffer
+//   (cp.async.bulk.wait_group.read), so no thread overwrites it early; at the end thread 0 waits for
+//   the last reduction to complete before the CTA exits.
 // Phases: step i uses stage s = i % kStages, parity (i / kStages) & 1 on the full barriers.
 //
 // Edges: keys >= Tk (TMA zero-fills them) and, causal, keys after the query are masked to P = 0 in
@@ -83,8 +93,9 @@
 // The f32 dQ accumulator: [Hq][num_q_tiles][kBlockM·D] floats, each tile in the consumers' fragment
 // order: sub-block w (4096 floats), then float4 j = 0..7, then thread t = 0..127, then 4 floats:
 // (j, t, e) holds accumulator element i = 4j + e of thread t, i.e. (PTX wgmma D fragment) row
-// 16·(t/32) + (t%32)/4 + 8·(e/2), column 8j + 2·(t%4) + e%2 of the 64×64 sub-block. A warp's
-// red.v4 then covers 512 contiguous bytes; dq_from_accum_kernel inverts the map.
+// 16·(t/32) + (t%32)/4 + 8·(e/2), column 8j + 2·(t%4) + e%2 of the 64×64 sub-block. A sub-block is
+// then 16 contiguous KB (one bulk reduction; a warp's 16-byte staging stores cover 512 contiguous bytes,
+// free of bank conflicts); dq_from_accum_kernel inverts the map.
 #include "attention/cuda/hopper_attention.h"
 #include "attention/cuda/hopper_host.h"
 #include "attention/cuda/hopper_ptx.cuh"
@@ -119,6 +130,7 @@ constexpr uint32_t kRowBytes = 128;     // one swizzled row
 constexpr uint32_t kAtomBytes = 1024;   // 8 swizzled rows: the SBO of every descriptor here
 constexpr int kProducerRegs = 24, kConsumerRegs = 240;  // 128·24 + 256·240 = 64512 <= 65536 registers
 constexpr uint32_t kDsBarrier = 1;      // named barrier id (0 is __syncthreads)
+constexpr uint32_t kDqStageBarrier = 2;  // + consumer warpgroup: its dQ staging stores are in
 constexpr int kDqSub = 64;              // each consumer warpgroup's dQ sub-block is 64 × 64
 constexpr int kDqSubFloats = kDqSub * kDqSub;
 constexpr float kLog2e = 1.4426950408889634f;
@@ -153,8 +165,12 @@ template <int D> struct BwdTiles {
   static constexpr uint32_t kDeltaOffset = kLseOffset + kStages * kBlockM * 4;
   static constexpr uint32_t kBarrierOffset = kDeltaOffset + kStages * kBlockM * 4;
   static constexpr int kBarriers = 1 + 3 * kStages;  // kv_full, q_full[s], do_full[s], empty[s]
+  // Each consumer warpgroup's 64 × 64 f32 dQ sub-block, staged in the accumulator's order (16-byte
+  // aligned, as bulk copies need).
+  static constexpr uint32_t kDqStageOffset = (kBarrierOffset + 8 * kBarriers + 127) / 128 * 128;
+  static constexpr uint32_t kDqStageBytes = kDqSubFloats * 4;
   // +1024: the dynamic shared memory base is only 16-byte aligned; the tiles are moved up to 1024.
-  static constexpr uint32_t kSmemBytes = kBarrierOffset + 8 * kBarriers + 1024;
+  static constexpr uint32_t kSmemBytes = kDqStageOffset + 2 * kDqStageBytes + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "shared memory per CTA");
   // Every tile starts on a swizzle atom (the descriptors' base offset is 0).
   static_assert(kKVBytes % kAtomBytes == 0 && kQBytes % kAtomBytes == 0 && kDsBytes % kAtomBytes == 0,
@@ -496,6 +512,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(dsa[q]) : "memory");
     }
     fence_proxy_async_shared();
+    // The dQ staging buffer's last reduction (issued at the end of the previous step) has read it
+    // before anyone passes this barrier and writes it again.
+    if (t == 0) bulk_wait_read_all();
     named_barrier_sync(kDsBarrier, kConsumerThreads);
 
     // dQ sub-block = dS·K over the 128 keys in steps of 16 (2048 bytes of dS rows and of K rows):
@@ -520,12 +539,23 @@ __global__ void __launch_bounds__(kThreads, 1)
     mbar_arrive(empty(s));
 
     // dQ sub-block into the f32 accumulator (fragment order; header comment).
-    float* const acc = p.dq_accum + (static_cast<int64_t>(head) * p.num_q_tiles + m) * Tl::kDqTileFloats +
-                       cw * kDqSubFloats + 4 * t;
+    // The sub-block into this warpgroup's staging buffer (the accumulator's own order, so one
+    // contiguous 16 KB bulk reduction adds it), then thread 0 issues that once every store is in.
+    const uint32_t stage = smem + Tl::kDqStageOffset + cw * Tl::kDqStageBytes;
 #pragma unroll
     for (int j = 0; j < Tl::kDqFloats / 4; ++j)
-      red_add_v4(acc + j * 4 * 128, dq[4 * j], dq[4 * j + 1], dq[4 * j + 2], dq[4 * j + 3]);
+      st_shared_v4(stage + 16u * t + 2048u * j, dq[4 * j], dq[4 * j + 1], dq[4 * j + 2], dq[4 * j + 3]);
+    fence_proxy_async_shared();
+    named_barrier_sync(kDqStageBarrier + cw, 128);
+    if (t == 0) {
+      float* const acc = p.dq_accum + (static_cast<int64_t>(head) * p.num_q_tiles + m) * Tl::kDqTileFloats +
+                         cw * kDqSubFloats;
+      bulk_reduce_add_f32(acc, stage, Tl::kDqStageBytes);
+      bulk_commit_group();
+    }
   }
+  // The last reduction has completed (read its source, written the accumulator) before the CTA leaves.
+  if (t == 0) bulk_wait_all();
 
   // ---- epilogue: dK = scale · Σ dSᵀ·Q, dV = Σ Pᵀ·dO for this warpgroup's keys ----
   char* const dk_base = static_cast<char*>(p.dk);
@@ -610,14 +640,15 @@ template <int D, bool kCausal>
 void launch_bwd(const CUtensorMap& mq, const CUtensorMap& mk, const CUtensorMap& mv, const CUtensorMap& mdo,
                 const BwdParams& p, int kv_heads, int kv_tiles) {
   auto* kernel = hopper_attention_bwd_kernel<D, kCausal>;
+  constexpr uint32_t smem_bytes = BwdTiles<D>::kSmemBytes;
   static const bool configured = [kernel] {
-    LT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       static_cast<int>(BwdTiles<D>::kSmemBytes)));
+    LT_CUDA_CHECK(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem_bytes)));
     return true;
   }();
   (void)configured;
   const dim3 grid(static_cast<unsigned>(kv_heads), static_cast<unsigned>(kv_tiles));
-  kernel<<<grid, kThreads, BwdTiles<D>::kSmemBytes, cuda_stream()>>>(mq, mk, mv, mdo, p);
+  kernel<<<grid, kThreads, smem_bytes, cuda_stream()>>>(mq, mk, mv, mdo, p);
   LT_CUDA_LAUNCH_CHECK("hopper_attention_bwd_kernel");
 }
 

@@ -100,13 +100,6 @@ static __device__ __forceinline__ void fence_proxy_async_shared() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
-// *p += (a, b, c, d), four consecutive f32 in global memory (16-byte aligned), one vector reduction
-// performed at the L2 (no return value, so the thread does not wait for it).
-static __device__ __forceinline__ void red_add_v4(float* p, float a, float b, float c, float d) {
-  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "f"(a), "f"(b), "f"(c), "f"(d)
-               : "memory");
-}
-
 template <int N> static __device__ __forceinline__ void setmaxnreg_inc() {
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
 }
@@ -326,5 +319,29 @@ static __device__ __forceinline__ int ld_shared_s32(uint32_t addr) {
   asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(addr) : "memory");
   return v;
 }
+
+// ---- the backward's dQ bulk reductions (hopper_attention_bwd.cu) ----
+
+// 16 bytes into shared memory.
+static __device__ __forceinline__ void st_shared_v4(uint32_t addr, float a, float b, float c, float d) {
+  asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
+}
+
+// A bulk asynchronous reduction by the TMA unit (no tensor map): global[dst, dst + bytes) +=
+// shared[src, src + bytes), f32 element-wise, performed at the L2; bytes a multiple of 16, both
+// addresses 16-byte aligned. The issuing thread tracks completion by its bulk async-groups.
+static __device__ __forceinline__ void bulk_reduce_add_f32(float* dst, uint32_t src, uint32_t bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst), "r"(src),
+               "r"(bytes)
+               : "memory");
+}
+static __device__ __forceinline__ void bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// Until none of this thread's bulk groups still reads its shared-memory source (which may then be
+// overwritten; the global writes may still be in flight).
+static __device__ __forceinline__ void bulk_wait_read_all() {
+  asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+}
+// Until none of this thread's bulk groups is pending at all (its global writes performed).
+static __device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 
 }  // namespace longtrain::attn::hopper::ptx
