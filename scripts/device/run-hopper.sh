@@ -27,6 +27,10 @@ for stage in $STAGES; do
       LONGTRAIN_ATTENTION_KERNEL=hopper timeout 150 $B/tests/gpu/gpu_test \
         --gtest_filter='GpuAttention*:GpuModel.*:*Schedule*:MemoryPlan*' > $W/gpu_hopper_policy.log 2>&1
       stamp "gpu_test under the hopper policy rc $?"; grep -E "^\[  (FAILED|PASSED) |tests ran" $W/gpu_hopper_policy.log | tail -12
+      if [ -x $B/tests/gpu/ulysses_gpu_test ]; then
+        timeout 60 $B/tests/gpu/ulysses_gpu_test > $W/ulysses_gpu_test.log 2>&1
+        stamp "ulysses_gpu_test rc $?"; grep -E "^\[  (FAILED|PASSED) " $W/ulysses_gpu_test.log | tail -3
+      fi
       ;;
     bench)
       for shape in ${SHAPES:-64:4 128:8}; do
