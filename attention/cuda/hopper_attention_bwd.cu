@@ -210,6 +210,15 @@ struct BwdParams {
   float scale_log2; // scale · log2(e) (for exp2)
 };
 
+// A CTA's step `step`: query tile m (the last first: header, "The step order") and query head (the
+// kv head's group, fastest). The producer and the consumers both derive it here, so they agree.
+struct Step {
+  int m, head;
+};
+__device__ __forceinline__ Step step_at(const BwdParams& p, const int kv_head, const int step) {
+  return {p.num_q_tiles - 1 - step / p.group, kv_head * p.group + step % p.group};
+}
+
 // Sᵀ or dPᵀ (+)= A[64 × 16] · B[16 × N]: A and B K-major in shared memory; N = kBlockM.
 template <int N>
 __device__ __forceinline__ void mma_ss_kmajor(float (&d)[N / 2], uint64_t da, uint64_t db, uint32_t accumulate) {
@@ -273,7 +282,7 @@ template <class Tl>
 __device__ __forceinline__ void produce(const CUtensorMap* tm_q, const CUtensorMap* tm_k, const CUtensorMap* tm_v,
                                         const CUtensorMap* tm_do, const BwdParams& p, const int lane,
                                         const uint32_t smem, float* const lse_rows, float* const delta_rows,
-                                        const int kv_head, const int n0, const int m_first, const int steps) {
+                                        const int kv_head, const int n0, const int steps) {
 #if LT_HOPPER_DEVICE_CODE
   constexpr int M = Tl::kBlockM;
   constexpr int S = Tl::kStages;
@@ -299,8 +308,7 @@ __device__ __forceinline__ void produce(const CUtensorMap* tm_q, const CUtensorM
   }
   for (int step = 0; step < steps; ++step) {
     const int s = step % S;
-    const int m = p.num_q_tiles - 1 - step / p.group;  // last query tile first (header: the step order)
-    const int head = kv_head * p.group + step % p.group;
+    const auto [m, head] = step_at(p, kv_head, step);
     const int m0 = m * M;
     // Load `step` into stage s waits for the release of load step - S from it: phase (step - S) / S of
     // empty[s], parity ((step / S) & 1) ^ 1; a fresh barrier's "previous phase" counts as complete, so
@@ -365,8 +373,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Causal (Tq == Tk): query tiles wholly before key n0 see none of these keys. n0 < Tk = Tq, so at
   // least one tile remains; without a mask every query tile meets the keys.
   const int m_first = kCausal ? n0 / M : 0;
-  const int n_m = p.num_q_tiles - m_first;
-  const int steps = n_m * p.group;  // step = (query tile m_first + step / group, query head step % group)
+  const int steps = (p.num_q_tiles - m_first) * p.group;  // query tiles num_q_tiles - 1 down to m_first (step_at)
 
   if (threadIdx.x == 0) {
     mbar_init(kv_full, 1);
@@ -384,7 +391,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // ---- producer: warp 0 only; warps 1-3 leave at once (no later CTA-wide barrier) ----
     setmaxnreg_dec<kProducerRegs>();
     if (threadIdx.x >= 32) return;
-    produce<Tl>(&tm_q, &tm_k, &tm_v, &tm_do, p, threadIdx.x, smem, lse_rows, delta_rows, kv_head, n0, m_first, steps);
+    produce<Tl>(&tm_q, &tm_k, &tm_v, &tm_do, p, threadIdx.x, smem, lse_rows, delta_rows, kv_head, n0, steps);
     return;
   }
 
@@ -409,8 +416,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int step = 0; step < steps; ++step) {
     const int s = step % S;
     const uint32_t parity = (step / S) & 1;
-    const int m = p.num_q_tiles - 1 - step / p.group;  // last query tile first (header: the step order)
-    const int head = kv_head * p.group + step % p.group;
+    const auto [m, head] = step_at(p, kv_head, step);
     const int m0 = m * M;
 
     // Sᵀ = K_w·Qᵀ and dPᵀ = V_w·dOᵀ over head_dim in steps of 16 (the k-th slice of a column block
