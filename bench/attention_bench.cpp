@@ -14,8 +14,7 @@
 // LONGTRAIN_HOPPER_FWD_VARIANT says otherwise; and forward + backward, the backward
 // attention/cuda/hopper_attention_bwd.cu: delta from O by attention_delta, then dQ/dK/dV overwritten
 // in the fused bf16 dQKV buffer, as the model's one-rank backward runs it under the hopper policy),
-// hopper-<variant> (hopper-persistent, hopper-persistent-flat, hopper-overlap, hopper-baseline:
-// hopper_attention.h, FwdVariant), or a list of them, e.g. cudnn,hopper-overlap,hopper-baseline: each
+// hopper-<variant> (hopper-overlap, hopper-baseline: hopper_attention.h, FwdVariant), or a list of them, e.g. cudnn,hopper-overlap,hopper-baseline: each
 // hopper forward variant is timed (its forward, and with our backward), our backward alone once per
 // shape (delta + backward, after our forward); with cudnn in the list, each forward variant gets its
 // speed ratios to cuDNN and the largest |O_hopper - O_cudnn| and |LSE_hopper - LSE_cudnn| of the two

@@ -1,10 +1,10 @@
 // Our Hopper flash-attention forward (hopper_attention.h), in two kernels (FwdVariant):
 // - baseline (fwd_baseline_kernel, the first kernel, described here): one CTA per (128 query rows,
 //   query head), nothing overlapped inside a consumer warpgroup;
-// - fwd_overlap_kernel, further down: FlashAttention-3's schedule, with the softmax of one tile
-//   overlapped with the GEMMs (its own P·V and the other warpgroups' GEMMs); one CTA per work tile
-//   (overlap, the default), or persistent (persistent, persistent_flat): one CTA per SM taking work
-//   tiles from a counter, in an L2-aware order (measured no faster than overlap on the H200).
+// - fwd_overlap_kernel, further down (overlap, the default): FlashAttention-3's schedule, with the
+//   softmax of one tile overlapped with the GEMMs (its own P·V and the other warpgroups' GEMMs), one
+//   CTA per work tile. (A persistent version, one CTA per SM taking work tiles from a counter in an
+//   L2-aware order, measured 0.2-5% slower on the H200 and was removed: see git history.)
 // Both share the producer/consumer structure, the shared-memory layout and the epilogue below.
 //
 // Warp specialization, FlashAttention-3's structure:
@@ -41,12 +41,9 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
-#include <map>
-#include <mutex>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -91,9 +88,6 @@ struct Params {
   int tq, tk;
   int group;        // q heads per kv head
   int num_q_tiles;
-  int total;          // work tiles: num_q_tiles · Hq
-  int section_heads;  // query heads per section of the work-tile order (the overlap kernel's "Work tiles")
-  int counter_slot;   // the persistent kernel's g_tile_counter slot
   float scale;      // natural-log scale (for the LSE)
   float scale_log2; // scale · log2(e) (for exp2)
 };
@@ -351,7 +345,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif  // LT_HOPPER_DEVICE_CODE
 }
 
-// ---- the overlap kernel (FwdVariant::overlap, and persistent / persistent_flat) ------------------------
+// ---- the overlap kernel (FwdVariant::overlap) ----------------------------------------------------------
 //
 // FlashAttention-3's schedule (its hopper/mainloop_fwd_sm90_tma_gmma_ws.hpp, our code). The baseline
 // leaves the tensor cores idle while a warpgroup runs its softmax; here they have other work then:
@@ -384,49 +378,20 @@ __global__ void __launch_bounds__(kThreads, 1)
 //   per FLOP, as the tiles go by faster), and 160 registers still hold O (32) + P (32) + S (64).
 //   FA3 uses the turns (its scheduler barrier) with three warpgroups too.
 //
-// Work tiles. A work tile is (query tile of kBlockM rows, query head); w = 0 .. Hq·num_q_tiles - 1
-// numbers them in "sections" of section_heads query heads (whole kv heads): section by section, and
-// within one, the longest (causal) query tiles first, the section's heads fastest. One section
-// (section_heads = Hq) is the grid order of the one-tile-per-CTA kernel: every head's last query
-// tile, then every head's one before, ...
-// - kPersistent false (FwdVariant::overlap): one CTA per work tile, grid (Hq, num_q_tiles),
-//   w = blockIdx.y·Hq + blockIdx.x.
-// - kPersistent true (persistent, persistent_flat): one CTA per SM, each taking work tiles until none
-//   are left: first w = blockIdx.x, then gridDim.x + (a global counter's atomicAdd): the longest
-//   remaining tile goes to the first CTA that asks (longest-processing-time-first; a static
-//   round-robin would give the CTA with the longest tile of every round the longest of the next one
-//   too). What persistence buys: the next tile's Q and K/V loads run during this tile's last
-//   iterations and epilogue (no CTA launch, barrier set-up, setmaxnreg and first-load latency per
-//   tile), and the stores of O are left in flight while the next tile's GEMMs start. persistent
-//   sizes the sections so their K and V fit in a share of the L2 (host side, section_heads): the
-//   ~132 CTAs running together read the K/V of the same few kv heads, each key tile fetched from HBM
-//   about once per section, not once per query tile whose reads drifted apart (at 64K a kv head's K+V
-//   is 16-32 MB, all heads' 128-256 MB, against a 50 MB L2). persistent_flat keeps one section, to
-//   measure what the sections add. The persistent TMA loads carry L2 priorities: evict_last for K/V
-//   (read again by the section's other query tiles), evict_first for Q (read once).
-//   The counter: one of kCounterSlots device words (a slot per launch, round robin, so launches that
-//   overlap on different streams do not share one). Every processed tile asks once, so the asks of a
-//   launch return exactly 0 .. total - 1; the one that gets total - 1 is the launch's last and sets
-//   the word back to 0 for the next launch that takes the slot (stream order makes it visible).
+// Work tiles. A work tile is (query tile of kBlockM rows, query head), one per CTA: grid (Hq,
+// num_q_tiles), w = blockIdx.y·Hq + blockIdx.x; the longest (causal) query tiles first, the heads
+// fastest: every head's last query tile, then every head's one before, ...
 //
-// Pipeline. Q has a ring of kQStages buffers (1, or 2 for the persistent kernel at D = 64), each with
-// a "full" mbarrier (TMA bytes) and an "empty" one (persistent: one arrival per consumer warp once
-// its last Q·Kᵀ of the tile is complete), and beside each a tile-index slot: the producer writes the
-// tile's w there before the arrive that the Q bytes complete (release), the consumers read it after
-// their wait (acquire), and -1 (arrive alone, no bytes) tells them that no tiles are left. K and V
-// have separate rings of kStages stages, each stage with a "full" mbarrier and an "empty" one (one
-// arrival per consumer warp once its wgmma reads are done: K(i) after wait_group 1 of iteration i,
-// V(i-1) after wait_group 0 of iteration i). Ring positions count key tiles over all the CTA's work
-// tiles (g = the tiles of earlier work tiles + i), so the rings run on across work tiles. The
-// producer issues loads in the order the consumers need them: per work tile K(0), Q, then K(i),
-// V(i-1) for i >= 1, then V(n-1) (K(0) first: its stage is usually free already, while Q may wait for
-// the previous tile's last Q·Kᵀ). Deadlock-free for kStages >= 2: each wait of the producer is for a
-// release that needs only loads issued before it (load K(g) waits for the release of K(g - kStages),
-// given in its iteration, which needs K(g - kStages), V(g - kStages - 1) and its work tile's Q, all
-// issued before K(g - 1); load V(g) waits for the release of V(g - kStages), given one iteration later
-// or at its work tile's last P·V, which needs at most K(g - kStages + 1), issued before V(g - kStages);
-// Q of work tile j waits for the last Q·Kᵀ of work tile j - kQStages, all of whose loads came earlier;
-// the turns order warpgroups within one iteration, which needs the same loads).
+// Pipeline. Q is loaded once (q_full: the TMA bytes). K and V have separate rings of kStages stages,
+// each stage with a "full" mbarrier and an "empty" one (one arrival per consumer warp once its wgmma
+// reads are done: K(i) after wait_group 1 of iteration i, V(i-1) after wait_group 0 of iteration i).
+// The producer issues loads in the order the consumers need them: K(0), Q, then K(i), V(i-1) for
+// i >= 1, then V(n-1). Deadlock-free for kStages >= 2: each wait of the producer is for a release that
+// needs only loads issued before it (load K(i) waits for the release of K(i - kStages), given in its
+// iteration, which needs K(i - kStages), V(i - kStages - 1) and Q, all issued before K(i - 1); load V(i)
+// waits for the release of V(i - kStages), given one iteration later or at the last P·V, which needs
+// at most K(i - kStages + 1), issued before V(i - kStages); the turns order warpgroups within one
+// iteration, which needs the same loads).
 //
 // Turns (named barriers, 128 arrivals by the previous warpgroup + 128 by the syncing one per phase):
 // every warpgroup takes a turn in iterations 1 .. n_tiles - 1 of every work tile (the same count for
@@ -436,14 +401,11 @@ __global__ void __launch_bounds__(kThreads, 1)
 // gets 1 + T arrivals and T + 1 syncs (T: the turns of each warpgroup), every other barrier T and T.
 // A warpgroup's hand-over k + 1 comes after its turn k + 1, which waited for its predecessor's turn
 // k + 1 and so on back to warpgroup 0's sync k + 1: a barrier never holds two unconsumed hand-overs.
-// (The hand-over at a work tile's end needs no knowledge of the next tile: with one work tile per
-// CTA this is the same count, with persistence warpgroup 0 can take the next tile's first turn as
-// soon as the last warpgroup's last turn of this one is issued.)
 //
 // Masking: with the reverse order, the tiles that need a mask (the causal diagonal tiles of this
 // warpgroup's rows, the zero-filled tail past Tk) are the first n_masked iterations, so the steady
 // state runs a mask-free loop (and skips the -inf checks, which only masked rows can need).
-template <int D, bool kPersistent> struct OverlapTiles {
+template <int D> struct OverlapTiles {
   static_assert(D == 64 || D == 128, "head_dim 64 or 128");
   static constexpr int kConsumerWGs = D == 64 ? 3 : 2;
   static constexpr int kBlockM = kWarpgroupRows * kConsumerWGs;  // query rows per CTA
@@ -464,27 +426,21 @@ template <int D, bool kPersistent> struct OverlapTiles {
   // Stages per K/V ring: as many as fit (one CTA per SM either way); >= 2 for the deadlock argument.
   static constexpr int kStages = D == 64 ? 4 : 3;
   static_assert(kStages >= 2, "the producer order needs two stages per ring");
-  // Q buffers: one per CTA without persistence. The persistent kernel at D = 64 has room for a second
-  // (2·24 KB + 2·4·16 KB), so the next tile's Q loads whenever the one before last is done; at D = 128 a
-  // second 32 KB buffer would cost a K/V stage (2·32 + 2·2·32 KB), and the next Q loads once the last
-  // Q·Kᵀ of this tile is complete, during its last softmax, P·V and epilogue.
-  static constexpr int kQStages = kPersistent && D == 64 ? 2 : 1;
   static constexpr int kColBlocks = D / kSwizzleElems;
   static constexpr uint32_t kQColBlockBytes = kBlockM * 128;
   static constexpr uint32_t kKVColBlockBytes = kBlockN * 128;
   static constexpr uint32_t kQBytes = kColBlocks * kQColBlockBytes;
   static constexpr uint32_t kKVBytes = kColBlocks * kKVColBlockBytes;  // one K (or V) tile
-  // Every Q buffer, warpgroup's Q rows and tile start on a 1024-byte swizzle atom (descriptor base offset 0).
+  // The Q tile, each warpgroup's Q rows and every K/V tile start on a 1024-byte swizzle atom (descriptor
+  // base offset 0).
   static_assert((kWarpgroupRows * 128) % 1024 == 0 && kQColBlockBytes % 1024 == 0 && kQBytes % 1024 == 0 &&
                     kKVBytes % 1024 == 0,
                 "swizzle atoms");
-  static constexpr uint32_t kKOffset = kQStages * kQBytes;
+  static constexpr uint32_t kKOffset = kQBytes;
   static constexpr uint32_t kVOffset = kKOffset + kStages * kKVBytes;
   static constexpr uint32_t kBarrierOffset = kVOffset + kStages * kKVBytes;
-  // q_full[kQStages], q_empty[kQStages], k_full[kStages], v_full[kStages], k_empty[kStages], v_empty[kStages]
-  static constexpr int kBarriers = 2 * kQStages + 4 * kStages;
-  static constexpr uint32_t kSlotOffset = kBarrierOffset + 8 * kBarriers;  // int tile index per Q buffer
-  static constexpr uint32_t kSmemBytes = kSlotOffset + 4 * kQStages + 1024;  // +1024: alignment
+  static constexpr int kBarriers = 1 + 4 * kStages;  // q_full, k_full[s], v_full[s], k_empty[s], v_empty[s]
+  static constexpr uint32_t kSmemBytes = kBarrierOffset + 8 * kBarriers + 1024;  // +1024: alignment
   static_assert(kSmemBytes <= 227 * 1024, "shared memory per CTA");
 };
 
@@ -492,11 +448,6 @@ template <int D, bool kPersistent> struct OverlapTiles {
 // __syncthreads'); 2·128 threads take part in each phase (the previous warpgroup arrives, cw syncs).
 constexpr uint32_t kTurnBarrier = 1;
 constexpr uint32_t kTurnThreads = 2 * 128;
-
-// The persistent kernel's work counters (see "Work tiles" above): zero at load, every launch leaves
-// its slot at zero again.
-constexpr int kCounterSlots = 64;
-__device__ int g_tile_counter[kCounterSlots];
 
 // S = Q·Kᵀ for this warpgroup's 64 rows and one K tile (stage address sK_stage), head_dim in steps of 16.
 template <int D, uint32_t kQColBlockBytes, uint32_t kKVColBlockBytes>
@@ -560,56 +511,37 @@ __device__ __forceinline__ void online_softmax(float (&sc)[kBlockN / 2], float (
   for (int h = 0; h < 2; ++h) l_run[h] = l_run[h] * alpha[h] + (sum[h][0] + sum[h][1]);
 }
 
-template <int D, bool kCausal, bool kF32Out, bool kMerge, bool kPersistent>
-__global__ void __launch_bounds__(OverlapTiles<D, kPersistent>::kThreads, 1)
+template <int D, bool kCausal, bool kF32Out, bool kMerge>
+__global__ void __launch_bounds__(OverlapTiles<D>::kThreads, 1)
     fwd_overlap_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                        const __grid_constant__ CUtensorMap tm_v, const Params p) {
 #if LT_HOPPER_DEVICE_CODE
-  using Tl = OverlapTiles<D, kPersistent>;
+  using Tl = OverlapTiles<D>;
   constexpr int S = Tl::kStages;
-  constexpr int QS = Tl::kQStages;
   constexpr int kWGs = Tl::kConsumerWGs;
   extern __shared__ unsigned char smem_raw[];
   const uint32_t smem = (smem_u32(smem_raw) + 1023u) & ~1023u;
   const uint32_t sQ = smem, sK = smem + Tl::kKOffset, sV = smem + Tl::kVOffset;
   const uint32_t bars = smem + Tl::kBarrierOffset;
-  auto q_full = [&](int b) { return bars + 8u * b; };
-  auto q_empty = [&](int b) { return bars + 8u * (QS + b); };
-  auto k_full = [&](int s) { return bars + 8u * (2 * QS + s); };
-  auto v_full = [&](int s) { return bars + 8u * (2 * QS + S + s); };
-  auto k_empty = [&](int s) { return bars + 8u * (2 * QS + 2 * S + s); };
-  auto v_empty = [&](int s) { return bars + 8u * (2 * QS + 3 * S + s); };
-  auto tile_slot = [&](int b) { return smem + Tl::kSlotOffset + 4u * b; };
+  const uint32_t q_full = bars;
+  auto k_full = [&](int s) { return bars + 8u * (1 + s); };
+  auto v_full = [&](int s) { return bars + 8u * (1 + S + s); };
+  auto k_empty = [&](int s) { return bars + 8u * (1 + 2 * S + s); };
+  auto v_empty = [&](int s) { return bars + 8u * (1 + 3 * S + s); };
 
-  // Work tile w: its first query row m0, its query head, and its K/V tiles n_tiles (iteration i works on
-  // K/V tile n_tiles - 1 - i). Causal (Tq == Tk): the last query row sees keys up to q_end - 1; later
-  // tiles are skipped.
+  // This CTA's work tile ("Work tiles"): its first query row m0, its query head, and its K/V tiles
+  // n_tiles (iteration i works on K/V tile n_tiles - 1 - i). Causal (Tq == Tk): the last query row
+  // sees keys up to q_end - 1; later tiles are skipped.
+  const int head = static_cast<int>(blockIdx.x);
+  const int m0 = (p.num_q_tiles - 1 - static_cast<int>(blockIdx.y)) * Tl::kBlockM;  // blockIdx.y 0: the last tile
   const int kv_tiles_all = (p.tk + kBlockN - 1) / kBlockN;
-  struct Work {
-    int m0, head, n_tiles;
-  };
-  auto decode = [&](const int w) {
-    const int per_section = p.section_heads * p.num_q_tiles;
-    const int section = w / per_section;
-    const int r = w - section * per_section;
-    const int rank = r / p.section_heads;  // 0: the last (longest causal) query tile
-    Work t;
-    t.head = section * p.section_heads + (r - rank * p.section_heads);
-    t.m0 = (p.num_q_tiles - 1 - rank) * Tl::kBlockM;
-    const int q_end = min(t.m0 + Tl::kBlockM, p.tq);
-    t.n_tiles = kCausal ? min(kv_tiles_all, (q_end - 1) / kBlockN + 1) : kv_tiles_all;
-    return t;
-  };
-  const int first_w = kPersistent ? static_cast<int>(blockIdx.x)
-                                  : static_cast<int>(blockIdx.y * gridDim.x + blockIdx.x);
+  const int q_end = min(m0 + Tl::kBlockM, p.tq);
+  const int n_tiles = kCausal ? min(kv_tiles_all, (q_end - 1) / kBlockN + 1) : kv_tiles_all;
 
   if (threadIdx.x == 0) {
-    for (int b = 0; b < QS; ++b) {
-      mbar_init(q_full(b), 1);                     // the producer's arrive (with the Q bytes, or alone: no tiles left)
-      mbar_init(q_empty(b), Tl::kConsumerWarps);  // one arrival per consumer warp and work tile
-    }
+    mbar_init(q_full, 1);  // the producer's arrive_expect_tx; TMA completes the bytes
     for (int s = 0; s < S; ++s) {
-      mbar_init(k_full(s), 1);  // the producer's arrive_expect_tx; TMA completes the bytes
+      mbar_init(k_full(s), 1);
       mbar_init(v_full(s), 1);
       mbar_init(k_empty(s), Tl::kConsumerWarps);  // one arrival per consumer warp and key tile
       mbar_init(v_empty(s), Tl::kConsumerWarps);
@@ -618,13 +550,12 @@ __global__ void __launch_bounds__(OverlapTiles<D, kPersistent>::kThreads, 1)
   }
   __syncthreads();
 
-  // Waits: for ring position x (a count over the CTA's work tiles) in a ring of n stages, the "full"
-  // wait is for phase x / n of stage x % n (parity (x / n) & 1), and the producer's wait before load x
-  // is for the release of load x - n, phase x / n - 1 of the stage's "empty" barrier (parity
-  // ((x / n) & 1) ^ 1; a fresh barrier counts as having completed the phase before phase 0, so the
-  // first pass does not wait). Neither barrier can run two phases ahead of such a wait: the next
-  // phase of a "full" needs the release that follows this wait, that of an "empty" needs the load that
-  // follows it.
+  // Waits: for key tile i in a ring of S stages, the "full" wait is for phase i / S of stage i % S
+  // (parity (i / S) & 1), and the producer's wait before load i is for the release of load i - S,
+  // phase i / S - 1 of the stage's "empty" barrier (parity ((i / S) & 1) ^ 1; a fresh barrier counts
+  // as having completed the phase before phase 0, so the first pass does not wait). Neither barrier
+  // can run two phases ahead of such a wait: the next phase of a "full" needs the release that follows
+  // this wait, that of an "empty" needs the load that follows it.
   const int warpgroup = threadIdx.x / 128;
   if (warpgroup == 0) {
     // ---- producer: one thread issues every load, in the order the consumers use them ----
@@ -633,80 +564,30 @@ __global__ void __launch_bounds__(OverlapTiles<D, kPersistent>::kThreads, 1)
       prefetch_tensor_map(&tm_q);
       prefetch_tensor_map(&tm_k);
       prefetch_tensor_map(&tm_v);
-      // L2 priorities (persistent): K/V evict_last, Q evict_first. The policy is made at each load (one
-      // instruction) rather than held: 24 registers leave no room for two more 64-bit values.
-      auto tma = [&](uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0, int c1, int c2, bool reused) {
-        if constexpr (kPersistent) {
-          tma_load_3d_hint(dst, map, bar, c0, c1, c2, reused ? l2_policy_evict_last() : l2_policy_evict_first());
-        } else {
-          tma_load_3d(dst, map, bar, c0, c1, c2);
-        }
-      };
-      int w = first_w;
-      int g = 0;  // key tiles loaded for earlier work tiles (the rings' positions run on)
-#pragma unroll 1
-      for (int tile_no = 0;; ++tile_no) {  // this CTA's work tiles so far; Q buffer tile_no % QS
-        const int qb = tile_no % QS;
-        const uint32_t q_free_parity = ((tile_no / QS) & 1) ^ 1;  // the release of work tile tile_no - QS's Q
-        if (kPersistent && w >= p.total) {
-          // No tiles left: -1 in the slot, published by an arrive without bytes.
-          mbar_wait(q_empty(qb), q_free_parity);
-          st_shared_s32(tile_slot(qb), -1);
-          mbar_arrive(q_full(qb));
-          break;
-        }
-        const Work t = decode(w);
-        const int kv_head = t.head / p.group;
-        auto load = [&](const CUtensorMap* map, uint32_t ring, uint32_t full, uint32_t empty_bar, int i) {
-          const int x = g + i;
-          mbar_wait(empty_bar, ((x / S) & 1) ^ 1);
-          mbar_arrive_expect_tx(full, Tl::kKVBytes);
-#pragma unroll
-          for (int c = 0; c < Tl::kColBlocks; ++c)
-            tma(ring + (x % S) * Tl::kKVBytes + c * Tl::kKVColBlockBytes, map, full, c * kSwizzleElems, kv_head,
-                (t.n_tiles - 1 - i) * kBlockN, true);
-        };
-        auto load_k = [&](int i) { load(&tm_k, sK, k_full((g + i) % S), k_empty((g + i) % S), i); };
-        auto load_v = [&](int i) { load(&tm_v, sV, v_full((g + i) % S), v_empty((g + i) % S), i); };
-        load_k(0);
-        if constexpr (kPersistent) {
-          mbar_wait(q_empty(qb), q_free_parity);
-          st_shared_s32(tile_slot(qb), w);
-        }
-        mbar_arrive_expect_tx(q_full(qb), Tl::kQBytes);
+      const int kv_head = head / p.group;
+      auto load = [&](const CUtensorMap* map, uint32_t ring, uint32_t full, uint32_t empty_bar, int i) {
+        mbar_wait(empty_bar, ((i / S) & 1) ^ 1);
+        mbar_arrive_expect_tx(full, Tl::kKVBytes);
 #pragma unroll
         for (int c = 0; c < Tl::kColBlocks; ++c)
-          tma(sQ + qb * Tl::kQBytes + c * Tl::kQColBlockBytes, &tm_q, q_full(qb), c * kSwizzleElems, t.head, t.m0,
-              false);
-        for (int i = 1; i < t.n_tiles; ++i) {
-          load_k(i);
-          load_v(i - 1);
-        }
-        if constexpr (kPersistent) {
-          // The next work tile, asked for now (not at the start of this one: the later a CTA asks, the
-          // better the longest-first assignment fits the CTAs' actual progress); its latency hides
-          // behind the last V load's wait and the consumers' S stages of work in the rings.
-          const int c = atomicAdd(&g_tile_counter[p.counter_slot], 1);
-          if (c == p.total - 1) atomicExch(&g_tile_counter[p.counter_slot], 0);  // the launch's last ask
-          w = static_cast<int>(gridDim.x) + c;
-        }
-        load_v(t.n_tiles - 1);
-        if constexpr (kPersistent) {
-          // The next tile's Q into the L2 now, some S key tiles before the consumers finish this one: its
-          // load (after the last Q·Kᵀ of this tile at D = 128, where Q has one buffer) then waits only
-          // for the L2 while the consumers run their last softmax, P·V and epilogue.
-          if (w < p.total) {
-            const Work next = decode(w);
+          tma_load_3d(ring + (i % S) * Tl::kKVBytes + c * Tl::kKVColBlockBytes, map, full, c * kSwizzleElems, kv_head,
+                      (n_tiles - 1 - i) * kBlockN);
+      };
+      auto load_k = [&](int i) { load(&tm_k, sK, k_full(i % S), k_empty(i % S), i); };
+      auto load_v = [&](int i) { load(&tm_v, sV, v_full(i % S), v_empty(i % S), i); };
+      load_k(0);
+      mbar_arrive_expect_tx(q_full, Tl::kQBytes);
 #pragma unroll
-            for (int c = 0; c < Tl::kColBlocks; ++c) tma_prefetch_3d(&tm_q, c * kSwizzleElems, next.head, next.m0);
-          }
-        }
-        g += t.n_tiles;
-        if constexpr (!kPersistent) break;
+      for (int c = 0; c < Tl::kColBlocks; ++c)
+        tma_load_3d(sQ + c * Tl::kQColBlockBytes, &tm_q, q_full, c * kSwizzleElems, head, m0);
+      for (int i = 1; i < n_tiles; ++i) {
+        load_k(i);
+        load_v(i - 1);
       }
+      load_v(n_tiles - 1);
       // Stay until the consumers have released the last loads (the last phase of each of those
       // stages), so no load is in flight when this thread leaves.
-      for (int x = max(0, g - S); x < g; ++x) {
+      for (int x = max(0, n_tiles - S); x < n_tiles; ++x) {
         mbar_wait(k_empty(x % S), (x / S) & 1);
         mbar_wait(v_empty(x % S), (x / S) & 1);
       }
@@ -716,7 +597,7 @@ __global__ void __launch_bounds__(OverlapTiles<D, kPersistent>::kThreads, 1)
     // Their waits are mbar_wait_no_trap: a trap after setmaxnreg.inc makes ptxas allocate this branch
     // within the entry count (168 / 128 registers) instead of kConsumerRegs, and spill (hopper_ptx.cuh).
     setmaxnreg_inc<Tl::kConsumerRegs>();
-    const int cw = warpgroup - 1;  // consumer warpgroup: query rows m0 + 64·cw + [0, 64) of each work tile
+    const int cw = warpgroup - 1;  // consumer warpgroup: query rows m0 + 64·cw + [0, 64)
     const int t = threadIdx.x % 128;
     const int warp = t / 32, lane = t % 32;
     const int col_lane = 2 * (lane % 4);
@@ -727,133 +608,109 @@ __global__ void __launch_bounds__(OverlapTiles<D, kPersistent>::kThreads, 1)
     const uint32_t my_turn = kTurnBarrier + cw, next_turn = kTurnBarrier + (cw + 1) % kWGs;
     named_barrier_arrive_if(kTurnBarrier, kTurnThreads, cw == kWGs - 1);
 
-    int w = first_w;
-    int g = 0;  // key tiles of earlier work tiles: iteration i's ring position is g + i
-#pragma unroll 1
-    for (int tile_no = 0;; ++tile_no) {
-      const int qb = tile_no % QS;
-      mbar_wait_no_trap(q_full(qb), (tile_no / QS) & 1);
-      if constexpr (kPersistent) {
-        w = ld_shared_s32(tile_slot(qb));
-        // Every lane's read is ordered before its warp leader's q_empty arrival (release), which lets
-        // the producer overwrite the slot.
-        __syncwarp();
-        if (w < 0) break;
-      }
-      const Work tile = decode(w);
-      const int n_tiles = tile.n_tiles;
-      const int wg_row0 = tile.m0 + kWarpgroupRows * cw;
-      const int row_lo = wg_row0 + 16 * warp + lane / 4;  // this thread's half-0 row; half 1 is row_lo + 8
-      auto key0 = [&](int i) { return (n_tiles - 1 - i) * kBlockN; };
-      // Keys >= key_end[h] are masked for the row of half h: past Tk (zero-filled by TMA) and, causal,
-      // after the query. Rows >= Tq (zero-filled Q) compute harmless finite values and are never stored.
-      int key_end[2];
+    mbar_wait_no_trap(q_full, 0);
+    const int wg_row0 = m0 + kWarpgroupRows * cw;
+    const int row_lo = wg_row0 + 16 * warp + lane / 4;  // this thread's half-0 row; half 1 is row_lo + 8
+    auto key0 = [&](int i) { return (n_tiles - 1 - i) * kBlockN; };
+    // Keys >= key_end[h] are masked for the row of half h: past Tk (zero-filled by TMA) and, causal,
+    // after the query. Rows >= Tq (zero-filled Q) compute harmless finite values and are never stored.
+    int key_end[2];
 #pragma unroll
-      for (int h = 0; h < 2; ++h) key_end[h] = kCausal ? min(p.tk, row_lo + 8 * h + 1) : p.tk;
-      // The first n_masked iterations need the mask: causal, the tiles from the one holding this
-      // warpgroup's first row on (tiles before it hold only keys < wg_row0, visible to all its rows);
-      // else the tail tile if Tk is not a multiple of the tile.
-      int n_masked = kCausal ? n_tiles - wg_row0 / kBlockN : 0;
-      if (p.tk % kBlockN != 0 && n_tiles == kv_tiles_all) n_masked = max(n_masked, 1);
-      n_masked = min(max(n_masked, 0), n_tiles);
+    for (int h = 0; h < 2; ++h) key_end[h] = kCausal ? min(p.tk, row_lo + 8 * h + 1) : p.tk;
+    // The first n_masked iterations need the mask: causal, the tiles from the one holding this
+    // warpgroup's first row on (tiles before it hold only keys < wg_row0, visible to all its rows);
+    // else the tail tile if Tk is not a multiple of the tile.
+    int n_masked = kCausal ? n_tiles - wg_row0 / kBlockN : 0;
+    if (p.tk % kBlockN != 0 && n_tiles == kv_tiles_all) n_masked = max(n_masked, 1);
+    n_masked = min(max(n_masked, 0), n_tiles);
 
-      float o[D / 2];
+    float o[D / 2];
 #pragma unroll
-      for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
-      float m_run[2] = {-INFINITY, -INFINITY};  // running max of the raw (unscaled) scores, per row half
-      float l_run[2] = {0.0f, 0.0f};            // this thread's part of the running softmax denominator
-      uint32_t pa[kBlockN / 4];                 // P of the previous tile, bf16 pairs: the A operand of P·V
+    for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
+    float m_run[2] = {-INFINITY, -INFINITY};  // running max of the raw (unscaled) scores, per row half
+    float l_run[2] = {0.0f, 0.0f};            // this thread's part of the running softmax denominator
+    uint32_t pa[kBlockN / 4];                 // P of the previous tile, bf16 pairs: the A operand of P·V
 
-      // This warpgroup's 64 rows of each column block of Q buffer qb.
-      const uint32_t sQ_wg = sQ + qb * Tl::kQBytes + cw * kWarpgroupRows * 128;
-      auto k_stage = [&](int i) { return sK + ((g + i) % S) * Tl::kKVBytes; };
-      auto v_stage = [&](int i) { return sV + ((g + i) % S) * Tl::kKVBytes; };
-      auto parity = [&](int i) { return static_cast<uint32_t>(((g + i) / S) & 1); };
-      auto mask = [&](float (&sc)[kBlockN / 2], int i) {
-        int lim[2];  // element j is masked where its offset 8·(j/4) + j % 2 from key0 + col_lane reaches lim
+    const uint32_t sQ_wg = sQ + cw * kWarpgroupRows * 128;  // this warpgroup's 64 rows of each column block
+    auto k_stage = [&](int i) { return sK + (i % S) * Tl::kKVBytes; };
+    auto v_stage = [&](int i) { return sV + (i % S) * Tl::kKVBytes; };
+    auto parity = [&](int i) { return static_cast<uint32_t>((i / S) & 1); };
+    auto mask = [&](float (&sc)[kBlockN / 2], int i) {
+      int lim[2];  // element j is masked where its offset 8·(j/4) + j % 2 from key0 + col_lane reaches lim
 #pragma unroll
-        for (int h = 0; h < 2; ++h) lim[h] = key_end[h] - key0(i) - col_lane;
+      for (int h = 0; h < 2; ++h) lim[h] = key_end[h] - key0(i) - col_lane;
 #pragma unroll
-        for (int j = 0; j < kBlockN / 2; ++j)
-          if (8 * (j / 4) + (j % 2) >= lim[(j / 2) % 2]) sc[j] = -INFINITY;
-      };
-      auto to_p = [&](const float (&sc)[kBlockN / 2]) {
+      for (int j = 0; j < kBlockN / 2; ++j)
+        if (8 * (j / 4) + (j % 2) >= lim[(j / 2) % 2]) sc[j] = -INFINITY;
+    };
+    auto to_p = [&](const float (&sc)[kBlockN / 2]) {
 #pragma unroll
-        for (int j = 0; j < kBlockN / 4; ++j) pa[j] = pack_bf16(sc[2 * j], sc[2 * j + 1]);
-      };
-      // The Q buffer's release (persistent): each warp once per work tile, after its last Q·Kᵀ.
-      auto release_q = [&](bool last_qk) {
-        if constexpr (kPersistent) mbar_arrive_if(q_empty(qb), warp_leader && last_qk);
-      };
+      for (int j = 0; j < kBlockN / 4; ++j) pa[j] = pack_bf16(sc[2 * j], sc[2 * j + 1]);
+    };
 
-      // Iteration 0: S(0) alone (no P yet), outside the turns.
-      {
-        float sc[kBlockN / 2];
-        mbar_wait_no_trap(k_full((g) % S), parity(0));
-        wgmma_fence();
-        issue_qk<D, Tl::kQColBlockBytes, Tl::kKVColBlockBytes>(sc, sQ_wg, k_stage(0));
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_operands(sc);
-        mbar_arrive_if(k_empty(g % S), warp_leader);
-        release_q(n_tiles == 1);
-        if (n_masked > 0) mask(sc, 0);
-        float alpha[2];  // unused: O is still zero
-        online_softmax<true>(sc, m_run, l_run, alpha, p.scale_log2);
-        to_p(sc);
-      }
-
-      // Iteration i >= 1, in this warpgroup's turn: S(i) and P(i-1)·V(i-1), then the softmax of S(i)
-      // while P(i-1)·V(i-1) runs. Branch-free from the first wgmma to the last wait (predicated arrives).
-      auto step = [&](const int i, auto masked_tag) {
-        constexpr bool kMasked = decltype(masked_tag)::value;
-        mbar_wait_no_trap(k_full((g + i) % S), parity(i));
-        mbar_wait_no_trap(v_full((g + i - 1) % S), parity(i - 1));
-        named_barrier_sync(my_turn, kTurnThreads);  // the previous warpgroup has issued its GEMMs
-        float sc[kBlockN / 2];
-        wgmma_fence();  // P(i-1) and the rescaled O were written by ordinary instructions
-        issue_qk<D, Tl::kQColBlockBytes, Tl::kKVColBlockBytes>(sc, sQ_wg, k_stage(i));
-        wgmma_commit();
-        issue_pv<D, Tl::kKVColBlockBytes>(o, pa, v_stage(i - 1));
-        wgmma_commit();
-        named_barrier_arrive_if(next_turn, kTurnThreads, true);
-        wgmma_wait<1>();  // S(i) is complete (groups complete in order); P(i-1)·V(i-1) may still run
-        fence_operands(sc);
-        mbar_arrive_if(k_empty((g + i) % S), warp_leader);
-        release_q(i == n_tiles - 1);
-        if constexpr (kMasked) mask(sc, i);
-        float alpha[2];
-        online_softmax<kMasked>(sc, m_run, l_run, alpha, p.scale_log2);
-        wgmma_wait<0>();  // P(i-1)·V(i-1) is complete: O may be rescaled, P's registers rewritten
-        fence_operands(o);
-        fence_operands(sc);  // keeps the bf16 packing of P(i) after the wait (P(i-1) is read until then)
-        mbar_arrive_if(v_empty((g + i - 1) % S), warp_leader);
-#pragma unroll
-        for (int jj = 0; jj < D / 2; ++jj) o[jj] *= alpha[(jj / 2) % 2];
-        to_p(sc);
-      };
-      int i = 1;
-#pragma unroll 1
-      for (; i < n_masked; ++i) step(i, std::true_type{});
-#pragma unroll 1
-      for (; i < n_tiles; ++i) step(i, std::false_type{});
-
-      // The last tile's P·V, outside the turns.
-      {
-        const int last = n_tiles - 1;
-        mbar_wait_no_trap(v_full((g + last) % S), parity(last));
-        wgmma_fence();
-        issue_pv<D, Tl::kKVColBlockBytes>(o, pa, v_stage(last));
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_operands(o);
-        mbar_arrive_if(v_empty((g + last) % S), warp_leader);
-      }
-
-      store_rows<D, kF32Out, kMerge>(o, m_run, l_run, row_lo, col_lane, lane, tile.head, p);
-      g += n_tiles;
-      if constexpr (!kPersistent) break;
+    // Iteration 0: S(0) alone (no P yet), outside the turns.
+    {
+      float sc[kBlockN / 2];
+      mbar_wait_no_trap(k_full(0), parity(0));
+      wgmma_fence();
+      issue_qk<D, Tl::kQColBlockBytes, Tl::kKVColBlockBytes>(sc, sQ_wg, k_stage(0));
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_operands(sc);
+      mbar_arrive_if(k_empty(0), warp_leader);
+      if (n_masked > 0) mask(sc, 0);
+      float alpha[2];  // unused: O is still zero
+      online_softmax<true>(sc, m_run, l_run, alpha, p.scale_log2);
+      to_p(sc);
     }
+
+    // Iteration i >= 1, in this warpgroup's turn: S(i) and P(i-1)·V(i-1), then the softmax of S(i)
+    // while P(i-1)·V(i-1) runs. Branch-free from the first wgmma to the last wait (predicated arrives).
+    auto step = [&](const int i, auto masked_tag) {
+      constexpr bool kMasked = decltype(masked_tag)::value;
+      mbar_wait_no_trap(k_full(i % S), parity(i));
+      mbar_wait_no_trap(v_full((i - 1) % S), parity(i - 1));
+      named_barrier_sync(my_turn, kTurnThreads);  // the previous warpgroup has issued its GEMMs
+      float sc[kBlockN / 2];
+      wgmma_fence();  // P(i-1) and the rescaled O were written by ordinary instructions
+      issue_qk<D, Tl::kQColBlockBytes, Tl::kKVColBlockBytes>(sc, sQ_wg, k_stage(i));
+      wgmma_commit();
+      issue_pv<D, Tl::kKVColBlockBytes>(o, pa, v_stage(i - 1));
+      wgmma_commit();
+      named_barrier_arrive_if(next_turn, kTurnThreads, true);
+      wgmma_wait<1>();  // S(i) is complete (groups complete in order); P(i-1)·V(i-1) may still run
+      fence_operands(sc);
+      mbar_arrive_if(k_empty(i % S), warp_leader);
+      if constexpr (kMasked) mask(sc, i);
+      float alpha[2];
+      online_softmax<kMasked>(sc, m_run, l_run, alpha, p.scale_log2);
+      wgmma_wait<0>();  // P(i-1)·V(i-1) is complete: O may be rescaled, P's registers rewritten
+      fence_operands(o);
+      fence_operands(sc);  // keeps the bf16 packing of P(i) after the wait (P(i-1) is read until then)
+      mbar_arrive_if(v_empty((i - 1) % S), warp_leader);
+#pragma unroll
+      for (int jj = 0; jj < D / 2; ++jj) o[jj] *= alpha[(jj / 2) % 2];
+      to_p(sc);
+    };
+    int i = 1;
+#pragma unroll 1
+    for (; i < n_masked; ++i) step(i, std::true_type{});
+#pragma unroll 1
+    for (; i < n_tiles; ++i) step(i, std::false_type{});
+
+    // The last tile's P·V, outside the turns.
+    {
+      const int last = n_tiles - 1;
+      mbar_wait_no_trap(v_full(last % S), parity(last));
+      wgmma_fence();
+      issue_pv<D, Tl::kKVColBlockBytes>(o, pa, v_stage(last));
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_operands(o);
+      mbar_arrive_if(v_empty(last % S), warp_leader);
+    }
+
+    store_rows<D, kF32Out, kMerge>(o, m_run, l_run, row_lo, col_lane, lane, head, p);
     // Warpgroup 0 absorbs the last warpgroup's final hand-over (see "Turns"), so every turn barrier
     // ends with no arrivals pending.
     if (cw == 0) named_barrier_sync(kTurnBarrier, kTurnThreads);
@@ -866,85 +723,23 @@ __global__ void __launch_bounds__(OverlapTiles<D, kPersistent>::kThreads, 1)
 // Query rows per CTA of each variant (the Q tensor map's box and the grid's tiles).
 int block_rows(FwdVariant variant, int64_t head_dim) {
   if (variant == FwdVariant::baseline) return kBlockM;
-  static_assert(OverlapTiles<64, false>::kBlockM == OverlapTiles<64, true>::kBlockM &&
-                    OverlapTiles<128, false>::kBlockM == OverlapTiles<128, true>::kBlockM,
-                "one Q box per head dim");
-  return head_dim == 64 ? OverlapTiles<64, false>::kBlockM : OverlapTiles<128, false>::kBlockM;
+  return head_dim == 64 ? OverlapTiles<64>::kBlockM : OverlapTiles<128>::kBlockM;
 }
 
-// The current device's multiprocessor count and L2 size, asked once per device.
-struct DeviceInfo {
-  int sms = 0;
-  int64_t l2_bytes = 0;
-};
-DeviceInfo device_info() {
-  int dev = 0;
-  LT_CUDA_CHECK(cudaGetDevice(&dev));
-  static std::mutex mu;
-  static std::map<int, DeviceInfo> known;
-  std::lock_guard<std::mutex> lock(mu);
-  auto it = known.find(dev);
-  if (it != known.end()) return it->second;
-  DeviceInfo info;
-  int l2 = 0;
-  LT_CUDA_CHECK(cudaDeviceGetAttribute(&info.sms, cudaDevAttrMultiProcessorCount, dev));
-  LT_CUDA_CHECK(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, dev));
-  info.l2_bytes = l2;
-  known[dev] = info;
-  return info;
-}
-
-std::atomic<int64_t> g_l2_budget_override{0};  // set_persistent_l2_budget
-
-// Query heads per work-tile section (the overlap kernel's "Work tiles"): for persistent, the most
-// whole kv heads whose K and V (bf16) fit in the L2 budget, at least one, a divisor of Hkv so that
-// every section is as large; Hq (one section) for the other variants. The budget: 2/3 of the L2
-// (33 MiB of the H200's 50; FlashAttention-3 takes 32 MiB), the rest for Q, O and the other
-// sections' stragglers. At Hkv = 8: 64K tokens, one kv head per section at D = 128 (32 MiB), two at
-// D = 64; 16K, four at D = 128, all eight (one section) at D = 64.
-int section_heads(FwdVariant variant, int64_t tk, int64_t head_dim, int hq, int hkv) {
-  if (variant != FwdVariant::persistent) return hq;
-  const int64_t forced = g_l2_budget_override.load();
-  const int64_t budget = forced > 0 ? forced : device_info().l2_bytes * 2 / 3;
-  const int64_t kv_head_bytes = tk * head_dim * 2 * 2;
-  int kv = 1;
-  for (int c = hkv; c > 1; --c) {
-    if (hkv % c == 0 && c * kv_head_bytes <= budget) {
-      kv = c;
-      break;
-    }
-  }
-  return kv * (hq / hkv);
-}
-
-// A work counter slot per launch, round robin (the overlap kernel's "Work tiles").
-int next_counter_slot() {
-  static std::atomic<unsigned> launches{0};
-  return static_cast<int>(launches.fetch_add(1) % kCounterSlots);
-}
-
-template <int D, bool kCausal, bool kF32Out, bool kMerge, bool kPersistent>
+template <int D, bool kCausal, bool kF32Out, bool kMerge>
 void launch_overlap(const CUtensorMap& mq, const CUtensorMap& mk, const CUtensorMap& mv, const Params& p,
                     int q_heads) {
-  using Tl = OverlapTiles<D, kPersistent>;
-  auto* kernel = fwd_overlap_kernel<D, kCausal, kF32Out, kMerge, kPersistent>;
+  using Tl = OverlapTiles<D>;
+  auto* kernel = fwd_overlap_kernel<D, kCausal, kF32Out, kMerge>;
   static const bool configured = [kernel] {
     LT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        static_cast<int>(Tl::kSmemBytes)));
     return true;
   }();
   (void)configured;
-  if constexpr (kPersistent) {
-    // One CTA per SM (its shared memory allows no second), never more CTAs than work tiles: every
-    // CTA's first tile blockIdx.x exists.
-    const int grid = std::min(device_info().sms, p.total);
-    kernel<<<grid, Tl::kThreads, Tl::kSmemBytes, cuda_stream()>>>(mq, mk, mv, p);
-    LT_CUDA_LAUNCH_CHECK("hopper fwd_overlap_kernel (persistent)");
-  } else {
-    const dim3 grid(static_cast<unsigned>(q_heads), static_cast<unsigned>(p.num_q_tiles));
-    kernel<<<grid, Tl::kThreads, Tl::kSmemBytes, cuda_stream()>>>(mq, mk, mv, p);
-    LT_CUDA_LAUNCH_CHECK("hopper fwd_overlap_kernel");
-  }
+  const dim3 grid(static_cast<unsigned>(q_heads), static_cast<unsigned>(p.num_q_tiles));
+  kernel<<<grid, Tl::kThreads, Tl::kSmemBytes, cuda_stream()>>>(mq, mk, mv, p);
+  LT_CUDA_LAUNCH_CHECK("hopper fwd_overlap_kernel");
 }
 
 template <int D, bool kCausal, bool kF32Out, bool kMerge>
@@ -962,10 +757,8 @@ void launch(FwdVariant variant, const CUtensorMap& mq, const CUtensorMap& mk, co
     fwd_baseline_kernel<D, kCausal, kF32Out, kMerge>
         <<<grid, kThreads, Tiles<D>::kSmemBytes, cuda_stream()>>>(mq, mk, mv, p);
     LT_CUDA_LAUNCH_CHECK("hopper fwd_baseline_kernel");
-  } else if (variant == FwdVariant::overlap) {
-    launch_overlap<D, kCausal, kF32Out, kMerge, false>(mq, mk, mv, p, q_heads);
-  } else {  // persistent, persistent_flat
-    launch_overlap<D, kCausal, kF32Out, kMerge, true>(mq, mk, mv, p, q_heads);
+  } else {
+    launch_overlap<D, kCausal, kF32Out, kMerge>(mq, mk, mv, p, q_heads);
   }
 }
 
@@ -1011,19 +804,13 @@ std::string unsupported_reason(const OutView& o, const StatsView& lse, const Vie
 }
 
 FwdVariant parse_fwd_variant(const std::string& name, const char* source) {
-  if (name == "persistent") return FwdVariant::persistent;
-  if (name == "persistent-flat") return FwdVariant::persistent_flat;
   if (name == "overlap") return FwdVariant::overlap;
   if (name == "baseline") return FwdVariant::baseline;
-  throw Error(fmt::format(
-      "{}: the hopper forward variant must be persistent, persistent-flat, overlap or baseline, got '{}'", source,
-      name));
+  throw Error(fmt::format("{}: the hopper forward variant must be overlap or baseline, got '{}'", source, name));
 }
 
 const char* fwd_variant_name(FwdVariant variant) {
   switch (variant) {
-    case FwdVariant::persistent: return "persistent";
-    case FwdVariant::persistent_flat: return "persistent-flat";
     case FwdVariant::overlap: return "overlap";
     case FwdVariant::baseline: return "baseline";
   }
@@ -1037,8 +824,6 @@ FwdVariant default_fwd_variant() {
   }();
   return variant;
 }
-
-void set_persistent_l2_budget(int64_t bytes) { g_l2_budget_override.store(bytes > 0 ? bytes : 0); }
 
 void forward(const OutView& o, const StatsView& lse, const View& q, const View& k, const View& v, bool causal,
              float scale, bool merge) {
@@ -1067,11 +852,6 @@ void forward(const OutView& o, const StatsView& lse, const View& q, const View& 
   p.scale = scale;
   p.scale_log2 = scale * 1.4426950408889634f;
   const int hq = static_cast<int>(q.heads);
-  p.total = p.num_q_tiles * hq;
-  p.section_heads = section_heads(variant, k.tokens, q.dim, hq, static_cast<int>(k.heads));
-  LT_CHECK(p.section_heads > 0 && hq % p.section_heads == 0, "hopper attention forward: {} heads per section of {}",
-           p.section_heads, hq);
-  if (variant == FwdVariant::persistent || variant == FwdVariant::persistent_flat) p.counter_slot = next_counter_slot();
   auto go = [&](auto d, auto causal_tag, auto f32_tag, auto merge_tag) {
     launch<decltype(d)::value, decltype(causal_tag)::value, decltype(f32_tag)::value, decltype(merge_tag)::value>(
         variant, mq, mk, mv, p, hq);

@@ -43,14 +43,7 @@ bool supported(int64_t head_dim, int64_t q_heads, int64_t kv_heads);
 std::string unsupported_reason(const OutView& o, const StatsView& lse, const View& q, const View& k, const View& v,
                                bool causal, bool merge);
 
-// The forward kernel's schedule (all give the same results up to rounding; hopper_attention.cu):
-// - persistent: overlap's schedule in a persistent kernel: one CTA per SM takes work
-//   tiles (query tile, query head), longest first, from a global counter; the next tile's loads run
-//   during this one's last iterations and epilogue; the tiles are ordered in sections of kv heads
-//   whose K and V fit in the L2, so the CTAs running together share K/V in the L2; K/V loads are
-//   marked evict_last, Q loads evict_first;
-// - persistent_flat ("persistent-flat"): the same with one section (overlap's order), to measure what
-//   the sections add;
+// The forward kernel's schedule (both give the same results up to rounding; hopper_attention.cu):
 // - overlap (the default): FlashAttention-3's schedule, one CTA per work tile: within a consumer warpgroup the
 //   softmax of K/V tile n runs while the tensor cores compute P(n-1)·V(n-1), and the consumer
 //   warpgroups take turns issuing their GEMMs (ping-pong) so one's softmax runs while another's GEMMs
@@ -59,12 +52,13 @@ std::string unsupported_reason(const OutView& o, const StatsView& lse, const Vie
 //   head dim 64);
 // - baseline: the first kernel: per tile S = Q·Kᵀ, wait, softmax, O += P·V, wait; nothing overlaps
 //   inside a warpgroup. Kept to measure against and to fall back to.
-enum class FwdVariant { persistent, persistent_flat, overlap, baseline };
+// (A persistent overlap kernel, one CTA per SM taking work tiles from a counter in sections of kv
+// heads sized to the L2, measured 0.2-5% slower than overlap at head dims 64 and 128, 16K and 64K on
+// the H200, bench/results/attention-hopper-round2-h200-2026-12-03.json, and was removed.)
+enum class FwdVariant { overlap, baseline };
 
-// LONGTRAIN_HOPPER_FWD_VARIANT (persistent, persistent-flat, overlap or baseline), read once;
-// overlap when unset: on the H200 the persistent variants measured 0.2-5% slower than overlap at head
-// dims 64 and 128, 16K and 64K (bench/results/attention-hopper-round2-h200-2026-12-03.json), the L2
-// sections no help. Throws on any other value.
+// LONGTRAIN_HOPPER_FWD_VARIANT (overlap or baseline), read once; overlap when unset. Throws on any
+// other value.
 FwdVariant default_fwd_variant();
 const char* fwd_variant_name(FwdVariant variant);
 FwdVariant parse_fwd_variant(const std::string& name, const char* source);
@@ -83,10 +77,6 @@ void forward(const OutView& o, const StatsView& lse, const View& q, const View& 
              float scale, bool merge);
 void forward(const OutView& o, const StatsView& lse, const View& q, const View& k, const View& v, bool causal,
              float scale, bool merge, FwdVariant variant);
-
-// The L2 bytes the persistent variant sizes its sections by (0: 2/3 of the device's L2). For tests:
-// a small budget forces one kv head per section, so the section order is exercised on small shapes.
-void set_persistent_l2_budget(int64_t bytes);
 
 // ---- backward (hopper_attention_bwd.cu) ----------------------------------------------------------
 //

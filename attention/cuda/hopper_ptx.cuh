@@ -274,52 +274,6 @@ static __device__ __forceinline__ void mbar_wait_no_trap(uint32_t bar, uint32_t 
 }
 
 
-// ---- added for the persistent forward (hopper_attention.cu) ----
-
-// L2 eviction priorities for TMA loads, as 64-bit cache policies (PTX createpolicy, applying to every
-// byte of the access): evict_last for data other CTAs read again soon (K/V tiles), evict_first for
-// data read once (Q tiles).
-static __device__ __forceinline__ uint64_t l2_policy_evict_last() {
-  uint64_t policy;
-  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(policy));
-  return policy;
-}
-static __device__ __forceinline__ uint64_t l2_policy_evict_first() {
-  uint64_t policy;
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
-  return policy;
-}
-
-// tma_load_3d with an L2 cache policy (l2_policy_*).
-static __device__ __forceinline__ void tma_load_3d_hint(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0,
-                                                        int c1, int c2, uint64_t policy) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1, {%3, "
-      "%4, %5}], [%2], %6;\n" ::"r"(dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "l"(policy)
-      : "memory");
-}
-
-// Starts fetching a TMA box (the same coordinates as tma_load_3d) from memory into the L2, with no
-// destination and no completion: a later load of the box then waits only for the L2.
-static __device__ __forceinline__ void tma_prefetch_3d(const CUtensorMap* map, int c0, int c1, int c2) {
-  asm volatile("cp.async.bulk.prefetch.tensor.3d.L2.global.tile [%0, {%1, %2, %3}];\n" ::"l"(
-                   reinterpret_cast<uint64_t>(map)),
-               "r"(c0), "r"(c1), "r"(c2)
-               : "memory");
-}
-
-// One 32-bit word of shared memory by address (a value handed between warps; the mbarrier that
-// publishes it orders the accesses).
-static __device__ __forceinline__ void st_shared_s32(uint32_t addr, int v) {
-  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
-}
-static __device__ __forceinline__ int ld_shared_s32(uint32_t addr) {
-  int v;
-  asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(addr) : "memory");
-  return v;
-}
-
 // ---- the backward's dQ bulk reductions (hopper_attention_bwd.cu) ----
 
 // 16 bytes into shared memory.

@@ -40,7 +40,7 @@ for stage in $STAGES; do
         anchor=$W/attn_anchor_h32_d$D.json; [ $D = 128 ] && anchor=$W/attn_anchor.json  # the anchor's own names
         # Every forward variant (each with our backward, which is also timed alone), beside cuDNN with
         # the largest differences from it.
-        kernels=${KERNELS:-cudnn,hopper-persistent,hopper-persistent-flat,hopper-overlap,hopper-baseline}
+        kernels=${KERNELS:-cudnn,hopper-overlap,hopper-baseline}
         timeout 240 $B/bench/attention_bench --kernel $kernels --lengths ${LENGTHS:-16384,65536} --head-dim $D --kv-heads $KV \
           --reps 5 --commit $COMMIT $( [ -f $anchor ] && echo --anchor $anchor ) --out $W/attention_d$D.json \
           > $W/attention_d$D.log 2>&1

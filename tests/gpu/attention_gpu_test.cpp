@@ -487,9 +487,8 @@ INSTANTIATE_TEST_SUITE_P(
 // bf16 and f32 O written through padded strides (every element outside the view must keep its
 // sentinel), token-major and head-major LSE, Q/K/V as views of one fused QKV buffer; then merge mode
 // (a block merged into a running f32 partial, including empty NaN rows) against the whole, and
-// hopper against cuDNN on a larger shape, bitwise run twice. Every forward test runs every forward
-// variant (FwdVariant: persistent, persistent-flat, overlap, baseline); the persistent kernel also with its
-// L2 sections forced small (one, two and three kv heads), bitwise equal to one section. Then the backward (hopper_attention_bwd.cu)
+// hopper against cuDNN on a larger shape, bitwise run twice. Every forward test runs both forward
+// variants (FwdVariant: overlap, baseline). Then the backward (hopper_attention_bwd.cu)
 // through attention_block_backward under the hopper policy, against the CPU reference: head dims 64
 // and 128, MHA/GQA/MQA, causal and unmasked, lengths 1, 127, 129, 777 and Tq != Tk, bf16 and f32
 // dq/dk/dv inside padded buffers (sentinels must survive) or side by side in one fused dQKV buffer,
@@ -632,15 +631,10 @@ struct HopperCase {
 void PrintTo(const HopperCase& c, std::ostream* os) { *os << c.name; }
 
 using attn::hopper::FwdVariant;
-constexpr FwdVariant kVariants[] = {FwdVariant::persistent, FwdVariant::persistent_flat, FwdVariant::overlap,
-                                    FwdVariant::baseline};
+constexpr FwdVariant kVariants[] = {FwdVariant::overlap, FwdVariant::baseline};
 
-// A variant's name as a test name part (gtest allows letters, digits and '_').
-std::string variant_id(FwdVariant v) {
-  std::string id = attn::hopper::fwd_variant_name(v);
-  std::replace(id.begin(), id.end(), '-', '_');
-  return id;
-}
+// A variant's name as a test name part (both are plain words).
+std::string variant_id(FwdVariant v) { return attn::hopper::fwd_variant_name(v); }
 
 // Every case runs through every forward variant (hopper_attention.h: FwdVariant).
 class HopperAttention : public ::testing::TestWithParam<std::tuple<HopperCase, FwdVariant>> {};
@@ -699,9 +693,8 @@ constexpr BlockMask kCausal = BlockMask::causal_diagonal, kNone = BlockMask::non
 // (lengths 128, 129, 256, 385, 4097), causal with odd lengths (rows past Tq in a CTA, warpgroups
 // whose rows all lie past Tq, diagonal tiles masked for one warpgroup and not another), GQA and MQA
 // at both head dims, Tq != Tk both ways. Then more work tiles (query tile, head) than an H200 has SMs
-// (132), so every persistent CTA takes several, of different lengths (causal 4/3/2 and 3/2/1 key
-// tiles, including one-tile work tiles without turns between long ones), 320 one-key work tiles,
-// MQA and a masked tail past Tk.
+// (132), of different lengths (causal 4/3/2 and 3/2/1 key tiles, one-tile work tiles without turns
+// beside long ones), 320 one-key work tiles, MQA and a masked tail past Tk.
 const HopperCase kHopperCases[] = {
     HopperCase{"causal_mha8_t1_d64_fused", 1, 1, 8, 8, 64, kCausal, true, DType::bf16},
     HopperCase{"causal_gqa8x2_t77_d128_fused", 77, 77, 8, 2, 128, kCausal, true, DType::bf16},
@@ -858,50 +851,6 @@ INSTANTIATE_TEST_SUITE_P(Variants, HopperAttentionVariant, ::testing::ValuesIn(k
                          [](const ::testing::TestParamInfo<FwdVariant>& info) {
                            return variant_id(info.param);
                          });
-
-// The persistent kernel's L2 sections (hopper_attention.cu, "Work tiles"): budgets that force one,
-// two and three kv heads (of six) per section, against the CPU reference and bitwise equal to one
-// section (persistent_flat: the same kernel and per-tile arithmetic, only the order of the work
-// tiles differs, so a tile skipped, done twice or done with another tile's head would show).
-// 48 query heads of 400 tokens: 144 (D 64) and 192 (D 128) work tiles, more than 132 SMs.
-TEST(HopperAttentionPersistent, L2SectionsMatchCpuReferenceAndOneSection) {
-  LT_REQUIRE_HOPPER();
-  struct BudgetScope {
-    ~BudgetScope() { attn::hopper::set_persistent_l2_budget(0); }
-  } restore;
-  const int64_t T = 400, Hq = 48, Hkv = 6;
-  for (int64_t D : {64, 128}) {
-    SCOPED_TRACE("D = " + std::to_string(D));
-    const double scale = 1.0 / std::sqrt(static_cast<double>(D));
-    const auto q = random_values(T * Hq * D, 621, DType::bf16), k = random_values(T * Hkv * D, 622, DType::bf16);
-    const auto v = random_values(T * Hkv * D, 623, DType::bf16);
-    HostTensor<double> q_h = host_tensor({T, Hq, D}, q), k_h = host_tensor({T, Hkv, D}, k);
-    HostTensor<double> v_h = host_tensor({T, Hkv, D}, v), o_h({T, Hq, D}), lse_h({T, Hq});
-    attn::attention_block_forward(o_h, lse_h, q_h, k_h, v_h, kCausal, scale);
-    QkvOnDevice in(q, k, v, T, T, Hq, Hkv, D, true);
-    DeviceTensor o(DType::bf16, {T, Hq, D}), lse(DType::f32, {T, Hq});
-    auto run = [&](FwdVariant variant) {
-      upload(o, std::vector<double>(static_cast<size_t>(T * Hq * D), kSentinel));
-      upload(lse, std::vector<double>(static_cast<size_t>(T * Hq), kSentinel));
-      attn::hopper::forward(hout(o), hstats(lse), hview(in.q), hview(in.k), hview(in.v), true,
-                            static_cast<float>(scale), false, variant);
-      LT_CUDA_CHECK(cudaStreamSynchronize(cuda_stream()));
-      return std::make_pair(download_bytes(o), download_bytes(lse));
-    };
-    const auto flat = run(FwdVariant::persistent_flat);
-    const int64_t kv_head_bytes = T * D * 2 * 2;
-    for (int64_t kv_per_section : {1, 2, 3}) {
-      const std::string tag = fmt::format(" [D={} {} kv heads per section]", D, kv_per_section);
-      attn::hopper::set_persistent_l2_budget(kv_per_section == 1 ? 1 : kv_per_section * kv_head_bytes);
-      const auto got = run(FwdVariant::persistent);
-      check_output("hopper O, L2 sections" + tag, DType::bf16, download(o), o_h.values, Hq, D);
-      check_output("hopper LSE, L2 sections" + tag, DType::f32, download(lse), lse_h.values, Hq, 1);
-      EXPECT_TRUE(got.first == flat.first) << "O differs from one section" << tag;
-      EXPECT_TRUE(got.second == flat.second) << "LSE differs from one section" << tag;
-    }
-    attn::hopper::set_persistent_l2_budget(0);
-  }
-}
 
 // ---- the Hopper backward ------------------------------------------------------------------------------
 
