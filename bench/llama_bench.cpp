@@ -224,7 +224,8 @@ class TimedAttention final : public attn::SequenceAttention {
   }
   void forward(Tensor o, Tensor lse, Tensor q, Tensor k, Tensor v) override {
     ++counters.forward_calls;
-    inner_->set_documents(documents());  // the model sets them on this wrapper
+    inner_->set_documents(documents());  // the model sets them (and the layer) on this wrapper
+    inner_->set_layer(layer_);
     const size_t i = begin();
     inner_->forward(o, lse, q, k, v);
     end(i);
@@ -233,6 +234,7 @@ class TimedAttention final : public attn::SequenceAttention {
                 Tensor d_o) override {
     ++counters.backward_calls;
     inner_->set_documents(documents());
+    inner_->set_layer(layer_);
     const size_t i = begin();
     inner_->backward(dq, dk, dv, q, k, v, o, lse, d_o);
     end(i);
@@ -240,6 +242,11 @@ class TimedAttention final : public attn::SequenceAttention {
   bool head_major_lse() const override { return inner_->head_major_lse(); }
   void set_backward_head_groups(int64_t groups) override { inner_->set_backward_head_groups(groups); }
   int64_t backward_head_groups() const override { return inner_->backward_head_groups(); }
+  // Ulysses keeps each layer's head-layout forward for its backward: without these the model would
+  // recompute Q, K, V and Ulysses re-send them, a step the model never runs (and the memory plan,
+  // which counts the kept layers, would not match).
+  void keep_forward(int64_t n_layers) override { inner_->keep_forward(n_layers); }
+  bool keeps_forward() const override { return inner_->keeps_forward(); }
   void reset() { used_ = 0; }
   // Milliseconds of every call since reset() (events are kept, one pair per call); the device must
   // have passed the last call.
