@@ -11,6 +11,7 @@
 
 #include <cmath>
 #include <limits>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -23,21 +24,43 @@ namespace {
 using attn::BlockMask;
 using attn::GradMode;
 
-// A [T, heads, D] view of columns [col0, col0 + heads·D) of a [T, W] buffer.
-Tensor head_view(const Tensor& buf, int64_t col0, int64_t heads, int64_t D) {
-  Tensor v = buf;
-  v.data = static_cast<char*>(buf.data) + col0 * dtype_size(buf.dtype);
-  v.ndim = 3;
-  v.shape = {buf.shape[0], heads, D, 0};
-  v.stride = {buf.stride[0], D, 1, 0};
-  return v;
-}
-
 std::vector<double> minus(const std::vector<double>& a, const std::vector<double>& b) {
   std::vector<double> d(a.size());
   for (size_t i = 0; i < a.size(); ++i) d[i] = a[i] - b[i];
   return d;
 }
+
+// Device copies of q, k, v: separate [T, H, D] tensors, or views of one fused [T, (Hq + 2·Hkv)·D] buffer.
+struct QkvOnDevice {
+  DeviceTensor fused, q_sep, k_sep, v_sep;
+  Tensor q, k, v;
+  QkvOnDevice(const std::vector<double>& qv, const std::vector<double>& kv, const std::vector<double>& vv, int64_t Tq,
+              int64_t Tk, int64_t Hq, int64_t Hkv, int64_t D, bool use_fused)
+      : fused(DType::bf16, {use_fused ? Tq : 1, (Hq + 2 * Hkv) * D}),
+        q_sep(DType::bf16, {Tq, Hq, D}),
+        k_sep(DType::bf16, {Tk, Hkv, D}),
+        v_sep(DType::bf16, {Tk, Hkv, D}) {
+    if (use_fused && Tq != Tk) throw std::invalid_argument("a fused QKV buffer needs Tq == Tk");
+    q = q_sep, k = k_sep, v = v_sep;
+    if (use_fused) {
+      const int64_t W = (Hq + 2 * Hkv) * D, wq = Hq * D, wk = Hkv * D;
+      std::vector<double> all(static_cast<size_t>(Tq * W));
+      for (int64_t t = 0; t < Tq; ++t) {
+        for (int64_t i = 0; i < wq; ++i) all[t * W + i] = qv[t * wq + i];
+        for (int64_t i = 0; i < wk; ++i) all[t * W + wq + i] = kv[t * wk + i];
+        for (int64_t i = 0; i < wk; ++i) all[t * W + wq + wk + i] = vv[t * wk + i];
+      }
+      upload(fused, all);
+      q = head_view(fused, 0, Hq, D);
+      k = head_view(fused, wq, Hkv, D);
+      v = head_view(fused, wq + wk, Hkv, D);
+    } else {
+      upload(q_sep, qv);
+      upload(k_sep, kv);
+      upload(v_sep, vv);
+    }
+  }
+};
 
 struct Case {
   const char* name;
@@ -74,30 +97,10 @@ TEST_P(GpuAttention, ForwardAndBackwardMatchCpuReference) {
   const std::vector<double> ref_dq = minus(dq_h.values, dq0), ref_dk = minus(dk_h.values, dk0),
                             ref_dv = minus(dv_h.values, dv0);
 
-  // GPU: bf16 q/k/v/dO (separate, or views of one fused QKV buffer), f32 LSE/delta/accumulators.
+  // GPU: bf16 q/k/v (separate, or views of one fused QKV buffer [T, W]) and dO, f32 LSE/delta/accumulators.
   const int64_t W = (c.Hq + 2 * c.Hkv) * c.D;
-  DeviceTensor qkv_d(DType::bf16, {c.fused_qkv ? c.Tq : 1, W});
-  DeviceTensor q_sep(DType::bf16, {c.Tq, c.Hq, c.D}), k_sep(DType::bf16, {c.Tk, c.Hkv, c.D});
-  DeviceTensor v_sep(DType::bf16, {c.Tk, c.Hkv, c.D});
-  Tensor q_d = q_sep, k_d = k_sep, v_d = v_sep;
-  if (c.fused_qkv) {
-    ASSERT_EQ(c.Tq, c.Tk);
-    std::vector<double> fused(static_cast<size_t>(c.Tq * W));
-    const int64_t wq = c.Hq * c.D, wk = c.Hkv * c.D;
-    for (int64_t t = 0; t < c.Tq; ++t) {
-      for (int64_t i = 0; i < wq; ++i) fused[t * W + i] = q[t * wq + i];
-      for (int64_t i = 0; i < wk; ++i) fused[t * W + wq + i] = k[t * wk + i];
-      for (int64_t i = 0; i < wk; ++i) fused[t * W + wq + wk + i] = v[t * wk + i];
-    }
-    upload(qkv_d, fused);
-    q_d = head_view(qkv_d, 0, c.Hq, c.D);
-    k_d = head_view(qkv_d, wq, c.Hkv, c.D);
-    v_d = head_view(qkv_d, wq + wk, c.Hkv, c.D);
-  } else {
-    upload(q_sep, q);
-    upload(k_sep, k);
-    upload(v_sep, v);
-  }
+  const QkvOnDevice in(q, k, v, c.Tq, c.Tk, c.Hq, c.Hkv, c.D, c.fused_qkv);
+  const Tensor q_d = in.q, k_d = in.k, v_d = in.v;
   DeviceTensor do_d(DType::bf16, {c.Tq, c.Hq, c.D}), o_d(c.o_dtype, {c.Tq, c.Hq, c.D});
   DeviceTensor lse_d(DType::f32, {c.Tq, c.Hq}), delta_d(DType::f32, {c.Tq, c.Hq});
   upload(do_d, d_o);
@@ -354,28 +357,10 @@ TEST_P(GpuSegments, ForwardAndBackwardMatchCpuReference) {
   attn::attention_segments_backward(dq_h, dk_h, dv_h, q_h, k_h, v_h, do_h, lse_h, o_h, Tensor{}, c.segments, c.mask,
                                     scale, GradMode::overwrite);
 
+  // GPU: bf16 q/k/v (separate, or views of one fused QKV buffer [T, W]).
   const int64_t W = (c.Hq + 2 * c.Hkv) * c.D;
-  DeviceTensor qkv_d(DType::bf16, {c.fused_qkv ? c.Tq : 1, W});
-  DeviceTensor q_sep(DType::bf16, {c.Tq, c.Hq, c.D}), k_sep(DType::bf16, {c.Tk, c.Hkv, c.D});
-  DeviceTensor v_sep(DType::bf16, {c.Tk, c.Hkv, c.D});
-  Tensor q_d = q_sep, k_d = k_sep, v_d = v_sep;
-  if (c.fused_qkv) {
-    ASSERT_EQ(c.Tq, c.Tk);
-    std::vector<double> fused(static_cast<size_t>(c.Tq * W));
-    for (int64_t t = 0; t < c.Tq; ++t) {
-      for (int64_t i = 0; i < wq; ++i) fused[t * W + i] = q[t * wq + i];
-      for (int64_t i = 0; i < wk; ++i) fused[t * W + wq + i] = k[t * wk + i];
-      for (int64_t i = 0; i < wk; ++i) fused[t * W + wq + wk + i] = v[t * wk + i];
-    }
-    upload(qkv_d, fused);
-    q_d = head_view(qkv_d, 0, c.Hq, c.D);
-    k_d = head_view(qkv_d, wq, c.Hkv, c.D);
-    v_d = head_view(qkv_d, wq + wk, c.Hkv, c.D);
-  } else {
-    upload(q_sep, q);
-    upload(k_sep, k);
-    upload(v_sep, v);
-  }
+  const QkvOnDevice in(q, k, v, c.Tq, c.Tk, c.Hq, c.Hkv, c.D, c.fused_qkv);
+  const Tensor q_d = in.q, k_d = in.k, v_d = in.v;
   DeviceTensor do_d(DType::bf16, {c.Tq, c.Hq, c.D}), o_d(c.o_dtype, {c.Tq, c.Hq, c.D});
   DeviceTensor lse_d(DType::f32, {c.Tq, c.Hq}), delta_d(DType::f32, {c.Tq, c.Hq});
   upload(do_d, d_o);
@@ -588,37 +573,6 @@ void expect_untouched(const std::string& what, const std::vector<double>& buffer
     }
   }
 }
-
-// Device copies of q, k, v: separate [T, H, D] tensors, or views of one fused [T, (Hq + 2·Hkv)·D] buffer.
-struct QkvOnDevice {
-  DeviceTensor fused, q_sep, k_sep, v_sep;
-  Tensor q, k, v;
-  QkvOnDevice(const std::vector<double>& qv, const std::vector<double>& kv, const std::vector<double>& vv, int64_t Tq,
-              int64_t Tk, int64_t Hq, int64_t Hkv, int64_t D, bool use_fused)
-      : fused(DType::bf16, {use_fused ? Tq : 1, (Hq + 2 * Hkv) * D}),
-        q_sep(DType::bf16, {Tq, Hq, D}),
-        k_sep(DType::bf16, {Tk, Hkv, D}),
-        v_sep(DType::bf16, {Tk, Hkv, D}) {
-    q = q_sep, k = k_sep, v = v_sep;
-    if (use_fused) {
-      const int64_t W = (Hq + 2 * Hkv) * D, wq = Hq * D, wk = Hkv * D;
-      std::vector<double> all(static_cast<size_t>(Tq * W));
-      for (int64_t t = 0; t < Tq; ++t) {
-        for (int64_t i = 0; i < wq; ++i) all[t * W + i] = qv[t * wq + i];
-        for (int64_t i = 0; i < wk; ++i) all[t * W + wq + i] = kv[t * wk + i];
-        for (int64_t i = 0; i < wk; ++i) all[t * W + wq + wk + i] = vv[t * wk + i];
-      }
-      upload(fused, all);
-      q = head_view(fused, 0, Hq, D);
-      k = head_view(fused, wq, Hkv, D);
-      v = head_view(fused, wq + wk, Hkv, D);
-    } else {
-      upload(q_sep, qv);
-      upload(k_sep, kv);
-      upload(v_sep, vv);
-    }
-  }
-};
 
 struct HopperCase {
   const char* name;

@@ -93,6 +93,17 @@ inline void upload_ints(const Tensor& t, const std::vector<int32_t>& values) {
   copy(t, src);
 }
 
+// A [T, heads, D] view of columns [col0, col0 + heads·D) of a [T, W] buffer (a Q, K or V slice of a
+// fused QKV buffer, as the model's attention gets them).
+inline Tensor head_view(const Tensor& buf, int64_t col0, int64_t heads, int64_t D) {
+  Tensor v = buf;
+  v.data = static_cast<char*>(buf.data) + col0 * dtype_size(buf.dtype);
+  v.ndim = 3;
+  v.shape = {buf.shape[0], heads, D, 0};
+  v.stride = {buf.stride[0], D, 1, 0};
+  return v;
+}
+
 // A host f64 tensor holding `values`.
 inline HostTensor<double> host_tensor(std::initializer_list<int64_t> shape, const std::vector<double>& values) {
   HostTensor<double> h(shape);

@@ -35,16 +35,6 @@ HostTensor<int32_t> host_ints(std::initializer_list<int64_t> shape, const std::v
   return h;
 }
 
-// A [T, heads, D] view of columns [col0, col0 + heads·D) of a [T, W] buffer (a Q or K slice of QKV).
-Tensor head_view(const Tensor& buf, int64_t col0, int64_t heads, int64_t D) {
-  Tensor v = buf;
-  v.data = static_cast<char*>(buf.data) + col0 * dtype_size(buf.dtype);
-  v.ndim = 3;
-  v.shape = {buf.shape[0], heads, D, 0};
-  v.stride = {buf.stride[0], D, 1, 0};
-  return v;
-}
-
 class GpuOps : public ::testing::TestWithParam<DType> {};
 
 TEST_P(GpuOps, EmbeddingForwardBackwardAndBadToken) {
