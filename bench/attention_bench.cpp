@@ -47,21 +47,20 @@ using namespace longtrain::bench;
 
 namespace {
 
-struct Options {
+struct Options : RunRecord {
   std::vector<int64_t> lengths{4096, 16384, 65536};
   std::vector<int64_t> kv_heads{32, 8};
   int64_t head_dim = 128;
   std::vector<std::string> layouts;
   std::vector<std::string> kernels{"cudnn"};
-  std::string anchor, out, commit = "unknown";
   int warmup = 3, reps = 10;
-  std::string command;
 };
 
 Options parse(int argc, char** argv) {
   Options o;
   o.command = command_line(argc, argv);
   for_each_flag(argc, argv, "attention_bench", [&](const std::string& a, const FlagValue& next) {
+    if (record_flag(a, next, o)) return true;
     if (a == "--lengths") {
       o.lengths = next.integers();
     } else if (a == "--kv-heads") {
@@ -81,12 +80,6 @@ Options parse(int argc, char** argv) {
         LT_CHECK(k == "cudnn" || k == "hopper" || k.rfind("hopper-", 0) == 0,
                  "attention_bench: --kernel takes a list of cudnn, hopper, hopper-<variant>, got '{}'",
                  k);
-    } else if (a == "--anchor") {
-      o.anchor = next();
-    } else if (a == "--out") {
-      o.out = next();
-    } else if (a == "--commit") {
-      o.commit = next();
     } else if (a == "--warmup") {
       o.warmup = next.int32();
     } else if (a == "--reps") {

@@ -107,6 +107,28 @@ inline void for_each_flag(int argc, char** argv, const std::string& tool,
   }
 }
 
+// What every benchmark's result records about its run: the command line (command_line), and from
+// its flags --anchor (the PyTorch anchor's result to put beside ours), --out (where ours goes) and
+// --commit. A benchmark's Options derive from it.
+struct RunRecord {
+  std::string anchor, out, commit = "unknown", command;
+};
+
+// --anchor, --out or --commit into `record`; false for any other flag (for_each_flag's handler asks
+// this first).
+inline bool record_flag(const std::string& flag, const FlagValue& value, RunRecord& record) {
+  if (flag == "--anchor") {
+    record.anchor = value();
+  } else if (flag == "--out") {
+    record.out = value();
+  } else if (flag == "--commit") {
+    record.commit = value();
+  } else {
+    return false;
+  }
+  return true;
+}
+
 // "a,b,c" -> {"a", "b", "c"}.
 inline std::vector<std::string> split_list(const std::string& s) {
   std::vector<std::string> items;

@@ -32,25 +32,19 @@ using namespace longtrain::parallel;
 
 namespace {
 
-struct Options {
+struct Options : RunRecord {
   std::vector<int64_t> sizes_mib{1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024};
-  std::string anchor, out, commit = "unknown", topology;
+  std::string topology;
   int warmup = 5;
-  std::string command;
 };
 
 Options parse(int argc, char** argv) {
   Options o;
   o.command = command_line(argc, argv);
   for_each_flag(argc, argv, "comm_bench", [&](const std::string& a, const FlagValue& next) {
+    if (record_flag(a, next, o)) return true;
     if (a == "--sizes-mib") {
       o.sizes_mib = next.integers();
-    } else if (a == "--anchor") {
-      o.anchor = next();
-    } else if (a == "--out") {
-      o.out = next();
-    } else if (a == "--commit") {
-      o.commit = next();
     } else if (a == "--topology") {
       o.topology = next();
     } else if (a == "--warmup") {

@@ -46,13 +46,13 @@ namespace {
 
 constexpr int64_t kHq = 32, kHkv = 8, kD = 128, kW = kHq + 2 * kHkv;
 
-struct Options {
+struct Options : RunRecord {
   std::vector<int64_t> lengths{65536, 131072, 262144};
   std::vector<attn::Schedule> schedules{attn::Schedule::ring, attn::Schedule::zigzag, attn::Schedule::distflash,
                                         attn::Schedule::burst};
   int warmup = 2, reps = 5;
   double rep_seconds = 10, budget_s = 0;
-  std::string out, commit = "unknown", merge, anchor, command;
+  std::string merge;
   std::string qkv_layout = "fused";
   attn::ChunkCalls chunk_calls = attn::ChunkCalls::merged;
 };
@@ -61,6 +61,7 @@ Options parse(int argc, char** argv) {
   Options o;
   o.command = command_line(argc, argv);
   for_each_flag(argc, argv, "cp_bench", [&](const std::string& a, const FlagValue& next) {
+    if (record_flag(a, next, o)) return true;
     if (a == "--lengths") {
       o.lengths = next.integers();
     } else if (a == "--schedules") {
@@ -80,14 +81,8 @@ Options parse(int argc, char** argv) {
                o.qkv_layout);
     } else if (a == "--budget-s") {
       o.budget_s = next.number();
-    } else if (a == "--out") {
-      o.out = next();
-    } else if (a == "--commit") {
-      o.commit = next();
     } else if (a == "--merge") {
       o.merge = next();
-    } else if (a == "--anchor") {
-      o.anchor = next();
     } else {
       return false;
     }

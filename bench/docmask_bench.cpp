@@ -27,8 +27,7 @@ using namespace longtrain::bench;
 
 namespace {
 
-struct Options {
-  std::string anchor, out, commit = "unknown", command;
+struct Options : RunRecord {
   int warmup = 3, reps = 10;
 };
 
@@ -36,13 +35,8 @@ Options parse(int argc, char** argv) {
   Options o;
   o.command = command_line(argc, argv);
   for_each_flag(argc, argv, "docmask_bench", [&](const std::string& a, const FlagValue& next) {
-    if (a == "--anchor") {
-      o.anchor = next();
-    } else if (a == "--out") {
-      o.out = next();
-    } else if (a == "--commit") {
-      o.commit = next();
-    } else if (a == "--warmup") {
+    if (record_flag(a, next, o)) return true;
+    if (a == "--warmup") {
       o.warmup = next.int32();
     } else if (a == "--reps") {
       o.reps = next.int32();

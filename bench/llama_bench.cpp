@@ -88,13 +88,13 @@ using namespace longtrain::bench;
 
 namespace {
 
-struct Options {
+struct Options : RunRecord {
   std::vector<int64_t> lengths{8192, 32768, 65536};
   std::vector<std::string> policies{"remat_aware", "full"};  // or auto
   std::vector<model::Offload> offloads{model::Offload::none};
   model::Tiling tiling;
   std::string shape = "tinyllama";
-  std::string anchor, out, commit = "unknown", command, merge;
+  std::string merge;
   int warmup = 1, steps = 3;
   bool plan_only = false, longest = false;
   bool profile = false;  // --profile: one more step after the timed ones, timed op by op (runtime/profile.h)
@@ -109,6 +109,7 @@ Options parse(int argc, char** argv) {
   Options o;
   o.command = command_line(argc, argv);
   for_each_flag(argc, argv, "llama_bench", [&](const std::string& a, const FlagValue& next) {
+    if (record_flag(a, next, o)) return true;
     if (a == "--documents") {
       o.documents = next();
     } else if (a == "--lengths") {
@@ -132,12 +133,6 @@ Options parse(int argc, char** argv) {
     } else if (a == "--shape") {
       o.shape = next();
       LT_CHECK(o.shape == "tinyllama" || o.shape == "llama3.2-3b", "llama_bench: --shape is tinyllama or llama3.2-3b, got '{}'", o.shape);
-    } else if (a == "--anchor") {
-      o.anchor = next();
-    } else if (a == "--out") {
-      o.out = next();
-    } else if (a == "--commit") {
-      o.commit = next();
     } else if (a == "--warmup") {
       o.warmup = next.int32();
     } else if (a == "--steps") {
