@@ -58,7 +58,7 @@ class CheckpointOffloader {
   std::vector<ArenaEntry> table_;
   size_t bytes_ = 0;
   void* base_ = nullptr;
-  void* stream_ = nullptr;            // cudaStream_t
+  [[maybe_unused]] void* stream_ = nullptr;  // cudaStream_t (CUDA builds only)
   std::vector<void*> out_, in_;       // cudaEvent_t per layer
 };
 
