@@ -29,6 +29,15 @@
 // and step from a staging buffer, instead of each thread's red.global.add.v4: 8-12% faster at head
 // dim 64 and 4-7% at 128 (8K-64K, H200, bench/results/attention-hopper-bwd-bulk-h200-2026-12-03.json).
 //
+// The exp2: both consumer warpgroups compute Pᵀ in lockstep, so the MUFU (16 exp2 per cycle and SM)
+// runs beside only dPᵀ's MMAs. At D = 128 Pᵀ is computed in four chunks of 16 queries, and each
+// chunk's 16-query k-step of dV = Pᵀ·dO is issued before the next chunk's exp2: 3.2% faster at 64K,
+// 4.7% at 16K, 1.9% slower at 8K (mean of four rounds in two calls). At D = 64 two chunks ran 0-4%
+// slower and four made ptxas serialize the wgmmas (too few registers); a quarter (or an eighth) of
+// the exp2 as a polynomial on the FMA pipe ran 27% (6%) slower; and issuing the next step's Sᵀ
+// before this step's dQ staging serialized the wgmmas at both head dims
+// (bench/results/attention-hopper-bwd-exp-chunks-h200-2026-12-03.json).
+//
 // Per CTA: 384 threads = a producer warpgroup and two consumer warpgroups (setmaxnreg 24 / 240).
 // - The producer's warp 0 TMA-loads the K and V tiles once, then streams (Q, dO) tiles of kBlockM
 //   query rows (128 for head_dim 64, 64 for head_dim 128) through a kStages ring, for every query head
@@ -145,6 +154,11 @@ template <int D> struct BwdTiles {
   // 64 + 64 (Sᵀ, dPᵀ) = 256 accumulator registers per thread, over the 240 available.
   static constexpr int kBlockM = D == 64 ? 128 : 64;
   static constexpr int kStages = 2;  // (Q, dO) ring depth: one tile loading while one is consumed
+  // Pᵀ's exp2 in this many chunks of the query columns (header: "The exp2"): 4 at D = 128 (1.5-5%
+  // faster at 16K and 64K on the H200, 2% slower at 8K); at D = 64 chunks cost more than they gain
+  // (2: 0-4% slower; 4: the wgmmas serialize for want of registers).
+  static constexpr int kExpChunks = D == 64 ? 1 : 4;
+  static_assert(kBlockM / 16 % kExpChunks == 0, "whole dV k-steps per exp2 chunk");
   static constexpr int kColBlocks = D / kSwizzleElems;
   static constexpr uint32_t kKVColBlockBytes = kBlockN * kRowBytes;
   static constexpr uint32_t kKVBytes = kColBlocks * kKVColBlockBytes;  // one K (or V) tile
@@ -448,22 +462,50 @@ __global__ void __launch_bounds__(kThreads, 1)
     // Masks: keys >= Tk and, causal, key > query, only in the tiles where some element needs it.
     const float* lse_s = lse_rows + s * M;
     const bool mask = keys_past_end || (kCausal && key_wg + kWgKeys - 1 > m0);
+    // Pᵀ over the query columns [8·jj0, 8·jj1), then its bf16 A fragments (pair q = elements 2q, 2q+1).
+    uint32_t pa[M / 4], dsa[M / 4];
+    auto p_columns = [&](const int jj0, const int jj1) {
 #pragma unroll
-    for (int jj = 0; jj < M / 8; ++jj) {
-      const float2 l = *reinterpret_cast<const float2*>(lse_s + 8 * jj + col_lane);
+      for (int jj = jj0; jj < jj1; ++jj) {
+        const float2 l = *reinterpret_cast<const float2*>(lse_s + 8 * jj + col_lane);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int i = 4 * jj + e;
-        float x = fast_exp2(fmaf(st[i], p.scale_log2, -((e % 2) ? l.y : l.x)));
-        if (mask) {
-          const int key = key_lo + 8 * (e / 2);
-          const int query = m0 + 8 * jj + col_lane + (e % 2);
-          if (key >= p.tk || (kCausal && key > query)) x = 0.0f;
+        for (int e = 0; e < 4; ++e) {
+          const int i = 4 * jj + e;
+          float x = fast_exp2(fmaf(st[i], p.scale_log2, -((e % 2) ? l.y : l.x)));
+          if (mask) {
+            const int key = key_lo + 8 * (e / 2);
+            const int query = m0 + 8 * jj + col_lane + (e % 2);
+            if (key >= p.tk || (kCausal && key > query)) x = 0.0f;
+          }
+          st[i] = x;
         }
-        st[i] = x;
       }
+#pragma unroll
+      for (int q = 2 * jj0; q < 2 * jj1; ++q) pa[q] = pack_bf16(st[2 * q], st[2 * q + 1]);
+    };
+    // dV_w += Pᵀ·dO over the queries [16·kk0, 16·kk1): dO is the N-major B operand (rows = queries =
+    // the reduction dim, head_dim contiguous), exactly as V in the forward's P·V: LBO = the next
+    // column block (64 of head_dim), SBO = the next 8 rows, the k-th step 16 rows = 2048 bytes in.
+    auto issue_dv = [&](const int kk0, const int kk1) {
+#pragma unroll
+      for (int kk = kk0; kk < kk1; ++kk) {
+        const uint64_t db = smem_desc(sDo(s) + kk * 16 * kRowBytes, Tl::kQColBlockBytes, kAtomBytes);
+        mma_rs<D>(dv, pa[4 * kk], pa[4 * kk + 1], pa[4 * kk + 2], pa[4 * kk + 3], db);
+      }
+    };
+    // Pᵀ in Tl::kExpChunks chunks of the queries, each but the last followed by the issue of its share
+    // of dV, so the exp2 of one chunk runs beside the MMAs of the chunk before (header: "The exp2").
+    constexpr int C = Tl::kExpChunks, kChunkJJ = M / 8 / C, kChunkKK = M / 16 / C;
+    constexpr int kDvEarly = (C - 1) * kChunkKK;  // dV k-steps issued before dSᵀ
+#pragma unroll
+    for (int c = 0; c < C - 1; ++c) {
+      p_columns(c * kChunkJJ, (c + 1) * kChunkJJ);
+      wgmma_fence();
+      issue_dv(c * kChunkKK, (c + 1) * kChunkKK);
+      wgmma_commit();
     }
-    wgmma_wait<0>();  // dPᵀ done
+    p_columns((C - 1) * kChunkJJ, M / 8);
+    wgmma_wait<C - 1>();  // dPᵀ done (the early dV groups may still run)
     fence_operands(dpt);
 
     // dSᵀ = Pᵀ ⊙ (dPᵀ − delta), in place of dPᵀ.
@@ -478,24 +520,12 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
 
-    // bf16 A fragments: pair q = elements (2q, 2q+1).
-    uint32_t pa[M / 4], dsa[M / 4];
 #pragma unroll
-    for (int q = 0; q < M / 4; ++q) {
-      pa[q] = pack_bf16(st[2 * q], st[2 * q + 1]);
-      dsa[q] = pack_bf16(dpt[2 * q], dpt[2 * q + 1]);
-    }
+    for (int q = 0; q < M / 4; ++q) dsa[q] = pack_bf16(dpt[2 * q], dpt[2 * q + 1]);
 
-    // dV_w += Pᵀ·dO and dK_w += dSᵀ·Q over the tile's queries in steps of 16: dO and Q are the
-    // N-major B operand (rows = queries = the reduction dim, head_dim contiguous), exactly as V in the
-    // forward's P·V: LBO = the next column block (64 of head_dim), SBO = the next 8 rows, the k-th
-    // step 16 rows = 2048 bytes in.
+    // The rest of dV, and dK_w += dSᵀ·Q over the tile's queries in steps of 16 (Q N-major, as dO).
     wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < M / 16; ++kk) {
-      const uint64_t db = smem_desc(sDo(s) + kk * 16 * kRowBytes, Tl::kQColBlockBytes, kAtomBytes);
-      mma_rs<D>(dv, pa[4 * kk], pa[4 * kk + 1], pa[4 * kk + 2], pa[4 * kk + 3], db);
-    }
+    issue_dv(kDvEarly, M / 16);
 #pragma unroll
     for (int kk = 0; kk < M / 16; ++kk) {
       const uint64_t db = smem_desc(sQ(s) + kk * 16 * kRowBytes, Tl::kQColBlockBytes, kAtomBytes);
