@@ -34,7 +34,7 @@
 // chunk's 16-query k-step of dV = Pᵀ·dO is issued before the next chunk's exp2: 3.2% faster at 64K,
 // 4.7% at 16K, 1.9% slower at 8K (mean of four rounds in two calls). At D = 64 two chunks ran 0-4%
 // slower and four made ptxas serialize the wgmmas (too few registers); a quarter (or an eighth) of
-// the exp2 as a polynomial on the FMA pipe ran 27% (6%) slower; and issuing the next step's Sᵀ
+// the exp2 as a polynomial on the FMA pipe ran 33-40% (5-7%) slower; and issuing the next step's Sᵀ
 // before this step's dQ staging serialized the wgmmas at both head dims
 // (bench/results/attention-hopper-bwd-exp-chunks-h200-2026-12-03.json).
 //
