@@ -154,9 +154,7 @@ template <int D> struct BwdTiles {
   // 64 + 64 (Sᵀ, dPᵀ) = 256 accumulator registers per thread, over the 240 available.
   static constexpr int kBlockM = D == 64 ? 128 : 64;
   static constexpr int kStages = 2;  // (Q, dO) ring depth: one tile loading while one is consumed
-  // Pᵀ's exp2 in this many chunks of the query columns (header: "The exp2"): 4 at D = 128 (1.5-5%
-  // faster at 16K and 64K on the H200, 2% slower at 8K); at D = 64 chunks cost more than they gain
-  // (2: 0-4% slower; 4: the wgmmas serialize for want of registers).
+  // Pᵀ's exp2 in this many chunks of the query columns, as measured (header: "The exp2").
   static constexpr int kExpChunks = D == 64 ? 1 : 4;
   static_assert(kBlockM / 16 % kExpChunks == 0, "whole dV k-steps per exp2 chunk");
   static constexpr int kColBlocks = D / kSwizzleElems;

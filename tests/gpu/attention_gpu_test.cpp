@@ -204,11 +204,11 @@ TEST_P(GpuAttention, ForwardAndBackwardMatchCpuReference) {
   }
 
   // Overwriting, from O: bf16 destinations that cuDNN writes in place (views of one fused dQKV buffer
-  // [T, (Hq + 2·Hkv)·D] when Q/K/V are fused, as LocalSequenceAttention gets them from the model), and
-  // f32 destinations (bf16 scratch converted). Every destination starts as garbage.
+  // when Q/K/V are fused, as LocalSequenceAttention gets them from the model, its rows padded by
+  // GradsOnDevice's sentinels), and f32 destinations (bf16 scratch converted). Every destination
+  // starts as garbage, and nothing outside the views may change.
   for (DType grad_dtype : {DType::bf16, DType::f32}) {
     const std::string how = std::string(" from O, overwriting ") + dtype_name(grad_dtype).data() + tag;
-    // f32 destinations are separate tensors (bf16 scratch converted).
     const std::vector<double> garbage[3] = {random_values(static_cast<size_t>(nq), 108, grad_dtype, -3.0, 3.0),
                                             random_values(static_cast<size_t>(nk), 109, grad_dtype, -3.0, 3.0),
                                             random_values(static_cast<size_t>(nk), 110, grad_dtype, -3.0, 3.0)};
@@ -528,7 +528,6 @@ using attn::GradMode;
     if (!attn::hopper::supported(64, 1, 1)) GTEST_SKIP() << "the hopper attention kernel needs an sm_90 GPU"; \
   } while (0)
 
-
 attn::hopper::View hview(const Tensor& t) {
   return {t.data, t.shape[0], t.shape[1], t.shape[2], t.stride[0], t.stride[1]};
 }
@@ -832,7 +831,6 @@ INSTANTIATE_TEST_SUITE_P(Variants, HopperAttentionVariant, ::testing::ValuesIn(k
                          });
 
 // ---- the Hopper backward ------------------------------------------------------------------------------
-
 
 struct HopperBwdCase {
   const char* name;
