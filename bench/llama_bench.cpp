@@ -525,6 +525,8 @@ int main(int argc, char** argv) try {
   // Which attention kernel ran the block calls (LONGTRAIN_ATTENTION_KERNEL: cudnn, hopper, auto) and,
   // under auto, what each call shape chose and both kernels' times.
   result["attention_kernel_policy"] = std::string(attn::kernel_policy_name(attn::kernel_policy()));
+  // Likewise the GEMMs' cuBLASLt algorithm (LONGTRAIN_GEMM_ALGO: heuristic, auto) and auto's choices.
+  result["gemm_algo_policy"] = std::string(ops::gemm_algo_policy_name(ops::gemm_algo_policy()));
   auto write_result = [&](const json& r) {
     if (opt.out.empty() || !main_rank) return;
     result["rows"] = r;
@@ -532,6 +534,11 @@ int main(int argc, char** argv) try {
     for (const attn::KernelChoice& c : attn::kernel_choices())
       choices.push_back({{"shape", c.shape}, {"kernel", c.kernel}, {"cudnn_ms", c.cudnn_ms}, {"hopper_ms", c.hopper_ms}});
     if (!choices.empty()) result["attention_kernel_choices"] = choices;
+    json gemm_choices = json::array();
+    for (const ops::GemmChoice& c : ops::gemm_choices())
+      gemm_choices.push_back({{"shape", c.shape}, {"algorithm", c.chosen + 1}, {"candidates", c.candidates},
+                              {"ms", c.chosen_ms}, {"heuristic_first_ms", c.heuristic_ms}});
+    if (!gemm_choices.empty()) result["gemm_choices"] = gemm_choices;
     write_json("llama_bench", opt.out, result);
   };
 
@@ -690,6 +697,16 @@ int main(int argc, char** argv) try {
         };
         const auto t_warm = std::chrono::steady_clock::now();
         for (int i = 0; i < opt.warmup; ++i) step(-1);
+        // Under LONGTRAIN_GEMM_ALGO=auto, GEMM shapes called a few times a step (the LM head's chunks)
+        // are still in their trial: warm up until every trial has ended, so none runs in a timed step.
+        // The ranks of a group agree on it (a rank stepping alone would hang the collectives).
+        auto trials_pending = [&] {
+          std::vector<double> pending = {static_cast<double>(ops::gemm_trials_pending())};
+          reduce_host(group, pending, parallel::ReduceOp::max);
+          return pending[0] > 0;
+        };
+        int trial_steps = 0;
+        for (; trial_steps < 32 && trials_pending(); ++trial_steps) step(-1);
         LT_CUDA_CHECK(cudaDeviceSynchronize());
         if (group) group->barrier();
         const double warm_s = seconds_since(t_warm);
@@ -774,6 +791,7 @@ int main(int argc, char** argv) try {
         row["loss"] = round3(loss);
         row["grad_norm"] = round3(grad_norm);
         row["first_steps_s"] = round3(maxes[6]);
+        row["gemm_trial_steps"] = trial_steps;
         row["attention_forwards_per_layer"] = forwards_per_layer;
         if (!op_profile.is_null()) row["profile"] = op_profile;
         row["split_ms"] = {{"forward_backward", round1(fb_ms)},

@@ -1,8 +1,14 @@
 // The public ops: pick the backend by the tensors' device (argument checks live in the backends,
 // next to the code that relies on them).
+#include <cstdlib>
+
 #include "kernels/backends.h"
 #include "runtime/dispatch.h"
+#include "runtime/error.h"
 #include "runtime/profile.h"
+#ifdef LONGTRAIN_HAS_CUDA
+#include "kernels/cuda/gemm.h"
+#endif
 
 namespace longtrain::ops {
 
@@ -69,6 +75,35 @@ void swiglu_backward(Tensor d_gate_up, Tensor d_out, Tensor gate_up) {
   LT_DISPATCH(device, swiglu_backward, d_gate_up,
               d_out, gate_up);
 }
+GemmAlgoPolicy parse_gemm_algo_policy(std::string_view name, std::string_view where) {
+  if (name == "heuristic") return GemmAlgoPolicy::heuristic;
+  if (name == "auto") return GemmAlgoPolicy::autotune;
+  throw Error(fmt::format("{}: the GEMM algorithm policy must be heuristic or auto, got '{}'", where, name));
+}
+std::string_view gemm_algo_policy_name(GemmAlgoPolicy policy) {
+  return policy == GemmAlgoPolicy::autotune ? "auto" : "heuristic";
+}
+#ifdef LONGTRAIN_HAS_CUDA
+GemmAlgoPolicy gemm_algo_policy() { return cuda_util::gemm_algo_policy(); }
+void set_gemm_algo_policy(GemmAlgoPolicy policy) { cuda_util::set_gemm_algo_policy(policy); }
+std::vector<GemmChoice> gemm_choices() { return cuda_util::gemm_choices(); }
+int gemm_trials_pending() { return cuda_util::gemm_trials_pending(); }
+#else
+namespace {
+// Without the CUDA backend the policy is only kept (and reported); the CPU has one GEMM.
+GemmAlgoPolicy& cpu_build_gemm_policy() {
+  static GemmAlgoPolicy policy = [] {
+    const char* env = std::getenv("LONGTRAIN_GEMM_ALGO");
+    return env && *env ? parse_gemm_algo_policy(env, "LONGTRAIN_GEMM_ALGO") : GemmAlgoPolicy::heuristic;
+  }();
+  return policy;
+}
+}  // namespace
+GemmAlgoPolicy gemm_algo_policy() { return cpu_build_gemm_policy(); }
+void set_gemm_algo_policy(GemmAlgoPolicy policy) { cpu_build_gemm_policy() = policy; }
+std::vector<GemmChoice> gemm_choices() { return {}; }
+int gemm_trials_pending() { return 0; }
+#endif
 void linear_forward(Tensor y, Tensor x, Tensor w) {
   const Device device = common_device("linear_forward", {&y, &x, &w});
   const profile::Region region("linear_forward", device);

@@ -14,6 +14,8 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -76,6 +78,34 @@ void swiglu_forward(Tensor out, Tensor gate_up);
 void swiglu_backward(Tensor d_gate_up, Tensor d_out, Tensor gate_up);
 
 // ---- linear (no bias) ------------------------------------------------------------------------
+// Which cuBLASLt algorithm runs a GEMM shape on CUDA (the CPU has one GEMM):
+// - heuristic: cuBLASLt's heuristic's first answer (what PyTorch's matmul runs);
+// - autotune ("auto"): the heuristic's first few answers are measured on the shape's first calls and
+//   the fastest runs it for the rest of the process. As for attention's auto
+//   (attention/cuda/kernel_choice.h), a trial is not a repeated call: the shape's first calls each run
+//   once, whole, into the caller's output, cycling through the candidates (one untimed round, then two
+//   timed rounds, CUDA events), so every result is right whichever algorithm ran, in-place
+//   accumulation (beta = 1) included. After the last trial call the host waits for its end event
+//   once and takes each candidate's fastest call. Candidates round differently, so results are not
+//   bitwise reproducible across processes under auto (within one they are, once decided).
+// The policy: the last set_gemm_algo_policy, else LONGTRAIN_GEMM_ALGO read at the first GEMM, else
+// heuristic.
+enum class GemmAlgoPolicy { heuristic, autotune };
+GemmAlgoPolicy parse_gemm_algo_policy(std::string_view name, std::string_view where);
+std::string_view gemm_algo_policy_name(GemmAlgoPolicy policy);
+GemmAlgoPolicy gemm_algo_policy();
+void set_gemm_algo_policy(GemmAlgoPolicy policy);
+// One decision under auto: the shape, the chosen candidate (0 = the heuristic's first) of how many, and
+// the fastest timed call of the chosen one and of the heuristic's first.
+struct GemmChoice {
+  std::string shape;
+  int chosen = 0, candidates = 0;
+  double chosen_ms = 0.0, heuristic_ms = 0.0;
+};
+std::vector<GemmChoice> gemm_choices();
+// GEMM shapes whose trial under auto has not ended (a benchmark warms up until there are none).
+int gemm_trials_pending();
+
 // y = x · Wᵀ      x [T, K], w [N, K] (PyTorch/HF layout), y [T, N]
 void linear_forward(Tensor y, Tensor x, Tensor w);
 // y = residual + x · Wᵀ: the residual stream's add done by the GEMM (cuBLASLt's C and beta = 1 on

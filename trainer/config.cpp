@@ -81,6 +81,10 @@ std::vector<std::string_view> choices_of(attn::KernelPolicy) {
   using K = attn::KernelPolicy;
   return {attn::kernel_policy_name(K::autotune), attn::kernel_policy_name(K::cudnn), attn::kernel_policy_name(K::hopper)};
 }
+std::vector<std::string_view> choices_of(ops::GemmAlgoPolicy) {
+  using G = ops::GemmAlgoPolicy;
+  return {ops::gemm_algo_policy_name(G::autotune), ops::gemm_algo_policy_name(G::heuristic)};
+}
 std::vector<std::string_view> choices_of(std::optional<model::CheckpointPolicy>) {
   using P = model::CheckpointPolicy;
   return {"auto", model::checkpoint_policy_name(P::none), model::checkpoint_policy_name(P::full),
@@ -104,6 +108,7 @@ Value to_value(NonFinitePolicy v) { return std::string(enum_name(v)); }
 Value to_value(LrSchedule v) { return std::string(enum_name(v)); }
 Value to_value(AttentionSchedule v) { return std::string(enum_name(v)); }
 Value to_value(attn::KernelPolicy v) { return std::string(attn::kernel_policy_name(v)); }
+Value to_value(ops::GemmAlgoPolicy v) { return std::string(ops::gemm_algo_policy_name(v)); }
 Value to_value(std::optional<model::CheckpointPolicy> v) {
   return std::string(v ? model::checkpoint_policy_name(*v) : "auto");
 }
@@ -145,6 +150,9 @@ void from_value(const Value& v, NonFinitePolicy& out) {
 void from_value(const Value& v, LrSchedule& out) { out = by_index<LrSchedule>(kLrScheduleNames, std::get<std::string>(v)); }
 void from_value(const Value& v, attn::KernelPolicy& out) {
   out = attn::parse_kernel_policy(std::get<std::string>(v), "attention.kernel");
+}
+void from_value(const Value& v, ops::GemmAlgoPolicy& out) {
+  out = ops::parse_gemm_algo_policy(std::get<std::string>(v), "train.gemm_algorithm");
 }
 void from_value(const Value& v, AttentionSchedule& out) {
   out = by_index<AttentionSchedule>(kAttentionNames, std::get<std::string>(v));
@@ -469,6 +477,12 @@ const std::vector<KeySpec>& key_table() {
        .hashed = false, .resume = OnResume::allowed},
       {.section = "train", .key = "threads", .default_value = int64_t{0}, .meaning = "CPU threads; 0 = all cores",
        .bind = LT_CONFIG_FIELD(train.threads), .range = at_least(0), .aliases = {"num_threads", "omp_num_threads"},
+       .hashed = false, .resume = OnResume::allowed},
+      {.section = "train", .key = "gemm_algorithm", .default_value = std::string("auto"),
+       .meaning = "cuBLASLt's algorithm for each GEMM shape on cuda: heuristic (its heuristic's first, as PyTorch "
+                  "runs) or auto (its first 6 timed on the shape's first calls, the fastest kept; results then "
+                  "differ from heuristic's by rounding); LONGTRAIN_GEMM_ALGO overrides it",
+       .bind = LT_CONFIG_FIELD(train.gemm_algorithm), .aliases = {"matmul_algorithm", "cublas_algorithm"},
        .hashed = false, .resume = OnResume::allowed},
 
       // optim

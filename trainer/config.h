@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "attention/local_attention.h"
+#include "kernels/ops.h"
 #include "model/llama.h"
 #include "model/llama_config.h"
 #include "parallel/layout.h"
@@ -97,6 +98,7 @@ struct TrainSection {
   NonFinitePolicy on_nonfinite{};
   int64_t max_nonfinite_skips{};  // consecutive skipped steps before the run stops
   int64_t threads{};              // CPU threads; 0 = all cores
+  ops::GemmAlgoPolicy gemm_algorithm{};  // cuBLASLt's algorithm per GEMM shape on CUDA: heuristic, auto
 };
 
 struct OptimSection {

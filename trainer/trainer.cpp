@@ -128,6 +128,13 @@ Ranks join_world(const TrainConfig& c) {
   return r;
 }
 
+// The GEMMs' cuBLASLt algorithm choice is process-wide too: train.gemm_algorithm, unless
+// LONGTRAIN_GEMM_ALGO names one (read by the GEMMs themselves).
+void set_gemm_algorithm(const TrainConfig& c) {
+  const char* env = std::getenv("LONGTRAIN_GEMM_ALGO");
+  if (env == nullptr || *env == '\0') ops::set_gemm_algo_policy(c.train.gemm_algorithm);
+}
+
 // The attention every layer runs: one block on a single rank, else the configured distributed
 // schedule over this rank's sequence-parallel group.
 std::unique_ptr<attn::SequenceAttention> make_attention(const TrainConfig& c, const Ranks& r) {
@@ -753,6 +760,7 @@ TrainSummary train(TrainConfig c, const std::string& resume, const TrainHooks& h
 
   // Parameters are replicated; the optimizer state is sharded over every rank (ZeRO-1): rank r
   // updates the r-th equal slice of the flat parameter buffer and the slices are all-gathered.
+  set_gemm_algorithm(c);
   model::LlamaModel model(c.model, precision, memory.policy, loader.local_len(), make_attention(c, ranks),
                           ranks.world_size, c.model.tiling, memory.offload);
   model.initialize(static_cast<uint64_t>(c.train.seed), c.model.init_std);
@@ -790,7 +798,7 @@ TrainSummary train(TrainConfig c, const std::string& resume, const TrainHooks& h
                               precision.device == Device::cuda ? "pinned " : "")
                 : std::string(),
             static_cast<double>(plan.total()) / 1073741824.0, static_cast<double>(device_free.free) / 1073741824.0);
-  log->info("  {} ranks (data parallel {} × sequence parallel {}, layout {}, attention {}, kernel {}); {} training windows "
+  log->info("  {} ranks (data parallel {} × sequence parallel {}, layout {}, attention {}, kernel {}, GEMM algorithm {}); {} training windows "
             "per epoch; model state {:.1f} MiB per rank; run directory {}",
             ranks.world_size, ranks.dp_size, ranks.sp_size, layout_name(c.parallel.layout),
             c.parallel.ulysses_size > 1 && c.parallel.ulysses_size < ranks.sp_size &&
@@ -799,6 +807,7 @@ TrainSummary train(TrainConfig c, const std::string& resume, const TrainHooks& h
                               enum_name(c.attention.schedule))
                 : std::string(enum_name(c.attention.schedule)),
             precision.device == Device::cuda ? attn::kernel_policy_name(attn::kernel_policy()) : "cpu reference",
+            precision.device == Device::cuda ? ops::gemm_algo_policy_name(ops::gemm_algo_policy()) : "cpu reference",
             loader.num_windows(), state_bytes / 1048576.0, run_dir.string());
   for (int i = 0; loader.num_sources() > 1 && i < loader.num_sources(); ++i)
     log->info("  mixture source {}: {} (weight {:g}{}), {} windows per epoch", i, loader.source(i).path,
@@ -1129,6 +1138,7 @@ LoadedModel load_model_from_checkpoint(const fs::path& dir, int64_t max_tokens, 
   out.config.train.dtype = device == Device::cuda ? DTypeChoice::bf16 : DTypeChoice::f32;
   Ranks ranks = join_world(out.config);
   if (ranks.sp_size > 1) check_layout(out.config.parallel.layout, T, ranks.sp_size);
+  set_gemm_algorithm(out.config);
   out.model = std::make_unique<model::LlamaModel>(out.config.model, precision_for(out.config),
                                                   model::CheckpointPolicy::none, T / ranks.sp_size,
                                                   make_attention(out.config, ranks), 1, out.config.model.tiling);

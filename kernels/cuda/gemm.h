@@ -3,16 +3,24 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
+#include "kernels/ops.h"
 #include "runtime/dtype.h"
 
 namespace longtrain::cuda_util {
+
+// ops::gemm_algo_policy and its companions on CUDA (kernels/ops.h says what they do).
+ops::GemmAlgoPolicy gemm_algo_policy();
+void set_gemm_algo_policy(ops::GemmAlgoPolicy policy);
+std::vector<ops::GemmChoice> gemm_choices();
+int gemm_trials_pending();
 
 // Column-major D[m, n] = alpha · op(A)[m, k] · op(B)[k, n] + beta · D, on cuda_stream().
 // A is stored k×m when trans_a (else m×k) with leading dimension lda; B likewise; D is m×n, ldd.
 // A and B have dtype `ab` (bf16 or f32), D has dtype `d` (bf16 or f32; f32 with bf16 inputs is the
 // weight-gradient case). Accumulation is fp32 (no TF32). Matmul descriptors, layouts and the
-// heuristic's algorithm are cached per shape, leading dimensions, dtypes and pointer alignment.
+// algorithm (above) are cached per shape, leading dimensions, dtypes and pointer alignment.
 void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const void* A, int64_t lda, const void* B,
           int64_t ldb, void* D, int64_t ldd, DType ab, DType d, float alpha, float beta);
 // The same with D = alpha · op(A) · op(B) + beta · C for a C apart from D (C has D's dtype, leading

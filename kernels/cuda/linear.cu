@@ -3,8 +3,12 @@
 // cuBLAS, so every product below is written in its column-major form.
 #include <cublasLt.h>
 
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <tuple>
 
 #include "kernels/backends.h"
@@ -20,9 +24,17 @@
 
 namespace longtrain::cuda_util {
 
+using ops::GemmAlgoPolicy;
+using ops::GemmChoice;
+
 namespace {
 
 constexpr size_t kWorkspaceBytes = 32u << 20;  // what llm.c and PyTorch give cuBLASLt on Hopper
+// Under auto: how many of the heuristic's answers are measured, and in how many timed rounds (after one
+// untimed round, whose calls may load a kernel's module). A model's per-layer GEMMs run once per layer,
+// so 6 · 3 = 18 trial calls end inside the first step of a 22-layer model.
+constexpr int kGemmCandidates = 6;
+constexpr int kGemmTimedRounds = 2;
 
 cudaDataType_t cuda_type(DType t) {
   switch (t) {
@@ -40,37 +52,63 @@ uint32_t alignment(const void* p, int64_t ld, DType t) {
   return a;
 }
 
+// The last element: the policy the plan was made under (a plan made under heuristic has one algorithm).
 using GemmKey = std::tuple<bool, bool, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, int,
-                           uint32_t, uint32_t, uint32_t, uint32_t, bool>;
+                           uint32_t, uint32_t, uint32_t, uint32_t, bool, int>;
+
+// One CUDA event pair around a timed trial call.
+struct GemmTiming {
+  cudaEvent_t start = nullptr, end = nullptr;
+  int candidate = 0;
+};
 
 struct GemmPlan {
   cublasLtMatmulDesc_t desc = nullptr;
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr, d = nullptr;
-  cublasLtMatmulAlgo_t algo{};
+  std::vector<cublasLtMatmulAlgo_t> algos;  // the heuristic's answers in its order
+  std::string shape;                        // for the log and gemm_choices()
+  // The trial under auto: calls issued so far, their timings, and the decision (algos' index).
+  int calls = 0;
+  std::vector<GemmTiming> timings;
+  std::optional<int> chosen;
 };
 
 struct Gemms {
   std::mutex mutex;
   cublasLtHandle_t handle = nullptr;
   void* workspace = nullptr;
+  std::optional<GemmAlgoPolicy> policy;
+  int trials_pending = 0;
+  std::vector<GemmChoice> choices;
   // Plans live as long as the process: descriptors are tiny, and destroying them at exit would race
   // the CUDA runtime's own teardown.
   std::map<GemmKey, GemmPlan> plans;
 };
 
+// The handle and workspace are made by the first GEMM (under the mutex), not here: the policy
+// functions run without a GPU too (a CPU-only run of a CUDA build sets the config's policy).
 Gemms& gemms() {
-  static Gemms* g = [] {
-    auto* s = new Gemms;
-    LT_CUBLAS_CHECK(cublasLtCreate(&s->handle));
-    s->workspace = scratch(Scratch::cublas_workspace, kWorkspaceBytes);
-    return s;
-  }();
+  static Gemms* g = new Gemms;
   return *g;
+}
+
+void init_handle_locked(Gemms& g) {
+  if (g.handle != nullptr) return;
+  LT_CUBLAS_CHECK(cublasLtCreate(&g.handle));
+  g.workspace = scratch(Scratch::cublas_workspace, kWorkspaceBytes);
+}
+
+GemmAlgoPolicy policy_locked(Gemms& g) {
+  if (!g.policy) {
+    const char* env = std::getenv("LONGTRAIN_GEMM_ALGO");
+    g.policy = env && *env ? ops::parse_gemm_algo_policy(env, "LONGTRAIN_GEMM_ALGO") : GemmAlgoPolicy::heuristic;
+  }
+  return *g.policy;
 }
 
 GemmPlan make_plan(cublasLtHandle_t handle, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
                    int64_t lda, int64_t ldb, int64_t ldc, int64_t ldd, DType ab, DType d, uint32_t align_a,
-                   uint32_t align_b, uint32_t align_c, uint32_t align_d, bool accumulate) {
+                   uint32_t align_b, uint32_t align_c, uint32_t align_d, bool accumulate, int candidates) {
   GemmPlan p;
   LT_CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   cublasOperation_t ta = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, tb = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
@@ -95,21 +133,71 @@ GemmPlan make_plan(cublasLtHandle_t handle, bool trans_a, bool trans_b, int64_t 
                                                        sizeof(align_c)));
   LT_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_d,
                                                        sizeof(align_d)));
-  cublasLtMatmulHeuristicResult_t result{};
+  std::vector<cublasLtMatmulHeuristicResult_t> results(static_cast<size_t>(candidates));
   int found = 0;
-  cublasStatus_t st =
-      cublasLtMatmulAlgoGetHeuristic(handle, p.desc, p.a, p.b, p.c, p.d, pref, 1, &result, &found);
+  cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(handle, p.desc, p.a, p.b, p.c, p.d, pref, candidates,
+                                                     results.data(), &found);
   cublasLtMatmulPreferenceDestroy(pref);
   LT_CHECK(st == CUBLAS_STATUS_SUCCESS && found > 0,
            "cuBLASLt has no algorithm for m={} n={} k={} (lda={} ldb={} ldc={} ldd={}, {} inputs, {} output, "
            "transa={} transb={}, alignments {}/{}/{}/{} bytes, accumulate={}): {}",
            m, n, k, lda, ldb, ldc, ldd, dtype_name(ab), dtype_name(d), trans_a, trans_b, align_a, align_b, align_c,
            align_d, accumulate, cublasLtGetStatusString(st));
-  p.algo = result.algo;
+  for (int i = 0; i < found; ++i)
+    if (results[static_cast<size_t>(i)].state == CUBLAS_STATUS_SUCCESS) p.algos.push_back(results[static_cast<size_t>(i)].algo);
+  LT_CHECK(!p.algos.empty(), "cuBLASLt's heuristic answered m={} n={} k={} with no usable algorithm", m, n, k);
+  p.shape = fmt::format("m={} n={} k={}{}{} {} in, {} out{}", m, n, k, trans_a ? " A^T" : "", trans_b ? " B^T" : "",
+                        dtype_name(ab), dtype_name(d), accumulate ? (ldc == ldd ? ", beta" : ", + C") : "");
+  if (p.algos.size() == 1) p.chosen = 0;
   return p;
 }
 
+// After a shape's last trial call: wait for it, take each candidate's fastest call, decide, log.
+void decide(Gemms& g, GemmPlan& p) {
+  LT_CUDA_CHECK(cudaEventSynchronize(p.timings.back().end));
+  std::vector<double> best(p.algos.size(), 1e300);
+  for (const GemmTiming& t : p.timings) {
+    float ms = 0.0f;
+    LT_CUDA_CHECK(cudaEventElapsedTime(&ms, t.start, t.end));
+    best[static_cast<size_t>(t.candidate)] = std::min(best[static_cast<size_t>(t.candidate)], static_cast<double>(ms));
+    LT_CUDA_CHECK(cudaEventDestroy(t.start));
+    LT_CUDA_CHECK(cudaEventDestroy(t.end));
+  }
+  p.timings.clear();
+  const int chosen = static_cast<int>(std::min_element(best.begin(), best.end()) - best.begin());
+  p.chosen = chosen;
+  --g.trials_pending;
+  GemmChoice c{p.shape, chosen, static_cast<int>(p.algos.size()), best[static_cast<size_t>(chosen)], best[0]};
+  std::fprintf(stderr, "longtrain: gemm %s: cuBLASLt algorithm %d of %d (%.3f ms; the heuristic's first %.3f ms)\n",
+               c.shape.c_str(), c.chosen + 1, c.candidates, c.chosen_ms, c.heuristic_ms);
+  g.choices.push_back(std::move(c));
+}
+
 }  // namespace
+
+GemmAlgoPolicy gemm_algo_policy() {
+  Gemms& g = gemms();
+  std::lock_guard<std::mutex> lock(g.mutex);
+  return policy_locked(g);
+}
+
+void set_gemm_algo_policy(GemmAlgoPolicy policy) {
+  Gemms& g = gemms();
+  std::lock_guard<std::mutex> lock(g.mutex);
+  g.policy = policy;
+}
+
+std::vector<GemmChoice> gemm_choices() {
+  Gemms& g = gemms();
+  std::lock_guard<std::mutex> lock(g.mutex);
+  return g.choices;
+}
+
+int gemm_trials_pending() {
+  Gemms& g = gemms();
+  std::lock_guard<std::mutex> lock(g.mutex);
+  return g.trials_pending;
+}
 
 void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const void* A, int64_t lda, const void* B,
           int64_t ldb, const void* C, int64_t ldc, void* D, int64_t ldd, DType ab, DType d, float alpha, float beta) {
@@ -127,19 +215,45 @@ void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const voi
   const uint32_t align_a = alignment(A, lda, ab), align_b = alignment(B, ldb, ab), align_c = alignment(C, ldc, d),
                  align_d = alignment(D, ldd, d);
   const bool accumulate = beta != 0.0f;
+  std::lock_guard<std::mutex> lock(g.mutex);
+  init_handle_locked(g);
+  const GemmAlgoPolicy policy = policy_locked(g);
   GemmKey key{trans_a, trans_b, m, n, k, lda, ldb, ldc, ldd, static_cast<int>(ab), static_cast<int>(d),
-              align_a, align_b, align_c, align_d, accumulate};
-  const GemmPlan* plan;
-  {
-    std::lock_guard<std::mutex> lock(g.mutex);
-    auto it = g.plans.find(key);
-    if (it == g.plans.end())
-      it = g.plans.emplace(key, make_plan(g.handle, trans_a, trans_b, m, n, k, lda, ldb, ldc, ldd, ab, d, align_a,
-                                          align_b, align_c, align_d, accumulate)).first;
-    plan = &it->second;
+              align_a, align_b, align_c, align_d, accumulate, static_cast<int>(policy)};
+  auto it = g.plans.find(key);
+  if (it == g.plans.end()) {
+    const int candidates = policy == GemmAlgoPolicy::autotune ? kGemmCandidates : 1;
+    it = g.plans.emplace(key, make_plan(g.handle, trans_a, trans_b, m, n, k, lda, ldb, ldc, ldd, ab, d, align_a,
+                                        align_b, align_c, align_d, accumulate, candidates)).first;
+    if (!it->second.chosen) ++g.trials_pending;
   }
-  LT_CUBLAS_CHECK(cublasLtMatmul(g.handle, plan->desc, &alpha, A, plan->a, B, plan->b, &beta, C, plan->c, D, plan->d,
-                                 &plan->algo, g.workspace, kWorkspaceBytes, cuda_stream()));
+  GemmPlan& plan = it->second;
+  auto run = [&](int algo) {
+    LT_CUBLAS_CHECK(cublasLtMatmul(g.handle, plan.desc, &alpha, A, plan.a, B, plan.b, &beta, C, plan.c, D, plan.d,
+                                   &plan.algos[static_cast<size_t>(algo)], g.workspace, kWorkspaceBytes,
+                                   cuda_stream()));
+  };
+  if (plan.chosen) {
+    run(*plan.chosen);
+    return;
+  }
+  // A trial call: the next candidate in turn, timed after the first round.
+  const int n_algos = static_cast<int>(plan.algos.size());
+  const int call = plan.calls++;
+  const int candidate = call % n_algos;
+  if (call < n_algos) {
+    run(candidate);
+    return;
+  }
+  GemmTiming t;
+  t.candidate = candidate;
+  LT_CUDA_CHECK(cudaEventCreate(&t.start));
+  LT_CUDA_CHECK(cudaEventCreate(&t.end));
+  LT_CUDA_CHECK(cudaEventRecord(t.start, cuda_stream()));
+  run(candidate);
+  LT_CUDA_CHECK(cudaEventRecord(t.end, cuda_stream()));
+  plan.timings.push_back(t);
+  if (plan.calls == n_algos * (1 + kGemmTimedRounds)) decide(g, plan);
 }
 
 void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const void* A, int64_t lda, const void* B,

@@ -253,6 +253,66 @@ TEST_P(GpuOps, LinearResidualForwardApartAndInPlace) {
   }
 }
 
+// Under LONGTRAIN_GEMM_ALGO=auto (kernels/cuda/gemm.h) a shape's first calls cycle through cuBLASLt's
+// candidates, each call the real one: every call's result is right, accumulation in place (the
+// residual through C = D, the f32 weight gradient with beta = 1) included, and the trials end in a
+// decision for each shape.
+TEST_P(GpuOps, LinearUnderAutoGemmAlgorithmIsRightOnEveryTrialCall) {
+  LT_REQUIRE_GPU();
+  const DType dt = GetParam();
+  const ops::GemmAlgoPolicy before = ops::gemm_algo_policy();
+  ops::set_gemm_algo_policy(ops::GemmAlgoPolicy::autotune);
+  struct Restore {
+    ops::GemmAlgoPolicy p;
+    ~Restore() { ops::set_gemm_algo_policy(p); }
+  } restore{before};
+  const size_t choices_before = ops::gemm_choices().size();
+  // A shape of its own per dtype (no other test runs it under auto), large enough for several candidates.
+  const int64_t T = dt == DType::bf16 ? 520 : 504, K = 384, N = 264;
+  const auto x = random_values(T * K, 81, dt), w = random_values(N * K, 82, dt), dy = random_values(T * N, 83, dt);
+  const auto r0 = random_values(T * N, 84, dt), dw0 = random_values(N * K, 85, dt);
+  HostTensor<double> x_h = host_tensor({T, K}, x), w_h = host_tensor({N, K}, w), dy_h = host_tensor({T, N}, dy);
+  HostTensor<double> xw_h({T, N}), dx_h({T, K}), g_h({N, K});
+  ops::linear_forward(xw_h, x_h, w_h);
+  ops::linear_backward(dx_h, g_h, dy_h, x_h, w_h);  // g_h = dyᵀ·x (it starts at zero)
+
+  DeviceTensor x_d(dt, {T, K}), w_d(dt, {N, K}), dy_d(dt, {T, N}), y_d(dt, {T, N}), r_d(dt, {T, N});
+  DeviceTensor dx_d(dt, {T, K}), dw_d(DType::f32, {N, K});
+  upload(x_d, x);
+  upload(w_d, w);
+  upload(dy_d, dy);
+  upload(r_d, r0);
+  upload(dw_d, dw0);
+  // 6 candidates × 3 rounds = 18 trial calls at most; 20 calls cover every trial and the decided algorithm.
+  const int calls = 20;
+  // r (in place, stored in dt) is compared with what it held before the call plus x·wᵀ; the f32 dw
+  // with dw0 plus the calls' dyᵀ·x so far.
+  std::vector<double> r_before(r0.begin(), r0.end()), dw_want(dw0.begin(), dw0.end());
+  for (int i = 0; i < calls; ++i) {
+    SCOPED_TRACE(fmt::format("call {}", i));
+    ops::linear_forward(y_d, x_d, w_d);
+    ops::linear_residual_forward(r_d, x_d, w_d, r_d);
+    ops::linear_backward(dx_d, dw_d, dy_d, x_d, w_d);
+    expect_close("linear_forward y", dt, download(y_d), xw_h.values);
+    expect_close("linear_backward dx", dt, download(dx_d), dx_h.values);
+    for (size_t j = 0; j < dw_want.size(); ++j) dw_want[j] += g_h.values[j];
+    expect_close("linear_backward dw f32 accumulator (+=)", DType::f32, download(dw_d), dw_want);
+    const std::vector<double> r_after = download(r_d);
+    std::vector<double> r_want(r_before.size());
+    for (size_t j = 0; j < r_want.size(); ++j) r_want[j] = r_before[j] + xw_h.values[j];
+    expect_close("linear_residual_forward in place (+=)", dt, r_after, r_want);
+    r_before = r_after;
+  }
+  EXPECT_EQ(ops::gemm_trials_pending(), 0);
+  const std::vector<ops::GemmChoice> choices = ops::gemm_choices();
+  ASSERT_GT(choices.size(), choices_before) << "no GEMM shape of this test had more than one candidate";
+  for (size_t i = choices_before; i < choices.size(); ++i) {
+    const ops::GemmChoice& c = choices[i];
+    EXPECT_TRUE(c.chosen >= 0 && c.chosen < c.candidates && c.candidates <= 6) << c.shape;
+    EXPECT_TRUE(std::isfinite(c.chosen_ms) && c.chosen_ms > 0 && c.chosen_ms <= c.heuristic_ms) << c.shape;
+  }
+}
+
 // The model's RoPE: one table per step (f32 on the GPU), Q and K of the fused buffer as one view:
 // bit for bit what rope_forward / rope_backward give on the GPU, and V untouched.
 TEST_P(GpuOps, RopeTableAndApplyEqualRopeForwardAndBackwardBitForBit) {

@@ -440,6 +440,7 @@ TEST(TrainerConfig, HashCoversWhatTrainingComputes) {
   // Keys a resumed run may change without changing the trajectory.
   for (const char* same : {"logging.log_every=1", "logging.run_dir=elsewhere", "checkpoint.every=7", "checkpoint.keep_last=9",
                            "eval.every=3", "eval.batches=0", "data.prefetch=0", "train.threads=3", "data.val=v",
+                           "train.gemm_algorithm=heuristic",
                            "parallel.timeout_s=5", "train.on_nonfinite=stop"})
     EXPECT_EQ(config_hash(load(kValid, {same})), h) << same;
   // Keys that change what is computed.
@@ -520,6 +521,7 @@ const std::vector<KeyChange>& key_changes() {
       {"train.on_nonfinite", {"train.on_nonfinite=stop"}, allowed},
       {"train.max_nonfinite_skips", {"train.max_nonfinite_skips=5"}, allowed},
       {"train.threads", {"train.threads=3"}, allowed},
+      {"train.gemm_algorithm", {"train.gemm_algorithm=heuristic"}, allowed},
       {"optim.lr", {"optim.lr=2e-3"}, allowed},
       {"optim.min_lr", {"optim.min_lr=0"}, allowed},
       {"optim.weight_decay", {"optim.weight_decay=0.01"}, refused},
@@ -666,11 +668,22 @@ TEST(TrainerConfig, AttentionKernelTakesItsThreeNames) {
   EXPECT_TRUE(contains(msg, "cudnn")) << msg;
 }
 
+// train.gemm_algorithm: auto by default (kernels/ops.h), heuristic the other name; anything else names the key.
+TEST(TrainerConfig, GemmAlgorithmTakesItsTwoNames) {
+  EXPECT_EQ(load("data:\n  train: d\n").train.gemm_algorithm, ops::GemmAlgoPolicy::autotune);
+  EXPECT_EQ(load("data:\n  train: d\n", {"train.gemm_algorithm=heuristic"}).train.gemm_algorithm,
+            ops::GemmAlgoPolicy::heuristic);
+  const std::string msg = error_of([] { load("data:\n  train: d\n", {"train.gemm_algorithm=fastest"}); });
+  EXPECT_TRUE(contains(msg, "train.gemm_algorithm")) << msg;
+  EXPECT_TRUE(contains(msg, "heuristic")) << msg;
+}
+
 TEST(TrainerConfig, SchemaMentionsEveryKeyInItsSection) {
   const std::string schema = schema_text();
   const std::vector<std::string> keys = config_keys();
-  EXPECT_EQ(keys.size(), 72u);  // 65 before model.offload, model.mlp_chunk_tokens, model.loss_chunk_tokens,
-                                 // parallel.ulysses_size, train.grad_dtype, attention.kernel and model.attention_head_groups
+  EXPECT_EQ(keys.size(), 73u);  // 65 before model.offload, model.mlp_chunk_tokens, model.loss_chunk_tokens,
+                                 // parallel.ulysses_size, train.grad_dtype, attention.kernel,
+                                 // model.attention_head_groups and train.gemm_algorithm
   for (const std::string& full : keys) {
     const std::string section = full.substr(0, full.find('.')), key = full.substr(full.find('.') + 1);
     const size_t at = schema.find("\n" + section + ": ");
