@@ -120,20 +120,6 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
   return warp_sum(v);
 }
 
-// Two sums over the block with one pair of barriers (the same order as block_sum for each); every
-// thread gets both. `scratch` holds 64 floats.
-__device__ __forceinline__ float2 block_sum2(float a, float b, float* scratch) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-  a = warp_sum(a);
-  b = warp_sum(b);
-  __syncthreads();  // scratch may still be read by a previous call
-  if (lane == 0) scratch[warp] = a, scratch[32 + warp] = b;
-  __syncthreads();
-  a = lane < nwarps ? scratch[lane] : 0.0f;
-  b = lane < nwarps ? scratch[32 + lane] : 0.0f;
-  return make_float2(warp_sum(a), warp_sum(b));
-}
-
 __device__ __forceinline__ float block_max(float v, float* scratch) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   v = warp_max(v);

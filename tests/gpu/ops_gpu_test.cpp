@@ -71,16 +71,13 @@ TEST_P(GpuOps, EmbeddingForwardBackwardAndBadToken) {
 
 // Odd columns run the scalar kernels; 256 columns the widest vectorised ones (8 bf16 or 4 f32 per
 // thread), 260 the 4-wide bf16 ones; 1031 rows spread the backward's dw partials over many blocks.
-// Up to kThreads·width columns take the register kernels with one vector per thread, up to twice that
-// with two (1500 columns: 4-wide, two vectors; 3072: bf16 8-wide with two vectors, f32 the
-// shared-memory kernels); odd row counts leave a block's second row of its last step empty.
 TEST_P(GpuOps, RmsnormForwardBackward) {
   LT_REQUIRE_GPU();
   const DType dt = GetParam();
   struct Shape {
     int64_t T, C;
   };
-  for (Shape shape : {Shape{67, 203}, Shape{1031, 256}, Shape{33, 260}, Shape{129, 1500}, Shape{37, 3072}}) {
+  for (Shape shape : {Shape{67, 203}, Shape{1031, 256}, Shape{33, 260}}) {
     const int64_t T = shape.T, C = shape.C;
     SCOPED_TRACE(fmt::format("T={} C={}", T, C));
     const double eps = 1e-5;
