@@ -7,7 +7,8 @@
 #   scripts/device/run-step-vs-compiled.sh 8192:none,remat_aware
 #   SKIP_TESTS=1 SHAPE=3b scripts/device/run-step-vs-compiled.sh 32768:none,remat_aware,full
 # KERNELS (default "cudnn") lists attention kernel policies (LONGTRAIN_ATTENTION_KERNEL: cudnn, hopper,
-# auto): our step runs once per policy, each merged with the same anchor run.
+# auto): our step runs once per policy, each merged with the same anchor run. GEMM (default auto, the
+# trainer's train.gemm_algorithm default; or heuristic) is LONGTRAIN_GEMM_ALGO for every step.
 set -u
 source scripts/device/session.sh
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
@@ -21,6 +22,7 @@ fi
 SHAPE=${SHAPE:-1b}
 if [ "$SHAPE" = 3b ]; then BSHAPE=llama3.2-3b; export VOCAB=128256; else BSHAPE=tinyllama; fi
 KERNELS=${KERNELS:-cudnn}
+export LONGTRAIN_GEMM_ALGO=${GEMM:-auto}
 for item in "${@:-8192:none,remat_aware}"; do
   S=${item%%:*}; P=${item#*:}; N=$SHAPE-$S
   for K in $KERNELS; do
