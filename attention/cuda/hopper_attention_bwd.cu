@@ -38,6 +38,14 @@
 // before this step's dQ staging serialized the wgmmas at both head dims
 // (bench/results/attention-hopper-bwd-exp-chunks-h200-2026-12-03.json).
 //
+// K_w in registers: at D = 64 each consumer thread loads its bf16 A fragments of K_w once (16
+// registers) and Sᵀ = K_w·Qᵀ runs with A from registers, which takes 8 KB per warpgroup and step off
+// the shared-memory reads of the MMAs (an SS m64n128k16 reads 6 KB per 64 tensor-core cycles, near
+// the 128 bytes per cycle shared memory gives): 0.8% faster at 8K, 0.3% at 16K and 0.4% at 64K (two
+// rounds in one call; ptxas spills 4 bytes in the causal kernel). V_w in registers as well (dPᵀ) made
+// ptxas serialize the wgmmas and spill (C7512); D = 128 would need 32 registers per operand
+// (bench/results/attention-hopper-bwd-k-registers-h200-2026-12-04.json).
+//
 // Per CTA: 384 threads = a producer warpgroup and two consumer warpgroups (setmaxnreg 24 / 240).
 // - The producer's warp 0 TMA-loads the K and V tiles once, then streams (Q, dO) tiles of kBlockM
 //   query rows (128 for head_dim 64, 64 for head_dim 128) through a kStages ring, for every query head
@@ -46,7 +54,8 @@
 // - Consumer warpgroup w owns keys 64w..64w+63 of the tile. Per (query head, query tile) step it
 //   computes, with the keys as the wgmma M dimension ("swapped" products, so P and dS come out
 //   transposed, which is what dV and dK need as their register A operand):
-//     Sᵀ  = K_w·Qᵀ        [64 × kBlockM]  SS (K and Q both K-major, as the forward's S = Q·Kᵀ)
+//     Sᵀ  = K_w·Qᵀ        [64 × kBlockM]  SS (K and Q both K-major, as the forward's S = Q·Kᵀ);
+//                                         at D = 64 RS, K_w from registers (below)
 //     dPᵀ = V_w·dOᵀ       [64 × kBlockM]  SS
 //     Pᵀ  = exp2(Sᵀ·scale·log2e − lse·log2e)  (0 where masked and for rows whose lse is −inf)
 //     dSᵀ = Pᵀ ⊙ (dPᵀ − delta)
@@ -156,6 +165,9 @@ template <int D> struct BwdTiles {
   static constexpr int kStages = 2;  // (Q, dO) ring depth: one tile loading while one is consumed
   // Pᵀ's exp2 in this many chunks of the query columns, as measured (header: "The exp2").
   static constexpr int kExpChunks = D == 64 ? 1 : 4;
+  // Sᵀ's A operand K_w from registers instead of shared memory, as measured (header: "K_w in
+  // registers"): D / 4 registers per thread, which D = 128 has no room for.
+  static constexpr bool kKInRegisters = D == 64;
   static_assert(kBlockM / 16 % kExpChunks == 0, "whole dV k-steps per exp2 chunk");
   static constexpr int kColBlocks = D / kSwizzleElems;
   static constexpr uint32_t kKVColBlockBytes = kBlockN * kRowBytes;
@@ -425,6 +437,24 @@ __global__ void __launch_bounds__(kThreads, 1)
   const bool keys_past_end = key_wg + kWgKeys > p.tk;  // this warpgroup has keys >= Tk (zero rows)
 
   mbar_wait_no_trap(kv_full, 0);
+  // At D = 64, K_w is Sᵀ's A operand from registers (bf16 pairs, loaded once; header: "K_w in
+  // registers"): pair r of k-step kk holds key rows key_row + 8·(r % 2), head_dim columns
+  // 16·kk + 8·(r / 2) + col_lane + {0, 1}, read from the 128-byte swizzled K tile.
+  constexpr bool kKRegs = Tl::kKInRegisters;
+  uint32_t ka[kKRegs ? D / 16 : 1][4];
+  if constexpr (kKRegs) {
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int row = key_row + 8 * (r % 2);
+        const int col = 16 * kk + 8 * (r / 2) + col_lane;
+        const uint32_t byte = (col % 64) * 2;
+        ka[kk][r] = ld_shared_u32(sK + (col / 64) * Tl::kKVColBlockBytes + row * kRowBytes +
+                                  (((byte / 16) ^ (row % 8)) << 4) + byte % 16);
+      }
+    }
+  }
   for (int step = 0; step < steps; ++step) {
     const int s = step % S;
     const uint32_t parity = (step / S) & 1;
@@ -439,9 +469,13 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
       const uint32_t in_block = (kk % 4) * 32;
-      const uint64_t da = smem_desc(sK_wg + (kk / 4) * Tl::kKVColBlockBytes + in_block, 16, kAtomBytes);
       const uint64_t db = smem_desc(sQ(s) + (kk / 4) * Tl::kQColBlockBytes + in_block, 16, kAtomBytes);
-      mma_ss_kmajor<M>(st, da, db, kk > 0 ? 1u : 0u);
+      if constexpr (kKRegs) {
+        wgmma_m64n128k16_rs_kmajor(st, ka[kk][0], ka[kk][1], ka[kk][2], ka[kk][3], db, kk > 0 ? 1u : 0u);
+      } else {
+        const uint64_t da = smem_desc(sK_wg + (kk / 4) * Tl::kKVColBlockBytes + in_block, 16, kAtomBytes);
+        mma_ss_kmajor<M>(st, da, db, kk > 0 ? 1u : 0u);
+      }
     }
     wgmma_commit();
     mbar_wait_no_trap(do_full(s), parity);
@@ -685,6 +719,7 @@ void launch_bwd(const CUtensorMap& mq, const CUtensorMap& mk, const CUtensorMap&
   kernel<<<grid, kThreads, smem_bytes, cuda_stream()>>>(mq, mk, mv, mdo, p);
   LT_CUDA_LAUNCH_CHECK("hopper_attention_bwd_kernel");
 }
+
 
 // dq (+)= scale · the accumulator.
 template <int D>
