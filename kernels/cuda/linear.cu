@@ -143,11 +143,13 @@ GemmPlan make_plan(cublasLtHandle_t handle, bool trans_a, bool trans_b, int64_t 
            "transa={} transb={}, alignments {}/{}/{}/{} bytes, accumulate={}): {}",
            m, n, k, lda, ldb, ldc, ldd, dtype_name(ab), dtype_name(d), trans_a, trans_b, align_a, align_b, align_c,
            align_d, accumulate, cublasLtGetStatusString(st));
-  for (int i = 0; i < found; ++i)
-    if (results[static_cast<size_t>(i)].state == CUBLAS_STATUS_SUCCESS) p.algos.push_back(results[static_cast<size_t>(i)].algo);
+  for (int i = 0; i < found; ++i) {
+    const cublasLtMatmulHeuristicResult_t& r = results[static_cast<size_t>(i)];
+    if (r.state == CUBLAS_STATUS_SUCCESS) p.algos.push_back(r.algo);
+  }
   LT_CHECK(!p.algos.empty(), "cuBLASLt's heuristic answered m={} n={} k={} with no usable algorithm", m, n, k);
   p.shape = fmt::format("m={} n={} k={}{}{} {} in, {} out{}", m, n, k, trans_a ? " A^T" : "", trans_b ? " B^T" : "",
-                        dtype_name(ab), dtype_name(d), accumulate ? (ldc == ldd ? ", beta" : ", + C") : "");
+                        dtype_name(ab), dtype_name(d), accumulate ? ", beta 1" : "");
   if (p.algos.size() == 1) p.chosen = 0;
   return p;
 }
