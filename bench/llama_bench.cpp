@@ -45,10 +45,11 @@
 //
 // For each length (ascending) and checkpoint policy: the memory plan is printed and checked against
 // the free device memory before anything is allocated (a config that does not fit is reported and
-// skipped); then warm-up steps, then timed steps (wall clock between two device synchronisations, as
-// the anchor times them), with CUDA events splitting each step into forward+backward, optimizer, and
-// the attention calls inside forward+backward. The attention forwards per layer and step are counted
-// (remat_aware and none: 1, full: 2).
+// skipped); then warm-up steps (under LONGTRAIN_GEMM_ALGO=auto more of them, up to 32, until every
+// GEMM shape's trial has ended: the row's gemm_trial_steps), then timed steps (wall clock between two
+// device synchronisations, as the anchor times them), with CUDA events splitting each step into
+// forward+backward, optimizer, and the attention calls inside forward+backward. The attention
+// forwards per layer and step are counted (remat_aware and none: 1, full: 2).
 //
 // FLOPs: the anchor counts 6·N_matmul + 6·L·S·d_model per token (N_matmul = all parameters except the
 // embedding; causal attention at half of 12·L·S·d). model_tflops and MFU (against 989 TFLOP/s dense
@@ -495,8 +496,8 @@ int main(int argc, char** argv) try {
   result["commit"] = opt.commit;
   result["command"] = opt.command;
   result["parameters"] = cfg.num_parameters();
-  result["timing"] = fmt::format("wall clock over {} steps after {} warm-up steps, device synchronised before and "
-                                 "after, slowest rank (the anchor: 4 steps after 2)",
+  result["timing"] = fmt::format("wall clock over {} steps after {} warm-up steps (and gemm_trial_steps more), device "
+                                 "synchronised before and after, slowest rank (the anchor: 4 steps after 2)",
                                  opt.steps, opt.warmup);
   result["flops"] =
       "model FLOPs per token = 6*N_matmul + 6*L*S*d_model (N_matmul = parameters except the embedding; causal "
