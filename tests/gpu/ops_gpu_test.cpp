@@ -253,7 +253,7 @@ TEST_P(GpuOps, LinearResidualForwardApartAndInPlace) {
   }
 }
 
-// Under LONGTRAIN_GEMM_ALGO=auto (kernels/cuda/gemm.h) a shape's first calls cycle through cuBLASLt's
+// Under GEMM algorithm auto (kernels/ops.h: GemmAlgoPolicy) a shape's first calls cycle through cuBLASLt's
 // candidates, each call the real one: every call's result is right, accumulation in place (the
 // residual through C = D, the f32 weight gradient with beta = 1) included, and the trials end in a
 // decision for each shape.
