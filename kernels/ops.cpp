@@ -1,6 +1,8 @@
 // The public ops: pick the backend by the tensors' device (argument checks live in the backends,
 // next to the code that relies on them).
 #include <cstdlib>
+#include <mutex>
+#include <optional>
 
 #include "kernels/backends.h"
 #include "runtime/dispatch.h"
@@ -83,24 +85,36 @@ GemmAlgoPolicy parse_gemm_algo_policy(std::string_view name, std::string_view wh
 std::string_view gemm_algo_policy_name(GemmAlgoPolicy policy) {
   return policy == GemmAlgoPolicy::autotune ? "auto" : "heuristic";
 }
+namespace {
+// The policy, one store for both builds (the CUDA GEMMs read it when they plan a shape; the CPU has
+// one GEMM and only keeps it): set_gemm_algo_policy, else LONGTRAIN_GEMM_ALGO at the first read.
+struct GemmPolicyStore {
+  std::mutex mutex;
+  std::optional<GemmAlgoPolicy> policy;
+};
+GemmPolicyStore& gemm_policy_store() {
+  static GemmPolicyStore s;
+  return s;
+}
+}  // namespace
+GemmAlgoPolicy gemm_algo_policy() {
+  GemmPolicyStore& s = gemm_policy_store();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  if (!s.policy) {
+    const char* env = std::getenv("LONGTRAIN_GEMM_ALGO");
+    s.policy = env && *env ? parse_gemm_algo_policy(env, "LONGTRAIN_GEMM_ALGO") : GemmAlgoPolicy::heuristic;
+  }
+  return *s.policy;
+}
+void set_gemm_algo_policy(GemmAlgoPolicy policy) {
+  GemmPolicyStore& s = gemm_policy_store();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  s.policy = policy;
+}
 #ifdef LONGTRAIN_HAS_CUDA
-GemmAlgoPolicy gemm_algo_policy() { return cuda_util::gemm_algo_policy(); }
-void set_gemm_algo_policy(GemmAlgoPolicy policy) { cuda_util::set_gemm_algo_policy(policy); }
 std::vector<GemmChoice> gemm_choices() { return cuda_util::gemm_choices(); }
 int gemm_trials_pending() { return cuda_util::gemm_trials_pending(); }
 #else
-namespace {
-// Without the CUDA backend the policy is only kept (and reported); the CPU has one GEMM.
-GemmAlgoPolicy& cpu_build_gemm_policy() {
-  static GemmAlgoPolicy policy = [] {
-    const char* env = std::getenv("LONGTRAIN_GEMM_ALGO");
-    return env && *env ? parse_gemm_algo_policy(env, "LONGTRAIN_GEMM_ALGO") : GemmAlgoPolicy::heuristic;
-  }();
-  return policy;
-}
-}  // namespace
-GemmAlgoPolicy gemm_algo_policy() { return cpu_build_gemm_policy(); }
-void set_gemm_algo_policy(GemmAlgoPolicy policy) { cpu_build_gemm_policy() = policy; }
 std::vector<GemmChoice> gemm_choices() { return {}; }
 int gemm_trials_pending() { return 0; }
 #endif

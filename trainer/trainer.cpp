@@ -128,20 +128,21 @@ Ranks join_world(const TrainConfig& c) {
   return r;
 }
 
-// The GEMMs' cuBLASLt algorithm choice is process-wide too: train.gemm_algorithm, unless
-// LONGTRAIN_GEMM_ALGO names one (read by the GEMMs themselves).
-void set_gemm_algorithm(const TrainConfig& c) {
-  const char* env = std::getenv("LONGTRAIN_GEMM_ALGO");
-  if (env == nullptr || *env == '\0') ops::set_gemm_algo_policy(c.train.gemm_algorithm);
+// The kernel choices are process-wide: the config's attention.kernel and train.gemm_algorithm, unless
+// LONGTRAIN_ATTENTION_KERNEL or LONGTRAIN_GEMM_ALGO names one (a developer's override, read by the
+// attention and the GEMMs themselves).
+void set_kernel_choices(const TrainConfig& c) {
+  auto unset = [](const char* name) {
+    const char* v = std::getenv(name);
+    return v == nullptr || *v == '\0';
+  };
+  if (unset("LONGTRAIN_ATTENTION_KERNEL")) attn::set_kernel_policy(c.attention.kernel);
+  if (unset("LONGTRAIN_GEMM_ALGO")) ops::set_gemm_algo_policy(c.train.gemm_algorithm);
 }
 
 // The attention every layer runs: one block on a single rank, else the configured distributed
 // schedule over this rank's sequence-parallel group.
 std::unique_ptr<attn::SequenceAttention> make_attention(const TrainConfig& c, const Ranks& r) {
-  // The kernel of the block calls is process-wide: the config's attention.kernel, unless
-  // LONGTRAIN_ATTENTION_KERNEL names one (a developer's override, read by the attention itself).
-  const char* env_kernel = std::getenv("LONGTRAIN_ATTENTION_KERNEL");
-  if (env_kernel == nullptr || *env_kernel == '\0') attn::set_kernel_policy(c.attention.kernel);
   attn::SequenceAttentionSpec spec;
   spec.schedule = attn::parse_schedule(enum_name(c.attention.schedule));
   spec.causal = c.attention.causal;
@@ -760,7 +761,7 @@ TrainSummary train(TrainConfig c, const std::string& resume, const TrainHooks& h
 
   // Parameters are replicated; the optimizer state is sharded over every rank (ZeRO-1): rank r
   // updates the r-th equal slice of the flat parameter buffer and the slices are all-gathered.
-  set_gemm_algorithm(c);
+  set_kernel_choices(c);
   model::LlamaModel model(c.model, precision, memory.policy, loader.local_len(), make_attention(c, ranks),
                           ranks.world_size, c.model.tiling, memory.offload);
   model.initialize(static_cast<uint64_t>(c.train.seed), c.model.init_std);
@@ -1138,7 +1139,7 @@ LoadedModel load_model_from_checkpoint(const fs::path& dir, int64_t max_tokens, 
   out.config.train.dtype = device == Device::cuda ? DTypeChoice::bf16 : DTypeChoice::f32;
   Ranks ranks = join_world(out.config);
   if (ranks.sp_size > 1) check_layout(out.config.parallel.layout, T, ranks.sp_size);
-  set_gemm_algorithm(out.config);
+  set_kernel_choices(out.config);
   out.model = std::make_unique<model::LlamaModel>(out.config.model, precision_for(out.config),
                                                   model::CheckpointPolicy::none, T / ranks.sp_size,
                                                   make_attention(out.config, ranks), 1, out.config.model.tiling);

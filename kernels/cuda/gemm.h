@@ -10,9 +10,8 @@
 
 namespace longtrain::cuda_util {
 
-// ops::gemm_algo_policy and its companions on CUDA (kernels/ops.h says what they do).
-ops::GemmAlgoPolicy gemm_algo_policy();
-void set_gemm_algo_policy(ops::GemmAlgoPolicy policy);
+// ops::gemm_choices and ops::gemm_trials_pending on CUDA (kernels/ops.h says what they do; the policy
+// itself is ops::gemm_algo_policy, read when a shape is first planned).
 std::vector<ops::GemmChoice> gemm_choices();
 int gemm_trials_pending();
 

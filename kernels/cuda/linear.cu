@@ -5,7 +5,6 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <cstdlib>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -77,7 +76,6 @@ struct Gemms {
   std::mutex mutex;
   cublasLtHandle_t handle = nullptr;
   void* workspace = nullptr;
-  std::optional<GemmAlgoPolicy> policy;
   int trials_pending = 0;
   std::vector<GemmChoice> choices;
   // Plans live as long as the process: descriptors are tiny, and destroying them at exit would race
@@ -85,8 +83,8 @@ struct Gemms {
   std::map<GemmKey, GemmPlan> plans;
 };
 
-// The handle and workspace are made by the first GEMM (under the mutex), not here: the policy
-// functions run without a GPU too (a CPU-only run of a CUDA build sets the config's policy).
+// The handle and workspace are made by the first GEMM (under the mutex), not here: gemm_choices and
+// gemm_trials_pending run without a GPU too.
 Gemms& gemms() {
   static Gemms* g = new Gemms;
   return *g;
@@ -96,14 +94,6 @@ void init_handle_locked(Gemms& g) {
   if (g.handle != nullptr) return;
   LT_CUBLAS_CHECK(cublasLtCreate(&g.handle));
   g.workspace = scratch(Scratch::cublas_workspace, kWorkspaceBytes);
-}
-
-GemmAlgoPolicy policy_locked(Gemms& g) {
-  if (!g.policy) {
-    const char* env = std::getenv("LONGTRAIN_GEMM_ALGO");
-    g.policy = env && *env ? ops::parse_gemm_algo_policy(env, "LONGTRAIN_GEMM_ALGO") : GemmAlgoPolicy::heuristic;
-  }
-  return *g.policy;
 }
 
 GemmPlan make_plan(cublasLtHandle_t handle, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
@@ -177,18 +167,6 @@ void decide(Gemms& g, GemmPlan& p) {
 
 }  // namespace
 
-GemmAlgoPolicy gemm_algo_policy() {
-  Gemms& g = gemms();
-  std::lock_guard<std::mutex> lock(g.mutex);
-  return policy_locked(g);
-}
-
-void set_gemm_algo_policy(GemmAlgoPolicy policy) {
-  Gemms& g = gemms();
-  std::lock_guard<std::mutex> lock(g.mutex);
-  g.policy = policy;
-}
-
 std::vector<GemmChoice> gemm_choices() {
   Gemms& g = gemms();
   std::lock_guard<std::mutex> lock(g.mutex);
@@ -219,7 +197,7 @@ void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const voi
   const bool accumulate = beta != 0.0f;
   std::lock_guard<std::mutex> lock(g.mutex);
   init_handle_locked(g);
-  const GemmAlgoPolicy policy = policy_locked(g);
+  const GemmAlgoPolicy policy = ops::gemm_algo_policy();
   GemmKey key{trans_a, trans_b, m, n, k, lda, ldb, ldc, ldd, static_cast<int>(ab), static_cast<int>(d),
               align_a, align_b, align_c, align_d, accumulate, static_cast<int>(policy)};
   auto it = g.plans.find(key);
