@@ -4,8 +4,10 @@
 // The inverse frequencies (RoPE scaling's table, or theta^(-2i/D)) are computed on the host in double
 // and passed by value as a kernel argument (D/2 <= 256 doubles: 2 KiB of the 4 KiB argument space),
 // so a call needs no device buffer and no copy. cos and sin are scaled by the attention factor.
-// One thread owns one (token, i) pair and rotates it in every head, so each sin/cos is computed once.
+// One thread owns one (token, i) pair and rotates it in every head, so each sin/cos is computed once;
+// rope_apply, the model's path, takes them from a per-step table, 4 pairs and 4 heads a thread.
 #include <cmath>
+#include <cstdint>
 
 #include "kernels/backends.h"
 #include "kernels/cuda/cuda_common.cuh"
@@ -19,6 +21,13 @@ namespace {
 struct InvFreqTable {
   double v[kMaxRopeHalfDim];
 };
+
+// (a, b) rotated by the angle whose cos and sin are c and s, every product and sum rounded on its own
+// (no fused multiply-add), so every kernel below rotates to the same bits whatever the compiler fuses.
+__device__ __forceinline__ void rotate_pair(float a, float b, float c, float s, float& x0, float& x1) {
+  x0 = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
+  x1 = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
+}
 
 // sign = +1: forward rotation by +angle; sign = -1: the transpose (rotation by -angle).
 template <class T>
@@ -35,9 +44,10 @@ __global__ void rope_kernel(T* x, int64_t t_stride, int64_t h_stride, const int3
     T* base = x + t * t_stride + i;
     for (int64_t h = 0; h < n_heads; ++h) {
       T* p = base + h * h_stride;
-      const float a = to_float(p[0]), b = to_float(p[half]);
-      p[0] = from_float<T>(a * cf - b * sf);
-      p[half] = from_float<T>(b * cf + a * sf);
+      float x0, x1;
+      rotate_pair(to_float(p[0]), to_float(p[half]), cf, sf, x0, x1);
+      p[0] = from_float<T>(x0);
+      p[half] = from_float<T>(x1);
     }
   }
 }
@@ -112,10 +122,53 @@ __global__ void rope_apply_kernel(T* x, int64_t t_stride, int64_t h_stride, cons
     T* base = x + t * t_stride + i;
     for (int64_t h = 0; h < n_heads; ++h) {
       T* p = base + h * h_stride;
-      const float a = to_float(p[0]), b = to_float(p[half]);
-      p[0] = from_float<T>(a * cf - b * sf);
-      p[half] = from_float<T>(b * cf + a * sf);
+      float x0, x1;
+      rotate_pair(to_float(p[0]), to_float(p[half]), cf, sf, x0, x1);
+      p[0] = from_float<T>(x0);
+      p[half] = from_float<T>(x1);
     }
+  }
+}
+
+// rope_apply_kernel with 4 consecutive i per thread (8-byte bf16 / 16-byte f32 accesses; the model's
+// fused Q/K view is 4-aligned) for 4 heads, loaded before any is stored: 8 loads in flight per thread
+// where the scalar kernel issued one 2-byte load at a time. Threads run over (token, group of 4 heads,
+// i / 4), i fastest; each reads its cos and sin once for its 4 heads.
+template <class T>
+__global__ void rope_apply_vec4_kernel(T* x, int64_t t_stride, int64_t h_stride, const float* table,
+                                       int64_t table_stride, int64_t n_tokens, int64_t n_heads, int half, float sign) {
+  constexpr int kHeads = 4;
+  const int groups = half / 4;
+  const int64_t head_groups = (n_heads + kHeads - 1) / kHeads;
+  const int64_t flat = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  const int64_t t = flat / (groups * head_groups);
+  if (t >= n_tokens) return;
+  const int64_t rest = flat % (groups * head_groups);
+  const int64_t h0 = rest / groups * kHeads;
+  const int i = static_cast<int>(rest % groups) * 4;
+  float c[4], s[4];
+  load4(table + t * table_stride + i, c);
+  load4(table + t * table_stride + half + i, s);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) s[j] *= sign;
+  T* base = x + t * t_stride + h0 * h_stride + i;
+  const int nh = n_heads - h0 < kHeads ? static_cast<int>(n_heads - h0) : kHeads;
+  float a[kHeads][4], b[kHeads][4];
+#pragma unroll
+  for (int k = 0; k < kHeads; ++k) {
+    if (k < nh) {
+      load4(base + k * h_stride, a[k]);
+      load4(base + k * h_stride + half, b[k]);
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < kHeads; ++k) {
+    if (k >= nh) continue;
+    float x0[4], x1[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) rotate_pair(a[k][j], b[k][j], c[j], s[j], x0[j], x1[j]);
+    store4(base + k * h_stride, x0);
+    store4(base + k * h_stride + half, x1);
   }
 }
 
@@ -149,8 +202,20 @@ void rope_apply(Tensor x, Tensor table, bool inverse) {
   if (T == 0) return;
   const int half = static_cast<int>(D / 2);
   const dim3 block = rope_block(half);
+  const bool vec4 = half % 4 == 0 && x.stride[0] % 4 == 0 && x.stride[1] % 4 == 0 && table.stride[0] % 4 == 0 &&
+                    reinterpret_cast<uintptr_t>(x.data) % (4 * dtype_size(x.dtype)) == 0 &&
+                    reinterpret_cast<uintptr_t>(table.data) % 16 == 0;
   dispatch_float(x.dtype, op, [&](auto tag) {
     using T_ = typename decltype(tag)::type;
+    if (vec4) {
+      constexpr int kThreads = 256;
+      const int64_t threads = T * (half / 4) * ((H + 3) / 4);
+      rope_apply_vec4_kernel<T_><<<static_cast<unsigned>((threads + kThreads - 1) / kThreads), kThreads, 0,
+                                   cuda_stream()>>>(static_cast<T_*>(x.data), x.stride[0], x.stride[1],
+                                                    static_cast<const float*>(table.data), table.stride[0], T, H, half,
+                                                    inverse ? -1.0f : 1.0f);
+      return;
+    }
     rope_apply_kernel<T_><<<static_cast<unsigned>((T + block.y - 1) / block.y), block, 0, cuda_stream()>>>(
         static_cast<T_*>(x.data), x.stride[0], x.stride[1], static_cast<const float*>(table.data), table.stride[0], T,
         H, half, inverse ? -1.0f : 1.0f);

@@ -316,36 +316,49 @@ TEST_P(GpuOps, LinearUnderAutoGemmAlgorithmIsRightOnEveryTrialCall) {
 }
 
 // The model's RoPE: one table per step (f32 on the GPU), Q and K of the fused buffer as one view:
-// bit for bit what rope_forward / rope_backward give on the GPU, and V untouched.
+// bit for bit what rope_forward / rope_backward give on the GPU, and V untouched. Head dims 64 and
+// 128, head counts with and without a remainder of 4 (rope_apply's vector kernel loads 4 heads at a
+// time), and a view 2 elements into its buffer, which only the scalar kernel can take.
 TEST_P(GpuOps, RopeTableAndApplyEqualRopeForwardAndBackwardBitForBit) {
   LT_REQUIRE_GPU();
   const DType dt = GetParam();
-  const int64_t T = 53, Hq = 8, Hkv = 2, D = 64, W = (Hq + 2 * Hkv) * D;
-  const auto qkv = random_values(T * W, 48, dt);
-  const auto positions = random_ints(T, 49, 0, 1 << 21);
-  std::vector<double> inv(D / 2);
-  for (int64_t i = 0; i < D / 2; ++i) inv[i] = std::pow(5e5, -2.0 * i / D) / (i < D / 4 ? 1.0 : 8.0);
-  const ops::RopeParams p{5e5, inv, 1.07};
-  DeviceTensor a_d(dt, {T, W}), b_d(dt, {T, W}), pos_d(DType::i32, {T}), table_d(DType::f32, {T, D});
-  upload(a_d, qkv);
-  upload(b_d, qkv);
-  upload_ints(pos_d, positions);
-  ops::rope_forward(head_view(a_d, 0, Hq, D), pos_d, p);
-  ops::rope_forward(head_view(a_d, Hq * D, Hkv, D), pos_d, p);
-  ops::rope_table(table_d, pos_d, p);
-  ops::rope_apply(head_view(b_d, 0, Hq + Hkv, D), table_d, /*inverse=*/false);
-  const auto a = download(a_d), b = download(b_d);
-  EXPECT_EQ(a, b) << "rope_apply differs from rope_forward";
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t c = (Hq + Hkv) * D; c < W; ++c) ASSERT_EQ(b[t * W + c], qkv[t * W + c]) << "V changed";
-  // Against the CPU's double reference too, so that both GPU paths are not wrong the same way.
-  HostTensor<double> ref = host_tensor({T, W}, qkv);
-  HostTensor<int32_t> pos_h = host_ints({T}, positions);
-  ops::rope_forward(head_view(ref, 0, Hq + Hkv, D), pos_h, p);
-  expect_close("rope_apply vs the CPU's rope_forward", dt, b, ref.values);
-  ops::rope_backward(head_view(a_d, 0, Hq + Hkv, D), pos_d, p);
-  ops::rope_apply(head_view(b_d, 0, Hq + Hkv, D), table_d, /*inverse=*/true);
-  EXPECT_EQ(download(a_d), download(b_d)) << "rope_apply (inverse) differs from rope_backward";
+  struct Case {
+    int64_t D, Hq, Hkv, lead;
+  };
+  for (const Case& k : {Case{64, 8, 2, 0}, Case{128, 12, 4, 0}, Case{64, 5, 1, 2}}) {
+    const int64_t T = 53, Hq = k.Hq, Hkv = k.Hkv, D = k.D, W = k.lead + (Hq + 2 * Hkv) * D;
+    SCOPED_TRACE("D " + std::to_string(D) + ", " + std::to_string(Hq + Hkv) + " heads, view at column " +
+                 std::to_string(k.lead));
+    const auto qkv = random_values(T * W, 48, dt);
+    const auto positions = random_ints(T, 49, 0, 1 << 21);
+    std::vector<double> inv(D / 2);
+    for (int64_t i = 0; i < D / 2; ++i) inv[i] = std::pow(5e5, -2.0 * i / D) / (i < D / 4 ? 1.0 : 8.0);
+    const ops::RopeParams p{5e5, inv, 1.07};
+    DeviceTensor a_d(dt, {T, W}), b_d(dt, {T, W}), pos_d(DType::i32, {T}), table_d(DType::f32, {T, D});
+    upload(a_d, qkv);
+    upload(b_d, qkv);
+    upload_ints(pos_d, positions);
+    ops::rope_forward(head_view(a_d, k.lead, Hq, D), pos_d, p);
+    ops::rope_forward(head_view(a_d, k.lead + Hq * D, Hkv, D), pos_d, p);
+    ops::rope_table(table_d, pos_d, p);
+    ops::rope_apply(head_view(b_d, k.lead, Hq + Hkv, D), table_d, /*inverse=*/false);
+    const auto a = download(a_d), b = download(b_d);
+    EXPECT_EQ(a, b) << "rope_apply differs from rope_forward";
+    for (int64_t t = 0; t < T; ++t) {
+      for (int64_t c = 0; c < W; ++c) {
+        if (c >= k.lead && c < k.lead + (Hq + Hkv) * D) continue;
+        ASSERT_EQ(b[t * W + c], qkv[t * W + c]) << "column " << c << " outside Q and K changed";
+      }
+    }
+    // Against the CPU's double reference too, so that both GPU paths are not wrong the same way.
+    HostTensor<double> ref = host_tensor({T, W}, qkv);
+    HostTensor<int32_t> pos_h = host_ints({T}, positions);
+    ops::rope_forward(head_view(ref, k.lead, Hq + Hkv, D), pos_h, p);
+    expect_close("rope_apply vs the CPU's rope_forward", dt, b, ref.values);
+    ops::rope_backward(head_view(a_d, k.lead, Hq + Hkv, D), pos_d, p);
+    ops::rope_apply(head_view(b_d, k.lead, Hq + Hkv, D), table_d, /*inverse=*/true);
+    EXPECT_EQ(download(a_d), download(b_d)) << "rope_apply (inverse) differs from rope_backward";
+  }
 }
 
 TEST_P(GpuOps, ResidualAdd) {
