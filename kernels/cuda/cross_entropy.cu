@@ -2,7 +2,16 @@
 // chunk_tokens rows, one GEMM makes fp32 logits [n, V], one kernel turns each row into its loss and
 // (for backward) grad_scale · (softmax - onehot) in the GEMM input dtype, and two GEMMs give dx for the
 // chunk and accumulate dw. Only one chunk of logits exists at a time, never the [T, V] matrix.
+//
+// The row kernel is memory-bound: a chunk of 4096 rows of Llama 3's 128,256 logits is 2.1 GB of f32.
+// On sm_90 a cluster of up to 8 CTAs holds one row in registers (cross_entropy_rows_cluster_kernel),
+// so the logits are read once; the CTAs exchange their (max, sum) through distributed shared memory.
+// Elsewhere (older GPUs, a vocabulary not a multiple of 4 or too large for 8 CTAs) one block per row
+// reads it twice (cross_entropy_rows_kernel).
+#include <cooperative_groups.h>
+
 #include <algorithm>
+#include <type_traits>
 
 #include "kernels/backends.h"
 #include "kernels/cuda/cuda_common.cuh"
@@ -52,6 +61,141 @@ __global__ void cross_entropy_rows_kernel(const float* logits, int64_t V, const 
     if (valid) d = grad_scale * (expf(l[v] - lse) - (v == label ? 1.0f : 0.0f));
     g[v] = from_float<G>(d);
   }
+}
+
+// ---- one row per cluster, held in registers -----------------------------------------------------
+
+constexpr int kClusterThreads = 512;
+constexpr int kMaxClusterCtas = 8;  // the portable cluster size
+constexpr float kLog2e = 1.4426950408889634f;
+
+__device__ __forceinline__ void cluster_arrive_release() {
+  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait_acquire() {
+  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+// Row r of the chunk is handled by the cluster of CTAs blockIdx.x / ranks; CTA `rank` holds the row's
+// elements [rank · S, (rank + 1) · S), S = kClusterThreads · E, E per thread in groups of 4
+// (thread t's group i starts at rank · S + 4 · (i · kClusterThreads + t): coalesced 16-byte loads).
+// Each CTA reduces its slice to (max, Σ exp(x - max)), publishes it in shared memory, and after a
+// cluster barrier every CTA combines all ranks' pairs in rank order, so each computes the same lse.
+// Outputs as cross_entropy_rows_kernel's. V must be a multiple of 4 and at most ranks · S.
+template <int E, class G>
+__global__ void __launch_bounds__(kClusterThreads)
+    cross_entropy_rows_cluster_kernel(const float* logits, int64_t V, const int32_t* labels, int64_t label_stride,
+                                      int64_t row0, int32_t ignore_index, float* losses, int64_t loss_stride,
+                                      G* dlogits, float grad_scale) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  static_assert(E % 4 == 0, "groups of 4 elements");
+  namespace cg = cooperative_groups;
+  cg::cluster_group cluster = cg::this_cluster();
+  __shared__ float red[32];
+  __shared__ float2 part;  // this CTA's (max, Σ exp(x - max)) over its slice
+  __shared__ float row_lse;
+  const int rank = static_cast<int>(cluster.block_rank()), ranks = static_cast<int>(cluster.num_blocks());
+  const int64_t r = blockIdx.x / ranks;
+  const float* l = logits + r * V;
+  const int64_t slice = static_cast<int64_t>(rank) * kClusterThreads * E;
+
+  float x[E];
+#pragma unroll
+  for (int i = 0; i < E / 4; ++i) {
+    const int64_t v = slice + 4 * (static_cast<int64_t>(i) * kClusterThreads + threadIdx.x);
+    float (&x4)[4] = *reinterpret_cast<float(*)[4]>(&x[4 * i]);
+    if (v < V) {
+      load4(l + v, x4);
+    } else {
+      x4[0] = x4[1] = x4[2] = x4[3] = -INFINITY;
+    }
+  }
+  float m = -INFINITY;
+#pragma unroll
+  for (int i = 0; i < E; ++i) m = fmaxf(m, x[i]);
+  m = block_max(m, red);
+  // x becomes exp(x - m) (0 past V): the gradients below scale it by exp(m - lse) instead of taking a
+  // second exponential of every element.
+  float s = 0.0f;
+#pragma unroll
+  for (int i = 0; i < E; ++i) {
+    x[i] = m == -INFINITY ? 0.0f : exp2f((x[i] - m) * kLog2e);  // a slice wholly past V adds nothing
+    s += x[i];
+  }
+  s = block_sum(s, red);
+  if (threadIdx.x == 0) part = make_float2(m, s);
+  cluster.sync();  // every rank's part is published
+
+  // Warp 0 combines the ranks' parts in the same lane order in every CTA: identical lse everywhere.
+  if (threadIdx.x < 32) {
+    const float2 p =
+        threadIdx.x < ranks ? *cluster.map_shared_rank(&part, threadIdx.x) : make_float2(-INFINITY, 0.0f);
+    const float m_all = warp_max(p.x);
+    const float s_all = warp_sum(p.x == -INFINITY ? 0.0f : p.y * exp2f((p.x - m_all) * kLog2e));
+    if (threadIdx.x == 0) row_lse = m_all + logf(s_all);
+  }
+  cluster_arrive_release();  // done reading the other ranks' shared memory
+  __syncthreads();
+  const float lse = row_lse;
+  const int32_t label = labels[(row0 + r) * label_stride];
+  const bool valid = label != ignore_index;
+  if (rank == 0 && threadIdx.x == 0) losses[(row0 + r) * loss_stride] = valid ? lse - l[label] : 0.0f;
+  if (dlogits != nullptr) {
+    G* g = dlogits + r * V;
+    const float to_p = exp2f((m - lse) * kLog2e);  // exp(x - lse) = exp(x - m) · exp(m - lse)
+#pragma unroll
+    for (int i = 0; i < E / 4; ++i) {
+      const int64_t v = slice + 4 * (static_cast<int64_t>(i) * kClusterThreads + threadIdx.x);
+      if (v >= V) continue;
+      float d[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        d[j] = valid ? grad_scale * (x[4 * i + j] * to_p - (v + j == label ? 1.0f : 0.0f)) : 0.0f;
+      }
+      store4(g + v, d);
+    }
+  }
+  cluster_wait_acquire();  // no rank leaves while another may still read its part
+#endif
+}
+
+// The smallest per-thread count E (8, 16, 32 or 64) whose cluster of at most 8 CTAs covers V, or 0 where
+// the cluster kernel does not apply (V not a multiple of 4, too large, or no sm_90 code for the device).
+int cluster_elements_per_thread(int64_t V) {
+  static const bool usable = [] {
+    int dev = 0, major = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess) return false;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) return false;
+    cudaFuncAttributes attr{};
+    if (cudaFuncGetAttributes(&attr, cross_entropy_rows_cluster_kernel<8, float>) != cudaSuccess) return false;
+    return major >= 9 && attr.binaryVersion >= 90;
+  }();
+  if (!usable || V <= 0 || V % 4 != 0) return 0;
+  for (int e : {8, 16, 32, 64}) {
+    if (V <= static_cast<int64_t>(kMaxClusterCtas) * kClusterThreads * e) return e;
+  }
+  return 0;
+}
+
+template <int E, class G>
+void launch_cluster_rows(int64_t n, const float* logits, int64_t V, const int32_t* labels, int64_t label_stride,
+                         int64_t row0, int32_t ignore_index, float* losses, int64_t loss_stride, G* dlogits,
+                         float grad_scale) {
+  const int64_t per_cta = static_cast<int64_t>(kClusterThreads) * E;
+  const unsigned ranks = static_cast<unsigned>((V + per_cta - 1) / per_cta);
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(static_cast<unsigned>(n) * ranks);
+  config.blockDim = dim3(kClusterThreads);
+  config.stream = cuda_stream();
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeClusterDimension;
+  attribute[0].val.clusterDim.x = ranks;
+  attribute[0].val.clusterDim.y = 1;
+  attribute[0].val.clusterDim.z = 1;
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  LT_CUDA_CHECK(cudaLaunchKernelEx(&config, cross_entropy_rows_cluster_kernel<E, G>, logits, V, labels, label_stride,
+                                   row0, ignore_index, losses, loss_stride, dlogits, grad_scale));
 }
 
 }  // namespace
@@ -104,6 +248,7 @@ void lm_head_cross_entropy(Tensor losses, Tensor dx, Tensor dw, Tensor x, Tensor
   void* dlogits =
       backward ? scratch(Scratch::dlogits, static_cast<size_t>(chunk * V) * dtype_size(x.dtype)) : nullptr;
   const size_t xe = dtype_size(x.dtype);
+  const int cluster_e = cluster_elements_per_thread(V);
 
   for (int64_t row0 = 0; row0 < T; row0 += chunk) {
     const int64_t n = std::min(chunk, T - row0);
@@ -112,9 +257,23 @@ void lm_head_cross_entropy(Tensor losses, Tensor dx, Tensor dw, Tensor x, Tensor
     gemm(true, false, V, n, C, w.data, w.stride[0], x_chunk, x.stride[0], logits, V, x.dtype, DType::f32, 1.0f, 0.0f);
     dispatch_float(x.dtype, op, [&](auto tag) {
       using G = typename decltype(tag)::type;
-      cross_entropy_rows_kernel<G><<<static_cast<unsigned>(n), kThreads, 0, cuda_stream()>>>(
-          logits, V, labels_ptr, labels.stride[0], row0, p.ignore_index, static_cast<float*>(losses.data),
-          losses.stride[0], static_cast<G*>(dlogits), static_cast<float>(p.grad_scale));
+      float* loss_ptr = static_cast<float*>(losses.data);
+      G* dlogits_ptr = static_cast<G*>(dlogits);
+      const float grad_scale = static_cast<float>(p.grad_scale);
+      auto cluster = [&](auto e) {
+        launch_cluster_rows<decltype(e)::value, G>(n, logits, V, labels_ptr, labels.stride[0], row0, p.ignore_index,
+                                                   loss_ptr, losses.stride[0], dlogits_ptr, grad_scale);
+      };
+      switch (cluster_e) {
+        case 8: cluster(std::integral_constant<int, 8>{}); break;
+        case 16: cluster(std::integral_constant<int, 16>{}); break;
+        case 32: cluster(std::integral_constant<int, 32>{}); break;
+        case 64: cluster(std::integral_constant<int, 64>{}); break;
+        default:
+          cross_entropy_rows_kernel<G><<<static_cast<unsigned>(n), kThreads, 0, cuda_stream()>>>(
+              logits, V, labels_ptr, labels.stride[0], row0, p.ignore_index, loss_ptr, losses.stride[0], dlogits_ptr,
+              grad_scale);
+      }
     });
     LT_CUDA_LAUNCH_CHECK("cross_entropy_rows_kernel");
     if (!backward) continue;

@@ -6,6 +6,7 @@
 // bf16 (the training dtype) and f32, and skips without a GPU.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <functional>
@@ -442,6 +443,62 @@ TEST_P(GpuOps, LmHeadCrossEntropyChunkedAndBadLabel) {
   upload_ints(lab_d, bad);
   expect_error([&] { ops::lm_head_cross_entropy(loss_d, dx_d, dw_d, x_d, w_d, lab_d, p); }, {"label 501", "position 9"});
   EXPECT_EQ(download(dw_d), dw_before) << "a bad label must be reported before anything is written";
+}
+
+// The loss row kernel at real vocabulary sizes: one CTA, a cluster of 2 with idle threads, 8 CTAs of 8
+// / 32 / 64 elements a thread (Llama 2's 32,000 and Llama 3's 128,256), and past what 8 CTAs hold
+// (262,148) or not a multiple of 4 (4,098), where one block per row reads it twice. With x the
+// identity (C = T), logits[t, v] = w[v, t] and dw (from zero) = dlogitsᵀ, so every d(loss)/d(logit)
+// is checked, each row on its own scale (the label's entry, -(1 - p)·scale, would hide the rest
+// max-normalised), besides the losses and dx. Labels sit at 0, V - 1, at and beside 4,096-element
+// slice edges, and one row is ignored; two chunks of 4 rows.
+TEST_P(GpuOps, LmHeadCrossEntropyAtVocabularySizes) {
+  LT_REQUIRE_GPU();
+  const DType dt = GetParam();
+  const int64_t T = 6, C = T;
+  std::vector<double> eye(T * C, 0.0);
+  for (int64_t t = 0; t < T; ++t) eye[t * C + t] = 1.0;
+  for (int64_t V : {256, 4098, 4100, 32000, 128256, 200000, 262148}) {
+    SCOPED_TRACE("V = " + std::to_string(V));
+    const auto w = random_values(V * C, 90 + V, dt, -3.0, 3.0);
+    auto below_v = [&](int64_t i) { return static_cast<int32_t>(std::min<int64_t>(V - 1, i)); };
+    const std::vector<int32_t> labels = {0, below_v(V - 1), below_v(4096), -100, below_v(16383), below_v(4095)};
+    ops::CrossEntropyParams p;
+    p.chunk_tokens = 4;
+    p.grad_scale = 0.2;
+
+    HostTensor<double> x_h = host_tensor({T, C}, eye), w_h = host_tensor({V, C}, w), dw_h({V, C});
+    HostTensor<double> loss_h({T}), dx_h({T, C});
+    HostTensor<int32_t> lab_h = host_ints({T}, labels);
+    ops::lm_head_cross_entropy(loss_h, dx_h, dw_h, x_h, w_h, lab_h, p);
+
+    DeviceTensor x_d(dt, {T, C}), w_d(dt, {V, C}), dw_d(dt, {V, C}), loss_d(DType::f32, {T}), dx_d(dt, {T, C});
+    DeviceTensor lab_d(DType::i32, {T});
+    upload(x_d, eye);
+    upload(w_d, w);
+    zero(dw_d);
+    upload_ints(lab_d, labels);
+    ops::lm_head_cross_entropy(loss_d, dx_d, dw_d, x_d, w_d, lab_d, p);
+    expect_close("losses (f32)", DType::f32, download(loss_d), loss_h.values);
+    expect_close("dx", dt, download(dx_d), dx_h.values);
+    const auto dw = download(dw_d);
+    for (int64_t t = 0; t < T; ++t) {
+      std::vector<double> got(V), want(V);
+      for (int64_t v = 0; v < V; ++v) {
+        got[v] = dw[v * C + t];
+        want[v] = dw_h.values[v * C + t];
+      }
+      if (labels[t] < 0) {
+        EXPECT_EQ(*std::max_element(got.begin(), got.end()), 0.0) << "ignored row " << t;
+        EXPECT_EQ(*std::min_element(got.begin(), got.end()), 0.0) << "ignored row " << t;
+        continue;
+      }
+      expect_close("d(loss)/d(logit) row " + std::to_string(t), dt, got, want);
+      got.erase(got.begin() + labels[t]);
+      want.erase(want.begin() + labels[t]);
+      expect_close("d(loss)/d(logit) row " + std::to_string(t) + " without its label", dt, got, want);
+    }
+  }
 }
 
 // Every backward that reduces (embedding rows, rmsnorm dw, GEMMs, the chunked LM head) gives the same
