@@ -40,11 +40,10 @@ void rmsnorm_forward(Tensor y, Tensor rstd, Tensor x, Tensor w, double eps) {
   const profile::Region region("rmsnorm_forward", device);
   LT_DISPATCH(device, rmsnorm_forward, y, rstd, x, w, eps);
 }
-void rmsnorm_backward(Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w, Tensor rstd) {
+void rmsnorm_backward(Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w, Tensor rstd, GradWrite dw_write) {
   const Device device = common_device("rmsnorm_backward", {&dx, &dw, &dy, &x, &w, &rstd});
   const profile::Region region("rmsnorm_backward", device);
-  LT_DISPATCH(device, rmsnorm_backward, dx, dw, dy, x,
-              w, rstd);
+  LT_DISPATCH(device, rmsnorm_backward, dx, dw, dy, x, w, rstd, dw_write);
 }
 void rope_forward(Tensor x, Tensor positions, const RopeParams& p) {
   const Device device = common_device("rope_forward", {&x, &positions});
@@ -128,10 +127,10 @@ void linear_residual_forward(Tensor y, Tensor x, Tensor w, Tensor residual) {
   const profile::Region region("linear_residual_forward", device);
   LT_DISPATCH(device, linear_residual_forward, y, x, w, residual);
 }
-void linear_backward(Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w) {
+void linear_backward(Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w, GradWrite dw_write) {
   const Device device = common_device("linear_backward", {&dx, &dw, &dy, &x, &w});
   const profile::Region region("linear_backward", device);
-  LT_DISPATCH(device, linear_backward, dx, dw, dy, x, w);
+  LT_DISPATCH(device, linear_backward, dx, dw, dy, x, w, dw_write);
 }
 void add_inplace(Tensor y, Tensor x) {
   const Device device = common_device("add_inplace", {&y, &x});

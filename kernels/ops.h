@@ -6,8 +6,9 @@
 // - Token-major layouts: activations are [T, C] (T tokens of the local shard), attention tensors
 //   [T, H, D]. Views may be strided (see runtime/tensor.h); the last dimension is unit-stride.
 // - Activation gradients are written (overwritten) unless the comment says "+=".
-//   Parameter gradients (dW, d_table, dw) are always accumulated (+=), so micro-batches and ring
-//   steps add into the same buffer.
+//   Parameter gradients (dW, d_table, dw) are accumulated (+=), so micro-batches and token chunks
+//   add into the same buffer; the GEMM and norm weight gradients can instead be overwritten by a
+//   step's first contribution (GradWrite), which spares the step a zeroing pass and a read of zeros.
 // - On CPU every float tensor of one call has the same dtype (f32 or f64); per-token statistics
 //   (rstd) use that dtype too. On CUDA, activations and weights are bf16 and statistics are f32.
 // - Integer inputs (token ids, positions, labels) are i32.
@@ -41,8 +42,14 @@ size_t embedding_backward_scratch_bytes(Device device, int64_t tokens, int64_t v
 // rstd[t] = 1 / sqrt(mean_c(x[t, c]^2) + eps);  y[t, c] = x[t, c] * rstd[t] * w[c]
 // x, y [T, C]; w [C]; rstd [T] (saved for backward).
 void rmsnorm_forward(Tensor y, Tensor rstd, Tensor x, Tensor w, double eps);
+// How a backward op writes a parameter gradient: added into it (the default), or overwritten with this
+// call's contribution without reading the old values, which may be anything, NaN included (the
+// first contribution of a step, as PyTorch writes a gradient that zero_grad set to None).
+enum class GradWrite { accumulate, overwrite };
+
 // dx += d(y)/d(x)·dy  (accumulated: dx is the residual-stream gradient);  dw += sum_t dy·x·rstd
-void rmsnorm_backward(Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w, Tensor rstd);
+void rmsnorm_backward(Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w, Tensor rstd,
+                      GradWrite dw_write = GradWrite::accumulate);
 
 // ---- rope (Hugging Face rotate-half convention) ----------------------------------------------
 // For head dim D and i < D/2: angle = positions[t] * inv_freq[i], c = a·cos(angle), s = a·sin(angle)
@@ -111,8 +118,8 @@ void linear_forward(Tensor y, Tensor x, Tensor w);
 // y = residual + x · Wᵀ: the residual stream's add done by the GEMM (cuBLASLt's C and beta = 1 on
 // CUDA: one fp32 sum rounded once, no separate pass). y may be residual itself.
 void linear_residual_forward(Tensor y, Tensor x, Tensor w, Tensor residual);
-// dx = dy · W (skipped when dx is empty);  dw += dyᵀ · x
-void linear_backward(Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w);
+// dx = dy · W (skipped when dx is empty);  dw += dyᵀ · x (dw = dyᵀ · x under GradWrite::overwrite)
+void linear_backward(Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w, GradWrite dw_write = GradWrite::accumulate);
 
 // ---- residual ------------------------------------------------------------------------------
 // y += x (same shape)
@@ -132,6 +139,8 @@ struct CrossEntropyParams {
   // The caller has already checked every label (the model does, once per shard, before it calls this
   // per chunk of tokens): skips the per-call check, which on CUDA is a synchronising read.
   bool labels_checked = false;
+  // overwrite: dw = this call's gradient (its first chunk overwrites, the others add).
+  GradWrite dw_write = GradWrite::accumulate;
 };
 void lm_head_cross_entropy(Tensor losses, Tensor dx, Tensor dw, Tensor x, Tensor w, Tensor labels,
                            const CrossEntropyParams& p);

@@ -151,6 +151,15 @@ LlamaModel::LlamaModel(const LlamaConfig& config, Precision precision, Checkpoin
   for (int64_t l = L - 1; l >= 0; --l)
     gradient_ranges_.push_back({layer_begin[l], l + 1 < L ? layer_begin[l + 1] : norm_begin});
   gradient_ranges_.push_back({0, L > 0 ? layer_begin[0] : norm_begin});
+  auto discardable = [&](const Tensor& g) {
+    const auto bytes = static_cast<char*>(g.data) - static_cast<char*>(grads_.base());
+    discardable_.push_back({g, static_cast<int64_t>(bytes / static_cast<std::ptrdiff_t>(dtype_size(precision_.grad())))});
+  };
+  for (const LayerParams& g : g_.layers) {
+    for (const Tensor* t : {&g.input_norm, &g.qkv, &g.o_proj, &g.post_norm, &g.gate_up, &g.down_proj}) discardable(*t);
+  }
+  discardable(g_.final_norm);
+  discardable(g_.lm_head);
 
   // The activation table (model/memory_plan.cpp), shared with the memory plan so that the plan is
   // exactly what is allocated here.
@@ -175,6 +184,36 @@ LlamaModel::LlamaModel(const LlamaConfig& config, Precision precision, Checkpoin
 void LlamaModel::zero_grads() {
   const profile::Region region("zero_grads", precision_.device);
   zero(grads_.flat());
+  for (Discardable& d : discardable_) d.discarded = false;
+}
+
+void LlamaModel::discard_grads() {
+  const profile::Region region("zero_grads", precision_.device);
+  // The alignment gaps and padding are never written (zero since allocation); the embedding is
+  // scattered into, so it is zeroed, unless it is the (tied) LM head, which the head writes first.
+  if (!config_.tie_embeddings) zero(g_.embed);
+  for (Discardable& d : discardable_) d.discarded = true;
+}
+
+ops::GradWrite LlamaModel::first_write(const Tensor& grad) {
+  for (Discardable& d : discardable_) {
+    if (d.grad.data == grad.data) {
+      const bool first = d.discarded;
+      d.discarded = false;
+      return first ? ops::GradWrite::overwrite : ops::GradWrite::accumulate;
+    }
+  }
+  return ops::GradWrite::accumulate;
+}
+
+void LlamaModel::gradients_ready(const FlatRange& r) {
+  for (Discardable& d : discardable_) {
+    if (d.discarded && d.begin >= r.begin && d.begin < r.end) {
+      zero(d.grad);  // nothing wrote it in this call: its gradient is zero
+      d.discarded = false;
+    }
+  }
+  if (gradients_ready_) gradients_ready_(r.begin, r.end);
 }
 
 void LlamaModel::set_rope_length(int64_t seq_len) {
@@ -330,11 +369,11 @@ void LlamaModel::layer_backward(int64_t l, const LayerActs& a, Tensor x_in, Tens
       ops::linear_forward(gate_up, n2, p.gate_up);
       ops::swiglu_forward(s, gate_up);
     }
-    ops::linear_backward(d_s, g.down_proj, d, s, p.down_proj);
+    ops::linear_backward(d_s, g.down_proj, d, s, p.down_proj, first_write(g.down_proj));
     ops::swiglu_backward(d_gate_up, d_s, gate_up);
-    ops::linear_backward(d_norm, g.gate_up, d_gate_up, n2, p.gate_up);
-    ops::rmsnorm_backward(d, g.post_norm, d_norm, h, p.post_norm, rstd2);  // now dL/dh
-    ops::linear_backward(d_o.narrow(t0, n), g.o_proj, d, o.narrow(t0, n), p.o_proj);
+    ops::linear_backward(d_norm, g.gate_up, d_gate_up, n2, p.gate_up, first_write(g.gate_up));
+    ops::rmsnorm_backward(d, g.post_norm, d_norm, h, p.post_norm, rstd2, first_write(g.post_norm));  // now dL/dh
+    ops::linear_backward(d_o.narrow(t0, n), g.o_proj, d, o.narrow(t0, n), p.o_proj, first_write(g.o_proj));
   });
 
   // Attention: h = x + Wo·Attn(q, k, v). SequenceAttention::backward overwrites dQ/dK/dV (one rank:
@@ -355,8 +394,9 @@ void LlamaModel::layer_backward(int64_t l, const LayerActs& a, Tensor x_in, Tens
     const Tensor n1 = rows(a.n1, T, t0, n), rstd1 = rows(a.rstd1, T, t0, n), x = x_in.narrow(t0, n),
                  d_norm = acts_.get("d_norm").narrow(0, n);
     if (n1_recompute) ops::rmsnorm_forward(n1, rstd1, x, p.input_norm, config_.norm_eps);
-    ops::linear_backward(d_norm, g.qkv, d_qkv.narrow(t0, n), n1, p.qkv);
-    ops::rmsnorm_backward(d_residual.narrow(t0, n), g.input_norm, d_norm, x, p.input_norm, rstd1);  // now dL/dx
+    ops::linear_backward(d_norm, g.qkv, d_qkv.narrow(t0, n), n1, p.qkv, first_write(g.qkv));
+    ops::rmsnorm_backward(d_residual.narrow(t0, n), g.input_norm, d_norm, x, p.input_norm, rstd1,
+                          first_write(g.input_norm));  // now dL/dx
   });
 }
 
@@ -378,9 +418,13 @@ LossSum LlamaModel::head(const TokenShard& shard, Tensor x_final, Tensor losses,
                  d_normed = acts_.get("d_final_norm").narrow(0, n), x = x_final.narrow(t0, n);
     ops::rmsnorm_forward(normed, rstd, x, p_.final_norm, config_.norm_eps);
     ce.chunk_tokens = n;
+    ce.dw_write = with_grad ? first_write(g_.lm_head) : ops::GradWrite::accumulate;
     ops::lm_head_cross_entropy(losses.narrow(t0, n), with_grad ? d_normed : Tensor{}, with_grad ? g_.lm_head : Tensor{},
                                normed, p_.lm_head, shard.labels.narrow(t0, n), ce);
-    if (with_grad) ops::rmsnorm_backward(d_residual.narrow(t0, n), g_.final_norm, d_normed, x, p_.final_norm, rstd);
+    if (with_grad) {
+      ops::rmsnorm_backward(d_residual.narrow(t0, n), g_.final_norm, d_normed, x, p_.final_norm, rstd,
+                            first_write(g_.final_norm));
+    }
   });
   if (!loss_sum.empty()) {
     ops::sum_into(loss_sum, losses, ops::SumOf::values, /*accumulate=*/true);
@@ -427,6 +471,9 @@ LossSum LlamaModel::forward_backward(const TokenShard& shard, double grad_scale,
     layer_backward(l, layer_acts(l, T), residual(l, T), d_residual);
     gradients_ready(gradient_ranges_[static_cast<size_t>(L - l)]);
   }
+  // Tied, the embedding is the LM head, which the head wrote first; were it still discarded, the rows
+  // below would be added to stale values.
+  if (first_write(g_.embed) == ops::GradWrite::overwrite) zero(g_.embed);
   ops::embedding_backward(g_.embed, shard.tokens, d_residual);
   if (off) off->wait_all();  // nothing of this step stays in flight on the copy stream
   gradients_ready(gradient_ranges_.back());

@@ -142,7 +142,15 @@ class LlamaModel {
   attn::SequenceAttention& attention() { return *attention_; }
 
   void initialize(uint64_t seed, double init_std = 0.02) { initialize_parameters(params_, seed, init_std); }
+  // Sets every gradient to zero.
   void zero_grads();
+  // The training loop's form of zero_grads (PyTorch's zero_grad(set_to_none=True)): the next
+  // forward_backward overwrites each weight and norm gradient with its first contribution instead of
+  // adding it to zeros, which spares a pass over the whole buffer and the GEMMs' read of it (the
+  // embedding's, added to row by row, is zeroed). Until forward_backward reports a range
+  // (set_gradients_ready) or returns, that range of grads() holds stale values; from then on
+  // everything is as after zero_grads().
+  void discard_grads();
 
   // Forward and backward over one shard. Gradients are ACCUMULATED into grads() (call zero_grads()
   // between optimizer steps), scaled by grad_scale: pass 1 / (valid labels in the global batch) so
@@ -217,9 +225,11 @@ class LlamaModel {
   LossSum head(const TokenShard& shard, Tensor x_final, Tensor losses, bool with_grad, double grad_scale,
                int64_t T, Tensor loss_sum = {});
   void check_shard(const TokenShard& shard) const;
-  void gradients_ready(const FlatRange& r) const {
-    if (gradients_ready_) gradients_ready_(r.begin, r.end);
-  }
+  // Reports r after zeroing the gradients in it that discard_grads() left and nothing has written since.
+  void gradients_ready(const FlatRange& r);
+  // How the next write into grad (a view of g_) is made: overwrite for the first after
+  // discard_grads(), accumulate otherwise.
+  ops::GradWrite first_write(const Tensor& grad);
 
   LlamaConfig config_;
   Precision precision_;
@@ -235,6 +245,14 @@ class LlamaModel {
   // gradient_ranges_: [0] the head, [1 + L - 1 - l] layer l, [L + 1] the embedding.
   std::vector<FlatRange> gradient_ranges_;
   GradientsReady gradients_ready_;
+  // The gradients discard_grads() can leave for their first write (every layer's, the final norm's,
+  // the LM head's), with their first element in grads().flat(); `discarded` until written.
+  struct Discardable {
+    Tensor grad;
+    int64_t begin;
+    bool discarded = false;
+  };
+  std::vector<Discardable> discardable_;
 };
 
 }  // namespace longtrain::model

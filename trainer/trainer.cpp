@@ -872,7 +872,7 @@ TrainSummary train(TrainConfig c, const std::string& resume, const TrainHooks& h
     }
     ranks.sum(&count, 1);
     LT_CHECK(count > 0, "step {}: no valid label in the step's {} sequences", step, micro * ranks.dp_size);
-    model.zero_grads();
+    model.discard_grads();  // the first micro-batch's backward overwrites them
     zero(sums_dev);
     // Each rank's gradient is its share of the global one (its tokens, its data). They are summed
     // into the owners of the ZeRO-1 shards (rank r gets the sum over ranks of its shard, all the

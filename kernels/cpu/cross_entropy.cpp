@@ -52,7 +52,8 @@ void check_cross_entropy(const Tensor& losses, const Tensor& dx, const Tensor& d
 template <class T>
 void cross_entropy_impl(const Tensor& losses, const Tensor& dx, const Tensor& dw, const Tensor& x, const Tensor& w,
                         const Tensor& labels, const CrossEntropyParams& p) {
-  // losses [T], dx [T, C] (overwritten; empty in eval), dw [V, C] (+=), x [T, C], w [V, C], labels [T]
+  // losses [T], dx [T, C] (overwritten; empty in eval), dw [V, C] (+=, or = under p.dw_write), x [T, C],
+  // w [V, C], labels [T]
   const int64_t n_tokens = x.shape[0], V = w.shape[0];
   const bool backward = !dx.empty();
   const int64_t chunk = std::max<int64_t>(1, std::min(p.chunk_tokens, n_tokens));
@@ -66,6 +67,7 @@ void cross_entropy_impl(const Tensor& losses, const Tensor& dx, const Tensor& dw
     ~Scratch() { device_free(Device::cpu, p); }
   } scratch{device_alloc(Device::cpu, static_cast<size_t>(chunk * V) * sizeof(T))};
   T* const buffer = static_cast<T*>(scratch.p);
+  if (backward && n_tokens == 0 && p.dw_write == GradWrite::overwrite) zero(dw);  // no rows: a zero gradient
   for (int64_t t0 = 0; t0 < n_tokens; t0 += chunk) {
     const int64_t n = std::min(chunk, n_tokens - t0);
     const Tensor x_chunk = x.narrow(t0, n);                            // [n, C]
@@ -98,7 +100,7 @@ void cross_entropy_impl(const Tensor& losses, const Tensor& dx, const Tensor& dw
 
     if (backward) {
       // dx[chunk] = dlogits [n, V] · w [V, C];  dw [V, C] += dlogitsᵀ · x[chunk]
-      linear_backward(dx.narrow(t0, n), dw, logits, x_chunk, w);
+      cpu::linear_backward(dx.narrow(t0, n), dw, logits, x_chunk, w, t0 == 0 ? p.dw_write : GradWrite::accumulate);
     }
   }
 }

@@ -50,15 +50,16 @@ void linear_forward_impl(const Tensor& y, const Tensor& x, const Tensor& w) {
 }
 
 template <class T>
-void linear_backward_impl(const Tensor& dx, const Tensor& dw, const Tensor& dy, const Tensor& x, const Tensor& w) {
+void linear_backward_impl(const Tensor& dx, const Tensor& dw, const Tensor& dy, const Tensor& x, const Tensor& w,
+                          GradWrite dw_write) {
   // dx [T, K] = dy [T, N] · w [N, K]          (overwritten; skipped when dx is empty)
-  // dw [N, K] += dy [T, N]ᵀ · x [T, K]        (accumulated)
+  // dw [N, K] += dy [T, N]ᵀ · x [T, K]        (accumulated, or overwritten: beta = 0 never reads dw)
   const int64_t n_tokens = x.shape[0], K = x.shape[1], N = w.shape[0];
   if (!dx.empty())
     gemm<T>(false, false, n_tokens, K, N, dy.ptr<T>(), leading_dim(dy), w.ptr<T>(), leading_dim(w), T(0),
             dx.ptr<T>(), leading_dim(dx));
-  gemm<T>(true, false, N, K, n_tokens, dy.ptr<T>(), leading_dim(dy), x.ptr<T>(), leading_dim(x), T(1), dw.ptr<T>(),
-          leading_dim(dw));
+  gemm<T>(true, false, N, K, n_tokens, dy.ptr<T>(), leading_dim(dy), x.ptr<T>(), leading_dim(x),
+          dw_write == GradWrite::overwrite ? T(0) : T(1), dw.ptr<T>(), leading_dim(dw));
 }
 
 }  // namespace
@@ -104,13 +105,13 @@ void linear_residual_forward(Tensor y, Tensor x, Tensor w, Tensor residual) {
   return run(0.0);
 }
 
-void linear_backward(Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w) {
+void linear_backward(Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w, GradWrite dw_write) {
   const char* op = "linear_backward";
   check_float_dtype(op, x);
   check_matrix(op, "x", x, x.dtype);
   check_matrix(op, "w", w, x.dtype);
   check_matrix(op, "dy", dy, x.dtype);
-  LT_CHECK(!dw.empty(), "{}: dw is empty; the weight gradient is always accumulated", op);
+  LT_CHECK(!dw.empty(), "{}: dw is empty; the weight gradient is always written", op);
   check_matrix(op, "dw", dw, x.dtype);
   LT_CHECK(w.shape[1] == x.shape[1] && dy.shape[0] == x.shape[0] && dy.shape[1] == w.shape[0] &&
                dw.shape[0] == w.shape[0] && dw.shape[1] == w.shape[1],
@@ -121,8 +122,8 @@ void linear_backward(Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w) {
     LT_CHECK(dx.shape[0] == x.shape[0] && dx.shape[1] == x.shape[1], "{}: dx {} must have the shape of x {}", op,
              dx.describe(), x.describe());
   }
-  if (x.dtype == DType::f32) return linear_backward_impl<float>(dx, dw, dy, x, w);
-  return linear_backward_impl<double>(dx, dw, dy, x, w);
+  if (x.dtype == DType::f32) return linear_backward_impl<float>(dx, dw, dy, x, w, dw_write);
+  return linear_backward_impl<double>(dx, dw, dy, x, w, dw_write);
 }
 
 }  // namespace longtrain::ops::cpu

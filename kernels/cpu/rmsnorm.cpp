@@ -63,8 +63,8 @@ void rmsnorm_forward_impl(const Tensor& y, const Tensor& rstd, const Tensor& x, 
 
 template <class T>
 void rmsnorm_backward_impl(const Tensor& dx, const Tensor& dw, const Tensor& dy, const Tensor& x, const Tensor& w,
-                           const Tensor& rstd) {
-  // dx [T, C] (+=), dw [C] (+=), dy [T, C], x [T, C], w [C], rstd [T]
+                           const Tensor& rstd, GradWrite dw_write) {
+  // dx [T, C] (+=), dw [C] (+= or =), dy [T, C], x [T, C], w [C], rstd [T]
   // With y_c = w_c x_c r and r = (mean(x²) + eps)^(-1/2), dr/dx_j = -r³ x_j / C, so
   //   dx_j = r w_j dy_j - x_j r³ / C · Σ_c dy_c w_c x_c,   dw_c = Σ_t dy_c x_c r.
   const int64_t n_tokens = x.shape[0], C = x.shape[1];
@@ -88,7 +88,8 @@ void rmsnorm_backward_impl(const Tensor& dx, const Tensor& dw, const Tensor& dy,
       dw_sum[c] += static_cast<double>(dyt[c]) * xt[c] * r;
     }
   }
-  for (int64_t c = 0; c < C; ++c) dwp[c] += static_cast<T>(dw_sum[c]);
+  for (int64_t c = 0; c < C; ++c)
+    dwp[c] = dw_write == GradWrite::overwrite ? static_cast<T>(dw_sum[c]) : dwp[c] + static_cast<T>(dw_sum[c]);
 }
 
 }  // namespace
@@ -100,13 +101,13 @@ void rmsnorm_forward(Tensor y, Tensor rstd, Tensor x, Tensor w, double eps) {
   return rmsnorm_forward_impl<double>(y, rstd, x, w, eps);
 }
 
-void rmsnorm_backward(Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w, Tensor rstd) {
+void rmsnorm_backward(Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w, Tensor rstd, GradWrite dw_write) {
   check_rmsnorm("rmsnorm_backward", {{"x", &x}, {"dx", &dx}, {"dy", &dy}}, w, rstd);
   LT_CHECK(dw.ndim == 1 && dw.shape[0] == w.shape[0] && dw.dtype == x.dtype && last_dim_unit_stride(dw),
            "rmsnorm_backward: dw {} must be a contiguous tensor of the shape of w {} and the dtype of x {}",
            dw.describe(), w.describe(), x.describe());
-  if (x.dtype == DType::f32) return rmsnorm_backward_impl<float>(dx, dw, dy, x, w, rstd);
-  return rmsnorm_backward_impl<double>(dx, dw, dy, x, w, rstd);
+  if (x.dtype == DType::f32) return rmsnorm_backward_impl<float>(dx, dw, dy, x, w, rstd, dw_write);
+  return rmsnorm_backward_impl<double>(dx, dw, dy, x, w, rstd, dw_write);
 }
 
 }  // namespace longtrain::ops::cpu

@@ -16,6 +16,7 @@
 #include "kernels/backends.h"
 #include "kernels/cuda/cuda_common.cuh"
 #include "kernels/cuda/gemm.h"
+#include "runtime/device.h"
 
 namespace longtrain::ops::cuda {
 
@@ -228,7 +229,10 @@ void lm_head_cross_entropy(Tensor losses, Tensor dx, Tensor dw, Tensor x, Tensor
     check_float(dw, op, "dw");
   }
   LT_CHECK(p.chunk_tokens > 0, "{}: chunk_tokens must be positive, got {}", op, p.chunk_tokens);
-  if (T == 0) return;
+  if (T == 0) {
+    if (backward && p.dw_write == GradWrite::overwrite) zero(dw);  // no rows: a zero gradient
+    return;
+  }
 
   // Validate every label before any output is touched (one small synchronising read), unless the
   // caller did.
@@ -281,9 +285,11 @@ void lm_head_cross_entropy(Tensor losses, Tensor dx, Tensor dw, Tensor x, Tensor
     // dx_chunk (col-major C×n) = w (stored C×V) · dlogits (stored V×n)
     gemm(false, false, C, n, V, w.data, w.stride[0], dlogits, V, dx_chunk, dx.stride[0], x.dtype, dx.dtype, 1.0f,
          0.0f);
-    // dw (col-major C×V) += x_chunk (stored C×n) · dlogitsᵀ (stored V×n, transposed)
+    // dw (col-major C×V) += x_chunk (stored C×n) · dlogitsᵀ (stored V×n, transposed); the first chunk
+    // overwrites under p.dw_write (beta = 0: dw is not read)
+    const bool overwrite = row0 == 0 && p.dw_write == GradWrite::overwrite;
     gemm(false, true, C, V, n, x_chunk, x.stride[0], dlogits, V, dw.data, dw.stride[0], x.dtype, dw.dtype, 1.0f,
-         1.0f);
+         overwrite ? 0.0f : 1.0f);
   }
 }
 

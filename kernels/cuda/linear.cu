@@ -291,7 +291,7 @@ void linear_residual_forward(Tensor y, Tensor x, Tensor w, Tensor residual) {
 
 // dx [T, K] = dy [T, N] · w [N, K]      ⇔  dxᵀ (K×T) = w (stored K×N) · dyᵀ (N×T)
 // dw [N, K] += dyᵀ · x                 ⇔  dwᵀ (K×N) += xᵀ (K×T) · dy (stored N×T, transposed)
-void linear_backward(Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w) {
+void linear_backward(Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w, GradWrite dw_write) {
   const char* op = "linear_backward";
   check_linear(op, x, "x", w);
   check_tensor(dy, 2, op, "dy");
@@ -309,8 +309,9 @@ void linear_backward(Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w) {
     gemm(false, false, K, T, N, w.data, w.stride[0], dy.data, dy.stride[0], dx.data, dx.stride[0], x.dtype, dx.dtype,
          1.0f, 0.0f);
   }
+  // beta = 0 under overwrite: cuBLASLt does not read C (dw may hold anything, NaN included).
   gemm(false, true, K, N, T, x.data, x.stride[0], dy.data, dy.stride[0], dw.data, dw.stride[0], x.dtype, dw.dtype,
-       1.0f, 1.0f);
+       1.0f, dw_write == GradWrite::overwrite ? 0.0f : 1.0f);
 }
 
 }  // namespace longtrain::ops::cuda

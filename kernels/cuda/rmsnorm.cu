@@ -5,6 +5,7 @@
 
 #include "kernels/backends.h"
 #include "kernels/cuda/cuda_common.cuh"
+#include "runtime/device.h"
 
 namespace longtrain::ops::cuda {
 
@@ -142,7 +143,7 @@ __global__ void rmsnorm_backward_vec_kernel(T* dx, int64_t dx_rs, float* partial
 // loads each per call.
 constexpr int kPartialSlices = 8;
 template <class G>
-__global__ void sum_partials_kernel(G* dw, const float* partial, int64_t blocks, int64_t C) {
+__global__ void sum_partials_kernel(G* dw, const float* partial, int64_t blocks, int64_t C, bool overwrite) {
   __shared__ float slice_sum[kPartialSlices][32];
   const int lane = threadIdx.x & 31, slice = threadIdx.x >> 5;
   const int64_t c = blockIdx.x * 32LL + lane;
@@ -155,7 +156,7 @@ __global__ void sum_partials_kernel(G* dw, const float* partial, int64_t blocks,
     float total = 0.0f;
 #pragma unroll
     for (int k = 0; k < kPartialSlices; ++k) total += slice_sum[k][lane];
-    dw[c] = from_float<G>(to_float(dw[c]) + total);
+    dw[c] = from_float<G>(overwrite ? total : to_float(dw[c]) + total);
   }
 }
 
@@ -197,7 +198,7 @@ void rmsnorm_forward(Tensor y, Tensor rstd, Tensor x, Tensor w, double eps) {
   LT_CUDA_LAUNCH_CHECK("rmsnorm_forward_kernel");
 }
 
-void rmsnorm_backward(Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w, Tensor rstd) {
+void rmsnorm_backward(Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w, Tensor rstd, GradWrite dw_write) {
   const char* op = "rmsnorm_backward";
   check_common(op, x, w, rstd);
   check_tensor(dx, 2, op, "dx");
@@ -210,7 +211,10 @@ void rmsnorm_backward(Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w, Tenso
   LT_CHECK(dx.dtype == x.dtype && dy.dtype == x.dtype, "{}: dx {}, dy {} and x {} must have the same dtype", op,
            dx.describe(), dy.describe(), x.describe());
   const int64_t T = x.size(0), C = x.size(1);
-  if (T == 0) return;
+  if (T == 0) {
+    if (dw_write == GradWrite::overwrite) zero(dw);  // no rows: the contribution is zero
+    return;
+  }
 
   const int64_t blocks = std::min<int64_t>(T, 4LL * num_sms());
   const size_t smem = static_cast<size_t>(C) * sizeof(float);
@@ -235,7 +239,7 @@ void rmsnorm_backward(Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w, Tenso
   dispatch_float(dw.dtype, op, [&](auto gtag) {
     using G = typename decltype(gtag)::type;
     sum_partials_kernel<G><<<static_cast<unsigned>((C + 31) / 32), 32 * kPartialSlices, 0, cuda_stream()>>>(
-        static_cast<G*>(dw.data), partial, blocks, C);
+        static_cast<G*>(dw.data), partial, blocks, C, dw_write == GradWrite::overwrite);
   });
   LT_CUDA_LAUNCH_CHECK("sum_partials_kernel");
 }

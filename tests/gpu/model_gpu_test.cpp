@@ -158,7 +158,13 @@ void expect_one_step_matches_cpu(const Batch& batch) {
 
   DeviceShard ds(batch);
   HostShard hs(batch);
-  gpu->zero_grads();
+  // The GPU as the trainer runs it: its gradients discarded, NaN before (any gradient added to rather
+  // than overwritten by its first contribution would stay NaN); the CPU's zeroed.
+  for (size_t i = 0; i < gpu->grads().table().size(); ++i) {
+    const Tensor g = gpu->grads().at(i);
+    upload(g, std::vector<double>(static_cast<size_t>(g.numel()), std::nan("")));
+  }
+  gpu->discard_grads();
   cpu->zero_grads();
   const model::LossSum lg = gpu->forward_backward(ds.shard(), scale);
   const model::LossSum lc = cpu->forward_backward(hs.shard(), scale);

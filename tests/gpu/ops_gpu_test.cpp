@@ -501,6 +501,61 @@ TEST_P(GpuOps, LmHeadCrossEntropyAtVocabularySizes) {
   }
 }
 
+// GradWrite::overwrite (the first write after LlamaModel::discard_grads): the weight gradients of the
+// GEMM (cuBLASLt's beta = 0, bf16 and f32 dw), the norm and the chunked LM head (its first chunk
+// overwrites, the others add) are the CPU's from zero, whatever dw held: NaN here.
+TEST_P(GpuOps, OverwrittenWeightGradientsIgnoreWhatTheyHeld) {
+  LT_REQUIRE_GPU();
+  const DType dt = GetParam();
+  const int64_t T = 45, C = 67, N = 29, V = 120;
+  const auto x = random_values(T * C, 81, dt), dy = random_values(T * N, 82, dt), w = random_values(N * C, 83, dt);
+  const std::vector<double> nan_nc(N * C, std::nan("")), nan_c(C, std::nan("")), nan_vc(V * C, std::nan(""));
+  DeviceTensor x_d(dt, {T, C}), dy_d(dt, {T, N}), w_d(dt, {N, C});
+  upload(x_d, x);
+  upload(dy_d, dy);
+  upload(w_d, w);
+
+  HostTensor<double> x_h = host_tensor({T, C}, x), dy_h = host_tensor({T, N}, dy), w_h = host_tensor({N, C}, w);
+  HostTensor<double> dw_h({N, C});
+  ops::linear_backward(Tensor(), dw_h, dy_h, x_h, w_h);
+  for (DType gt : {dt, DType::f32}) {
+    DeviceTensor dw_d(gt, {N, C});
+    upload(dw_d, nan_nc);
+    ops::linear_backward(Tensor(), dw_d, dy_d, x_d, w_d, ops::GradWrite::overwrite);
+    expect_close(std::string("linear_backward dw (=) into ") + name_of(gt), dt, download(dw_d), dw_h.values);
+  }
+
+  const auto nw = random_values(C, 84, dt, 0.5, 1.5), ndy = random_values(T * C, 85, dt);
+  HostTensor<double> nw_h = host_tensor({C}, nw), ndy_h = host_tensor({T, C}, ndy), ny_h({T, C}), rstd_h({T});
+  HostTensor<double> ndx_h({T, C}), ndw_h({C});
+  ops::rmsnorm_forward(ny_h, rstd_h, x_h, nw_h, 1e-5);
+  ops::rmsnorm_backward(ndx_h, ndw_h, ndy_h, x_h, nw_h, rstd_h);
+  DeviceTensor nw_d(dt, {C}), ndy_d(dt, {T, C}), ny_d(dt, {T, C}), rstd_d(DType::f32, {T}), ndx_d(dt, {T, C});
+  DeviceTensor ndw_d(dt, {C});
+  upload(nw_d, nw);
+  upload(ndy_d, ndy);
+  zero(ndx_d);
+  upload(ndw_d, nan_c);
+  ops::rmsnorm_forward(ny_d, rstd_d, x_d, nw_d, 1e-5);
+  ops::rmsnorm_backward(ndx_d, ndw_d, ndy_d, x_d, nw_d, rstd_d, ops::GradWrite::overwrite);
+  expect_close("rmsnorm_backward dw (=)", dt, download(ndw_d), ndw_h.values);
+
+  const auto lm = random_values(V * C, 86, dt, -0.5, 0.5);
+  const auto labels = random_ints(T, 87, 0, V);
+  ops::CrossEntropyParams p;
+  p.chunk_tokens = 16;
+  p.grad_scale = 1.0 / T;
+  HostTensor<double> lm_h = host_tensor({V, C}, lm), dlm_h({V, C}), loss_h({T}), dxl_h({T, C});
+  ops::lm_head_cross_entropy(loss_h, dxl_h, dlm_h, x_h, lm_h, host_ints({T}, labels), p);
+  DeviceTensor lm_d(dt, {V, C}), dlm_d(dt, {V, C}), loss_d(DType::f32, {T}), dxl_d(dt, {T, C}), lab_d(DType::i32, {T});
+  upload(lm_d, lm);
+  upload(dlm_d, nan_vc);
+  upload_ints(lab_d, labels);
+  p.dw_write = ops::GradWrite::overwrite;
+  ops::lm_head_cross_entropy(loss_d, dxl_d, dlm_d, x_d, lm_d, lab_d, p);
+  expect_close("lm_head_cross_entropy dw (= first chunk, += the rest)", dt, download(dlm_d), dlm_h.values);
+}
+
 // Every backward that reduces (embedding rows, rmsnorm dw, GEMMs, the chunked LM head) gives the same
 // bits when run twice from the same state.
 TEST_P(GpuOps, BackwardsAreBitwiseDeterministic) {

@@ -3,6 +3,7 @@
 // large logits, finite differences and errors.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "kernels/ops.h"
@@ -122,6 +123,24 @@ TEST(CrossEntropy, ChunkSizeDoesNotChangeTheResult) {
     EXPECT_LT(test::relative_error(losses.values, losses_all.values), 1e-12) << "chunk " << chunk;
     EXPECT_LT(test::relative_error(dx.values, dx_all.values), 1e-12) << "chunk " << chunk;
     EXPECT_LT(test::relative_error(dw.values, dw_all.values), 1e-12) << "chunk " << chunk;
+  }
+}
+
+// GradWrite::overwrite: the first chunk overwrites dw (NaN before), the others add: the same dw as
+// accumulating into zeros, for every chunk size.
+TEST(CrossEntropy, OverwrittenWeightGradientEqualsAccumulatedIntoZeros) {
+  HostTensor<double> x({kTokens, kDim}), w({kVocab, kDim});
+  test::fill_uniform(x, 19, -2.0, 2.0);
+  test::fill_uniform(w, 20);
+  const HostTensor<int32_t> labels = random_labels(21);
+  for (int64_t chunk : {int64_t{1}, int64_t{7}, kTokens}) {
+    HostTensor<double> losses({kTokens}), dx({kTokens, kDim}), dw_zeroed({kVocab, kDim}), dw({kVocab, kDim});
+    ops::lm_head_cross_entropy(losses, dx, dw_zeroed, x, w, labels, params(0.5, chunk));
+    std::fill(dw.values.begin(), dw.values.end(), std::nan(""));
+    ops::CrossEntropyParams p = params(0.5, chunk);
+    p.dw_write = ops::GradWrite::overwrite;
+    ops::lm_head_cross_entropy(losses, dx, dw, x, w, labels, p);
+    EXPECT_EQ(dw.values, dw_zeroed.values) << "chunk " << chunk;
   }
 }
 

@@ -2,6 +2,9 @@
 // accumulation semantics, finite differences and errors.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <limits>
+
 #include "kernels/ops.h"
 #include "op_test_util.h"
 
@@ -67,6 +70,22 @@ TYPED_TEST(LinearTest, EmptyDxSkipsTheInputGradient) {
   const auto ref_dw = reference_dw(test::as_double(dw), test::as_double(dy), test::as_double(x));
   ops::linear_backward(Tensor(), dw, dy, x, w);
   test::expect_close("linear dw, dx empty", dw.values, ref_dw);
+}
+
+// GradWrite::overwrite: dw = dyᵀ · x whatever dw held (NaN here), also with no tokens (dw = 0).
+TYPED_TEST(LinearTest, OverwrittenWeightGradientIgnoresWhatDwHeld) {
+  using T = TypeParam;
+  HostTensor<T> x({kTokens, kIn}), w({kOut, kIn}), dy({kTokens, kOut}), dw({kOut, kIn});
+  test::fill_uniform(x, 16);
+  test::fill_uniform(w, 17);
+  test::fill_uniform(dy, 18);
+  std::fill(dw.values.begin(), dw.values.end(), std::numeric_limits<T>::quiet_NaN());
+  const auto ref_dw = reference_dw(std::vector<double>(kOut * kIn, 0.0), test::as_double(dy), test::as_double(x));
+  ops::linear_backward(Tensor(), dw, dy, x, w, ops::GradWrite::overwrite);
+  test::expect_close("linear dw (=)", dw.values, ref_dw);
+  std::fill(dw.values.begin(), dw.values.end(), std::numeric_limits<T>::quiet_NaN());
+  ops::linear_backward(Tensor(), dw, dy.view.narrow(0, 0), x.view.narrow(0, 0), w, ops::GradWrite::overwrite);
+  for (T v : dw.values) ASSERT_EQ(v, T(0)) << "no tokens: a zero gradient";
 }
 
 TYPED_TEST(LinearTest, StridedRowViews) {

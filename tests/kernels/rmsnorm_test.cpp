@@ -1,7 +1,9 @@
 // rmsnorm_forward / rmsnorm_backward against a naive reference, finite differences and errors.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "kernels/ops.h"
 #include "op_test_util.h"
@@ -63,6 +65,24 @@ TYPED_TEST(RmsnormTest, ForwardAndBackwardMatchReference) {
   test::expect_close("rmsnorm rstd", rstd.values, ref.rstd);
   test::expect_close("rmsnorm dx (+=)", dx.values, ref.dx);
   test::expect_close("rmsnorm dw (+=)", dw.values, ref.dw);
+}
+
+// GradWrite::overwrite: dw is this call's Σ_t whatever it held (NaN here); dx still accumulates.
+TYPED_TEST(RmsnormTest, OverwrittenWeightGradientIgnoresWhatDwHeld) {
+  using T = TypeParam;
+  HostTensor<T> x({kTokens, kDim}), w({kDim}), y({kTokens, kDim}), rstd({kTokens});
+  HostTensor<T> dy({kTokens, kDim}), dx({kTokens, kDim}), dw({kDim});
+  test::fill_uniform(x, 11, -2.0, 2.0);
+  test::fill_uniform(w, 12, 0.5, 1.5);
+  test::fill_uniform(dy, 13);
+  test::fill_uniform(dx, 14);
+  const Reference ref = reference(test::as_double(x), test::as_double(w), test::as_double(dy), test::as_double(dx),
+                                  std::vector<double>(kDim, 0.0));
+  std::fill(dw.values.begin(), dw.values.end(), std::numeric_limits<T>::quiet_NaN());
+  ops::rmsnorm_forward(y, rstd, x, w, kEps);
+  ops::rmsnorm_backward(dx, dw, dy, x, w, rstd, ops::GradWrite::overwrite);
+  test::expect_close("rmsnorm dx (+=)", dx.values, ref.dx);
+  test::expect_close("rmsnorm dw (=)", dw.values, ref.dw);
 }
 
 TYPED_TEST(RmsnormTest, StridedRows) {

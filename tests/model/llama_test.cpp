@@ -1,5 +1,6 @@
 // The whole model: gradients against central finite differences in double, the three checkpoint
 // policies against each other, the parameter table and its initialisation.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <memory>
@@ -385,6 +386,65 @@ TEST(LlamaModel, GradientsAccumulateAcrossCalls) {
   model.forward_backward(data.shard(), 0.5);
   std::vector<double> twice = arena_values(model.grads());
   for (size_t i = 0; i < once.size(); ++i) EXPECT_NEAR(twice[i], 2 * once[i], 1e-14 + 1e-12 * std::abs(once[i]));
+}
+
+// discard_grads() then forward_backward gives exactly what zero_grads() does, though every gradient
+// holds NaN beforehand (so any gradient added to rather than overwritten, or left unwritten, shows):
+// untied and tied embeddings, every policy, token chunks (the first chunk overwrites, the rest add), a
+// second micro-batch (adds), and each range as the gradients-ready hook reports it. Until then the
+// values are stale; zero_grads() after a discard zeroes everything again.
+TEST(LlamaModel, DiscardedGradientsEqualZeroedOnes) {
+  const int64_t T = 23;
+  for (const bool tied : {false, true}) {
+    for (CheckpointPolicy policy : {CheckpointPolicy::none, CheckpointPolicy::full, CheckpointPolicy::remat_aware}) {
+      for (const Tiling tiling : {Tiling{T, T}, Tiling{5, 7}}) {
+        const std::string what = fmt::format("{}{}, mlp chunk {} loss chunk {}", tied ? "tied, " : "",
+                                             checkpoint_policy_name(policy), tiling.mlp_chunk_tokens,
+                                             tiling.loss_chunk_tokens);
+        LlamaConfig c = tiny_config();
+        c.tie_embeddings = tied;
+        ShardData first(T, c.vocab_size), second(T, c.vocab_size, /*first_position=*/3);
+        auto run = [&](bool discard, std::vector<std::vector<double>>* reported) {
+          LlamaModel model(c, Precision::cpu(DType::f64), policy, T, nullptr, 1, tiling);
+          model.initialize(4, 0.3);
+          Tensor flat = model.grads().flat();
+          // NaN in every gradient tensor (not the alignment gaps, which nothing writes).
+          for (const ArenaEntry& e : model.grads().table()) {
+            double* p = flat.ptr<double>() + e.offset / sizeof(double);
+            std::fill(p, p + e.numel, std::nan(""));
+          }
+          if (discard) {
+            model.discard_grads();
+          } else {
+            model.zero_grads();
+          }
+          if (reported != nullptr) {
+            model.set_gradients_ready([&](int64_t begin, int64_t end) {
+              reported->emplace_back(flat.ptr<double>() + begin, flat.ptr<double>() + end);
+            });
+          }
+          model.forward_backward(first.shard(), 0.05);
+          model.set_gradients_ready(nullptr);
+          std::vector<double> one = arena_values(model.grads());
+          model.forward_backward(second.shard(), 0.05);
+          return std::make_pair(one, arena_values(model.grads()));
+        };
+        std::vector<std::vector<double>> reported_zeroed, reported_discarded;
+        const auto zeroed = run(false, &reported_zeroed), discarded = run(true, &reported_discarded);
+        for (double v : zeroed.first) ASSERT_TRUE(std::isfinite(v)) << what << ": the reference itself";
+        EXPECT_EQ(discarded.first, zeroed.first) << what << ", one micro-batch";
+        EXPECT_EQ(discarded.second, zeroed.second) << what << ", two micro-batches";
+        EXPECT_EQ(reported_discarded, reported_zeroed) << what << ", the ranges as reported";
+      }
+    }
+  }
+  // A discard leaves stale values until forward_backward; zero_grads() clears them all.
+  LlamaModel model(tiny_config(), Precision::cpu(DType::f64), CheckpointPolicy::none, T);
+  Tensor flat = model.grads().flat();
+  std::fill(flat.ptr<double>(), flat.ptr<double>() + flat.numel(), 1.0);
+  model.discard_grads();
+  model.zero_grads();
+  for (double v : arena_values(model.grads())) ASSERT_EQ(v, 0.0);
 }
 
 TEST(LlamaModel, ParameterTableUsesHuggingFaceNamesInOneArena) {
