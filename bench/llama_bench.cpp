@@ -46,7 +46,8 @@
 // For each length (ascending) and checkpoint policy: the memory plan is printed and checked against
 // the free device memory before anything is allocated (a config that does not fit is reported and
 // skipped); then warm-up steps (under LONGTRAIN_GEMM_ALGO=auto more of them, up to 32, until every
-// GEMM shape's trial has ended: the row's gemm_trial_steps), then timed steps (wall clock between two
+// GEMM shape's trial has ended: the row's gemm_trial_steps, after which the parameters and optimizer
+// are rewound and the warm-up steps run again), then timed steps (wall clock between two
 // device synchronisations, as the anchor times them), with CUDA events splitting each step into
 // forward+backward, optimizer, and the attention calls inside forward+backward. The attention
 // forwards per layer and step are counted (remat_aware and none: 1, full: 2).
@@ -708,6 +709,22 @@ int main(int argc, char** argv) try {
         };
         int trial_steps = 0;
         for (; trial_steps < 32 && trials_pending(); ++trial_steps) step(-1);
+        if (trial_steps > 0) {
+          // Back to the initial parameters and an untouched optimizer, then the warm-up steps again: the
+          // timed steps start from the same state whatever the trials took. (Steps on this one batch
+          // memorise it; a model near zero loss steps measurably slower: 2-3% at 8K after 17 steps
+          // against 8, bench/results/step-ce-rope-discard-h200-2026-12-04.json.)
+          copy(Tensor(m.params().base(), DType::bf16, {static_cast<int64_t>(image.size())}, Device::cuda),
+               Tensor(const_cast<bf16*>(image.data()), DType::bf16, {static_cast<int64_t>(image.size())}));
+          zero(adamw.m().flat());
+          zero(adamw.v().flat());
+          if (adamw.master().bytes() > 0) {
+            const Tensor own = m.params().flat().narrow(0, adamw.shard_begin(), shard);
+            ops::convert(adamw.master().flat().narrow(0, shard), own);
+          }
+          adamw.set_steps_taken(0);
+          for (int i = 0; i < opt.warmup; ++i) step(-1);
+        }
         LT_CUDA_CHECK(cudaDeviceSynchronize());
         if (group) group->barrier();
         const double warm_s = seconds_since(t_warm);
