@@ -38,16 +38,17 @@ void embedding_backward(Tensor d_table, Tensor tokens, Tensor d_out);
 // plan's count; 0 on the CPU).
 size_t embedding_backward_scratch_bytes(Device device, int64_t tokens, int64_t vocab);
 
-// ---- rmsnorm -------------------------------------------------------------------------------
-// rstd[t] = 1 / sqrt(mean_c(x[t, c]^2) + eps);  y[t, c] = x[t, c] * rstd[t] * w[c]
-// x, y [T, C]; w [C]; rstd [T] (saved for backward).
-void rmsnorm_forward(Tensor y, Tensor rstd, Tensor x, Tensor w, double eps);
 // How a backward op writes a parameter gradient: added into it (the default), or overwritten with this
 // call's contribution without reading the old values, which may be anything, NaN included (the
 // first contribution of a step, as PyTorch writes a gradient that zero_grad set to None).
 enum class GradWrite { accumulate, overwrite };
 
+// ---- rmsnorm -------------------------------------------------------------------------------
+// rstd[t] = 1 / sqrt(mean_c(x[t, c]^2) + eps);  y[t, c] = x[t, c] * rstd[t] * w[c]
+// x, y [T, C]; w [C]; rstd [T] (saved for backward).
+void rmsnorm_forward(Tensor y, Tensor rstd, Tensor x, Tensor w, double eps);
 // dx += d(y)/d(x)·dy  (accumulated: dx is the residual-stream gradient);  dw += sum_t dy·x·rstd
+// (dw = under GradWrite::overwrite)
 void rmsnorm_backward(Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w, Tensor rstd,
                       GradWrite dw_write = GradWrite::accumulate);
 

@@ -188,7 +188,7 @@ void LlamaModel::zero_grads() {
 }
 
 void LlamaModel::discard_grads() {
-  const profile::Region region("zero_grads", precision_.device);
+  const profile::Region region("discard_grads", precision_.device);
   // The alignment gaps and padding are never written (zero since allocation); the embedding is
   // scattered into, so it is zeroed, unless it is the (tied) LM head, which the head writes first.
   if (!config_.tie_embeddings) zero(g_.embed);

@@ -152,8 +152,8 @@ class LlamaModel {
   // everything is as after zero_grads().
   void discard_grads();
 
-  // Forward and backward over one shard. Gradients are ACCUMULATED into grads() (call zero_grads()
-  // between optimizer steps), scaled by grad_scale: pass 1 / (valid labels in the global batch) so
+  // Forward and backward over one shard. Gradients are ACCUMULATED into grads() (call zero_grads() or
+  // discard_grads() between optimizer steps), scaled by grad_scale: pass 1 / (valid labels in the global batch) so
   // the loss is the global mean whatever the parallel layout. Returns this shard's loss sum/count.
   // With `loss_sum` (one f64 element on the model's device) the loss sum is added to it on the
   // device instead, and the returned sum is 0: no host read, for a step that reads its sums once at

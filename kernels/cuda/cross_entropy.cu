@@ -11,12 +11,13 @@
 #include <cooperative_groups.h>
 
 #include <algorithm>
+#include <array>
+#include <cstdio>
 #include <type_traits>
 
 #include "kernels/backends.h"
 #include "kernels/cuda/cuda_common.cuh"
 #include "kernels/cuda/gemm.h"
-#include "runtime/device.h"
 
 namespace longtrain::ops::cuda {
 
@@ -135,6 +136,7 @@ __global__ void __launch_bounds__(kClusterThreads)
     const float s_all = warp_sum(p.x == -INFINITY ? 0.0f : p.y * exp2f((p.x - m_all) * kLog2e));
     if (threadIdx.x == 0) row_lse = m_all + logf(s_all);
   }
+  __syncwarp();              // the .aligned barrier below wants warp 0 converged again
   cluster_arrive_release();  // done reading the other ranks' shared memory
   __syncthreads();
   const float lse = row_lse;
@@ -157,23 +159,66 @@ __global__ void __launch_bounds__(kClusterThreads)
     }
   }
   cluster_wait_acquire();  // no rank leaves while another may still read its part
+#else
+  __trap();  // no sm_90 code: cluster_elements_per_thread never launches this
 #endif
 }
 
+template <int E, class G>
+bool cluster_kernel_schedulable() {
+  auto kernel = cross_entropy_rows_cluster_kernel<E, G>;
+  cudaFuncAttributes attr{};
+  // Built from sm_90 code (PTX for an older architecture, compiled for this GPU at load time, would
+  // have an empty body), and a cluster of the most CTAs fits on the GPU (not under an SM limit, say).
+  if (cudaFuncGetAttributes(&attr, kernel) != cudaSuccess || attr.ptxVersion < 90 || attr.binaryVersion < 90) {
+    return false;
+  }
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(kMaxClusterCtas);
+  config.blockDim = dim3(kClusterThreads);
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeClusterDimension;
+  attribute[0].val.clusterDim.x = kMaxClusterCtas;
+  attribute[0].val.clusterDim.y = 1;
+  attribute[0].val.clusterDim.z = 1;
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  int clusters = 0;
+  return cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) == cudaSuccess && clusters > 0;
+}
+
 // The smallest per-thread count E (8, 16, 32 or 64) whose cluster of at most 8 CTAs covers V, or 0 where
-// the cluster kernel does not apply (V not a multiple of 4, too large, or no sm_90 code for the device).
+// the cluster kernel does not apply (V not a multiple of 4, too large, no sm_90 GPU or code, or no room
+// for the cluster).
 int cluster_elements_per_thread(int64_t V) {
-  static const bool usable = [] {
+  static const std::array<bool, 4> usable = [] {
+    std::array<bool, 4> ok{};
     int dev = 0, major = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess) return false;
-    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) return false;
-    cudaFuncAttributes attr{};
-    if (cudaFuncGetAttributes(&attr, cross_entropy_rows_cluster_kernel<8, float>) != cudaSuccess) return false;
-    return major >= 9 && attr.binaryVersion >= 90;
+    const bool sm90 = cudaGetDevice(&dev) == cudaSuccess &&
+                      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
+                      major >= 9;
+    if (sm90) {
+      ok = {cluster_kernel_schedulable<8, float>() && cluster_kernel_schedulable<8, __nv_bfloat16>(),
+            cluster_kernel_schedulable<16, float>() && cluster_kernel_schedulable<16, __nv_bfloat16>(),
+            cluster_kernel_schedulable<32, float>() && cluster_kernel_schedulable<32, __nv_bfloat16>(),
+            cluster_kernel_schedulable<64, float>() && cluster_kernel_schedulable<64, __nv_bfloat16>()};
+      if (!(ok[0] && ok[1] && ok[2] && ok[3])) {  // slower, not wrong: say so once
+        std::fprintf(stderr,
+                     "longtrain: cross-entropy rows on clusters of CTAs (8/16/32/64 logits a thread): %s/%s/%s/%s on "
+                     "this sm_%d GPU; one block per row elsewhere\n",
+                     ok[0] ? "yes" : "no", ok[1] ? "yes" : "no", ok[2] ? "yes" : "no", ok[3] ? "yes" : "no",
+                     major * 10);
+      }
+    }
+    (void)cudaGetLastError();  // a refused query leaves nothing behind for the next launch check
+    return ok;
   }();
-  if (!usable || V <= 0 || V % 4 != 0) return 0;
-  for (int e : {8, 16, 32, 64}) {
-    if (V <= static_cast<int64_t>(kMaxClusterCtas) * kClusterThreads * e) return e;
+  if (V <= 0 || V % 4 != 0) return 0;
+  const int per_thread[4] = {8, 16, 32, 64};
+  for (int i = 0; i < 4; ++i) {
+    if (V <= static_cast<int64_t>(kMaxClusterCtas) * kClusterThreads * per_thread[i]) {
+      return usable[i] ? per_thread[i] : 0;
+    }
   }
   return 0;
 }
@@ -230,7 +275,10 @@ void lm_head_cross_entropy(Tensor losses, Tensor dx, Tensor dw, Tensor x, Tensor
   }
   LT_CHECK(p.chunk_tokens > 0, "{}: chunk_tokens must be positive, got {}", op, p.chunk_tokens);
   if (T == 0) {
-    if (backward && p.dw_write == GradWrite::overwrite) zero(dw);  // no rows: a zero gradient
+    if (backward && p.dw_write == GradWrite::overwrite) {  // no rows: a zero gradient (dw may be strided)
+      const size_t es = dtype_size(dw.dtype);
+      LT_CUDA_CHECK(cudaMemset2DAsync(dw.data, dw.stride[0] * es, 0, dw.size(1) * es, dw.size(0), cuda_stream()));
+    }
     return;
   }
 
