@@ -640,8 +640,11 @@ int main(int argc, char** argv) try {
         TimedAttention* timed = attention.get();
         model::LlamaModel m(cfg, prec, policy, T, std::move(attention), P, opt.tiling, choice.offload);
         LT_CHECK(static_cast<size_t>(m.params().flat().numel()) >= image.size(), "llama_bench: parameter image larger than the arena");
-        copy(Tensor(m.params().base(), DType::bf16, {static_cast<int64_t>(image.size())}, Device::cuda),
-             Tensor(const_cast<bf16*>(image.data()), DType::bf16, {static_cast<int64_t>(image.size())}));
+        auto load_image = [&] {
+          copy(Tensor(m.params().base(), DType::bf16, {static_cast<int64_t>(image.size())}, Device::cuda),
+               Tensor(const_cast<bf16*>(image.data()), DType::bf16, {static_cast<int64_t>(image.size())}));
+        };
+        load_image();
         trainer::AdamWConfig ocfg;  // torch.optim.AdamW's defaults, as the anchor uses them, lr 1e-4
         ocfg.lr = 1e-4;
         ocfg.beta1 = 0.9;
@@ -714,8 +717,7 @@ int main(int argc, char** argv) try {
           // timed steps start from the same state whatever the trials took. (Steps on this one batch
           // memorise it; a model near zero loss steps measurably slower: 2-3% at 8K after 17 steps
           // against 8, bench/results/step-ce-rope-discard-h200-2026-12-04.json.)
-          copy(Tensor(m.params().base(), DType::bf16, {static_cast<int64_t>(image.size())}, Device::cuda),
-               Tensor(const_cast<bf16*>(image.data()), DType::bf16, {static_cast<int64_t>(image.size())}));
+          load_image();
           zero(adamw.m().flat());
           zero(adamw.v().flat());
           if (adamw.master().bytes() > 0) {

@@ -139,10 +139,11 @@ LlamaModel::LlamaModel(const LlamaConfig& config, Precision precision, Checkpoin
   // The gradient-ready ranges follow the arena's order (model/parameters.cpp): embedding, layer 0 ..
   // L-1 (each starting at its input norm), final norm, LM head (untied), padding. A range runs to the
   // start of the next, so alignment gaps (always zero) ride along and the ranges cover the buffer.
-  auto first_element = [&](const std::string& name) {
-    const auto bytes = static_cast<char*>(grads_.get(name).data) - static_cast<char*>(grads_.base());
+  auto element_of = [&](const Tensor& g) {  // g's first element in grads_.flat()
+    const auto bytes = static_cast<char*>(g.data) - static_cast<char*>(grads_.base());
     return static_cast<int64_t>(bytes / static_cast<std::ptrdiff_t>(dtype_size(precision_.grad())));
   };
+  auto first_element = [&](const std::string& name) { return element_of(grads_.get(name)); };
   const int64_t L = config_.n_layers, total = grads_.flat().numel();
   std::vector<int64_t> layer_begin;
   for (int64_t l = 0; l < L; ++l) layer_begin.push_back(first_element(layer_param_name(l, "input_layernorm.weight")));
@@ -151,10 +152,7 @@ LlamaModel::LlamaModel(const LlamaConfig& config, Precision precision, Checkpoin
   for (int64_t l = L - 1; l >= 0; --l)
     gradient_ranges_.push_back({layer_begin[l], l + 1 < L ? layer_begin[l + 1] : norm_begin});
   gradient_ranges_.push_back({0, L > 0 ? layer_begin[0] : norm_begin});
-  auto discardable = [&](const Tensor& g) {
-    const auto bytes = static_cast<char*>(g.data) - static_cast<char*>(grads_.base());
-    discardable_.push_back({g, static_cast<int64_t>(bytes / static_cast<std::ptrdiff_t>(dtype_size(precision_.grad())))});
-  };
+  auto discardable = [&](const Tensor& g) { discardable_.push_back({g, element_of(g)}); };
   for (const LayerParams& g : g_.layers) {
     for (const Tensor* t : {&g.input_norm, &g.qkv, &g.o_proj, &g.post_norm, &g.gate_up, &g.down_proj}) discardable(*t);
   }

@@ -67,8 +67,8 @@ void cross_entropy_impl(const Tensor& losses, const Tensor& dx, const Tensor& dw
     ~Scratch() { device_free(Device::cpu, p); }
   } scratch{device_alloc(Device::cpu, static_cast<size_t>(chunk * V) * sizeof(T))};
   T* const buffer = static_cast<T*>(scratch.p);
-  if (backward && n_tokens == 0 && p.dw_write == GradWrite::overwrite) {  // no rows: a zero gradient
-    for (int64_t r = 0; r < dw.shape[0]; ++r) std::fill_n(dw.ptr<T>() + r * dw.stride[0], dw.shape[1], T(0));
+  if (backward && n_tokens == 0 && p.dw_write == GradWrite::overwrite) {  // no rows: dw = the empty sum
+    cpu::linear_backward(Tensor(), dw, Tensor(buffer, dtype_of<T>(), {0, V}), x, w, GradWrite::overwrite);
   }
   for (int64_t t0 = 0; t0 < n_tokens; t0 += chunk) {
     const int64_t n = std::min(chunk, n_tokens - t0);

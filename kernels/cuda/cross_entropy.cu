@@ -164,6 +164,22 @@ __global__ void __launch_bounds__(kClusterThreads)
 #endif
 }
 
+// A launch of `ctas` CTAs of kClusterThreads in clusters of `ranks` on the compute stream; the config
+// points at `attribute`, which must outlive it.
+cudaLaunchConfig_t cluster_config(unsigned ctas, unsigned ranks, cudaLaunchAttribute& attribute) {
+  attribute.id = cudaLaunchAttributeClusterDimension;
+  attribute.val.clusterDim.x = ranks;
+  attribute.val.clusterDim.y = 1;
+  attribute.val.clusterDim.z = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(ctas);
+  config.blockDim = dim3(kClusterThreads);
+  config.stream = cuda_stream();
+  config.attrs = &attribute;
+  config.numAttrs = 1;
+  return config;
+}
+
 template <int E, class G>
 bool cluster_kernel_schedulable() {
   auto kernel = cross_entropy_rows_cluster_kernel<E, G>;
@@ -173,16 +189,8 @@ bool cluster_kernel_schedulable() {
   if (cudaFuncGetAttributes(&attr, kernel) != cudaSuccess || attr.ptxVersion < 90 || attr.binaryVersion < 90) {
     return false;
   }
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(kMaxClusterCtas);
-  config.blockDim = dim3(kClusterThreads);
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeClusterDimension;
-  attribute[0].val.clusterDim.x = kMaxClusterCtas;
-  attribute[0].val.clusterDim.y = 1;
-  attribute[0].val.clusterDim.z = 1;
-  config.attrs = attribute;
-  config.numAttrs = 1;
+  cudaLaunchAttribute attribute;
+  const cudaLaunchConfig_t config = cluster_config(kMaxClusterCtas, kMaxClusterCtas, attribute);
   int clusters = 0;
   return cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) == cudaSuccess && clusters > 0;
 }
@@ -229,17 +237,8 @@ void launch_cluster_rows(int64_t n, const float* logits, int64_t V, const int32_
                          float grad_scale) {
   const int64_t per_cta = static_cast<int64_t>(kClusterThreads) * E;
   const unsigned ranks = static_cast<unsigned>((V + per_cta - 1) / per_cta);
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(static_cast<unsigned>(n) * ranks);
-  config.blockDim = dim3(kClusterThreads);
-  config.stream = cuda_stream();
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeClusterDimension;
-  attribute[0].val.clusterDim.x = ranks;
-  attribute[0].val.clusterDim.y = 1;
-  attribute[0].val.clusterDim.z = 1;
-  config.attrs = attribute;
-  config.numAttrs = 1;
+  cudaLaunchAttribute attribute;
+  const cudaLaunchConfig_t config = cluster_config(static_cast<unsigned>(n) * ranks, ranks, attribute);
   LT_CUDA_CHECK(cudaLaunchKernelEx(&config, cross_entropy_rows_cluster_kernel<E, G>, logits, V, labels, label_stride,
                                    row0, ignore_index, losses, loss_stride, dlogits, grad_scale));
 }
@@ -275,9 +274,9 @@ void lm_head_cross_entropy(Tensor losses, Tensor dx, Tensor dw, Tensor x, Tensor
   }
   LT_CHECK(p.chunk_tokens > 0, "{}: chunk_tokens must be positive, got {}", op, p.chunk_tokens);
   if (T == 0) {
-    if (backward && p.dw_write == GradWrite::overwrite) {  // no rows: a zero gradient (dw may be strided)
-      const size_t es = dtype_size(dw.dtype);
-      LT_CUDA_CHECK(cudaMemset2DAsync(dw.data, dw.stride[0] * es, 0, dw.size(1) * es, dw.size(0), cuda_stream()));
+    if (backward && p.dw_write == GradWrite::overwrite) {  // no rows: dw = the empty sum (the GEMM's k = 0)
+      gemm(false, true, C, V, 0, x.data, x.stride[0], nullptr, V, dw.data, dw.stride[0], x.dtype, dw.dtype, 1.0f,
+           0.0f);
     }
     return;
   }

@@ -142,6 +142,14 @@ TEST(CrossEntropy, OverwrittenWeightGradientEqualsAccumulatedIntoZeros) {
     ops::lm_head_cross_entropy(losses, dx, dw, x, w, labels, p);
     EXPECT_EQ(dw.values, dw_zeroed.values) << "chunk " << chunk;
   }
+  // No tokens: dw is the empty sum.
+  HostTensor<double> losses({kTokens}), dx({kTokens, kDim}), dw({kVocab, kDim});
+  std::fill(dw.values.begin(), dw.values.end(), std::nan(""));
+  ops::CrossEntropyParams p = params(0.5, 7);
+  p.dw_write = ops::GradWrite::overwrite;
+  ops::lm_head_cross_entropy(losses.view.narrow(0, 0), dx.view.narrow(0, 0), dw, x.view.narrow(0, 0), w,
+                             labels.view.narrow(0, 0), p);
+  for (double v : dw.values) ASSERT_EQ(v, 0.0) << "no tokens: a zero gradient";
 }
 
 TEST(CrossEntropy, IgnoredTokensContributeNothing) {
