@@ -38,6 +38,17 @@
 // before this step's dQ staging serialized the wgmmas at both head dims
 // (bench/results/attention-hopper-bwd-exp-chunks-h200-2026-12-03.json).
 //
+// Instructions per step: Nsight Compute (16K, both head dims) found the consumers issuing on 40% of
+// cycles with the tensor pipe 46% busy, and a fifth of the instructions masking the exp2 (compares,
+// predicate logic and a select per element, in every tile: the compiler had predicated the masked
+// branch) and another fifth re-encoding wgmma descriptors in the uniform datapath. The mask is now a
+// pass of its own, run only in the tiles that need it, every descriptor is one base plus constants
+// (desc_at), and the step's query tile and head come from a counter instead of a division: at D = 64
+// 3.4% faster at 8K, 16K and 64K, at D = 128 level (two rounds in one call,
+// bench/results/attention-hopper-bwd-instructions-h200-2026-12-04.json). (Issuing the previous step's
+// dQ at the start of the next and staging it while Sᵀ runs measured 1.9-2.8% slower at D = 64 and
+// 6-12% at D = 128, same file.)
+//
 // K_w in registers: at D = 64 each consumer thread loads its bf16 A fragments of K_w once (16
 // registers) and Sᵀ = K_w·Qᵀ runs with A from registers, which takes 8 KB per warpgroup and step off
 // the shared-memory reads of the MMAs (an SS m64n128k16 reads 6 KB per 64 tensor-core cycles, near
@@ -234,14 +245,30 @@ struct BwdParams {
   float scale_log2; // scale · log2(e) (for exp2)
 };
 
-// A CTA's step `step`: query tile m (the last first: header, "The step order") and query head (the
-// kv head's group, fastest). The producer and the consumers both derive it here, so they agree.
-struct Step {
-  int m, head;
-};
-__device__ __forceinline__ Step step_at(const BwdParams& p, const int kv_head, const int step) {
-  return {p.num_q_tiles - 1 - step / p.group, kv_head * p.group + step % p.group};
+// The descriptor of the operand `bytes` past the one `desc` describes (same LBO/SBO): the start address
+// field holds address / 16 in its low 14 bits, and every shared-memory address here is below 2^18
+// (227 KB), so adding bytes / 16 is the same as encoding the new address (smem_desc) and costs one
+// add of a constant in the unrolled k-loops instead of a masked, shifted re-encoding per wgmma.
+// The LBO field (bits 16-29, in 16 bytes) differs between operands by a constant as well: desc_at
+// takes the descriptor of the CTA's shared-memory base with LBO = 16 bytes and gives any operand's.
+__device__ __forceinline__ uint64_t desc_at(const uint64_t base_desc, const uint32_t bytes, const uint32_t lbo = 16) {
+  return base_desc + (bytes >> 4) + (static_cast<uint64_t>((lbo >> 4) - 1) << 16);
 }
+
+// A CTA's steps in order: query tile m (the last first: header, "The step order") and query head (the
+// kv head's group, fastest). The producer and the consumers both walk it with this cursor, so they
+// agree; it counts instead of dividing by the group each step (a runtime divisor: ~20 instructions).
+struct StepCursor {
+  int m, head, head_first, head_end;
+  __device__ __forceinline__ StepCursor(const BwdParams& p, const int kv_head)
+      : m(p.num_q_tiles - 1), head(kv_head * p.group), head_first(kv_head * p.group), head_end((kv_head + 1) * p.group) {}
+  __device__ __forceinline__ void next() {
+    if (++head == head_end) {
+      head = head_first;
+      --m;
+    }
+  }
+};
 
 // Sᵀ or dPᵀ (+)= A[64 × 16] · B[16 × N]: A and B K-major in shared memory; N = kBlockM.
 template <int N>
@@ -330,9 +357,10 @@ __device__ __forceinline__ void produce(const CUtensorMap* tm_q, const CUtensorM
       tma_load_3d(sV + c * Tl::kKVColBlockBytes, tm_v, kv_full, c * kSwizzleElems, kv_head, n0);
     }
   }
-  for (int step = 0; step < steps; ++step) {
+  StepCursor cursor(p, kv_head);
+  for (int step = 0; step < steps; ++step, cursor.next()) {
     const int s = step % S;
-    const auto [m, head] = step_at(p, kv_head, step);
+    const int m = cursor.m, head = cursor.head;
     const int m0 = m * M;
     // Load `step` into stage s waits for the release of load step - S from it: phase (step - S) / S of
     // empty[s], parity ((step / S) & 1) ^ 1; a fresh barrier's "previous phase" counts as complete, so
@@ -397,7 +425,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Causal (Tq == Tk): query tiles wholly before key n0 see none of these keys. n0 < Tk = Tq, so at
   // least one tile remains; without a mask every query tile meets the keys.
   const int m_first = kCausal ? n0 / M : 0;
-  const int steps = (p.num_q_tiles - m_first) * p.group;  // query tiles num_q_tiles - 1 down to m_first (step_at)
+  const int steps = (p.num_q_tiles - m_first) * p.group;  // query tiles num_q_tiles - 1 down to m_first (StepCursor)
 
   if (threadIdx.x == 0) {
     mbar_init(kv_full, 1);
@@ -428,8 +456,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int key_row = kWgKeys * cw + 16 * warp + lane / 4;  // this thread's half-0 key row in the tile
   const int key_lo = n0 + key_row;                          // ... as a key index; half 1 is +8
   const int col_lane = 2 * (lane % 4);
-  const uint32_t sK_wg = sK + kWgKeys * cw * kRowBytes;  // this warpgroup's 64 rows of each column block
-  const uint32_t sV_wg = sV + kWgKeys * cw * kRowBytes;
 
   float dv[Tl::kKVFloats], dk[Tl::kKVFloats];
 #pragma unroll
@@ -455,11 +481,17 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
   }
-  for (int step = 0; step < steps; ++step) {
+  // Every operand's descriptor is this one's plus constants and the stage's or buffer's offset
+  // (desc_at), not a new encoding of its address per wgmma.
+  const uint64_t desc0 = smem_desc(smem, 16, kAtomBytes);
+  const uint32_t wg_rows = kWgKeys * cw * kRowBytes;  // this warpgroup's 64 rows of K and V
+  StepCursor cursor(p, kv_head);
+  for (int step = 0; step < steps; ++step, cursor.next()) {
     const int s = step % S;
     const uint32_t parity = (step / S) & 1;
-    const auto [m, head] = step_at(p, kv_head, step);
+    const int m = cursor.m, head = cursor.head;
     const int m0 = m * M;
+    const uint32_t at_q = Tl::kQOffset + s * Tl::kQBytes, at_do = Tl::kDoOffset + s * Tl::kQBytes;  // stage s
 
     // Sᵀ = K_w·Qᵀ and dPᵀ = V_w·dOᵀ over head_dim in steps of 16 (the k-th slice of a column block
     // starts 32·k bytes in; hopper_attention.cu's header).
@@ -469,11 +501,11 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
       const uint32_t in_block = (kk % 4) * 32;
-      const uint64_t db = smem_desc(sQ(s) + (kk / 4) * Tl::kQColBlockBytes + in_block, 16, kAtomBytes);
+      const uint64_t db = desc_at(desc0, at_q + (kk / 4) * Tl::kQColBlockBytes + in_block);
       if constexpr (kKRegs) {
         wgmma_m64n128k16_rs_kmajor(st, ka[kk][0], ka[kk][1], ka[kk][2], ka[kk][3], db, kk > 0 ? 1u : 0u);
       } else {
-        const uint64_t da = smem_desc(sK_wg + (kk / 4) * Tl::kKVColBlockBytes + in_block, 16, kAtomBytes);
+        const uint64_t da = desc_at(desc0, Tl::kKOffset + wg_rows + (kk / 4) * Tl::kKVColBlockBytes + in_block);
         mma_ss_kmajor<M>(st, da, db, kk > 0 ? 1u : 0u);
       }
     }
@@ -482,8 +514,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
       const uint32_t in_block = (kk % 4) * 32;
-      const uint64_t da = smem_desc(sV_wg + (kk / 4) * Tl::kKVColBlockBytes + in_block, 16, kAtomBytes);
-      const uint64_t db = smem_desc(sDo(s) + (kk / 4) * Tl::kQColBlockBytes + in_block, 16, kAtomBytes);
+      const uint64_t da = desc_at(desc0, Tl::kVOffset + wg_rows + (kk / 4) * Tl::kKVColBlockBytes + in_block);
+      const uint64_t db = desc_at(desc0, at_do + (kk / 4) * Tl::kQColBlockBytes + in_block);
       mma_ss_kmajor<M>(dpt, da, db, kk > 0 ? 1u : 0u);
     }
     wgmma_commit();
@@ -496,6 +528,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     const bool mask = keys_past_end || (kCausal && key_wg + kWgKeys - 1 > m0);
     // Pᵀ over the query columns [8·jj0, 8·jj1), then its bf16 A fragments (pair q = elements 2q, 2q+1).
     uint32_t pa[M / 4], dsa[M / 4];
+    // The mask is a pass of its own over the exponentials, run only in the tiles that need it (`mask`
+    // is the same for the whole warpgroup): folded into the exp2 loop, the compiler predicated its
+    // compares and selects onto every element of every tile (a fifth of the kernel's instructions).
     auto p_columns = [&](const int jj0, const int jj1) {
 #pragma unroll
       for (int jj = jj0; jj < jj1; ++jj) {
@@ -503,13 +538,18 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int i = 4 * jj + e;
-          float x = fast_exp2(fmaf(st[i], p.scale_log2, -((e % 2) ? l.y : l.x)));
-          if (mask) {
+          st[i] = fast_exp2(fmaf(st[i], p.scale_log2, -((e % 2) ? l.y : l.x)));
+        }
+      }
+      if (mask) {
+#pragma unroll
+        for (int jj = jj0; jj < jj1; ++jj) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
             const int key = key_lo + 8 * (e / 2);
             const int query = m0 + 8 * jj + col_lane + (e % 2);
-            if (key >= p.tk || (kCausal && key > query)) x = 0.0f;
+            if (key >= p.tk || (kCausal && key > query)) st[4 * jj + e] = 0.0f;
           }
-          st[i] = x;
         }
       }
 #pragma unroll
@@ -521,7 +561,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     auto issue_dv = [&](const int kk0, const int kk1) {
 #pragma unroll
       for (int kk = kk0; kk < kk1; ++kk) {
-        const uint64_t db = smem_desc(sDo(s) + kk * 16 * kRowBytes, Tl::kQColBlockBytes, kAtomBytes);
+        const uint64_t db = desc_at(desc0, at_do + kk * 16 * kRowBytes, Tl::kQColBlockBytes);
         mma_rs<D>(dv, pa[4 * kk], pa[4 * kk + 1], pa[4 * kk + 2], pa[4 * kk + 3], db);
       }
     };
@@ -560,7 +600,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     issue_dv(kDvEarly, M / 16);
 #pragma unroll
     for (int kk = 0; kk < M / 16; ++kk) {
-      const uint64_t db = smem_desc(sQ(s) + kk * 16 * kRowBytes, Tl::kQColBlockBytes, kAtomBytes);
+      const uint64_t db = desc_at(desc0, at_q + kk * 16 * kRowBytes, Tl::kQColBlockBytes);
       mma_rs<D>(dk, dsa[4 * kk], dsa[4 * kk + 1], dsa[4 * kk + 2], dsa[4 * kk + 3], db);
     }
     wgmma_commit();
@@ -590,13 +630,15 @@ __global__ void __launch_bounds__(kThreads, 1)
     // (as V in the forward). head_dim 64: warpgroup w takes query rows 64w.. (dS block w, all of K's
     // one column block); head_dim 128: all 64 query rows (dS block 0), K's column block w.
     float dq[Tl::kDqFloats];
-    const uint32_t dq_a = ds_buf + (D == 64 ? cw * Tl::kDsBlockBytes : 0);
-    const uint32_t dq_b = sK + (D == 64 ? 0 : cw * Tl::kKVColBlockBytes);
+    // A = dS M-major (head_dim 64: warpgroup w's query block w; 128: block 0), B = K N-major (head_dim
+    // 64: its one column block; 128: column block w).
+    const uint32_t at_ds = Tl::kDsOffset + (step % Tl::kDsBuffers) * Tl::kDsBytes + (D == 64 ? cw * Tl::kDsBlockBytes : 0);
+    const uint32_t at_k = Tl::kKOffset + (D == 64 ? 0 : cw * Tl::kKVColBlockBytes);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) {
-      const uint64_t da = smem_desc(dq_a + kk * 16 * kRowBytes, Tl::kDsBlockBytes, kAtomBytes);
-      const uint64_t db = smem_desc(dq_b + kk * 16 * kRowBytes, Tl::kKVColBlockBytes, kAtomBytes);
+      const uint64_t da = desc_at(desc0, at_ds + kk * 16 * kRowBytes, Tl::kDsBlockBytes);
+      const uint64_t db = desc_at(desc0, at_k + kk * 16 * kRowBytes, Tl::kKVColBlockBytes);
       wgmma_m64n64k16_ss<1, 1>(dq, da, db, kk > 0 ? 1u : 0u);
     }
     wgmma_commit();
