@@ -245,16 +245,6 @@ struct BwdParams {
   float scale_log2; // scale · log2(e) (for exp2)
 };
 
-// The descriptor of the operand `bytes` past the one `desc` describes (same LBO/SBO): the start address
-// field holds address / 16 in its low 14 bits, and every shared-memory address here is below 2^18
-// (227 KB), so adding bytes / 16 is the same as encoding the new address (smem_desc) and costs one
-// add of a constant in the unrolled k-loops instead of a masked, shifted re-encoding per wgmma.
-// The LBO field (bits 16-29, in 16 bytes) differs between operands by a constant as well: desc_at
-// takes the descriptor of the CTA's shared-memory base with LBO = 16 bytes and gives any operand's.
-__device__ __forceinline__ uint64_t desc_at(const uint64_t base_desc, const uint32_t bytes, const uint32_t lbo = 16) {
-  return base_desc + (bytes >> 4) + (static_cast<uint64_t>((lbo >> 4) - 1) << 16);
-}
-
 // A CTA's steps in order: query tile m (the last first: header, "The step order") and query head (the
 // kv head's group, fastest). The producer and the consumers both walk it with this cursor, so they
 // agree; it counts instead of dividing by the group each step (a runtime divisor: ~20 instructions).
@@ -607,17 +597,22 @@ __global__ void __launch_bounds__(kThreads, 1)
 
     // dSᵀ into shared memory as the M-major A operand of dQ = dS·K: per 64 queries a block of 128
     // key rows of 128 bytes (64 queries), 128-byte swizzled (chunk c of row r at chunk c ^ (r % 8)).
-    // Pair q holds key row key_row + 8·(q % 2), queries 8·(q/2) + col_lane + {0, 1}: one 4-byte store.
-    // A warp's 32 stores hit 8 rows × 4 words at distinct banks (the swizzle spreads the 8 rows).
+    // Pair q of a lane holds key row key_row + 8·(q % 2), queries 8·(q/2) + col_lane + {0, 1}: for the
+    // warp, pair q is the 8 × 8 matrix of keys 16·warp + 8·(q % 2) + [0, 8) (in the warpgroup's 64) and
+    // queries 8·(q/2) + [0, 8), one 16-byte chunk of each of its 8 key rows. stmatrix stores four such
+    // matrices (pairs 4j .. 4j + 3) in one instruction: lane t gives the row t % 8 of matrix t / 8, i.e.
+    // key row stm_row (below) and query group g = 2j + t / 16. The swizzle puts a matrix's 8 rows in
+    // distinct banks.
     const uint32_t ds_buf = sDs(step % Tl::kDsBuffers);
+    {
+      const int stm_row = kWgKeys * cw + 16 * warp + 8 * ((lane / 8) % 2) + lane % 8;  // % 8 == lane % 8
+      const uint32_t row_addr = ds_buf + stm_row * kRowBytes;
 #pragma unroll
-    for (int q = 0; q < M / 4; ++q) {
-      const int row = key_row + 8 * (q % 2);
-      const int query = 8 * (q / 2) + col_lane;  // within the tile
-      const int chunk = (query % 64) / 8;
-      const uint32_t addr = ds_buf + (query / 64) * Tl::kDsBlockBytes + row * kRowBytes +
-                            ((chunk ^ (row % 8)) << 4) + (query % 8) * 2;
-      asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(dsa[q]) : "memory");
+      for (int j = 0; j < M / 16; ++j) {
+        const int g = 2 * j + lane / 16;  // the matrix's query group of 8
+        const uint32_t addr = row_addr + (g / 8) * Tl::kDsBlockBytes + (((g % 8) ^ (lane % 8)) << 4);
+        stmatrix_x4(addr, dsa[4 * j], dsa[4 * j + 1], dsa[4 * j + 2], dsa[4 * j + 3]);
+      }
     }
     fence_proxy_async_shared();
     // The dQ staging buffer's last reduction (issued at the end of the previous step) has read it

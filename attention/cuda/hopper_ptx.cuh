@@ -129,6 +129,16 @@ static __device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lbo
          (static_cast<uint64_t>((sbo & 0x3FFFF) >> 4) << 32) | (1ull << 62);
 }
 
+// The descriptor of the operand `bytes` past the address that `base_desc` (an smem_desc with LBO = 16
+// bytes) describes, with leading byte offset `lbo`. The start address field holds address / 16 and
+// every shared-memory address here is below 2^18 (227 KB), so adding bytes / 16 to it equals encoding
+// the new address; the LBO field (bits 16-29, in 16 bytes) moves by a constant as well. In unrolled
+// k-loops this is one add of a constant per wgmma instead of a masked, shifted re-encoding.
+static __device__ __forceinline__ uint64_t desc_at(const uint64_t base_desc, const uint32_t bytes,
+                                                   const uint32_t lbo = 16) {
+  return base_desc + (bytes >> 4) + (static_cast<uint64_t>((lbo >> 4) - 1) << 16);
+}
+
 static __device__ __forceinline__ float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
@@ -309,6 +319,15 @@ static __device__ __forceinline__ void mbar_wait_no_trap(uint32_t bar, uint32_t 
 // ---- the backward's dQ bulk reductions (hopper_attention_bwd.cu) ----
 
 // 16 bytes into shared memory.
+// Four 8×8 b16 matrices into shared memory: register i of every lane is its pair of matrix i (lane t:
+// row t / 4, columns 2·(t % 4) and +1, as an mma/wgmma accumulator fragment packed to pairs), and
+// lane t gives the 16-byte address of row t % 8 of matrix t / 8.
+static __device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0), "r"(r1),
+               "r"(r2), "r"(r3)
+               : "memory");
+}
+
 static __device__ __forceinline__ void st_shared_v4(uint32_t addr, float a, float b, float c, float d) {
   asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
 }
