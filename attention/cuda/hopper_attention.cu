@@ -452,11 +452,13 @@ constexpr uint32_t kTurnThreads = 2 * 128;
 // S = Q·Kᵀ for this warpgroup's 64 rows and one K tile (stage address sK_stage), head_dim in steps of 16.
 template <int D, uint32_t kQColBlockBytes, uint32_t kKVColBlockBytes>
 __device__ __forceinline__ void issue_qk(float (&sc)[kBlockN / 2], const uint32_t sQ_wg, const uint32_t sK_stage) {
+  // One encoding per operand, then constants (desc_at).
+  const uint64_t da0 = smem_desc(sQ_wg, 16, 1024), db0 = smem_desc(sK_stage, 16, 1024);
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk) {
     const uint32_t in_block = (kk % 4) * 32;
-    const uint64_t da = smem_desc(sQ_wg + (kk / 4) * kQColBlockBytes + in_block, 16, 1024);
-    const uint64_t db = smem_desc(sK_stage + (kk / 4) * kKVColBlockBytes + in_block, 16, 1024);
+    const uint64_t da = desc_at(da0, (kk / 4) * kQColBlockBytes + in_block);
+    const uint64_t db = desc_at(db0, (kk / 4) * kKVColBlockBytes + in_block);
     wgmma_m64n128k16_ss(sc, da, db, kk > 0 ? 1u : 0u);
   }
 }
@@ -465,9 +467,10 @@ __device__ __forceinline__ void issue_qk(float (&sc)[kBlockN / 2], const uint32_
 template <int D, uint32_t kKVColBlockBytes>
 __device__ __forceinline__ void issue_pv(float (&o)[D / 2], const uint32_t (&pa)[kBlockN / 4],
                                          const uint32_t sV_stage) {
+  const uint64_t db0 = smem_desc(sV_stage, 16, 1024);
 #pragma unroll
   for (int kk = 0; kk < kBlockN / 16; ++kk) {
-    const uint64_t db = smem_desc(sV_stage + kk * 16 * 128, kKVColBlockBytes, 1024);
+    const uint64_t db = desc_at(db0, kk * 16 * 128, kKVColBlockBytes);
     if constexpr (D == 128) {
       wgmma_m64n128k16_rs(o, pa[4 * kk], pa[4 * kk + 1], pa[4 * kk + 2], pa[4 * kk + 3], db);
     } else {
