@@ -44,7 +44,9 @@
 // branch) and another fifth re-encoding wgmma descriptors in the uniform datapath. The mask is now a
 // pass of its own, run only in the tiles that need it, every descriptor is one base plus constants
 // (desc_at), and the step's query tile and head come from a counter instead of a division: at D = 64
-// 3.4% faster at 8K, 16K and 64K, at D = 128 level (two rounds in one call,
+// 3.4% faster at 8K, 16K and 64K, at D = 128 level. dSᵀ then went to shared memory by stmatrix, four
+// 8×8 matrices of the accumulator's own fragments per instruction (8 a step at D = 64 instead of 32
+// 4-byte stores): 3-4% faster again at D = 64, 8-10% at D = 128 (two rounds in one call each,
 // bench/results/attention-hopper-bwd-instructions-h200-2026-12-04.json). (Issuing the previous step's
 // dQ at the start of the next and staging it while Sᵀ runs measured 1.9-2.8% slower at D = 64 and
 // 6-12% at D = 128, same file.)
@@ -72,8 +74,8 @@
 //     dSᵀ = Pᵀ ⊙ (dPᵀ − delta)
 //     dV_w += Pᵀ·dO       [64 × D]  RS: Pᵀ as bf16 from registers, dO N-major (as V in the forward)
 //     dK_w += dSᵀ·Q       [64 × D]  RS: dSᵀ from registers, Q N-major
-//   and writes dSᵀ as bf16 into shared memory (M-major for the next product), then after a named
-//   barrier between the two consumer warpgroups (dQ needs all 128 keys of dS):
+//   and writes dSᵀ as bf16 into shared memory (M-major for the next product, by stmatrix), then after a
+//   named barrier between the two consumer warpgroups (dQ needs all 128 keys of dS):
 //     dQ_sub = dS·K       [64 × 64]  SS, A = dS M-major ("transposed"), B = K N-major
 //   where warpgroup w's 64×64 sub-block is query rows 64w.. (head_dim 64) or head_dim columns 64w..
 //   (head_dim 128) of the [kBlockM × D] dQ tile. The warpgroup stores it into its staging buffer
@@ -251,7 +253,10 @@ struct BwdParams {
 struct StepCursor {
   int m, head, head_first, head_end;
   __device__ __forceinline__ StepCursor(const BwdParams& p, const int kv_head)
-      : m(p.num_q_tiles - 1), head(kv_head * p.group), head_first(kv_head * p.group), head_end((kv_head + 1) * p.group) {}
+      : m(p.num_q_tiles - 1),
+        head(kv_head * p.group),
+        head_first(kv_head * p.group),
+        head_end((kv_head + 1) * p.group) {}
   __device__ __forceinline__ void next() {
     if (++head == head_end) {
       head = head_first;
@@ -627,7 +632,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     float dq[Tl::kDqFloats];
     // A = dS M-major (head_dim 64: warpgroup w's query block w; 128: block 0), B = K N-major (head_dim
     // 64: its one column block; 128: column block w).
-    const uint32_t at_ds = Tl::kDsOffset + (step % Tl::kDsBuffers) * Tl::kDsBytes + (D == 64 ? cw * Tl::kDsBlockBytes : 0);
+    const uint32_t at_ds =
+        Tl::kDsOffset + (step % Tl::kDsBuffers) * Tl::kDsBytes + (D == 64 ? cw * Tl::kDsBlockBytes : 0);
     const uint32_t at_k = Tl::kKOffset + (D == 64 ? 0 : cw * Tl::kKVColBlockBytes);
     wgmma_fence();
 #pragma unroll
