@@ -46,7 +46,7 @@
 // (desc_at), and the step's query tile and head come from a counter instead of a division: at D = 64
 // 3.4% faster at 8K, 16K and 64K, at D = 128 level. dSᵀ then went to shared memory by stmatrix, four
 // 8×8 matrices of the accumulator's own fragments per instruction (8 a step at D = 64 instead of 32
-// 4-byte stores): 3-4% faster again at D = 64, 8-10% at D = 128 (two rounds in one call each,
+// 4-byte stores): 3-4% faster again at D = 64, 4-9% at D = 128 (two rounds in one call each,
 // bench/results/attention-hopper-bwd-instructions-h200-2026-12-04.json). (Issuing the previous step's
 // dQ at the start of the next and staging it while Sᵀ runs measured 1.9-2.8% slower at D = 64 and
 // 6-12% at D = 128, same file.)
@@ -402,9 +402,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t raw = smem_u32(smem_raw);
   const uint32_t smem = (raw + 1023u) & ~1023u;
   unsigned char* const smem_ptr = smem_raw + (smem - raw);  // the same address, generic
-  const uint32_t sK = smem + Tl::kKOffset, sV = smem + Tl::kVOffset;
-  auto sQ = [&](int s) { return smem + Tl::kQOffset + s * Tl::kQBytes; };
-  auto sDo = [&](int s) { return smem + Tl::kDoOffset + s * Tl::kQBytes; };
+  const uint32_t sK = smem + Tl::kKOffset;  // (the MMAs address Q, dO, K and V through desc_at)
   auto sDs = [&](int b) { return smem + Tl::kDsOffset + b * Tl::kDsBytes; };
   float* const lse_rows = reinterpret_cast<float*>(smem_ptr + Tl::kLseOffset);      // [S][M], lse · log2 e
   float* const delta_rows = reinterpret_cast<float*>(smem_ptr + Tl::kDeltaOffset);  // [S][M]

@@ -316,9 +316,8 @@ static __device__ __forceinline__ void mbar_wait_no_trap(uint32_t bar, uint32_t 
 }
 
 
-// ---- the backward's dQ bulk reductions (hopper_attention_bwd.cu) ----
+// ---- the backward's dS stores (hopper_attention_bwd.cu) ----
 
-// 16 bytes into shared memory.
 // Four 8×8 b16 matrices into shared memory: register i of every lane is its pair of matrix i (lane t:
 // row t / 4, columns 2·(t % 4) and +1, as an mma/wgmma accumulator fragment packed to pairs), and
 // lane t gives the 16-byte address of row t % 8 of matrix t / 8.
@@ -328,6 +327,10 @@ static __device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t r0, u
                : "memory");
 }
 
+
+// ---- the backward's dQ bulk reductions (hopper_attention_bwd.cu) ----
+
+// 16 bytes into shared memory.
 static __device__ __forceinline__ void st_shared_v4(uint32_t addr, float a, float b, float c, float d) {
   asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
 }
