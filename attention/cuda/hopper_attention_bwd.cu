@@ -49,7 +49,11 @@
 // 4-byte stores): 3-4% faster again at D = 64, 4-9% at D = 128 (two rounds in one call each,
 // bench/results/attention-hopper-bwd-instructions-h200-2026-12-04.json). (Issuing the previous step's
 // dQ at the start of the next and staging it while Sᵀ runs measured 1.9-2.8% slower at D = 64 and
-// 6-12% at D = 128, same file.)
+// 6-12% at D = 128, same file. At D = 128, issuing half or all of dK's k-steps after dQ, so that
+// they run while dQ is staged, measured 8-16% slower: dK is what keeps the tensor pipe busy while dS
+// is stored and the warpgroups meet at the barrier; reading the lse rows into registers before the Sᵀ
+// wait, 0-4% slower; at D = 64 both spill or serialize the wgmmas. K_w's first column block in
+// registers at D = 128 serialized them too (C7512). bench/results/step-policies-power-h200-2026-12-04.json.)
 //
 // K_w in registers: at D = 64 each consumer thread loads its bf16 A fragments of K_w once (16
 // registers) and Sᵀ = K_w·Qᵀ runs with A from registers, which takes 8 KB per warpgroup and step off
