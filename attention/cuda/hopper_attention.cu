@@ -92,6 +92,38 @@ struct Params {
   float scale_log2; // scale · log2(e) (for exp2)
 };
 
+// ---- the MMA issues both kernels share ------------------------------------------------------------
+
+// S = Q·Kᵀ for this warpgroup's 64 rows and one K tile (stage address sK_stage), head_dim in steps of 16.
+template <int D, uint32_t kQColBlockBytes, uint32_t kKVColBlockBytes>
+__device__ __forceinline__ void issue_qk(float (&sc)[kBlockN / 2], const uint32_t sQ_wg, const uint32_t sK_stage) {
+  // One encoding per operand, then constants (desc_at).
+  const uint64_t da0 = smem_desc(sQ_wg, 16, 1024), db0 = smem_desc(sK_stage, 16, 1024);
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    const uint32_t in_block = (kk % 4) * 32;
+    const uint64_t da = desc_at(da0, (kk / 4) * kQColBlockBytes + in_block);
+    const uint64_t db = desc_at(db0, (kk / 4) * kKVColBlockBytes + in_block);
+    wgmma_m64n128k16_ss(sc, da, db, kk > 0 ? 1u : 0u);
+  }
+}
+
+// O += P·V for one V tile (stage address sV_stage), the tile's keys in steps of 16; P as bf16 pairs.
+template <int D, uint32_t kKVColBlockBytes>
+__device__ __forceinline__ void issue_pv(float (&o)[D / 2], const uint32_t (&pa)[kBlockN / 4],
+                                         const uint32_t sV_stage) {
+  const uint64_t db0 = smem_desc(sV_stage, 16, 1024);
+#pragma unroll
+  for (int kk = 0; kk < kBlockN / 16; ++kk) {
+    const uint64_t db = desc_at(db0, kk * 16 * 128, kKVColBlockBytes);
+    if constexpr (D == 128) {
+      wgmma_m64n128k16_rs(o, pa[4 * kk], pa[4 * kk + 1], pa[4 * kk + 2], pa[4 * kk + 3], db);
+    } else {
+      wgmma_m64n64k16_rs(o, pa[4 * kk], pa[4 * kk + 1], pa[4 * kk + 2], pa[4 * kk + 3], db);
+    }
+  }
+}
+
 // ---- the baseline kernel ---------------------------------------------------------------------------
 //
 // Accumulator fragments (PTX ISA, wgmma .m64nNk16 register fragment for D): thread `lane` of warp `w`
@@ -269,13 +301,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     float sc[kBlockN / 2];
     mbar_wait(k_full(s), parity);
     wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      const uint32_t in_block = (kk % 4) * 32;
-      const uint64_t da = smem_desc(sQ_wg + (kk / 4) * Tl::kQColBlockBytes + in_block, 16, 1024);
-      const uint64_t db = smem_desc(sK + s * Tl::kKVBytes + (kk / 4) * Tl::kKVColBlockBytes + in_block, 16, 1024);
-      wgmma_m64n128k16_ss(sc, da, db, kk > 0 ? 1u : 0u);
-    }
+    issue_qk<D, Tl::kQColBlockBytes, Tl::kKVColBlockBytes>(sc, sQ_wg, sK + s * Tl::kKVBytes);
     wgmma_commit();
     wgmma_wait<0>();
     fence_operands(sc);
@@ -325,15 +351,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // O += P·V over the tile's keys in steps of 16.
     mbar_wait(v_full(s), parity);
     wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk) {
-      const uint64_t db = smem_desc(sV + s * Tl::kKVBytes + kk * 16 * 128, Tl::kKVColBlockBytes, 1024);
-      if constexpr (D == 128) {
-        wgmma_m64n128k16_rs(o, pa[4 * kk], pa[4 * kk + 1], pa[4 * kk + 2], pa[4 * kk + 3], db);
-      } else {
-        wgmma_m64n64k16_rs(o, pa[4 * kk], pa[4 * kk + 1], pa[4 * kk + 2], pa[4 * kk + 3], db);
-      }
-    }
+    issue_pv<D, Tl::kKVColBlockBytes>(o, pa, sV + s * Tl::kKVBytes);
     wgmma_commit();
     wgmma_wait<0>();
     fence_operands(o);
@@ -448,36 +466,6 @@ template <int D> struct OverlapTiles {
 // __syncthreads'); 2·128 threads take part in each phase (the previous warpgroup arrives, cw syncs).
 constexpr uint32_t kTurnBarrier = 1;
 constexpr uint32_t kTurnThreads = 2 * 128;
-
-// S = Q·Kᵀ for this warpgroup's 64 rows and one K tile (stage address sK_stage), head_dim in steps of 16.
-template <int D, uint32_t kQColBlockBytes, uint32_t kKVColBlockBytes>
-__device__ __forceinline__ void issue_qk(float (&sc)[kBlockN / 2], const uint32_t sQ_wg, const uint32_t sK_stage) {
-  // One encoding per operand, then constants (desc_at).
-  const uint64_t da0 = smem_desc(sQ_wg, 16, 1024), db0 = smem_desc(sK_stage, 16, 1024);
-#pragma unroll
-  for (int kk = 0; kk < D / 16; ++kk) {
-    const uint32_t in_block = (kk % 4) * 32;
-    const uint64_t da = desc_at(da0, (kk / 4) * kQColBlockBytes + in_block);
-    const uint64_t db = desc_at(db0, (kk / 4) * kKVColBlockBytes + in_block);
-    wgmma_m64n128k16_ss(sc, da, db, kk > 0 ? 1u : 0u);
-  }
-}
-
-// O += P·V for one V tile (stage address sV_stage), the tile's keys in steps of 16; P as bf16 pairs.
-template <int D, uint32_t kKVColBlockBytes>
-__device__ __forceinline__ void issue_pv(float (&o)[D / 2], const uint32_t (&pa)[kBlockN / 4],
-                                         const uint32_t sV_stage) {
-  const uint64_t db0 = smem_desc(sV_stage, 16, 1024);
-#pragma unroll
-  for (int kk = 0; kk < kBlockN / 16; ++kk) {
-    const uint64_t db = desc_at(db0, kk * 16 * 128, kKVColBlockBytes);
-    if constexpr (D == 128) {
-      wgmma_m64n128k16_rs(o, pa[4 * kk], pa[4 * kk + 1], pa[4 * kk + 2], pa[4 * kk + 3], db);
-    } else {
-      wgmma_m64n64k16_rs(o, pa[4 * kk], pa[4 * kk + 1], pa[4 * kk + 2], pa[4 * kk + 3], db);
-    }
-  }
-}
 
 // The online softmax of one S tile in place (S becomes the unnormalised P = exp2(S·scale_log2 - base)):
 // the new row maxima (over the quad sharing a row), alpha = the factor for what came before, the
