@@ -632,8 +632,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     // (as V in the forward). head_dim 64: warpgroup w takes query rows 64w.. (dS block w, all of K's
     // one column block); head_dim 128: all 64 query rows (dS block 0), K's column block w.
     float dq[Tl::kDqFloats];
-    // A = dS M-major (head_dim 64: warpgroup w's query block w; 128: block 0), B = K N-major (head_dim
-    // 64: its one column block; 128: column block w).
     const uint32_t at_ds =
         Tl::kDsOffset + (step % Tl::kDsBuffers) * Tl::kDsBytes + (D == 64 ? cw * Tl::kDsBlockBytes : 0);
     const uint32_t at_k = Tl::kKOffset + (D == 64 ? 0 : cw * Tl::kKVColBlockBytes);
