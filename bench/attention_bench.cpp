@@ -27,7 +27,10 @@
 //                   [--commit SHA] [--warmup 3] [--reps 10] [--kv-heads 32,8] [--head-dim 128]
 //                   [--layouts bshd,bhsd] [--kernel cudnn,hopper,hopper-overlap,...]
 //
-// Timing as the anchor does it: CUDA events around each call, the median of the timed runs.
+// Timing as the anchor does it: CUDA events around each call, the median of the timed runs. Comparing
+// forward variants, use --reps 20 and reverse their order in a second run: at --reps 5 the forward
+// timed first after the backward's timing ran up to 12% slower at 64K than the same kernel timed
+// again (bench/results/attention-hopper-fwd-lazy-rescale-2026-12-05.json, position_probe).
 // FLOPs count the causal half: fwd = 4·Hq·S²·D / 2, fwd+bwd = 3.5 × fwd.
 #include <algorithm>
 #include <cmath>
