@@ -53,7 +53,13 @@
 // they run while dQ is staged, measured 8-16% slower: dK is what keeps the tensor pipe busy while dS
 // is stored and the warpgroups meet at the barrier; reading the lse rows into registers before the Sᵀ
 // wait, 0-4% slower; at D = 64 both spill or serialize the wgmmas. K_w's first column block in
-// registers at D = 128 serialized them too (C7512). bench/results/step-policies-power-h200-2026-12-04.json.)
+// registers at D = 128 serialized them too (C7512). bench/results/step-policies-power-h200-2026-12-04.json.
+// Again at D = 128 on 2026-12-05, in bench/results/attention-hopper-bwd-dq-path-2026-12-05.json:
+// FlashAttention-3's order, dQ issued before dK and staged while dK runs, 14% slower; dQ by
+// red.global from registers with the freed 32 KB as a third (Q, dO) stage 5-7% slower at both head
+// dims, and tied with this kernel in FA3's order; the producer loading a step's lse/delta before its
+// stage wait 1-4% slower; the next step's Sᵀ alone issued before dQ's staging, now without spills
+// or serialized wgmmas, 10% slower. That file has the stall profile of this kernel at D = 128.)
 //
 // K_w in registers: at D = 64 each consumer thread loads its bf16 A fragments of K_w once (16
 // registers) and Sᵀ = K_w·Qᵀ runs with A from registers, which takes 8 KB per warpgroup and step off
