@@ -120,5 +120,8 @@ struct KernelChoice {
 };
 // Every decision made so far in this process, in the order they were made (empty on the CPU).
 std::vector<KernelChoice> kernel_choices();
+// Call shapes whose trial under auto has begun and not yet decided (0 on the CPU). A trial times its
+// calls and reads the times back on the host, which a captured CUDA graph cannot do.
+int kernel_trials_pending();
 
 }  // namespace longtrain::attn

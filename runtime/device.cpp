@@ -65,6 +65,7 @@ struct AllocationTracker {
     auto it = sizes[i].find(p);
     if (it == sizes[i].end()) return;
     stats[i].live -= it->second;
+    stats[i].frees += 1;
     sizes[i].erase(it);
   }
 };

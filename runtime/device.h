@@ -23,6 +23,9 @@ void device_free(Device device, void* ptr);
 struct AllocationStats {
   size_t live = 0;
   size_t peak = 0;
+  // Buffers freed since the process started. A captured CUDA graph (runtime/cuda_graph.h) holds raw
+  // device pointers: it can be trusted only while no buffer was freed after its capture.
+  int64_t frees = 0;
 };
 AllocationStats allocation_stats(Device device);
 void reset_allocation_peak(Device device);  // peak := live

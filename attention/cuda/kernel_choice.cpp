@@ -104,6 +104,14 @@ std::vector<KernelChoice> choices() {
   return s.choices;
 }
 
+int trials_pending() {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  int n = 0;
+  for (const auto& [shape, t] : s.trials) n += !t.decided && t.calls > 0;
+  return n;
+}
+
 Kernel run_chosen(const CallShape& shape, bool hopper_ok, const std::function<void()>& run_cudnn,
                   const std::function<void()>& run_hopper) {
   auto run = [&](Kernel k) {
