@@ -5,7 +5,10 @@
 #include <string_view>
 #include <vector>
 
+#include "attention/local_attention.h"
 #include "model/memory_plan.h"
+#include "model/step_graphs.h"
+#include "runtime/cuda_graph.h"
 #include "runtime/device.h"
 #include "runtime/profile.h"
 
@@ -179,6 +182,23 @@ LlamaModel::LlamaModel(const LlamaConfig& config, Precision precision, Checkpoin
   }
 }
 
+LlamaModel::~LlamaModel() = default;
+
+std::string LlamaModel::set_cuda_graphs(bool on) {
+  graphs_.reset();
+  if (!on) return {};
+  if (precision_.device != Device::cuda) return "the model is not on CUDA";
+  if (offloader_) return "checkpoints are offloaded (model.offload): their copies run on a stream of their own";
+  graphs_ = std::make_unique<StepGraphs>();
+  return {};
+}
+
+LlamaModel::GraphStats LlamaModel::graph_stats() const {
+  if (!graphs_) return {};
+  const StepGraphs::Stats& s = graphs_->stats();
+  return {s.captures, s.replays, s.dropped, s.off_reason};
+}
+
 void LlamaModel::zero_grads() {
   const profile::Region region("zero_grads", precision_.device);
   zero(grads_.flat());
@@ -218,6 +238,7 @@ void LlamaModel::set_rope_length(int64_t seq_len) {
   LT_CHECK(seq_len > 0, "the RoPE sequence length must be positive, got {}", seq_len);
   RopeTable table = config_.rope(seq_len);
   rope_ = ops::RopeParams{config_.rope_theta, std::move(table.inv_freq), table.attention_factor};
+  if (graphs_) graphs_->drop_all();  // the frequencies are the RoPE table kernel's arguments
 }
 
 Tensor LlamaModel::residual(int64_t l, int64_t T) const {
@@ -433,6 +454,88 @@ LossSum LlamaModel::head(const TokenShard& shard, Tensor x_final, Tensor losses,
 
 LossSum LlamaModel::forward_backward(const TokenShard& shard, double grad_scale, Tensor loss_sum) {
   check_shard(shard);
+  if (graph_eligible(shard, loss_sum)) return forward_backward_graphed(shard, grad_scale, loss_sum);
+  return run_forward_backward(shard, grad_scale, loss_sum);
+}
+
+bool LlamaModel::graph_eligible(const TokenShard& shard, const Tensor& loss_sum) const {
+  // What a graph cannot hold: host reads (the loss without loss_sum, labels checked on the device),
+  // host callbacks between kernels (the gradients-ready hook, profiling's events) and work that
+  // depends on the data on the host (the document mask's block pairs).
+  return graphs_ && !graphs_->off() && !loss_sum.empty() && shard.valid_labels >= 0 && shard.documents.empty() &&
+         !gradients_ready_ && !profile::enabled();
+}
+
+LossSum LlamaModel::forward_backward_graphed(const TokenShard& shard, double grad_scale, Tensor loss_sum) {
+  StepGraphKey key;
+  key.tokens = shard.tokens.numel();
+  key.ids = shard.tokens.data;
+  key.labels = shard.labels.data;
+  key.positions = shard.positions.data;
+  key.ids_stride = shard.tokens.stride[0];
+  key.labels_stride = shard.labels.stride[0];
+  key.positions_stride = shard.positions.stride[0];
+  key.loss_sum = loss_sum.data;
+  key.grad_scale = grad_scale;
+  key.valid_labels = shard.valid_labels;
+  for (const Discardable& d : discardable_) key.discarded.push_back(d.discarded);
+  key.attention_kernel_policy = static_cast<int>(attn::kernel_policy());
+  key.gemm_algo_policy = static_cast<int>(ops::gemm_algo_policy());
+
+  attention_->set_documents(shard.documents);
+  attn::AttentionCounters& counters = attention_->counters;
+  auto discarded_now = [&] {
+    std::vector<bool> v;
+    for (const Discardable& d : discardable_) v.push_back(d.discarded);
+    return v;
+  };
+  auto replay = [&](const StepGraphs::Entry& e) {
+    e.graph.launch();
+    for (size_t i = 0; i < discardable_.size(); ++i) discardable_[i].discarded = e.effects.discarded_after[i];
+    counters.forward_calls += e.effects.attention_forward_calls;
+    counters.backward_calls += e.effects.attention_backward_calls;
+    counters.bytes_sent += e.effects.attention_bytes_sent;
+    counters.pairs += e.effects.attention_pairs;
+  };
+
+  if (const StepGraphs::Entry* e = graphs_->find(key, allocation_stats(Device::cuda).frees)) {
+    replay(*e);
+    graphs_->count_replay();
+    return {0.0, shard.valid_labels};
+  }
+  // The first call of a key, or one during a kernel trial, runs eagerly.
+  if (!graphs_->seen_before(key) || attn::kernel_trials_pending() > 0 || ops::gemm_trials_pending() > 0)
+    return run_forward_backward(shard, grad_scale, loss_sum);
+
+  const std::vector<bool> discarded_before = key.discarded;
+  const attn::AttentionCounters counters_before = counters;
+  CudaGraph graph;
+  try {
+    graph = CudaGraph::capture([&] { run_forward_backward(shard, grad_scale, loss_sum); });
+  } catch (const Error& e) {
+    // Nothing ran on the device: undo the host state the captured call changed, run it eagerly and
+    // leave graphs off for this model.
+    for (size_t i = 0; i < discardable_.size(); ++i) discardable_[i].discarded = discarded_before[i];
+    counters = counters_before;
+    graphs_->turn_off(e.what());
+    return run_forward_backward(shard, grad_scale, loss_sum);
+  }
+  StepGraphEffects effects;
+  effects.discarded_after = discarded_now();
+  effects.attention_forward_calls = counters.forward_calls - counters_before.forward_calls;
+  effects.attention_backward_calls = counters.backward_calls - counters_before.backward_calls;
+  effects.attention_bytes_sent = counters.bytes_sent - counters_before.bytes_sent;
+  effects.attention_pairs = counters.pairs - counters_before.pairs;
+  // The capture ran the host side of the call, not its kernels: launch them now, from the state before.
+  for (size_t i = 0; i < discardable_.size(); ++i) discardable_[i].discarded = discarded_before[i];
+  counters = counters_before;
+  const StepGraphs::Entry& entry =
+      graphs_->add(std::move(key), std::move(graph), std::move(effects), allocation_stats(Device::cuda).frees);
+  replay(entry);
+  return {0.0, shard.valid_labels};
+}
+
+LossSum LlamaModel::run_forward_backward(const TokenShard& shard, double grad_scale, Tensor loss_sum) {
   attention_->set_documents(shard.documents);  // every layer's attention, forward and backward
   const int64_t T = shard.tokens.numel(), L = config_.n_layers;
   CheckpointOffloader* off = offloader_.get();

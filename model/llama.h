@@ -34,6 +34,8 @@
 
 namespace longtrain::model {
 
+class StepGraphs;  // model/step_graphs.h
+
 enum class CheckpointPolicy { none, full, remat_aware };
 CheckpointPolicy parse_checkpoint_policy(const std::string& name);  // error names model.checkpoint
 const char* checkpoint_policy_name(CheckpointPolicy p);
@@ -128,6 +130,9 @@ class LlamaModel {
   LlamaModel(const LlamaConfig& config, Precision precision, CheckpointPolicy policy, int64_t max_tokens,
              std::unique_ptr<attn::SequenceAttention> attention = nullptr, int64_t flat_shards = 1,
              Tiling tiling = {}, Offload offload = Offload::none);
+  ~LlamaModel();
+  LlamaModel(const LlamaModel&) = delete;
+  LlamaModel& operator=(const LlamaModel&) = delete;
 
   const LlamaConfig& config() const { return config_; }
   CheckpointPolicy policy() const { return policy_; }
@@ -159,6 +164,19 @@ class LlamaModel {
   // device instead, and the returned sum is 0: no host read, for a step that reads its sums once at
   // its end (the trainer).
   LossSum forward_backward(const TokenShard& shard, double grad_scale, Tensor loss_sum = {});
+
+  // CUDA graphs (train.cuda_graphs): forward_backward captured as one CUDA graph per distinct call and
+  // replayed with one launch afterwards (model/step_graphs.h says when a call is the same, when graphs
+  // are made and dropped). A call runs eagerly, as without graphs, unless it is on CUDA without
+  // offload, documents, a gradients-ready hook or profiling, with `loss_sum` and host-checked labels
+  // (TokenShard::valid_labels). Replays compute what the eager calls compute: the same kernels with the
+  // same arguments. Returns why graphs cannot be used by this model at all ("" when they are on).
+  std::string set_cuda_graphs(bool on);
+  struct GraphStats {
+    int64_t captures = 0, replays = 0, dropped = 0;
+    std::string off_reason;  // non-empty once a capture failed or calls kept changing: graphs are off
+  };
+  GraphStats graph_stats() const;
 
   // Gradient-ready notification, for overlapping the data-parallel gradient reduction with
   // backward. When set, forward_backward calls hook(begin, end) each time the element range
@@ -222,6 +240,11 @@ class LlamaModel {
   // state for it); false in forward-only passes.
   bool training_forward_ = false;
   Tensor rope_table(int64_t T) const;  // this step's RoPE table (ops::rope_table), T rows
+  // forward_backward's work, queued (or captured) without the shard check or graphs.
+  LossSum run_forward_backward(const TokenShard& shard, double grad_scale, Tensor loss_sum);
+  // forward_backward through a graph (captured now, or replayed), or eagerly until one is made.
+  LossSum forward_backward_graphed(const TokenShard& shard, double grad_scale, Tensor loss_sum);
+  bool graph_eligible(const TokenShard& shard, const Tensor& loss_sum) const;
   LossSum head(const TokenShard& shard, Tensor x_final, Tensor losses, bool with_grad, double grad_scale,
                int64_t T, Tensor loss_sum = {});
   void check_shard(const TokenShard& shard) const;
@@ -253,6 +276,7 @@ class LlamaModel {
     bool discarded = false;
   };
   std::vector<Discardable> discardable_;
+  std::unique_ptr<StepGraphs> graphs_;  // null: graphs off (set_cuda_graphs)
 };
 
 }  // namespace longtrain::model

@@ -24,6 +24,7 @@
 
 #include "gpu_test_util.h"
 #include "model/llama.h"
+#include "runtime/cuda_check.h"
 #include "model/memory_plan.h"
 #include "model/parameters.h"
 #include "trainer/optimizer.h"
@@ -479,6 +480,171 @@ TEST(GpuModel, AdamWStepOnDeviceArenasEqualsTheCpuStep) {
   const std::vector<double> gp = download(m->params().flat()), gw = download(gpu_opt.master().flat());
   ASSERT_EQ(gp.size(), gw.size());
   for (size_t j = 0; j < gp.size(); ++j) ASSERT_EQ(gp[j], round_to(gw[j], DType::bf16)) << "flat element " << j;
+}
+
+
+// ---- CUDA graphs (LlamaModel::set_cuda_graphs, model/step_graphs.h) --------------------------------
+
+// An attention that waits for the device before each forward: a host sync, which a capture cannot hold.
+class HostSyncingAttention final : public attn::SequenceAttention {
+ public:
+  explicit HostSyncingAttention(std::unique_ptr<attn::SequenceAttention> inner) : inner_(std::move(inner)) {}
+  void forward(Tensor o, Tensor lse, Tensor q, Tensor k, Tensor v) override {
+    LT_CUDA_CHECK(cudaStreamSynchronize(cuda_stream()));
+    ++counters.forward_calls;
+    pass_state();
+    inner_->forward(o, lse, q, k, v);
+  }
+  void backward(Tensor dq, Tensor dk, Tensor dv, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse,
+                Tensor d_o) override {
+    ++counters.backward_calls;
+    pass_state();
+    inner_->backward(dq, dk, dv, q, k, v, o, lse, d_o);
+  }
+  bool head_major_lse() const override { return inner_->head_major_lse(); }
+  void set_backward_head_groups(int64_t groups) override { inner_->set_backward_head_groups(groups); }
+  int64_t backward_head_groups() const override { return inner_->backward_head_groups(); }
+  void keep_forward(int64_t n_layers) override { inner_->keep_forward(n_layers); }
+  bool keeps_forward() const override { return inner_->keeps_forward(); }
+
+ private:
+  void pass_state() {
+    inner_->set_documents(documents());
+    inner_->set_layer(layer_);
+  }
+  std::unique_ptr<attn::SequenceAttention> inner_;
+};
+
+// `steps` training steps as the trainer runs them: gradients discarded, two micro-batches (new tokens
+// each step) copied into the same device buffers (the trainer's staging arena) and run with their
+// labels counted on the host and the loss summed on the device, then AdamW. Before step
+// `free_before_step` a device buffer is allocated and freed (graphs hold raw pointers: all dropped).
+struct GraphRun {
+  std::vector<double> losses;  // per step, the loss summed over both micro-batches
+  std::vector<double> params;  // after the last step
+  LlamaModel::GraphStats stats;
+  std::string refused;  // set_cuda_graphs' answer
+};
+
+GraphRun run_graph_steps(bool graphs, int steps, int free_before_step, bool host_syncing_attention = false) {
+  const LlamaConfig c = tiny_config();
+  std::unique_ptr<attn::SequenceAttention> attention;
+  if (host_syncing_attention)
+    attention = std::make_unique<HostSyncingAttention>(
+        std::make_unique<attn::LocalSequenceAttention>(true, 1.0 / std::sqrt(static_cast<double>(c.head_dim))));
+  LlamaModel m(c, Precision::cuda_mixed(), CheckpointPolicy::remat_aware, kTokens, std::move(attention));
+  m.initialize(/*seed=*/2024, /*init_std=*/0.08);
+  GraphRun r;
+  r.refused = m.set_cuda_graphs(graphs);
+  trainer::AdamWConfig cfg;
+  cfg.lr = 1e-2;
+  cfg.min_lr = 1e-3;
+  cfg.warmup_steps = 0;
+  cfg.total_steps = steps;
+  cfg.weight_decay = 0.1;
+  cfg.grad_clip = 1.0;
+  trainer::AdamW opt(m.params(), cfg);
+  DeviceTensor ids(DType::i32, {kTokens}), labels(DType::i32, {kTokens}), positions(DType::i32, {kTokens}),
+      loss_sum(DType::f64, {1});
+  for (int step = 0; step < steps; ++step) {
+    if (step == free_before_step) {
+      const DeviceTensor freed(DType::f32, {256});
+    }
+    std::vector<Batch> micro;
+    int64_t valid = 0;
+    for (uint64_t i = 0; i < 2; ++i) {
+      micro.emplace_back(kTokens, c.vocab_size, 0, std::vector<int32_t>{}, 500 + 31 * static_cast<uint64_t>(step) + i);
+      valid += micro.back().valid;
+    }
+    m.discard_grads();
+    zero(loss_sum);
+    for (const Batch& b : micro) {
+      upload_ints(ids, b.tokens);
+      upload_ints(labels, b.labels);
+      upload_ints(positions, b.positions);
+      m.forward_backward(model::TokenShard{ids, labels, positions, {}, b.valid}, 1.0 / static_cast<double>(valid),
+                         loss_sum);
+    }
+    r.losses.push_back(download(loss_sum)[0]);
+    opt.step(m.params(), m.grads());
+  }
+  r.params = download(m.params().flat());
+  r.stats = m.graph_stats();
+  return r;
+}
+
+// Graphed steps against eager steps: bit for bit where the eager steps repeat bit for bit (cuDNN's
+// backward adds dQ with atomics, so its runs may differ in the last bits), else within what two eager
+// runs differ by.
+void expect_same_training(const GraphRun& graphed, const GraphRun& eager, const GraphRun& eager_again) {
+  ASSERT_EQ(graphed.losses.size(), eager.losses.size());
+  const bool repeatable = eager.losses == eager_again.losses && eager.params == eager_again.params;
+  const double noise = relative_error(eager_again.params, eager.params);
+  std::printf("  eager steps %s; graphed vs eager parameters %.3e relative (eager vs eager %.3e)\n",
+              repeatable ? "repeat bit for bit" : "differ run to run", relative_error(graphed.params, eager.params),
+              noise);
+  for (size_t i = 0; i < eager.losses.size(); ++i) {
+    ASSERT_TRUE(std::isfinite(graphed.losses[i])) << "step " << i;
+    std::printf("  step %zu loss sum: graphed %.9g, eager %.9g\n", i, graphed.losses[i], eager.losses[i]);
+    if (repeatable || i == 0) {  // step 0 starts from identical parameters: its forward is the same bits
+      EXPECT_EQ(graphed.losses[i], eager.losses[i]) << "step " << i;
+    } else {
+      EXPECT_NEAR(graphed.losses[i], eager.losses[i], kLossTolerance * std::abs(eager.losses[i])) << "step " << i;
+    }
+  }
+  for (double x : graphed.params) ASSERT_TRUE(std::isfinite(x));
+  if (repeatable) {
+    EXPECT_TRUE(graphed.params == eager.params) << "graphed parameters differ from the repeatable eager ones";
+  } else {
+    EXPECT_LT(relative_error(graphed.params, eager.params), std::max(4.0 * noise, 1.0 / 256.0));
+  }
+}
+
+class GpuModelCudaGraphs : public ::testing::TestWithParam<attn::KernelPolicy> {};
+
+// Five steps of two micro-batches: step 0 runs both micro-batch keys eagerly (first seen: plans and
+// buffers are made), step 1 captures both (the first overwrites the discarded gradients, the second
+// adds: two graphs), step 2 replays them; a buffer freed before step 3 drops both, so step 3 captures
+// again and step 4 replays. The training equals eager training.
+TEST_P(GpuModelCudaGraphs, ReplayedStepsTrainAsEagerSteps) {
+  LT_REQUIRE_GPU();
+  const PolicyScope policy(GetParam());
+  const GraphRun eager = run_graph_steps(false, 5, 3), eager_again = run_graph_steps(false, 5, 3);
+  const GraphRun graphed = run_graph_steps(true, 5, 3);
+  ASSERT_EQ(graphed.refused, "");
+  std::printf("  graphs: %lld captured, %lld replays, %lld dropped%s%s\n", (long long)graphed.stats.captures,
+              (long long)graphed.stats.replays, (long long)graphed.stats.dropped,
+              graphed.stats.off_reason.empty() ? "" : "; off: ", graphed.stats.off_reason.c_str());
+  EXPECT_EQ(graphed.stats.off_reason, "");
+  EXPECT_EQ(graphed.stats.captures, 4);
+  EXPECT_EQ(graphed.stats.replays, 4);
+  EXPECT_EQ(graphed.stats.dropped, 2);
+  EXPECT_EQ(eager.stats.captures, 0);
+  // The steps moved the parameters: a replay that did nothing would be seen.
+  const std::vector<double> initial = download(gpu_model(CheckpointPolicy::remat_aware)->params().flat());
+  EXPECT_GT(relative_error(eager.params, initial), 10.0 / 256.0);
+  expect_same_training(graphed, eager, eager_again);
+}
+
+INSTANTIATE_TEST_SUITE_P(Kernels, GpuModelCudaGraphs,
+                         ::testing::Values(attn::KernelPolicy::cudnn, attn::KernelPolicy::hopper),
+                         [](const ::testing::TestParamInfo<attn::KernelPolicy>& i) {
+                           return std::string(attn::kernel_policy_name(i.param));
+                         });
+
+// A capture that fails (here: an attention that syncs with the host) leaves nothing half-done: the
+// call runs eagerly, graphs turn off for the model with the reason, and training is eager training.
+TEST(GpuModel, CudaGraphCaptureThatFailsFallsBackToEagerSteps) {
+  LT_REQUIRE_GPU();
+  const GraphRun eager = run_graph_steps(false, 3, -1, true), eager_again = run_graph_steps(false, 3, -1, true);
+  const GraphRun graphed = run_graph_steps(true, 3, -1, true);
+  ASSERT_EQ(graphed.refused, "");
+  std::printf("  off reason: %s\n", graphed.stats.off_reason.c_str());
+  EXPECT_NE(graphed.stats.off_reason.find("capturing a CUDA graph failed"), std::string::npos)
+      << graphed.stats.off_reason;
+  EXPECT_EQ(graphed.stats.captures, 0);
+  EXPECT_EQ(graphed.stats.replays, 0);
+  expect_same_training(graphed, eager, eager_again);
 }
 
 }  // namespace

@@ -1,0 +1,117 @@
+// The cache of forward_backward's CUDA graphs (model/step_graphs.h): which call replays which graph,
+// when graphs are dropped and when they turn off. The graphs here are empty (no capture without a GPU);
+// tests/gpu/model_gpu_test.cpp (GpuModelCudaGraphs) captures and replays real ones.
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "model/llama.h"
+#include "model/step_graphs.h"
+
+namespace longtrain::model {
+namespace {
+
+StepGraphKey key(double grad_scale = 1.0 / 60.0, std::vector<bool> discarded = {true, true, false}) {
+  static int ids, labels, positions, loss;
+  StepGraphKey k;
+  k.tokens = 61;
+  k.ids = &ids;
+  k.labels = &labels;
+  k.positions = &positions;
+  k.ids_stride = k.labels_stride = k.positions_stride = 1;
+  k.loss_sum = &loss;
+  k.grad_scale = grad_scale;
+  k.valid_labels = 60;
+  k.discarded = std::move(discarded);
+  return k;
+}
+
+StepGraphEffects effects(int64_t forwards) {
+  StepGraphEffects e;
+  e.discarded_after = {false, false, false};
+  e.attention_forward_calls = forwards;
+  return e;
+}
+
+TEST(StepGraphs, AKeyIsCapturedOnItsSecondCallAndFoundByEveryField) {
+  StepGraphs g;
+  EXPECT_FALSE(g.seen_before(key()));  // the first call runs eagerly
+  EXPECT_TRUE(g.seen_before(key()));
+  EXPECT_EQ(g.find(key(), /*frees=*/5), nullptr);
+  g.add(key(), CudaGraph{}, effects(2), /*frees=*/5);
+  const StepGraphs::Entry* e = g.find(key(), 5);
+  ASSERT_NE(e, nullptr);
+  EXPECT_EQ(e->effects.attention_forward_calls, 2);
+  // Any field the captured kernels took from the host makes another call.
+  EXPECT_EQ(g.find(key(1.0 / 59.0), 5), nullptr);
+  EXPECT_EQ(g.find(key(1.0 / 60.0, {false, false, false}), 5), nullptr);
+  StepGraphKey other_buffer = key();
+  other_buffer.loss_sum = &other_buffer;
+  EXPECT_EQ(g.find(other_buffer, 5), nullptr);
+  StepGraphKey other_policy = key();
+  other_policy.attention_kernel_policy = 1;
+  EXPECT_EQ(g.find(other_policy, 5), nullptr);
+  EXPECT_EQ(g.stats().captures, 1);
+  EXPECT_EQ(g.stats().dropped, 0);
+}
+
+TEST(StepGraphs, AFreedBufferDropsEveryGraph) {
+  StepGraphs g;
+  g.add(key(), CudaGraph{}, effects(1), /*frees=*/3);
+  g.add(key(1.0 / 59.0), CudaGraph{}, effects(1), /*frees=*/3);
+  ASSERT_NE(g.find(key(), 3), nullptr);
+  EXPECT_EQ(g.find(key(), 4), nullptr);  // a buffer was freed since the capture
+  EXPECT_EQ(g.stats().dropped, 2);
+  EXPECT_EQ(g.find(key(1.0 / 59.0), 4), nullptr);
+  // Captured again, it is found at the new count.
+  g.add(key(), CudaGraph{}, effects(1), /*frees=*/4);
+  EXPECT_NE(g.find(key(), 4), nullptr);
+  g.drop_all();  // what set_rope_length does
+  EXPECT_EQ(g.find(key(), 4), nullptr);
+  EXPECT_EQ(g.stats().dropped, 3);
+  EXPECT_FALSE(g.off());
+}
+
+TEST(StepGraphs, TheOldestGraphGoesWhenTheCacheIsFull) {
+  StepGraphs g;
+  for (size_t i = 0; i <= StepGraphs::kMaxGraphs; ++i) {
+    g.add(key(1.0 / static_cast<double>(50 + i)), CudaGraph{}, effects(1), 0);
+    g.count_replay();  // paid for: no turning off
+  }
+  EXPECT_EQ(g.find(key(1.0 / 50.0), 0), nullptr);
+  for (size_t i = 1; i <= StepGraphs::kMaxGraphs; ++i) EXPECT_NE(g.find(key(1.0 / static_cast<double>(50 + i)), 0), nullptr);
+  EXPECT_EQ(g.stats().dropped, 1);
+  EXPECT_FALSE(g.off());
+}
+
+// A grad_scale that changes every step (the valid labels of each step differ) makes every call new:
+// graphs turn off instead of capturing every step.
+TEST(StepGraphs, CallsThatKeepChangingTurnGraphsOff) {
+  StepGraphs g;
+  for (int64_t i = 0; i < StepGraphs::kMaxUnpaidCaptures; ++i) {
+    EXPECT_FALSE(g.off()) << i;
+    g.add(key(1.0 / static_cast<double>(100 + i)), CudaGraph{}, effects(1), 0);
+  }
+  EXPECT_TRUE(g.off());
+  EXPECT_NE(g.stats().off_reason.find("kept changing"), std::string::npos) << g.stats().off_reason;
+  EXPECT_NE(g.stats().off_reason.find("grad_scale"), std::string::npos) << g.stats().off_reason;
+}
+
+TEST(StepGraphs, AModelOffCudaRefusesGraphsWithTheReason) {
+  LlamaConfig c;
+  c.vocab_size = 11;
+  c.dim = 8;
+  c.n_layers = 1;
+  c.n_heads = 2;
+  c.n_kv_heads = 1;
+  c.head_dim = 4;
+  c.ffn_dim = 16;
+  c.max_seq_len = 16;
+  LlamaModel m(c, Precision::cpu(DType::f32), CheckpointPolicy::remat_aware, 8);
+  EXPECT_EQ(m.set_cuda_graphs(true), "the model is not on CUDA");
+  EXPECT_EQ(m.set_cuda_graphs(false), "");
+  EXPECT_EQ(m.graph_stats().captures, 0);
+}
+
+}  // namespace
+}  // namespace longtrain::model
