@@ -484,6 +484,12 @@ const std::vector<KeySpec>& key_table() {
                   "differ from heuristic's by rounding); LONGTRAIN_GEMM_ALGO overrides it",
        .bind = LT_CONFIG_FIELD(train.gemm_algorithm), .aliases = {"matmul_algorithm", "cublas_algorithm"},
        .hashed = false, .resume = OnResume::allowed},
+      {.section = "train", .key = "cuda_graphs", .default_value = false,
+       .meaning = "on cuda with one rank: each micro-batch's forward and backward captured once as a CUDA graph "
+                  "and replayed with one launch (the same kernels, fewer host calls); off with several ranks, "
+                  "offloaded checkpoints or data.document_mask",
+       .bind = LT_CONFIG_FIELD(train.cuda_graphs), .aliases = {"cuda_graph", "use_cuda_graphs", "enable_cuda_graph"},
+       .hashed = false, .resume = OnResume::allowed},
 
       // optim
       {.section = "optim", .key = "lr", .default_value = 3e-4, .meaning = "peak learning rate, reached at the end of warmup",

@@ -99,6 +99,7 @@ struct TrainSection {
   int64_t max_nonfinite_skips{};  // consecutive skipped steps before the run stops
   int64_t threads{};              // CPU threads; 0 = all cores
   ops::GemmAlgoPolicy gemm_algorithm{};  // cuBLASLt's algorithm per GEMM shape on CUDA: heuristic, auto
+  bool cuda_graphs{};  // each micro-batch's forward and backward replayed as one CUDA graph (model/step_graphs.h)
 };
 
 struct OptimSection {
@@ -177,7 +178,8 @@ std::string resolved_yaml(const TrainConfig& config);
 // computes (recorded in checkpoints; what a resume may change is OnResume's business, not the
 // hash's). Excluded, because they do not change a single number of the training trajectory:
 // logging.*, checkpoint.*, eval.*, data.val, data.tokenizer, data.prefetch, train.threads,
-// train.on_nonfinite, train.max_nonfinite_skips, parallel.timeout_s and parallel.store_timeout_s. train.steps
+// train.on_nonfinite, train.max_nonfinite_skips, train.gemm_algorithm, train.cuda_graphs,
+// parallel.timeout_s and parallel.store_timeout_s. train.steps
 // is included:
 // the cosine and linear schedules reach min_lr at train.steps.
 std::string config_hash(const TrainConfig& config);

@@ -810,6 +810,16 @@ TrainSummary train(TrainConfig c, const std::string& resume, const TrainHooks& h
             precision.device == Device::cuda ? attn::kernel_policy_name(attn::kernel_policy()) : "cpu reference",
             precision.device == Device::cuda ? ops::gemm_algo_policy_name(ops::gemm_algo_policy()) : "cpu reference",
             loader.num_windows(), state_bytes / 1048576.0, run_dir.string());
+  // train.cuda_graphs: only where every kernel of a micro-batch can be replayed as captured (one rank:
+  // the gradient reduction's per-layer hooks and the schedules' transfers are host calls between them).
+  if (c.train.cuda_graphs) {
+    std::string why_not;
+    if (ranks.world_size > 1) why_not = fmt::format("{} ranks (CUDA graphs run on one rank for now)", ranks.world_size);
+    else if (c.data.document_mask) why_not = "data.document_mask (the block pairs follow each batch's documents)";
+    else why_not = model.set_cuda_graphs(true);
+    if (why_not.empty()) log->info("  CUDA graphs: each micro-batch's forward and backward replayed as one graph");
+    else log->warn("  train.cuda_graphs is set but not used: {}", why_not);
+  }
   for (int i = 0; loader.num_sources() > 1 && i < loader.num_sources(); ++i)
     log->info("  mixture source {}: {} (weight {:g}{}), {} windows per epoch", i, loader.source(i).path,
               loader.source(i).weight, loader.corpus(i).is_megatron() ? ", Megatron dataset" : "",
@@ -856,6 +866,7 @@ TrainSummary train(TrainConfig c, const std::string& resume, const TrainHooks& h
   step_sums.add("sums", {3}, DType::f64);
   step_sums.allocate();
   const Tensor sums_dev = step_sums.get("sums");
+  bool graphs_off_logged = false;
   while (rs.step < c.train.steps) {
     const auto t0 = clock::now();
     // Attention forwards per layer and micro-batch this step: 1 under remat_aware and none, 2 under
@@ -905,6 +916,16 @@ TrainSummary train(TrainConfig c, const std::string& resume, const TrainHooks& h
       }
     }
     for (auto& r : reductions) r->wait();  // NCCL: the compute stream waits before reading the shard
+    if (c.train.cuda_graphs) {
+      const model::LlamaModel::GraphStats g = model.graph_stats();
+      summary.graph_captures = g.captures;
+      summary.graph_replays = g.replays;
+      summary.graph_off_reason = g.off_reason;
+      if (!graphs_off_logged && !g.off_reason.empty()) {
+        log->warn("step {}: CUDA graphs are off from here on: {}", step, g.off_reason);
+        graphs_off_logged = true;
+      }
+    }
     // A stop request rides on the step's one reduction, so every rank stops after the same step even
     // when the signal reached them on either side of it; then the step's one host read.
     ops::sum_into(sums_dev.narrow(0, 1, 1), grad_shard, ops::SumOf::squares, /*accumulate=*/false);
@@ -1064,6 +1085,10 @@ TrainSummary train(TrainConfig c, const std::string& resume, const TrainHooks& h
   }
   if (summary.first_step <= rs.step || !resume_from) checkpoint();
   if (ranks.main && c.logging.plot) plot.save(run_dir / "loss.svg", title);
+  if (const model::LlamaModel::GraphStats g = model.graph_stats(); g.captures > 0)
+    log->info("CUDA graphs: {} captured, {} micro-batches replayed, {} dropped (a buffer was freed, RoPE changed or "
+              "the cache was full)",
+              g.captures, g.replays, g.dropped);
   log->info("done: {} steps, {} skipped; run directory {}", rs.step, rs.skipped_total, run_dir.string());
   return summary;
 }

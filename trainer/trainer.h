@@ -84,6 +84,10 @@ struct TrainSummary {
   std::optional<std::filesystem::path> last_checkpoint;
   // SIGTERM or SIGINT when a signal stopped the run early (after a checkpoint of last_step), else 0.
   int stopped_by_signal = 0;
+  // train.cuda_graphs: graphs captured and micro-batches replayed from them, and why graphs went off
+  // mid-run ("" if they did not).
+  int64_t graph_captures = 0, graph_replays = 0;
+  std::string graph_off_reason;
 };
 
 // Runs training. `resume` is "" (start fresh), "auto" (the newest complete checkpoint under

@@ -522,6 +522,7 @@ const std::vector<KeyChange>& key_changes() {
       {"train.max_nonfinite_skips", {"train.max_nonfinite_skips=5"}, allowed},
       {"train.threads", {"train.threads=3"}, allowed},
       {"train.gemm_algorithm", {"train.gemm_algorithm=heuristic"}, allowed},
+      {"train.cuda_graphs", {"train.cuda_graphs=true"}, allowed},
       {"optim.lr", {"optim.lr=2e-3"}, allowed},
       {"optim.min_lr", {"optim.min_lr=0"}, allowed},
       {"optim.weight_decay", {"optim.weight_decay=0.01"}, refused},
@@ -678,12 +679,24 @@ TEST(TrainerConfig, GemmAlgorithmTakesItsTwoNames) {
   EXPECT_TRUE(contains(msg, "heuristic")) << msg;
 }
 
+// train.cuda_graphs: off by default, a boolean, and not part of the config hash (a replayed graph runs the
+// eager step's kernels with the same arguments: the numbers do not change).
+TEST(TrainerConfig, CudaGraphsIsAnUnhashedSwitchOffByDefault) {
+  const TrainConfig off = load("data:\n  train: d\n");
+  const TrainConfig on = load("data:\n  train: d\n", {"train.cuda_graphs=true"});
+  EXPECT_FALSE(off.train.cuda_graphs);
+  EXPECT_TRUE(on.train.cuda_graphs);
+  EXPECT_EQ(config_hash(off), config_hash(on));
+  const std::string msg = error_of([] { load("data:\n  train: d\n", {"train.cuda_graphs=sometimes"}); });
+  EXPECT_TRUE(contains(msg, "train.cuda_graphs")) << msg;
+}
+
 TEST(TrainerConfig, SchemaMentionsEveryKeyInItsSection) {
   const std::string schema = schema_text();
   const std::vector<std::string> keys = config_keys();
-  EXPECT_EQ(keys.size(), 73u);  // 65 before model.offload, model.mlp_chunk_tokens, model.loss_chunk_tokens,
+  EXPECT_EQ(keys.size(), 74u);  // 65 before model.offload, model.mlp_chunk_tokens, model.loss_chunk_tokens,
                                  // parallel.ulysses_size, train.grad_dtype, attention.kernel,
-                                 // model.attention_head_groups and train.gemm_algorithm
+                                 // model.attention_head_groups, train.gemm_algorithm and train.cuda_graphs
   for (const std::string& full : keys) {
     const std::string section = full.substr(0, full.find('.')), key = full.substr(full.find('.') + 1);
     const size_t at = schema.find("\n" + section + ": ");

@@ -576,6 +576,26 @@ TEST_F(TrainTest, OffloadedCheckpointsTrainTheSameLosses) {
   EXPECT_EQ(losses[0], losses[1]);
 }
 
+// train.cuda_graphs where graphs cannot run (the CPU): the log says why, and training is unchanged.
+// (On a GPU, tests/gpu/model_gpu_test.cpp's GpuModelCudaGraphs checks graphed steps against eager ones.)
+TEST_F(TrainTest, CudaGraphsOffTheGpuAreReportedUnusedAndChangeNothing) {
+  std::vector<double> losses[2];
+  for (int g = 0; g < 2; ++g) {
+    const std::string name = g ? "graphs_on" : "graphs_off";
+    TrainSummary s = train(config(name, {"train.steps=3", "eval.batches=0", "checkpoint.every=0",
+                                         g ? "train.cuda_graphs=true" : "train.cuda_graphs=false"}));
+    losses[g] = s.losses;
+    EXPECT_EQ(s.graph_captures, 0);
+    EXPECT_EQ(s.graph_replays, 0);
+    const std::string log = read_file(root_ / "runs" / name / "train.log");
+    EXPECT_EQ(log.find("train.cuda_graphs is set but not used: the model is not on CUDA") != std::string::npos, g == 1)
+        << log;
+  }
+  ASSERT_EQ(losses[0].size(), 3u);
+  for (double l : losses[0]) ASSERT_TRUE(std::isfinite(l));
+  EXPECT_EQ(losses[0], losses[1]);
+}
+
 // Through the real CLI: each class of config error exits non-zero with its message, and no run
 // directory appears.
 int run_cli(const std::string& args, std::string& output, const std::string& env = "") {
