@@ -10,7 +10,7 @@
 //               [--schedule zigzag] [--chunk-calls merged|per_chunk] [--longest] [--gpus P]
 //               [--memory FREE_GIB,TOTAL_GIB] [--documents docmask_anchor.json]
 //               [--offload none,checkpoints] [--mlp-chunk N] [--loss-chunk N] [--head-groups N] [--shape tinyllama|llama3.2-3b]
-//               [--profile]
+//               [--profile] [--cuda-graphs off|on|off,on]
 //   longtrain-run --nproc-per-node 2 -- llama_bench ...     (sequence parallel over 2 GPUs)
 //   llama_bench --merge result.json --anchor llama_anchor.json --out merged.json
 //   llama_bench --merge result.json --anchor compiled_llama_anchor_1b.json   (rows matched by length and policy)
@@ -51,6 +51,11 @@
 // device synchronisations, as the anchor times them), with CUDA events splitting each step into
 // forward+backward, optimizer, and the attention calls inside forward+backward. The attention
 // forwards per layer and step are counted (remat_aware and none: 1, full: 2).
+//
+// --cuda-graphs on (one GPU, no --documents): each step's forward and backward is a CUDA graph
+// (LlamaModel::set_cuda_graphs, train.cuda_graphs), captured in the warm-up and replayed by every timed
+// step (checked; the row's cuda_graph); the attention inside it is then not timed (null). off,on
+// runs each policy both ways, one row each, for an A/B in one process.
 //
 // FLOPs: the anchor counts 6·N_matmul + 6·L·S·d_model per token (N_matmul = all parameters except the
 // embedding; causal attention at half of 12·L·S·d). model_tflops and MFU (against 989 TFLOP/s dense
@@ -94,6 +99,7 @@ struct Options : RunRecord {
   std::vector<int64_t> lengths{8192, 32768, 65536};
   std::vector<std::string> policies{"remat_aware", "full"};  // or auto
   std::vector<model::Offload> offloads{model::Offload::none};
+  std::vector<bool> cuda_graphs{false};  // --cuda-graphs off,on: each setting a row of its own
   model::Tiling tiling;
   std::string shape = "tinyllama";
   std::string merge;
@@ -126,6 +132,12 @@ Options parse(int argc, char** argv) {
     } else if (a == "--offload") {
       o.offloads.clear();
       for (const std::string& s : split_list(next())) o.offloads.push_back(model::parse_offload(s));
+    } else if (a == "--cuda-graphs") {
+      o.cuda_graphs.clear();
+      for (const std::string& s : split_list(next())) {
+        LT_CHECK(s == "on" || s == "off", "llama_bench: --cuda-graphs takes on, off or both (off,on), got '{}'", s);
+        o.cuda_graphs.push_back(s == "on");
+      }
     } else if (a == "--mlp-chunk") {
       o.tiling.mlp_chunk_tokens = next.integer();
     } else if (a == "--loss-chunk") {
@@ -194,19 +206,24 @@ model::LlamaConfig llama32_3b() {
 struct Setup {
   std::optional<model::CheckpointPolicy> policy;  // empty: auto
   model::Offload offload = model::Offload::none;
+  bool cuda_graphs = false;  // forward_backward replayed as CUDA graphs (LlamaModel::set_cuda_graphs)
   std::string label() const {
-    if (!policy) return "auto";
-    return fmt::format("{}{}", model::checkpoint_policy_name(*policy), offload == model::Offload::none ? "" : "+offload");
+    const std::string graphs = cuda_graphs ? "+graphs" : "";
+    if (!policy) return "auto" + graphs;
+    return fmt::format("{}{}{}", model::checkpoint_policy_name(*policy),
+                       offload == model::Offload::none ? "" : "+offload", graphs);
   }
 };
 std::vector<Setup> setups(const Options& o) {
   std::vector<Setup> out;
   for (const std::string& p : o.policies) {
-    if (p == "auto") {
-      out.push_back({});
-      continue;
+    for (bool graphs : o.cuda_graphs) {
+      if (p == "auto") {
+        out.push_back({std::nullopt, model::Offload::none, graphs});
+        continue;
+      }
+      for (model::Offload off : o.offloads) out.push_back({model::parse_checkpoint_policy(p), off, graphs});
     }
-    for (model::Offload off : o.offloads) out.push_back({model::parse_checkpoint_policy(p), off});
   }
   return out;
 }
@@ -223,6 +240,7 @@ class TimedAttention final : public attn::SequenceAttention {
     ++counters.forward_calls;
     inner_->set_documents(documents());  // the model sets them (and the layer) on this wrapper
     inner_->set_layer(layer_);
+    if (!timing_) return inner_->forward(o, lse, q, k, v);
     const size_t i = begin();
     inner_->forward(o, lse, q, k, v);
     end(i);
@@ -232,6 +250,7 @@ class TimedAttention final : public attn::SequenceAttention {
     ++counters.backward_calls;
     inner_->set_documents(documents());
     inner_->set_layer(layer_);
+    if (!timing_) return inner_->backward(dq, dk, dv, q, k, v, o, lse, d_o);
     const size_t i = begin();
     inner_->backward(dq, dk, dv, q, k, v, o, lse, d_o);
     end(i);
@@ -245,6 +264,9 @@ class TimedAttention final : public attn::SequenceAttention {
   void keep_forward(int64_t n_layers) override { inner_->keep_forward(n_layers); }
   bool keeps_forward() const override { return inner_->keeps_forward(); }
   void reset() { used_ = 0; }
+  // Off under CUDA graphs: an event recorded during a capture times nothing, and a replay records none.
+  void set_timing(bool on) { timing_ = on; }
+  bool timing() const { return timing_; }
   // Milliseconds of every call since reset() (events are kept, one pair per call); the device must
   // have passed the last call.
   double elapsed_ms() const {
@@ -273,6 +295,7 @@ class TimedAttention final : public attn::SequenceAttention {
   std::unique_ptr<attn::SequenceAttention> inner_;
   std::vector<cudaEvent_t> events_;
   size_t used_ = 0;
+  bool timing_ = true;
 };
 
 // A host image of the bf16 parameter arena: weights ~ N(0, 0.02) (sum of four uniforms), norm weights
@@ -364,7 +387,10 @@ int main(int argc, char** argv) try {
     if (anchor.contains("params")) result["anchor_params"] = anchor["params"];
     for (json& row : result["rows"]) {
       const std::string by_length = std::to_string(row["S"].get<int64_t>());
-      const std::string key = compiled ? by_length + ":" + row["policy"].get<std::string>() : by_length;
+      // A row under CUDA graphs ("none+graphs") has its policy's PyTorch twin.
+      std::string policy = row["policy"].get<std::string>();
+      if (policy.ends_with("+graphs")) policy.resize(policy.size() - std::string_view("+graphs").size());
+      const std::string key = compiled ? by_length + ":" + policy : by_length;
       if (!anchor.contains(key)) continue;
       row["anchor"] = anchor[key];
       if (anchor[key].is_object() && anchor[key].contains("tok_per_s") && row.contains("tok_per_s"))
@@ -589,8 +615,9 @@ int main(int argc, char** argv) try {
       const model::MemoryChoice choice = plan_for(setup, S, free_now);
       const model::MemoryPlan& plan = choice.plan;
       const model::CheckpointPolicy policy = choice.policy;
-      const std::string label = setup.policy ? setup.label() : fmt::format("auto={}{}", model::checkpoint_policy_name(policy),
-                                                                          choice.offload == model::Offload::none ? "" : "+offload");
+      const std::string label = setup.policy ? setup.label() : fmt::format("auto={}{}{}", model::checkpoint_policy_name(policy),
+                                                                          choice.offload == model::Offload::none ? "" : "+offload",
+                                                                          setup.cuda_graphs ? "+graphs" : "");
       json row = {{"S", S}, {"gpus", P}, {"tokens_per_gpu", T}, {"policy", setup.label()},
                   {"checkpoint", model::checkpoint_policy_name(policy)}, {"offload", model::offload_name(choice.offload)},
                   {"choice", choice.reason}, {"mlp_chunk_tokens", plan.tiling.mlp_chunk_tokens},
@@ -639,6 +666,15 @@ int main(int argc, char** argv) try {
         auto attention = std::make_unique<TimedAttention>(attn::make_sequence_attention(spec));
         TimedAttention* timed = attention.get();
         model::LlamaModel m(cfg, prec, policy, T, std::move(attention), P, opt.tiling, choice.offload);
+        if (setup.cuda_graphs) {
+          LT_CHECK(P == 1, "llama_bench: --cuda-graphs on runs on one GPU (the distributed schedules' transfers are "
+                   "host calls between the kernels)");
+          LT_CHECK(docs.empty(), "llama_bench: --cuda-graphs on does not combine with --documents (the document "
+                   "mask's block pairs are decided on the host for each batch)");
+          const std::string why_not = m.set_cuda_graphs(true);
+          LT_CHECK(why_not.empty(), "llama_bench: --cuda-graphs on for {}: {}", label, why_not);
+          timed->set_timing(false);
+        }
         LT_CHECK(static_cast<size_t>(m.params().flat().numel()) >= image.size(), "llama_bench: parameter image larger than the arena");
         auto load_image = [&] {
           copy(Tensor(m.params().base(), DType::bf16, {static_cast<int64_t>(image.size())}, Device::cuda),
@@ -727,14 +763,28 @@ int main(int argc, char** argv) try {
           adamw.set_steps_taken(0);
           for (int i = 0; i < opt.warmup; ++i) step(-1);
         }
+        // Under CUDA graphs a step's forward and backward is captured on its second call (the first makes
+        // the plans and buffers): warm up until the graph exists, so that every timed step replays it.
+        if (setup.cuda_graphs) {
+          for (int i = 0; i < 3 && m.graph_stats().captures == 0 && m.graph_stats().off_reason.empty(); ++i) step(-1);
+          const model::LlamaModel::GraphStats g = m.graph_stats();
+          LT_CHECK(g.captures > 0 && g.off_reason.empty(), "llama_bench: no CUDA graph for {} at S={}: {}", label, S,
+                   g.off_reason.empty() ? std::string("none captured in 3 more warm-up steps") : g.off_reason);
+        }
         LT_CUDA_CHECK(cudaDeviceSynchronize());
         if (group) group->barrier();
         const double warm_s = seconds_since(t_warm);
         timed->reset();
         const int64_t forwards_timed_before = timed->counters.forward_calls;
+        const int64_t replays_before = m.graph_stats().replays;
         const auto t0 = std::chrono::steady_clock::now();
         for (int i = 0; i < opt.steps; ++i) step(i);
         LT_CUDA_CHECK(cudaDeviceSynchronize());
+        const int64_t replays_timed = m.graph_stats().replays - replays_before;
+        LT_CHECK(!setup.cuda_graphs || replays_timed == opt.steps,
+                 "llama_bench: {} of the {} timed steps of {} at S={} replayed their CUDA graph{}", replays_timed,
+                 opt.steps, label, S,
+                 m.graph_stats().off_reason.empty() ? "" : " (graphs went off: " + m.graph_stats().off_reason + ")");
         double step_s = seconds_since(t0) / opt.steps;
         double fb_ms = 0.0, opt_ms = 0.0;
         for (int i = 0; i < opt.steps; ++i) {
@@ -815,8 +865,14 @@ int main(int argc, char** argv) try {
         row["attention_forwards_per_layer"] = forwards_per_layer;
         if (!op_profile.is_null()) row["profile"] = op_profile;
         row["split_ms"] = {{"forward_backward", round1(fb_ms)},
-                           {"attention_in_forward_backward", round1(attn_ms)},
+                           {"attention_in_forward_backward", timed->timing() ? json(round1(attn_ms)) : json(nullptr)},
                            {"optimizer", round1(opt_ms)}};
+        row["cuda_graphs"] = setup.cuda_graphs;
+        if (setup.cuda_graphs) {
+          const model::LlamaModel::GraphStats g = m.graph_stats();
+          row["cuda_graph"] = {{"captures", g.captures}, {"replays_in_timed_steps", replays_timed},
+                               {"dropped", g.dropped}};
+        }
         std::string line = fmt::format(
             "S={:7} {}GPU {:11}: {:8.3f} s/step, {:7.0f} tok/s, {:5.1f} TFLOP/s/GPU, MFU {:.3f}, peak {:5.1f} GiB "
             "(plan {:5.1f}); fwd+bwd {:.0f} ms (attention {:.0f}, {:.0f} fwd/layer), optimizer {:.0f} ms; loss {:.3f}",

@@ -8,7 +8,8 @@
 #   SKIP_TESTS=1 SHAPE=3b scripts/device/run-step-vs-compiled.sh 32768:none,remat_aware,full
 # KERNELS (default "cudnn") lists attention kernel policies (LONGTRAIN_ATTENTION_KERNEL: cudnn, hopper,
 # auto): our step runs once per policy, each merged with the same anchor run. GEMM (default auto, the
-# trainer's train.gemm_algorithm default; or heuristic) is LONGTRAIN_GEMM_ALGO for every step.
+# trainer's train.gemm_algorithm default; or heuristic) is LONGTRAIN_GEMM_ALGO for every step. GRAPHS
+# (default off; on, or off,on for both in one process) is llama_bench's --cuda-graphs.
 set -u
 source scripts/device/session.sh
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
@@ -27,7 +28,8 @@ for item in "${@:-8192:none,remat_aware}"; do
   S=${item%%:*}; P=${item#*:}; N=$SHAPE-$S
   for K in $KERNELS; do
     LONGTRAIN_ATTENTION_KERNEL=$K timeout 200 $B/bench/llama_bench --shape $BSHAPE --lengths $S --policies $P \
-      --warmup 1 --steps 3 --profile --commit $COMMIT --out $W/ours-$K-$N.json > $W/ours-$K-$N.log 2>&1
+      --warmup 1 --steps 3 --profile --cuda-graphs ${GRAPHS:-off} --commit $COMMIT --out $W/ours-$K-$N.json \
+      > $W/ours-$K-$N.log 2>&1
     stamp "llama_bench $SHAPE $item kernel $K rc $?"; grep -E "^S=|tok/s|attention kernel" $W/ours-$K-$N.log | tail -8
   done
   OUT=$W SHAPE=$SHAPE timeout 300 python3 .device/anchors/compiled_llama_anchor.py $item > $W/anchor-$N.log 2>&1
