@@ -15,7 +15,7 @@ if [ -n "${PROGRAMS:-}" ]; then
 else
   programs=(
     bench/llama_bench bench/attention_bench bench/cp_bench bench/comm_bench
-    tests/gpu/gpu_test tests/gpu/ulysses_gpu_test
+    tests/gpu/gpu_test tests/gpu/ulysses_gpu_test tests/trainer/train_test
     tests/gpu/distributed_attention_gpu_test tests/gpu/distributed_attention_gpu_worker
     tests/parallel/parallel_nccl_test tests/parallel/parallel_nccl_worker
     tools/longtrain/longtrain tools/longtrain-run/longtrain-run

@@ -17,6 +17,12 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
   stamp "gpu_test rc $?"; grep -E "FAILED|PASSED|SKIPPED \]" $W/gpu_test.log | tail -12
   timeout 60 $B/tests/gpu/ulysses_gpu_test > $W/ulysses_gpu_test.log 2>&1
   stamp "ulysses_gpu_test rc $?"; grep -E "FAILED|PASSED" $W/ulysses_gpu_test.log | tail -3
+  # The trainer's own GPU test (train.cuda_graphs against eager training); train_test's other tests are CPU ones.
+  if [ -x $B/tests/trainer/train_test ]; then
+    timeout 120 $B/tests/trainer/train_test --gtest_filter='*OnTheGpu*' > $W/train_gpu_test.log 2>&1
+    stamp "train_test (GPU) rc $?"; grep -E "FAILED|PASSED|SKIPPED|graphs:" $W/train_gpu_test.log | tail -4
+    grep -q FAILED $W/train_gpu_test.log && exit 1
+  fi
   grep -q FAILED $W/gpu_test.log && exit 1
 fi
 # SHAPE=3b: the Llama-3.2-3B shape on both sides (the anchor with our vocabulary, 128256).

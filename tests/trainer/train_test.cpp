@@ -20,6 +20,7 @@
 
 #include "model/generate.h"
 #include "model/hf_export.h"
+#include "runtime/device.h"
 #include "train_fixture.h"
 #include "trainer/checkpoint.h"
 
@@ -594,6 +595,44 @@ TEST_F(TrainTest, CudaGraphsOffTheGpuAreReportedUnusedAndChangeNothing) {
   ASSERT_EQ(losses[0].size(), 3u);
   for (double l : losses[0]) ASSERT_TRUE(std::isfinite(l));
   EXPECT_EQ(losses[0], losses[1]);
+}
+
+// train.cuda_graphs on a GPU as a user runs it (skipped without one): four micro-batches a step (two
+// graphs: the first overwrites the discarded gradients, the others add), evals (which free buffers, so
+// the graphs are dropped and captured again) and checkpoints. The losses are eager training's: the
+// first step's to the bit (same parameters, deterministic forward), the rest within the run-to-run
+// rounding of cuDNN's backward (dQ added with atomics).
+TEST_F(TrainTest, CudaGraphsOnTheGpuTrainTheEagerLosses) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device available";
+  TrainSummary s[2];
+  for (int g = 0; g < 2; ++g) {
+    const std::string name = g ? "gpu_graphs_on" : "gpu_graphs_off";
+    TrainConfig c = load_config(write_config(name).string(),
+                                {"train.device=cuda", "model.head_dim=64", "eval.every=3", "attention.kernel=cudnn",
+                                 "train.gemm_algorithm=heuristic", g ? "train.cuda_graphs=true" : "train.cuda_graphs=false"});
+    resolve_device(c, true);
+    s[g] = train(c);
+  }
+  std::printf("  CUDA graphs: %lld captured, %lld micro-batches replayed%s%s\n", (long long)s[1].graph_captures,
+              (long long)s[1].graph_replays, s[1].graph_off_reason.empty() ? "" : "; off: ",
+              s[1].graph_off_reason.c_str());
+  EXPECT_EQ(s[1].graph_off_reason, "");
+  EXPECT_GE(s[1].graph_captures, 2);
+  EXPECT_GT(s[1].graph_replays, s[1].graph_captures);
+  EXPECT_EQ(s[0].graph_captures, 0);
+  ASSERT_EQ(s[0].losses.size(), 8u);
+  ASSERT_EQ(s[1].losses.size(), 8u);
+  EXPECT_EQ(s[1].losses[0], s[0].losses[0]);
+  for (size_t i = 0; i < s[0].losses.size(); ++i) {
+    ASSERT_TRUE(std::isfinite(s[1].losses[i])) << "step " << i + 1;
+    std::printf("  step %zu loss: graphs %.7f, eager %.7f\n", i + 1, s[1].losses[i], s[0].losses[i]);
+    EXPECT_NEAR(s[1].losses[i], s[0].losses[i], 5e-3 * std::abs(s[0].losses[i])) << "step " << i + 1;
+  }
+  ASSERT_TRUE(s[0].final_eval && s[1].final_eval);
+  EXPECT_NEAR(s[1].final_eval->loss, s[0].final_eval->loss, 5e-3 * std::abs(s[0].final_eval->loss));
+  const std::string log = read_file(root_ / "runs/gpu_graphs_on/train.log");
+  EXPECT_NE(log.find("CUDA graphs: each micro-batch's forward and backward replayed as one graph"), std::string::npos)
+      << log;
 }
 
 // Through the real CLI: each class of config error exits non-zero with its message, and no run
