@@ -61,7 +61,7 @@ std::string_view kernel_policy_name(KernelPolicy policy) {
 KernelPolicy kernel_policy() { return cuda::current_policy(); }
 void set_kernel_policy(KernelPolicy policy) { cuda::set_policy(policy); }
 std::vector<KernelChoice> kernel_choices() { return cuda::choices(); }
-int kernel_trials_pending() { return cuda::trials_pending(); }
+int64_t kernel_trial_calls() { return cuda::trial_calls(); }
 #else
 namespace {
 KernelPolicy& cpu_build_policy() {
@@ -75,7 +75,7 @@ KernelPolicy& cpu_build_policy() {
 KernelPolicy kernel_policy() { return cpu_build_policy(); }
 void set_kernel_policy(KernelPolicy policy) { cpu_build_policy() = policy; }
 std::vector<KernelChoice> kernel_choices() { return {}; }
-int kernel_trials_pending() { return 0; }
+int64_t kernel_trial_calls() { return 0; }
 #endif
 
 // ---- segmented calls --------------------------------------------------------------------------------

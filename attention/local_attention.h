@@ -120,8 +120,9 @@ struct KernelChoice {
 };
 // Every decision made so far in this process, in the order they were made (empty on the CPU).
 std::vector<KernelChoice> kernel_choices();
-// Call shapes whose trial under auto has begun and not yet decided (0 on the CPU). A trial times its
-// calls and reads the times back on the host, which a captured CUDA graph cannot do.
-int kernel_trials_pending();
+// Calls run as trial calls under auto so far in this process (never decreases; 0 on the CPU). A trial
+// times its calls and reads the times on the host, which a CUDA graph cannot hold: work whose calls
+// added none is free of trials.
+int64_t kernel_trial_calls();
 
 }  // namespace longtrain::attn

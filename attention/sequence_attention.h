@@ -76,6 +76,11 @@ class SequenceAttention {
   virtual bool keeps_forward() const { return false; }
   void set_layer(int64_t layer) { layer_ = layer; }
 
+  // Whether a call without documents queues its work on cuda_stream() alone, with nothing waited for
+  // or read back on the host and no other stream: then a CUDA graph can hold it (LlamaModel::
+  // set_cuda_graphs). Not the distributed schedules, whose transfers run on communication streams.
+  virtual bool graph_capturable() const { return false; }
+
   AttentionCounters counters;
 
  protected:
@@ -91,6 +96,7 @@ class LocalSequenceAttention final : public SequenceAttention {
  public:
   LocalSequenceAttention(bool causal, double scale) : causal_(causal), scale_(scale) {}
   bool head_major_lse() const override { return true; }
+  bool graph_capturable() const override { return true; }
   void forward(Tensor o, Tensor lse, Tensor q, Tensor k, Tensor v) override;
   void backward(Tensor dq, Tensor dk, Tensor dv, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse,
                 Tensor d_o) override;

@@ -256,6 +256,8 @@ class TimedAttention final : public attn::SequenceAttention {
     end(i);
   }
   bool head_major_lse() const override { return inner_->head_major_lse(); }
+  // Its events time nothing inside a capture: only untimed.
+  bool graph_capturable() const override { return !timing_ && inner_->graph_capturable(); }
   void set_backward_head_groups(int64_t groups) override { inner_->set_backward_head_groups(groups); }
   int64_t backward_head_groups() const override { return inner_->backward_head_groups(); }
   // Ulysses keeps each layer's head-layout forward for its backward: without these the model would
@@ -671,9 +673,9 @@ int main(int argc, char** argv) try {
                    "host calls between the kernels)");
           LT_CHECK(docs.empty(), "llama_bench: --cuda-graphs on does not combine with --documents (the document "
                    "mask's block pairs are decided on the host for each batch)");
+          timed->set_timing(false);
           const std::string why_not = m.set_cuda_graphs(true);
           LT_CHECK(why_not.empty(), "llama_bench: --cuda-graphs on for {}: {}", label, why_not);
-          timed->set_timing(false);
         }
         LT_CHECK(static_cast<size_t>(m.params().flat().numel()) >= image.size(), "llama_bench: parameter image larger than the arena");
         auto load_image = [&] {

@@ -113,9 +113,11 @@ void set_gemm_algo_policy(GemmAlgoPolicy policy) {
 #ifdef LONGTRAIN_HAS_CUDA
 std::vector<GemmChoice> gemm_choices() { return cuda_util::gemm_choices(); }
 int gemm_trials_pending() { return cuda_util::gemm_trials_pending(); }
+int64_t gemm_trial_calls() { return cuda_util::gemm_trial_calls(); }
 #else
 std::vector<GemmChoice> gemm_choices() { return {}; }
 int gemm_trials_pending() { return 0; }
+int64_t gemm_trial_calls() { return 0; }
 #endif
 void linear_forward(Tensor y, Tensor x, Tensor w) {
   const Device device = common_device("linear_forward", {&y, &x, &w});

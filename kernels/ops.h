@@ -113,6 +113,10 @@ struct GemmChoice {
 std::vector<GemmChoice> gemm_choices();
 // GEMM shapes whose trial under auto has not ended (a benchmark warms up until there are none).
 int gemm_trials_pending();
+// GEMM calls run as trial calls so far in this process (never decreases). A trial times its calls and
+// reads the times on the host, which a CUDA graph cannot hold: work whose calls added none is free of
+// trials.
+int64_t gemm_trial_calls();
 
 // y = x · Wᵀ      x [T, K], w [N, K] (PyTorch/HF layout), y [T, N]
 void linear_forward(Tensor y, Tensor x, Tensor w);

@@ -189,6 +189,8 @@ std::string LlamaModel::set_cuda_graphs(bool on) {
   if (!on) return {};
   if (precision_.device != Device::cuda) return "the model is not on CUDA";
   if (offloader_) return "checkpoints are offloaded (model.offload): their copies run on a stream of their own";
+  if (!attention_->graph_capturable())
+    return "the attention cannot be captured (a distributed schedule: its transfers run on streams of their own)";
   graphs_ = std::make_unique<StepGraphs>();
   return {};
 }
@@ -467,6 +469,7 @@ bool LlamaModel::graph_eligible(const TokenShard& shard, const Tensor& loss_sum)
 }
 
 LossSum LlamaModel::forward_backward_graphed(const TokenShard& shard, double grad_scale, Tensor loss_sum) {
+  // Everything the captured kernels take from the host (model/step_graphs.h).
   StepGraphKey key;
   key.tokens = shard.tokens.numel();
   key.ids = shard.tokens.data;
@@ -503,22 +506,33 @@ LossSum LlamaModel::forward_backward_graphed(const TokenShard& shard, double gra
     graphs_->count_replay();
     return {0.0, shard.valid_labels};
   }
-  // The first call of a key, or one during a kernel trial, runs eagerly.
-  if (!graphs_->seen_before(key) || attn::kernel_trials_pending() > 0 || ops::gemm_trials_pending() > 0)
-    return run_forward_backward(shard, grad_scale, loss_sum);
+  // A key's first call runs eagerly, and so does every call until one ran no kernel or GEMM trial call.
+  if (!graphs_->ready_to_capture(key)) {
+    const int64_t trial_calls = attn::kernel_trial_calls() + ops::gemm_trial_calls();
+    const LossSum r = run_forward_backward(shard, grad_scale, loss_sum);
+    graphs_->record_eager_call(key, attn::kernel_trial_calls() + ops::gemm_trial_calls() == trial_calls);
+    return r;
+  }
 
   const std::vector<bool> discarded_before = key.discarded;
   const attn::AttentionCounters counters_before = counters;
+  // Nothing ran on the device during a capture that failed: undo the host state the captured call
+  // changed.
+  auto restore = [&] {
+    for (size_t i = 0; i < discardable_.size(); ++i) discardable_[i].discarded = discarded_before[i];
+    counters = counters_before;
+  };
   CudaGraph graph;
   try {
     graph = CudaGraph::capture([&] { run_forward_backward(shard, grad_scale, loss_sum); });
   } catch (const Error& e) {
-    // Nothing ran on the device: undo the host state the captured call changed, run it eagerly and
-    // leave graphs off for this model.
-    for (size_t i = 0; i < discardable_.size(); ++i) discardable_[i].discarded = discarded_before[i];
-    counters = counters_before;
+    // Run the call eagerly and leave graphs off for this model, with the reason.
+    restore();
     graphs_->turn_off(e.what());
     return run_forward_backward(shard, grad_scale, loss_sum);
+  } catch (...) {
+    restore();
+    throw;
   }
   StepGraphEffects effects;
   effects.discarded_after = discarded_now();

@@ -1,7 +1,5 @@
 #include "model/step_graphs.h"
 
-#include <algorithm>
-
 #include <fmt/format.h>
 
 namespace longtrain::model {
@@ -13,11 +11,21 @@ const StepGraphs::Entry* StepGraphs::find(const StepGraphKey& key, int64_t frees
   return nullptr;
 }
 
-bool StepGraphs::seen_before(const StepGraphKey& key) {
-  if (std::find(seen_.begin(), seen_.end(), key) != seen_.end()) return true;
-  seen_.push_back(key);
-  if (seen_.size() > 2 * kMaxGraphs) seen_.pop_front();
+bool StepGraphs::ready_to_capture(const StepGraphKey& key) const {
+  for (const auto& [k, clean] : eager_calls_)
+    if (k == key) return clean;
   return false;
+}
+
+void StepGraphs::record_eager_call(const StepGraphKey& key, bool clean) {
+  for (auto& [k, c] : eager_calls_) {
+    if (k == key) {
+      c = clean;
+      return;
+    }
+  }
+  eager_calls_.emplace_back(key, clean);
+  if (eager_calls_.size() > 2 * kMaxGraphs) eager_calls_.pop_front();
 }
 
 const StepGraphs::Entry& StepGraphs::add(StepGraphKey key, CudaGraph graph, StepGraphEffects effects, int64_t frees) {
@@ -28,7 +36,7 @@ const StepGraphs::Entry& StepGraphs::add(StepGraphKey key, CudaGraph graph, Step
   frees_at_capture_ = frees;
   entries_.push_back({std::move(key), std::move(graph), std::move(effects)});
   ++stats_.captures;
-  if (stats_.captures >= kMaxUnpaidCaptures && stats_.replays < stats_.captures) {
+  if (stats_.captures >= kMaxUnpaidCaptures && stats_.replays < 2 * stats_.captures) {
     turn_off(fmt::format("the step's calls kept changing ({} captures, {} replays): a graph is replayed only for a "
                          "call with the same token count, buffers, grad_scale (1 / the valid labels of the step) and "
                          "gradients to overwrite",
@@ -44,7 +52,7 @@ void StepGraphs::drop_all() {
 
 void StepGraphs::turn_off(std::string reason) {
   stats_.off_reason = std::move(reason);
-  seen_.clear();  // the graphs stay (the caller may still launch the last one made) and are never looked up again
+  eager_calls_.clear();  // the graphs stay (the caller may still launch the last one made) and are never looked up again
 }
 
 }  // namespace longtrain::model

@@ -9,15 +9,17 @@
 // flags it cleared, the attention's call counters) is recorded at capture and applied on each replay.
 // RoPE's frequencies are kernel arguments too: set_rope_length drops every graph.
 //
-// When a graph is made: a key is captured the second time it is seen (the first call runs eagerly and
-// makes what is made once: cuDNN and cuBLASLt plans, scratch buffers, kernel trials) and only while no
-// attention or GEMM trial is under way (a trial reads its times on the host). A graph is dropped when
-// any device buffer was freed since its capture (runtime/cuda_graph.h).
+// When a graph is made: a key's first call runs eagerly (it makes what is made once: cuDNN and cuBLASLt
+// plans, scratch buffers) and so does every call until one of them ran no attention or GEMM trial call
+// (a trial reads its times on the host); the call after that clean eager call is captured. A graph is
+// dropped when any device buffer was freed since its capture (runtime/cuda_graph.h); its key, known to
+// run clean, is captured again at its next call.
 #pragma once
 
 #include <cstdint>
 #include <deque>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "runtime/cuda_graph.h"
@@ -63,8 +65,9 @@ class StepGraphs {
   // The graph of `key`, or nullptr. `frees` is AllocationStats::frees of the device now: every graph
   // is dropped first when a buffer was freed since the graphs were captured.
   const Entry* find(const StepGraphKey& key, int64_t frees);
-  // Whether `key` was seen before (remembers it otherwise): the first call of a key runs eagerly.
-  bool seen_before(const StepGraphKey& key);
+  // Whether the last eager call of `key` ran clean (no trial call): then its next call is captured.
+  bool ready_to_capture(const StepGraphKey& key) const;
+  void record_eager_call(const StepGraphKey& key, bool clean);
   const Entry& add(StepGraphKey key, CudaGraph graph, StepGraphEffects effects, int64_t frees);
   void drop_all();
   // Off for good, with the reason (the trainer logs it): the model runs every call eagerly from then on.
@@ -76,13 +79,14 @@ class StepGraphs {
   // Graphs kept at once: the calls of one step (the first micro-batch and the next ones differ in
   // which gradients they overwrite) and a few more.
   static constexpr size_t kMaxGraphs = 4;
-  // After this many captures with fewer replays than captures, the calls change too often to gain
-  // from graphs (a grad_scale that varies every step, say): graphs turn off.
+  // After this many captures with fewer than two replays per capture, the calls change too often to
+  // gain from graphs (a grad_scale that varies every step, say: each step's first micro-batch runs
+  // eagerly, the second is captured, the rest replay it): graphs turn off.
   static constexpr int64_t kMaxUnpaidCaptures = 8;
 
  private:
   std::deque<Entry> entries_;
-  std::deque<StepGraphKey> seen_;
+  std::deque<std::pair<StepGraphKey, bool>> eager_calls_;  // key, whether its last eager call ran clean
   int64_t frees_at_capture_ = -1;
   Stats stats_;
 };

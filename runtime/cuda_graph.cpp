@@ -40,28 +40,29 @@ void CudaGraph::reset() {
 
 CudaGraph CudaGraph::capture(const std::function<void()>& body) {
   LT_CUDA_CHECK(cudaStreamBeginCapture(cuda_stream(), cudaStreamCaptureModeGlobal));
-  // Ends the capture whatever happened, so the stream is usable again; the error that invalidated
-  // the capture (if any) is cleared from the thread's last-error slot.
-  auto end_capture = [](cudaGraph_t* graph) {
+  // Ends the capture whatever happened, so the stream is usable again. After a failure the error that
+  // invalidated the capture is cleared from the thread's last-error slot (a capture error is not
+  // sticky); after a success the slot is left alone.
+  auto end_capture = [](cudaGraph_t* graph, bool failed) {
     const cudaError_t err = cudaStreamEndCapture(cuda_stream(), graph);
-    (void)cudaGetLastError();
+    if (failed || err != cudaSuccess) (void)cudaGetLastError();
     return err;
   };
   try {
     body();
   } catch (const Error& e) {
     cudaGraph_t partial = nullptr;
-    end_capture(&partial);
+    end_capture(&partial, /*failed=*/true);
     if (partial != nullptr) cudaGraphDestroy(partial);
     throw Error(fmt::format("capturing a CUDA graph failed: {}", e.what()), e.where());
   } catch (...) {
     cudaGraph_t partial = nullptr;
-    end_capture(&partial);
+    end_capture(&partial, /*failed=*/true);
     if (partial != nullptr) cudaGraphDestroy(partial);
     throw;
   }
   cudaGraph_t graph = nullptr;
-  const cudaError_t err = end_capture(&graph);
+  const cudaError_t err = end_capture(&graph, /*failed=*/false);
   if (err != cudaSuccess || graph == nullptr) {
     if (graph != nullptr) cudaGraphDestroy(graph);
     LT_FAIL("capturing a CUDA graph failed: {} (a call in the captured work synchronised with the device, "

@@ -49,6 +49,7 @@ struct State {
   std::optional<KernelPolicy> policy;
   std::map<CallShape, Trial> trials;
   std::vector<KernelChoice> choices;
+  int64_t trial_calls = 0;
 };
 
 State& state() {
@@ -104,12 +105,10 @@ std::vector<KernelChoice> choices() {
   return s.choices;
 }
 
-int trials_pending() {
+int64_t trial_calls() {
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mu);
-  int n = 0;
-  for (const auto& [shape, t] : s.trials) n += !t.decided && t.calls > 0;
-  return n;
+  return s.trial_calls;
 }
 
 Kernel run_chosen(const CallShape& shape, bool hopper_ok, const std::function<void()>& run_cudnn,
@@ -134,6 +133,7 @@ Kernel run_chosen(const CallShape& shape, bool hopper_ok, const std::function<vo
   }
   // Trial calls alternate cuDNN, hopper; the first pair is untimed.
   const int call = t.calls++;
+  ++s.trial_calls;
   const Kernel k = call % 2 == 0 ? Kernel::cudnn : Kernel::hopper;
   if (call < 2) {
     run(k);

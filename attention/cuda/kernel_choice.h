@@ -49,7 +49,7 @@ Kernel run_chosen(const CallShape& shape, bool hopper_ok, const std::function<vo
 // The decisions made under auto so far (for logs, benchmarks and tests).
 std::vector<KernelChoice> choices();
 
-// Call shapes whose trial has begun and not yet decided.
-int trials_pending();
+// Calls run as trial calls so far (never decreases).
+int64_t trial_calls();
 
 }  // namespace longtrain::attn::cuda

@@ -31,6 +31,13 @@ void* scratch(Scratch which, size_t bytes) {
   std::lock_guard<std::mutex> lock(g_scratch_mutex);
   ScratchBuffer& b = g_scratch[static_cast<size_t>(which)];
   if (bytes > b.bytes) {
+    // A graph being captured (runtime/cuda_graph.h) would keep the old pointer: fail its capture
+    // here, by name, rather than inside cudaFree/cudaMalloc (which a capture forbids).
+    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+    LT_CUDA_CHECK(cudaStreamIsCapturing(cuda_stream(), &capturing));
+    LT_CHECK(capturing == cudaStreamCaptureStatusNone,
+             "the CUDA ops' scratch buffer {} would grow from {} to {} bytes inside a CUDA graph capture",
+             static_cast<int>(which), b.bytes, bytes);
     // Through device_alloc, so that allocation_stats() sees the scratch too. The old buffer may
     // still be read by queued kernels: cudaFree waits for the device first.
     device_free(Device::cuda, b.ptr);

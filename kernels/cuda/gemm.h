@@ -14,6 +14,7 @@ namespace longtrain::cuda_util {
 // itself is ops::gemm_algo_policy, read when a shape is first planned).
 std::vector<ops::GemmChoice> gemm_choices();
 int gemm_trials_pending();
+int64_t gemm_trial_calls();
 
 // Column-major D[m, n] = alpha · op(A)[m, k] · op(B)[k, n] + beta · D, on cuda_stream().
 // A is stored k×m when trans_a (else m×k) with leading dimension lda; B likewise; D is m×n, ldd.

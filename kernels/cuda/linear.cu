@@ -77,6 +77,7 @@ struct Gemms {
   cublasLtHandle_t handle = nullptr;
   void* workspace = nullptr;
   int trials_pending = 0;
+  int64_t trial_calls = 0;  // calls run as part of a trial, ever (ops::gemm_trial_calls)
   std::vector<GemmChoice> choices;
   // Plans live as long as the process: descriptors are tiny, and destroying them at exit would race
   // the CUDA runtime's own teardown.
@@ -179,6 +180,12 @@ int gemm_trials_pending() {
   return g.trials_pending;
 }
 
+int64_t gemm_trial_calls() {
+  Gemms& g = gemms();
+  std::lock_guard<std::mutex> lock(g.mutex);
+  return g.trial_calls;
+}
+
 void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const void* A, int64_t lda, const void* B,
           int64_t ldb, const void* C, int64_t ldc, void* D, int64_t ldd, DType ab, DType d, float alpha, float beta) {
   if (m == 0 || n == 0) return;
@@ -220,6 +227,7 @@ void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const voi
   // A trial call: the next candidate in turn, timed after the first round.
   const int n_algos = static_cast<int>(plan.algos.size());
   const int call = plan.calls++;
+  ++g.trial_calls;
   const int candidate = call % n_algos;
   if (call < n_algos) {
     run(candidate);

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "attention/local_attention.h"
+#include "kernels/ops.h"
 #include "runtime/device.h"
 #include "runtime/tensor.h"
 #include "test_util.h"
@@ -143,6 +144,15 @@ inline void expect_close(const std::string& what, DType storage, const std::vect
     }
   }
 }
+
+// Sets the GEMM algorithm policy (heuristic, auto) for a scope and restores the one in force before it.
+struct GemmPolicyScope {
+  ops::GemmAlgoPolicy saved = ops::gemm_algo_policy();
+  explicit GemmPolicyScope(ops::GemmAlgoPolicy p) { ops::set_gemm_algo_policy(p); }
+  ~GemmPolicyScope() { ops::set_gemm_algo_policy(saved); }
+  GemmPolicyScope(const GemmPolicyScope&) = delete;
+  GemmPolicyScope& operator=(const GemmPolicyScope&) = delete;
+};
 
 // Sets the attention kernel policy (cudnn, hopper, auto) for a scope and restores the one in force
 // before it (the policy is process-wide; a decided shape under auto stays decided).

@@ -488,7 +488,8 @@ TEST(GpuModel, AdamWStepOnDeviceArenasEqualsTheCpuStep) {
 // An attention that waits for the device before each forward: a host sync, which a capture cannot hold.
 class HostSyncingAttention final : public attn::SequenceAttention {
  public:
-  explicit HostSyncingAttention(std::unique_ptr<attn::SequenceAttention> inner) : inner_(std::move(inner)) {}
+  HostSyncingAttention(std::unique_ptr<attn::SequenceAttention> inner, bool claims_capturable)
+      : inner_(std::move(inner)), claims_capturable_(claims_capturable) {}
   void forward(Tensor o, Tensor lse, Tensor q, Tensor k, Tensor v) override {
     LT_CUDA_CHECK(cudaStreamSynchronize(cuda_stream()));
     ++counters.forward_calls;
@@ -502,6 +503,8 @@ class HostSyncingAttention final : public attn::SequenceAttention {
     inner_->backward(dq, dk, dv, q, k, v, o, lse, d_o);
   }
   bool head_major_lse() const override { return inner_->head_major_lse(); }
+  // Claimed wrongly, the capture is tried and fails; told truly, the model refuses graphs up front.
+  bool graph_capturable() const override { return claims_capturable_; }
   void set_backward_head_groups(int64_t groups) override { inner_->set_backward_head_groups(groups); }
   int64_t backward_head_groups() const override { return inner_->backward_head_groups(); }
   void keep_forward(int64_t n_layers) override { inner_->keep_forward(n_layers); }
@@ -513,6 +516,7 @@ class HostSyncingAttention final : public attn::SequenceAttention {
     inner_->set_layer(layer_);
   }
   std::unique_ptr<attn::SequenceAttention> inner_;
+  bool claims_capturable_;
 };
 
 // `steps` training steps as the trainer runs them: gradients discarded, two micro-batches (new tokens
@@ -522,16 +526,21 @@ class HostSyncingAttention final : public attn::SequenceAttention {
 struct GraphRun {
   std::vector<double> losses;  // per step, the loss summed over both micro-batches
   std::vector<double> params;  // after the last step
+  int64_t attention_forwards = 0, attention_backwards = 0;  // the attention's call counters at the end
   LlamaModel::GraphStats stats;
   std::string refused;  // set_cuda_graphs' answer
 };
 
 GraphRun run_graph_steps(bool graphs, int steps, int free_before_step, bool host_syncing_attention = false) {
   const LlamaConfig c = tiny_config();
+  // Graphs are captured after an eager call free of GEMM trials: under LONGTRAIN_GEMM_ALGO=auto this
+  // small model's trials would outlast the steps. The heuristic's algorithm, as the other tests run.
+  const GemmPolicyScope gemm(ops::GemmAlgoPolicy::heuristic);
   std::unique_ptr<attn::SequenceAttention> attention;
   if (host_syncing_attention)
     attention = std::make_unique<HostSyncingAttention>(
-        std::make_unique<attn::LocalSequenceAttention>(true, 1.0 / std::sqrt(static_cast<double>(c.head_dim))));
+        std::make_unique<attn::LocalSequenceAttention>(true, 1.0 / std::sqrt(static_cast<double>(c.head_dim))),
+        /*claims_capturable=*/true);
   LlamaModel m(c, Precision::cuda_mixed(), CheckpointPolicy::remat_aware, kTokens, std::move(attention));
   m.initialize(/*seed=*/2024, /*init_std=*/0.08);
   GraphRun r;
@@ -569,6 +578,8 @@ GraphRun run_graph_steps(bool graphs, int steps, int free_before_step, bool host
     opt.step(m.params(), m.grads());
   }
   r.params = download(m.params().flat());
+  r.attention_forwards = m.attention().counters.forward_calls;
+  r.attention_backwards = m.attention().counters.backward_calls;
   r.stats = m.graph_stats();
   return r;
 }
@@ -578,6 +589,10 @@ GraphRun run_graph_steps(bool graphs, int steps, int free_before_step, bool host
 // runs differ by.
 void expect_same_training(const GraphRun& graphed, const GraphRun& eager, const GraphRun& eager_again) {
   ASSERT_EQ(graphed.losses.size(), eager.losses.size());
+  // A replay counts the attention calls its capture made (the step log's attention forwards per layer).
+  EXPECT_EQ(graphed.attention_forwards, eager.attention_forwards);
+  EXPECT_EQ(graphed.attention_backwards, eager.attention_backwards);
+  EXPECT_GT(eager.attention_forwards, 0);
   const bool repeatable = eager.losses == eager_again.losses && eager.params == eager_again.params;
   const double noise = relative_error(eager_again.params, eager.params);
   std::printf("  eager steps %s; graphed vs eager parameters %.3e relative (eager vs eager %.3e)\n",
@@ -634,8 +649,15 @@ INSTANTIATE_TEST_SUITE_P(Kernels, GpuModelCudaGraphs,
 
 // A capture that fails (here: an attention that syncs with the host) leaves nothing half-done: the
 // call runs eagerly, graphs turn off for the model with the reason, and training is eager training.
+// An attention that says it cannot be captured is refused up front.
 TEST(GpuModel, CudaGraphCaptureThatFailsFallsBackToEagerSteps) {
   LT_REQUIRE_GPU();
+  {
+    LlamaModel refusing(tiny_config(), Precision::cuda_mixed(), CheckpointPolicy::remat_aware, kTokens,
+                        std::make_unique<HostSyncingAttention>(
+                            std::make_unique<attn::LocalSequenceAttention>(true, 0.125), /*claims_capturable=*/false));
+    EXPECT_NE(refusing.set_cuda_graphs(true).find("the attention cannot be captured"), std::string::npos);
+  }
   const GraphRun eager = run_graph_steps(false, 3, -1, true), eager_again = run_graph_steps(false, 3, -1, true);
   const GraphRun graphed = run_graph_steps(true, 3, -1, true);
   ASSERT_EQ(graphed.refused, "");

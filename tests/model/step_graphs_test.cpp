@@ -33,10 +33,14 @@ StepGraphEffects effects(int64_t forwards) {
   return e;
 }
 
-TEST(StepGraphs, AKeyIsCapturedOnItsSecondCallAndFoundByEveryField) {
+TEST(StepGraphs, AKeyIsCapturedAfterAnEagerCallWithoutTrialsAndFoundByEveryField) {
   StepGraphs g;
-  EXPECT_FALSE(g.seen_before(key()));  // the first call runs eagerly
-  EXPECT_TRUE(g.seen_before(key()));
+  EXPECT_FALSE(g.ready_to_capture(key()));  // the first call runs eagerly
+  g.record_eager_call(key(), /*clean=*/false);  // it ran a kernel trial call
+  EXPECT_FALSE(g.ready_to_capture(key()));
+  g.record_eager_call(key(), /*clean=*/true);
+  EXPECT_TRUE(g.ready_to_capture(key()));
+  EXPECT_FALSE(g.ready_to_capture(key(1.0 / 59.0)));
   EXPECT_EQ(g.find(key(), /*frees=*/5), nullptr);
   g.add(key(), CudaGraph{}, effects(2), /*frees=*/5);
   const StepGraphs::Entry* e = g.find(key(), 5);
@@ -69,6 +73,11 @@ TEST(StepGraphs, AFreedBufferDropsEveryGraph) {
   g.drop_all();  // what set_rope_length does
   EXPECT_EQ(g.find(key(), 4), nullptr);
   EXPECT_EQ(g.stats().dropped, 3);
+  // A dropped key that ran clean before is captured again at its next call, without an eager one.
+  g.record_eager_call(key(), true);
+  g.add(key(), CudaGraph{}, effects(1), 4);
+  g.drop_all();
+  EXPECT_TRUE(g.ready_to_capture(key()));
   EXPECT_FALSE(g.off());
 }
 
@@ -84,13 +93,14 @@ TEST(StepGraphs, TheOldestGraphGoesWhenTheCacheIsFull) {
   EXPECT_FALSE(g.off());
 }
 
-// A grad_scale that changes every step (the valid labels of each step differ) makes every call new:
-// graphs turn off instead of capturing every step.
+// A grad_scale that changes every step (the valid labels of each step differ) makes every step's calls
+// new: graphs turn off instead of capturing every step.
 TEST(StepGraphs, CallsThatKeepChangingTurnGraphsOff) {
   StepGraphs g;
   for (int64_t i = 0; i < StepGraphs::kMaxUnpaidCaptures; ++i) {
     EXPECT_FALSE(g.off()) << i;
     g.add(key(1.0 / static_cast<double>(100 + i)), CudaGraph{}, effects(1), 0);
+    g.count_replay();  // one replay per capture: each step's last micro-batches; not worth a capture a step
   }
   EXPECT_TRUE(g.off());
   EXPECT_NE(g.stats().off_reason.find("kept changing"), std::string::npos) << g.stats().off_reason;
