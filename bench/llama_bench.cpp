@@ -750,11 +750,22 @@ int main(int argc, char** argv) try {
         };
         int trial_steps = 0;
         for (; trial_steps < 32 && trials_pending(); ++trial_steps) step(-1);
-        if (trial_steps > 0) {
+        // Under CUDA graphs a step's forward and backward is captured after an eager call that ran no
+        // kernel trial: warm up until the graph exists, so that every timed step replays it.
+        int graph_steps = 0;
+        if (setup.cuda_graphs) {
+          for (; graph_steps < 3 && m.graph_stats().captures == 0 && m.graph_stats().off_reason.empty(); ++graph_steps)
+            step(-1);
+          const model::LlamaModel::GraphStats g = m.graph_stats();
+          LT_CHECK(g.captures > 0 && g.off_reason.empty(), "llama_bench: no CUDA graph for {} at S={}: {}", label, S,
+                   g.off_reason.empty() ? std::string("none captured in 3 more warm-up steps") : g.off_reason);
+        }
+        if (trial_steps > 0 || graph_steps > 0) {
           // Back to the initial parameters and an untouched optimizer, then the warm-up steps again: the
-          // timed steps start from the same state whatever the trials took. (Steps on this one batch
-          // memorise it; a model near zero loss steps measurably slower: 2-3% at 8K after 17 steps
-          // against 8, bench/results/step-ce-rope-discard-h200-2026-12-04.json.)
+          // timed steps start from the same state whatever the trials (and the graph's capture) took.
+          // (Steps on this one batch memorise it; a model near zero loss steps measurably slower: 2-3%
+          // at 8K after 17 steps against 8, bench/results/step-ce-rope-discard-h200-2026-12-04.json.)
+          // Nothing is freed, so a captured graph stays valid and the warm-up steps replay it.
           load_image();
           zero(adamw.m().flat());
           zero(adamw.v().flat());
@@ -764,14 +775,6 @@ int main(int argc, char** argv) try {
           }
           adamw.set_steps_taken(0);
           for (int i = 0; i < opt.warmup; ++i) step(-1);
-        }
-        // Under CUDA graphs a step's forward and backward is captured on its second call (the first makes
-        // the plans and buffers): warm up until the graph exists, so that every timed step replays it.
-        if (setup.cuda_graphs) {
-          for (int i = 0; i < 3 && m.graph_stats().captures == 0 && m.graph_stats().off_reason.empty(); ++i) step(-1);
-          const model::LlamaModel::GraphStats g = m.graph_stats();
-          LT_CHECK(g.captures > 0 && g.off_reason.empty(), "llama_bench: no CUDA graph for {} at S={}: {}", label, S,
-                   g.off_reason.empty() ? std::string("none captured in 3 more warm-up steps") : g.off_reason);
         }
         LT_CUDA_CHECK(cudaDeviceSynchronize());
         if (group) group->barrier();
@@ -873,7 +876,7 @@ int main(int argc, char** argv) try {
         if (setup.cuda_graphs) {
           const model::LlamaModel::GraphStats g = m.graph_stats();
           row["cuda_graph"] = {{"captures", g.captures}, {"replays_in_timed_steps", replays_timed},
-                               {"dropped", g.dropped}};
+                               {"dropped", g.dropped}, {"capture_warmup_steps", graph_steps}};
         }
         std::string line = fmt::format(
             "S={:7} {}GPU {:11}: {:8.3f} s/step, {:7.0f} tok/s, {:5.1f} TFLOP/s/GPU, MFU {:.3f}, peak {:5.1f} GiB "
