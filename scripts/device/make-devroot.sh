@@ -2,7 +2,8 @@
 # Run here (not on the GPU machine). Copies the installed Debian packages the project configures against into a relocatable sysroot
 # (.device/devroot/usr/...) for the GPU machine, which has no apt, and packs it as
 # .device/devroot.tar.xz (ignored by git; name .device in the device tool's carry). The packages
-# are the ones scripts/install-deps.sh installs, plus their runtime libraries.
+# are the ones scripts/install-deps.sh installs, plus their runtime libraries (all of them: a GPU machine
+# whose own libsentencepiece_train.so.0 was picked up beside our libsentencepiece crashed every TrainTest).
 set -euo pipefail
 cd "$(dirname "$0")/../.." && mkdir -p .device && cd .device
 rm -rf devroot devroot.tar.xz
@@ -10,7 +11,7 @@ pk="libfmt-dev libfmt9 libspdlog-dev libspdlog1.10 libyaml-cpp-dev libyaml-cpp0.
 for p in $pk; do
   dpkg -L "$p" | while read -r f; do
     [ -d "$f" ] && [ ! -L "$f" ] && continue
-    case "$f" in /usr/share/doc/*|/usr/share/man/*|/usr/share/lintian/*|*openblas*.a|*/libblas.a|*/liblapack.a|*/libicu*.a|*/liblapack.so*|*/libsentencepiece_train*) continue;; esac
+    case "$f" in /usr/share/doc/*|/usr/share/man/*|/usr/share/lintian/*|*openblas*.a|*/libblas.a|*/liblapack.a|*/libicu*.a|*/liblapack.so*) continue;; esac
     mkdir -p "devroot$(dirname "$f")"
     if [ -L "$f" ] && [[ "$(readlink "$f")" != /* ]]; then cp -P "$f" "devroot$f"; else cp -L "$f" "devroot$f"; fi
   done
