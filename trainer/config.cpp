@@ -47,6 +47,7 @@ constexpr std::array<std::string_view, 4> kDTypeNames = {"auto", "f32", "f64", "
 constexpr std::array<std::string_view, 2> kNonFiniteNames = {"skip", "stop"};
 constexpr std::array<std::string_view, 3> kLrScheduleNames = {"cosine", "linear", "constant"};
 constexpr std::array<std::string_view, 5> kAttentionNames = {"ring", "zigzag", "distflash", "burst", "ulysses"};
+constexpr std::array<std::string_view, 3> kCudaGraphsNames = {"false", "true", "auto"};
 constexpr std::array<std::string_view, 3> kOnResumeNames = {"refused", "allowed", "elastic"};
 }  // namespace
 
@@ -55,6 +56,7 @@ std::string_view enum_name(DTypeChoice v) { return kDTypeNames.at(static_cast<si
 std::string_view enum_name(NonFinitePolicy v) { return kNonFiniteNames.at(static_cast<size_t>(v)); }
 std::string_view enum_name(LrSchedule v) { return kLrScheduleNames.at(static_cast<size_t>(v)); }
 std::string_view enum_name(AttentionSchedule v) { return kAttentionNames.at(static_cast<size_t>(v)); }
+std::string_view enum_name(CudaGraphsChoice v) { return kCudaGraphsNames.at(static_cast<size_t>(v)); }
 std::string_view enum_name(OnResume v) { return kOnResumeNames.at(static_cast<size_t>(v)); }
 
 namespace {
@@ -77,6 +79,7 @@ std::vector<std::string_view> choices_of(DTypeChoice) { return name_list(kDTypeN
 std::vector<std::string_view> choices_of(NonFinitePolicy) { return name_list(kNonFiniteNames); }
 std::vector<std::string_view> choices_of(LrSchedule) { return name_list(kLrScheduleNames); }
 std::vector<std::string_view> choices_of(AttentionSchedule) { return name_list(kAttentionNames); }
+std::vector<std::string_view> choices_of(CudaGraphsChoice) { return name_list(kCudaGraphsNames); }
 std::vector<std::string_view> choices_of(attn::KernelPolicy) {
   using K = attn::KernelPolicy;
   return {attn::kernel_policy_name(K::autotune), attn::kernel_policy_name(K::cudnn), attn::kernel_policy_name(K::hopper)};
@@ -107,6 +110,7 @@ Value to_value(DTypeChoice v) { return std::string(enum_name(v)); }
 Value to_value(NonFinitePolicy v) { return std::string(enum_name(v)); }
 Value to_value(LrSchedule v) { return std::string(enum_name(v)); }
 Value to_value(AttentionSchedule v) { return std::string(enum_name(v)); }
+Value to_value(CudaGraphsChoice v) { return std::string(enum_name(v)); }
 Value to_value(attn::KernelPolicy v) { return std::string(attn::kernel_policy_name(v)); }
 Value to_value(ops::GemmAlgoPolicy v) { return std::string(ops::gemm_algo_policy_name(v)); }
 Value to_value(std::optional<model::CheckpointPolicy> v) {
@@ -148,6 +152,9 @@ void from_value(const Value& v, NonFinitePolicy& out) {
   out = by_index<NonFinitePolicy>(kNonFiniteNames, std::get<std::string>(v));
 }
 void from_value(const Value& v, LrSchedule& out) { out = by_index<LrSchedule>(kLrScheduleNames, std::get<std::string>(v)); }
+void from_value(const Value& v, CudaGraphsChoice& out) {
+  out = by_index<CudaGraphsChoice>(kCudaGraphsNames, std::get<std::string>(v));
+}
 void from_value(const Value& v, attn::KernelPolicy& out) {
   out = attn::parse_kernel_policy(std::get<std::string>(v), "attention.kernel");
 }
@@ -484,10 +491,11 @@ const std::vector<KeySpec>& key_table() {
                   "differ from heuristic's by rounding); LONGTRAIN_GEMM_ALGO overrides it",
        .bind = LT_CONFIG_FIELD(train.gemm_algorithm), .aliases = {"matmul_algorithm", "cublas_algorithm"},
        .hashed = false, .resume = OnResume::allowed},
-      {.section = "train", .key = "cuda_graphs", .default_value = false,
-       .meaning = "on cuda with one rank: each micro-batch's forward and backward captured once as a CUDA graph "
-                  "and replayed with one launch (the same kernels, fewer host calls); off with several ranks, "
-                  "offloaded checkpoints or data.document_mask",
+      {.section = "train", .key = "cuda_graphs", .default_value = std::string("auto"),
+       .meaning = "each micro-batch's forward and backward captured once as a CUDA graph and replayed with one "
+                  "launch (the same kernels, fewer host calls), on cuda with one rank: auto (wherever they can "
+                  "run), true (the same, and the log says why where they cannot), false; calls with offloaded "
+                  "checkpoints and runs with data.document_mask run eagerly",
        .bind = LT_CONFIG_FIELD(train.cuda_graphs), .aliases = {"cuda_graph", "use_cuda_graphs", "enable_cuda_graph"},
        .hashed = false, .resume = OnResume::allowed},
 
@@ -818,6 +826,11 @@ Value convert(const KeySpec& spec, const YAML::Node& n, const std::string& where
       if (!n.IsScalar()) throw bad(expected);
       std::string v = trimmed(n.Scalar());
       if (std::find(choices.begin(), choices.end(), v) != choices.end()) return v;
+      // A choice between true, false and more (train.cuda_graphs) takes every spelling a boolean key does.
+      bool flag = false;
+      const bool has_bools = std::find(choices.begin(), choices.end(), "true") != choices.end() &&
+                             std::find(choices.begin(), choices.end(), "false") != choices.end();
+      if (has_bools && parse_bool(v, flag)) return std::string(flag ? "true" : "false");
       std::string near = closest(v, choices);
       throw Error(fmt::format("{}: {}: expected {}, got '{}'{}", where, spec.name(), expected, v,
                               near.empty() ? "" : fmt::format(" (did you mean {}?)", near)));

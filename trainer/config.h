@@ -37,6 +37,9 @@ enum class DTypeChoice { auto_select, f32, f64, bf16 };  // "auto": bf16 on cuda
 enum class NonFinitePolicy { skip, stop };
 enum class LrSchedule { cosine, linear, constant };
 enum class AttentionSchedule { ring, zigzag, distflash, burst, ulysses };
+// train.cuda_graphs. auto: on wherever graphs can run (one rank on cuda, no data.document_mask),
+// silently off elsewhere; true: the same, and the log warns where they cannot run.
+enum class CudaGraphsChoice { off, on, auto_select };
 
 // Whether `--resume` may continue a checkpoint with a different value of a key. Every key of the
 // table has one (a key without it does not compile); `longtrain schema` shows it.
@@ -64,6 +67,7 @@ std::string_view enum_name(DTypeChoice v);
 std::string_view enum_name(NonFinitePolicy v);
 std::string_view enum_name(LrSchedule v);
 std::string_view enum_name(AttentionSchedule v);
+std::string_view enum_name(CudaGraphsChoice v);  // "false", "true", "auto"
 std::string_view enum_name(OnResume v);  // "refused", "allowed", "elastic"
 
 // The model section is a LlamaConfig (so it passes straight to LlamaModel) plus what the trainer
@@ -99,7 +103,7 @@ struct TrainSection {
   int64_t max_nonfinite_skips{};  // consecutive skipped steps before the run stops
   int64_t threads{};              // CPU threads; 0 = all cores
   ops::GemmAlgoPolicy gemm_algorithm{};  // cuBLASLt's algorithm per GEMM shape on CUDA: heuristic, auto
-  bool cuda_graphs{};  // each micro-batch's forward and backward replayed as one CUDA graph (model/step_graphs.h)
+  CudaGraphsChoice cuda_graphs{};  // micro-batches replayed as CUDA graphs (model/step_graphs.h)
 };
 
 struct OptimSection {

@@ -812,13 +812,17 @@ TrainSummary train(TrainConfig c, const std::string& resume, const TrainHooks& h
             loader.num_windows(), state_bytes / 1048576.0, run_dir.string());
   // train.cuda_graphs: only where every kernel of a micro-batch can be replayed as captured (one rank:
   // the gradient reduction's per-layer hooks and the schedules' transfers are host calls between them).
-  if (c.train.cuda_graphs) {
+  // `auto` says nothing where graphs cannot run (every CPU run), `true` warns.
+  const bool graphs_set = c.train.cuda_graphs == CudaGraphsChoice::on;
+  bool graphs_used = false;
+  if (c.train.cuda_graphs != CudaGraphsChoice::off) {
     std::string why_not;
     if (ranks.world_size > 1) why_not = fmt::format("{} ranks (CUDA graphs run on one rank for now)", ranks.world_size);
     else if (c.data.document_mask) why_not = "data.document_mask (the block pairs follow each batch's documents)";
     else why_not = model.set_cuda_graphs(true);
-    if (why_not.empty()) log->info("  CUDA graphs: each micro-batch's forward and backward replayed as one graph");
-    else log->warn("  train.cuda_graphs is set but not used: {}", why_not);
+    graphs_used = why_not.empty();
+    if (graphs_used) log->info("  CUDA graphs: each micro-batch's forward and backward replayed as one graph");
+    else if (graphs_set) log->warn("  train.cuda_graphs is set but not used: {}", why_not);
   }
   for (int i = 0; loader.num_sources() > 1 && i < loader.num_sources(); ++i)
     log->info("  mixture source {}: {} (weight {:g}{}), {} windows per epoch", i, loader.source(i).path,
@@ -916,13 +920,14 @@ TrainSummary train(TrainConfig c, const std::string& resume, const TrainHooks& h
       }
     }
     for (auto& r : reductions) r->wait();  // NCCL: the compute stream waits before reading the shard
-    if (c.train.cuda_graphs) {
+    if (graphs_used) {
       const model::LlamaModel::GraphStats g = model.graph_stats();
       summary.graph_captures = g.captures;
       summary.graph_replays = g.replays;
       summary.graph_off_reason = g.off_reason;
       if (!graphs_off_logged && !g.off_reason.empty()) {
-        log->warn("step {}: CUDA graphs are off from here on: {}", step, g.off_reason);
+        if (graphs_set) log->warn("step {}: CUDA graphs are off from here on: {}", step, g.off_reason);
+        else log->info("step {}: CUDA graphs are off from here on: {}", step, g.off_reason);
         graphs_off_logged = true;
       }
     }

@@ -679,16 +679,25 @@ TEST(TrainerConfig, GemmAlgorithmTakesItsTwoNames) {
   EXPECT_TRUE(contains(msg, "heuristic")) << msg;
 }
 
-// train.cuda_graphs: off by default, a boolean, and not part of the config hash (a replayed graph runs the
-// eager step's kernels with the same arguments: the numbers do not change).
-TEST(TrainerConfig, CudaGraphsIsAnUnhashedSwitchOffByDefault) {
-  const TrainConfig off = load("data:\n  train: d\n");
-  const TrainConfig on = load("data:\n  train: d\n", {"train.cuda_graphs=true"});
-  EXPECT_FALSE(off.train.cuda_graphs);
-  EXPECT_TRUE(on.train.cuda_graphs);
-  EXPECT_EQ(config_hash(off), config_hash(on));
+// train.cuda_graphs: auto by default (on wherever graphs can run), true or false in any spelling a
+// boolean key takes, and not part of the config hash (a replayed graph runs the eager step's kernels
+// with the same arguments: the numbers do not change).
+TEST(TrainerConfig, CudaGraphsIsAnUnhashedChoiceAutoByDefault) {
+  const TrainConfig by_default = load("data:\n  train: d\n");
+  EXPECT_EQ(by_default.train.cuda_graphs, CudaGraphsChoice::auto_select);
+  for (const auto& [text, want] : {std::pair{"true", CudaGraphsChoice::on}, std::pair{"on", CudaGraphsChoice::on},
+                                   std::pair{"yes", CudaGraphsChoice::on}, std::pair{"false", CudaGraphsChoice::off},
+                                   std::pair{"off", CudaGraphsChoice::off}, std::pair{"auto", CudaGraphsChoice::auto_select}}) {
+    const TrainConfig c = load("data:\n  train: d\n", {std::string("train.cuda_graphs=") + text});
+    EXPECT_EQ(c.train.cuda_graphs, want) << text;
+    EXPECT_EQ(config_hash(c), config_hash(by_default)) << text;
+  }
+  const TrainConfig from_yaml = load("data:\n  train: d\ntrain:\n  cuda_graphs: false\n");
+  EXPECT_EQ(from_yaml.train.cuda_graphs, CudaGraphsChoice::off);
+  EXPECT_TRUE(contains(resolved_yaml(from_yaml), "cuda_graphs: false")) << resolved_yaml(from_yaml);
   const std::string msg = error_of([] { load("data:\n  train: d\n", {"train.cuda_graphs=sometimes"}); });
   EXPECT_TRUE(contains(msg, "train.cuda_graphs")) << msg;
+  EXPECT_TRUE(contains(msg, "auto")) << msg;
 }
 
 TEST(TrainerConfig, SchemaMentionsEveryKeyInItsSection) {

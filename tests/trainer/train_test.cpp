@@ -577,24 +577,31 @@ TEST_F(TrainTest, OffloadedCheckpointsTrainTheSameLosses) {
   EXPECT_EQ(losses[0], losses[1]);
 }
 
-// train.cuda_graphs where graphs cannot run (the CPU): the log says why, and training is unchanged.
+// train.cuda_graphs where graphs cannot run (the CPU): set (true), the log says why; by default (auto)
+// it says nothing; training is unchanged either way.
 // (On a GPU, tests/gpu/model_gpu_test.cpp's GpuModelCudaGraphs checks graphed steps against eager ones.)
 TEST_F(TrainTest, CudaGraphsOffTheGpuAreReportedUnusedAndChangeNothing) {
-  std::vector<double> losses[2];
-  for (int g = 0; g < 2; ++g) {
-    const std::string name = g ? "graphs_on" : "graphs_off";
-    TrainSummary s = train(config(name, {"train.steps=3", "eval.batches=0", "checkpoint.every=0",
-                                         g ? "train.cuda_graphs=true" : "train.cuda_graphs=false"}));
+  std::vector<double> losses[3];
+  const char* settings[3] = {"train.cuda_graphs=false", "train.cuda_graphs=true", nullptr};  // nullptr: default
+  for (int g = 0; g < 3; ++g) {
+    const std::string name = fmt::format("graphs_{}", g);
+    std::vector<std::string> sets = {"train.steps=3", "eval.batches=0", "checkpoint.every=0"};
+    if (settings[g] != nullptr) sets.push_back(settings[g]);
+    TrainSummary s = train(config(name, sets));
     losses[g] = s.losses;
     EXPECT_EQ(s.graph_captures, 0);
     EXPECT_EQ(s.graph_replays, 0);
     const std::string log = read_file(root_ / "runs" / name / "train.log");
     EXPECT_EQ(log.find("train.cuda_graphs is set but not used: the model is not on CUDA") != std::string::npos, g == 1)
         << log;
+    if (g != 1) {
+      EXPECT_EQ(log.find("CUDA graph"), std::string::npos) << log;
+    }
   }
   ASSERT_EQ(losses[0].size(), 3u);
   for (double l : losses[0]) ASSERT_TRUE(std::isfinite(l));
   EXPECT_EQ(losses[0], losses[1]);
+  EXPECT_EQ(losses[0], losses[2]);
 }
 
 // train.cuda_graphs on a GPU as a user runs it (skipped without one): four micro-batches a step (two
@@ -604,15 +611,23 @@ TEST_F(TrainTest, CudaGraphsOffTheGpuAreReportedUnusedAndChangeNothing) {
 // rounding of cuDNN's backward (dQ added with atomics).
 TEST_F(TrainTest, CudaGraphsOnTheGpuTrainTheEagerLosses) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device available";
-  TrainSummary s[2];
-  for (int g = 0; g < 2; ++g) {
-    const std::string name = g ? "gpu_graphs_on" : "gpu_graphs_off";
-    TrainConfig c = load_config(write_config(name).string(),
-                                {"train.device=cuda", "model.head_dim=64", "eval.every=3", "attention.kernel=cudnn",
-                                 "train.gemm_algorithm=heuristic", g ? "train.cuda_graphs=true" : "train.cuda_graphs=false"});
+  // s[2]: the default (auto), which must use graphs on one GPU as true does.
+  TrainSummary s[3];
+  for (int g = 0; g < 3; ++g) {
+    const std::string name = g == 2 ? "gpu_graphs_auto" : g ? "gpu_graphs_on" : "gpu_graphs_off";
+    std::vector<std::string> sets = {"train.device=cuda", "model.head_dim=64", "eval.every=3",
+                                     "attention.kernel=cudnn", "train.gemm_algorithm=heuristic"};
+    if (g < 2) sets.push_back(g ? "train.cuda_graphs=true" : "train.cuda_graphs=false");
+    TrainConfig c = load_config(write_config(name).string(), sets);
     resolve_device(c, true);
     s[g] = train(c);
   }
+  EXPECT_EQ(s[2].graph_off_reason, "");
+  EXPECT_EQ(s[2].graph_captures, s[1].graph_captures);
+  EXPECT_EQ(s[2].graph_replays, s[1].graph_replays);
+  ASSERT_EQ(s[2].losses.size(), 8u);
+  for (size_t i = 0; i < s[0].losses.size(); ++i)
+    EXPECT_NEAR(s[2].losses[i], s[0].losses[i], 5e-3 * std::abs(s[0].losses[i])) << "auto, step " << i + 1;
   std::printf("  CUDA graphs: %lld captured, %lld micro-batches replayed%s%s\n", (long long)s[1].graph_captures,
               (long long)s[1].graph_replays, s[1].graph_off_reason.empty() ? "" : "; off: ",
               s[1].graph_off_reason.c_str());
