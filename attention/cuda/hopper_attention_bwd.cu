@@ -61,6 +61,17 @@
 // stage wait 1-4% slower; the next step's Sᵀ alone issued before dQ's staging, now without spills
 // or serialized wgmmas, 10% slower. That file has the stall profile of this kernel at D = 128.)
 //
+// Tried on 2026-12-06 and not kept (bench/results/attention-hopper-bwd-ab-h200-2026-12-06.json, H200,
+// two rounds each in one call at D = 128, one at D = 64): dSᵀ stored before the rest of dV and dK are
+// issued, 9% slower at 16K and 0.8% at 64K (D = 128); L2 evict_last hints on the Q/dO loads and the
+// dQ reductions with evict_first on K/V, 16% slower at 16K and level at 64K (D = 128), 0.4-1.3% slower
+// at D = 64; the (Q, dO) stage released as soon as dV and dK are done (wait_group 1), before dQ, 2.4%
+// faster at 64K but 15% slower at 16K (D = 128), 1.3-1.7% slower at D = 64; FlashAttention-3's dQ
+// writer (the producer warpgroup's warp 1 issues the reductions; the consumers arrive on a named
+// barrier after staging and sync on an "empty" one before the next staging) 14-20% slower at D = 128
+// for reasons not found, but 2.3% / 2.5% faster at D = 64 (16K / 64K) in its one round: worth a
+// second round and the GPU tests of a D = 64-only version before it is kept.
+//
 // K_w in registers: at D = 64 each consumer thread loads its bf16 A fragments of K_w once (16
 // registers) and Sᵀ = K_w·Qᵀ runs with A from registers, which takes 8 KB per warpgroup and step off
 // the shared-memory reads of the MMAs (an SS m64n128k16 reads 6 KB per 64 tensor-core cycles, near
