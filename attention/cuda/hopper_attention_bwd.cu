@@ -68,9 +68,13 @@
 // at D = 64; the (Q, dO) stage released as soon as dV and dK are done (wait_group 1), before dQ, 2.4%
 // faster at 64K but 15% slower at 16K (D = 128), 1.3-1.7% slower at D = 64; FlashAttention-3's dQ
 // writer (the producer warpgroup's warp 1 issues the reductions; the consumers arrive on a named
-// barrier after staging and sync on an "empty" one before the next staging) 14-20% slower at D = 128
-// for reasons not found, but 2.3% / 2.5% faster at D = 64 (16K / 64K) in its one round: worth a
-// second round and the GPU tests of a D = 64-only version before it is kept.
+// barrier after staging and sync on an "empty" one before the next staging) 14-20% slower at D = 128,
+// but 2.3% / 2.5% faster at D = 64 (16K / 64K) in its one round. ptxas -v afterwards: with the
+// writer, the kernel spills 52-68 bytes at both head dims (none without it), in the producer
+// warpgroup's 24 registers (a writer loop with no reductions still spills; a dead one does not).
+// With 32 producer / 232 consumer registers no D = 128 variant spills, writer included, while D = 64
+// then spills 16-24 bytes in the consumers. So the next A/B: the writer at D = 128 with a 32 / 232
+// split, and at D = 64 a leaner writer within 24.
 //
 // K_w in registers: at D = 64 each consumer thread loads its bf16 A fragments of K_w once (16
 // registers) and Sᵀ = K_w·Qᵀ runs with A from registers, which takes 8 KB per warpgroup and step off
