@@ -814,6 +814,7 @@ TrainSummary train(TrainConfig c, const std::string& resume, const TrainHooks& h
   // the gradient reduction's per-layer hooks and the schedules' transfers are host calls between them).
   // `auto` says nothing where graphs cannot run (every CPU run), `true` warns.
   const bool graphs_set = c.train.cuda_graphs == CudaGraphsChoice::on;
+  const spdlog::level::level_enum graphs_off_level = graphs_set ? spdlog::level::warn : spdlog::level::info;
   bool graphs_used = false;
   if (c.train.cuda_graphs != CudaGraphsChoice::off) {
     std::string why_not;
@@ -926,8 +927,7 @@ TrainSummary train(TrainConfig c, const std::string& resume, const TrainHooks& h
       summary.graph_replays = g.replays;
       summary.graph_off_reason = g.off_reason;
       if (!graphs_off_logged && !g.off_reason.empty()) {
-        if (graphs_set) log->warn("step {}: CUDA graphs are off from here on: {}", step, g.off_reason);
-        else log->info("step {}: CUDA graphs are off from here on: {}", step, g.off_reason);
+        log->log(graphs_off_level, "step {}: CUDA graphs are off from here on: {}", step, g.off_reason);
         graphs_off_logged = true;
       }
     }
