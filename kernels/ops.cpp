@@ -141,7 +141,10 @@ void add_inplace(Tensor y, Tensor x) {
 }
 void lm_head_cross_entropy(Tensor losses, Tensor dx, Tensor dw, Tensor x, Tensor w, Tensor labels,
                            const CrossEntropyParams& p) {
-  const Device device = common_device("lm_head_cross_entropy", {&losses, &dx, &dw, &x, &w, &labels});
+  const Device device =
+      common_device("lm_head_cross_entropy", {&losses, &dx, &dw, &x, &w, &labels, &p.grad_scale_from});
+  LT_CHECK(p.grad_scale_from.empty() || p.grad_scale_from.numel() == 1,
+           "lm_head_cross_entropy: grad_scale_from must be one element, got {}", p.grad_scale_from.describe());
   const profile::Region region("lm_head_cross_entropy", device);
   LT_DISPATCH(device, lm_head_cross_entropy,
               losses, dx, dw, x, w, labels, p);
@@ -151,6 +154,11 @@ void convert(Tensor dst, Tensor src) {
   const Device device = common_device("convert", {&dst, &src});
   const profile::Region region("convert", device);
   LT_DISPATCH(device, convert, dst, src);
+}
+void fill(Tensor t, double value) {
+  const Device device = common_device("fill", {&t});
+  const profile::Region region("fill", device);
+  LT_DISPATCH(device, fill, t, value);
 }
 void adamw_update(Tensor param, Tensor master, Tensor m, Tensor v, Tensor grad, const AdamWParams& p) {
   const Device device = common_device("adamw_update", {&param, &master, &m, &v, &grad});

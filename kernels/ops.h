@@ -146,6 +146,10 @@ struct CrossEntropyParams {
   bool labels_checked = false;
   // overwrite: dw = this call's gradient (its first chunk overwrites, the others add).
   GradWrite dw_write = GradWrite::accumulate;
+  // Optional: the factor as one element on the op's device (f32 on CUDA, f32 or f64 on the CPU), read
+  // when the op runs, and grad_scale is not used. On CUDA the kernels read it, so a captured CUDA graph
+  // replays with whatever value was written there before the launch (ops::fill).
+  Tensor grad_scale_from;
 };
 void lm_head_cross_entropy(Tensor losses, Tensor dx, Tensor dw, Tensor x, Tensor w, Tensor labels,
                            const CrossEntropyParams& p);
@@ -154,6 +158,9 @@ void lm_head_cross_entropy(Tensor losses, Tensor dx, Tensor dw, Tensor x, Tensor
 // dst = src element by element, converting the float dtype (f32/f64/bf16; to bf16 rounds to nearest
 // even). Same shape, both contiguous.
 void convert(Tensor dst, Tensor src);
+// Every element of t := value, rounded to t's float dtype as convert rounds (t contiguous). On CUDA it
+// is queued like a kernel, the value its argument: no host memory is read when it runs.
+void fill(Tensor t, double value);
 
 // ---- optimizer ---------------------------------------------------------------------------------
 // One AdamW step (decoupled weight decay, bias correction) over a flat range, with g = grad·grad_scale:

@@ -112,8 +112,15 @@ void cross_entropy_impl(const Tensor& losses, const Tensor& dx, const Tensor& dw
 void lm_head_cross_entropy(Tensor losses, Tensor dx, Tensor dw, Tensor x, Tensor w, Tensor labels,
                            const CrossEntropyParams& p) {
   check_cross_entropy(losses, dx, dw, x, w, labels, p);
-  if (x.dtype == DType::f32) return cross_entropy_impl<float>(losses, dx, dw, x, w, labels, p);
-  return cross_entropy_impl<double>(losses, dx, dw, x, w, labels, p);
+  CrossEntropyParams q = p;
+  if (!p.grad_scale_from.empty()) {  // the factor as it is now (ops.h)
+    const Tensor& g = p.grad_scale_from;
+    LT_CHECK(g.dtype == DType::f32 || g.dtype == DType::f64,
+             "lm_head_cross_entropy: grad_scale_from must be f32 or f64, got {}", g.describe());
+    q.grad_scale = g.dtype == DType::f32 ? static_cast<double>(*g.ptr<float>()) : *g.ptr<double>();
+  }
+  if (x.dtype == DType::f32) return cross_entropy_impl<float>(losses, dx, dw, x, w, labels, q);
+  return cross_entropy_impl<double>(losses, dx, dw, x, w, labels, q);
 }
 
 }  // namespace longtrain::ops::cpu

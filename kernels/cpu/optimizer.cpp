@@ -1,4 +1,4 @@
-// CPU AdamW update, Σx² and dtype conversion over flat ranges (the reference for the CUDA versions).
+// CPU AdamW update, Σx², dtype conversion and fill over flat ranges (the reference for the CUDA versions).
 #include <cmath>
 
 #include "kernels/backends.h"
@@ -73,6 +73,11 @@ void convert(Tensor dst, Tensor src) {
   LT_CHECK(dst.numel() == src.numel() && dst.is_contiguous() && src.is_contiguous(),
            "convert: {} from {} (same element count, both contiguous)", dst.describe(), src.describe());
   for (int64_t i = 0; i < src.numel(); ++i) store(dst, i, load(src, i));
+}
+
+void fill(Tensor t, double value) {
+  LT_CHECK(t.is_contiguous(), "fill: non-contiguous {}", t.describe());
+  for (int64_t i = 0; i < t.numel(); ++i) store(t, i, value);
 }
 
 double sum_squares(Tensor x) {

@@ -27,13 +27,21 @@ namespace {
 
 constexpr int kThreads = 512;
 
+// The gradient factor: read from device memory when `at` is set (CrossEntropyParams::grad_scale_from,
+// what a replayed CUDA graph sees change), else the value the launch was given.
+struct GradScale {
+  const float* at;
+  float value;
+  __device__ __forceinline__ float get() const { return at != nullptr ? *at : value; }
+};
+
 // One block per row r of the chunk: lse = log Σ_v exp(logits[r, v]);
 // losses[row0 + r] = lse - logits[r, label] (0 when ignored);
 // dlogits[r, v] = grad_scale · (exp(logits[r, v] - lse) - [v == label]) (0 when ignored).
 template <class G>
 __global__ void cross_entropy_rows_kernel(const float* logits, int64_t V, const int32_t* labels, int64_t label_stride,
                                           int64_t row0, int32_t ignore_index, float* losses, int64_t loss_stride,
-                                          G* dlogits, float grad_scale) {
+                                          G* dlogits, GradScale scale) {
   __shared__ float red[32];
   const int64_t r = blockIdx.x;
   const float* l = logits + r * V;
@@ -58,6 +66,7 @@ __global__ void cross_entropy_rows_kernel(const float* logits, int64_t V, const 
   if (threadIdx.x == 0) losses[(row0 + r) * loss_stride] = valid ? lse - l[label] : 0.0f;
   if (dlogits == nullptr) return;
   G* g = dlogits + r * V;
+  const float grad_scale = scale.get();
   for (int64_t v = threadIdx.x; v < V; v += blockDim.x) {
     float d = 0.0f;
     if (valid) d = grad_scale * (expf(l[v] - lse) - (v == label ? 1.0f : 0.0f));
@@ -88,7 +97,7 @@ template <int E, class G>
 __global__ void __launch_bounds__(kClusterThreads)
     cross_entropy_rows_cluster_kernel(const float* logits, int64_t V, const int32_t* labels, int64_t label_stride,
                                       int64_t row0, int32_t ignore_index, float* losses, int64_t loss_stride,
-                                      G* dlogits, float grad_scale) {
+                                      G* dlogits, GradScale scale) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   static_assert(E % 4 == 0, "groups of 4 elements");
   namespace cg = cooperative_groups;
@@ -145,6 +154,7 @@ __global__ void __launch_bounds__(kClusterThreads)
   if (rank == 0 && threadIdx.x == 0) losses[(row0 + r) * loss_stride] = valid ? lse - l[label] : 0.0f;
   if (dlogits != nullptr) {
     G* g = dlogits + r * V;
+    const float grad_scale = scale.get();
     const float to_p = exp2f((m - lse) * kLog2e);  // exp(x - lse) = exp(x - m) · exp(m - lse)
 #pragma unroll
     for (int i = 0; i < E / 4; ++i) {
@@ -234,13 +244,13 @@ int cluster_elements_per_thread(int64_t V) {
 template <int E, class G>
 void launch_cluster_rows(int64_t n, const float* logits, int64_t V, const int32_t* labels, int64_t label_stride,
                          int64_t row0, int32_t ignore_index, float* losses, int64_t loss_stride, G* dlogits,
-                         float grad_scale) {
+                         GradScale scale) {
   const int64_t per_cta = static_cast<int64_t>(kClusterThreads) * E;
   const unsigned ranks = static_cast<unsigned>((V + per_cta - 1) / per_cta);
   cudaLaunchAttribute attribute;
   const cudaLaunchConfig_t config = cluster_config(static_cast<unsigned>(n) * ranks, ranks, attribute);
   LT_CUDA_CHECK(cudaLaunchKernelEx(&config, cross_entropy_rows_cluster_kernel<E, G>, logits, V, labels, label_stride,
-                                   row0, ignore_index, losses, loss_stride, dlogits, grad_scale));
+                                   row0, ignore_index, losses, loss_stride, dlogits, scale));
 }
 
 }  // namespace
@@ -273,6 +283,7 @@ void lm_head_cross_entropy(Tensor losses, Tensor dx, Tensor dw, Tensor x, Tensor
     check_float(dw, op, "dw");
   }
   LT_CHECK(p.chunk_tokens > 0, "{}: chunk_tokens must be positive, got {}", op, p.chunk_tokens);
+  if (!p.grad_scale_from.empty()) check_dtype(p.grad_scale_from, DType::f32, op, "grad_scale_from");
   if (T == 0) {
     if (backward && p.dw_write == GradWrite::overwrite) {  // no rows: dw = the empty sum (the GEMM's k = 0)
       gemm(false, true, C, V, 0, x.data, x.stride[0], nullptr, V, dw.data, dw.stride[0], x.dtype, dw.dtype, 1.0f,
@@ -310,7 +321,9 @@ void lm_head_cross_entropy(Tensor losses, Tensor dx, Tensor dw, Tensor x, Tensor
       using G = typename decltype(tag)::type;
       float* loss_ptr = static_cast<float*>(losses.data);
       G* dlogits_ptr = static_cast<G*>(dlogits);
-      const float grad_scale = static_cast<float>(p.grad_scale);
+      const GradScale grad_scale{
+          p.grad_scale_from.empty() ? nullptr : static_cast<const float*>(p.grad_scale_from.data),
+          static_cast<float>(p.grad_scale)};
       auto cluster = [&](auto e) {
         launch_cluster_rows<decltype(e)::value, G>(n, logits, V, labels_ptr, labels.stride[0], row0, p.ignore_index,
                                                    loss_ptr, losses.stride[0], dlogits_ptr, grad_scale);

@@ -1,4 +1,4 @@
-// CUDA AdamW update, Σx² and dtype conversion over flat ranges (twins of kernels/cpu/optimizer.cpp).
+// CUDA AdamW update, Σx², dtype conversion and fill over flat ranges (twins of kernels/cpu/optimizer.cpp).
 //
 // - adamw_update does the CPU reference's arithmetic in the same order, in double, with every
 //   operation rounded on its own (__dmul_rn, __dadd_rn, ...: no fused multiply-adds), so a GPU step
@@ -8,9 +8,11 @@
 //   summing a fixed grid-stride set of elements in double, a fixed-order tree in each block, then one
 //   block adding the per-block partials in block order. Same input, same bits, on any run.
 // - convert rounds to bf16 to nearest even (as the CPU's bf16 does).
+// - fill rounds the value on the host (the CPU's bf16 and casts) and writes its bits.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #include "kernels/backends.h"
 #include "kernels/cuda/cuda_common.cuh"
@@ -80,6 +82,14 @@ __global__ void convert_kernel(D* dst, const S* src, int64_t n, bool aligned) {
     load_4(src, i, n, vec, v);
     store_4(dst, i, n, vec, v);
   }
+}
+
+// Every element := bits (the value already in the element's dtype): a kernel argument, so a queued or
+// captured fill writes the value it was given, whatever the host does next.
+template <class U>
+__global__ void fill_bits_kernel(U* p, int64_t n, U bits) {
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+    p[i] = bits;
 }
 
 // The CPU reference's constants, computed on the host in double exactly as it computes them.
@@ -231,6 +241,40 @@ void convert(Tensor dst, Tensor src) {
     });
   });
   LT_CUDA_LAUNCH_CHECK("convert_kernel");
+}
+
+void fill(Tensor t, double value) {
+  const char* op = "fill";
+  LT_CHECK(t.device == Device::cuda && t.is_contiguous(), "{}: {} must be a contiguous CUDA tensor", op,
+           t.describe());
+  const int64_t n = t.numel();
+  if (n == 0) return;
+  const unsigned grid = blocks_for(n, kThreads, 65535LL * 8);
+  auto launch = [&](auto bits) {
+    using U = decltype(bits);
+    fill_bits_kernel<U><<<grid, kThreads, 0, cuda_stream()>>>(static_cast<U*>(t.data), n, bits);
+  };
+  switch (t.dtype) {
+    case DType::f32: {
+      const float v = static_cast<float>(value);
+      uint32_t bits;
+      std::memcpy(&bits, &v, sizeof bits);
+      launch(bits);
+      break;
+    }
+    case DType::f64: {
+      uint64_t bits;
+      std::memcpy(&bits, &value, sizeof bits);
+      launch(bits);
+      break;
+    }
+    case DType::bf16: {
+      launch(bf16(static_cast<float>(value)).bits);
+      break;
+    }
+    default: LT_FAIL("{}: expected a float tensor, got {}", op, t.describe());
+  }
+  LT_CUDA_LAUNCH_CHECK("fill_bits_kernel");
 }
 
 void adamw_update(Tensor param, Tensor master, Tensor m, Tensor v, Tensor grad, const AdamWParams& p) {

@@ -17,6 +17,7 @@
 
 #include "gpu_test_util.h"
 #include "kernels/ops.h"
+#include "runtime/cuda_graph.h"
 #include "runtime/error.h"
 
 namespace longtrain::test {
@@ -504,6 +505,57 @@ TEST_P(GpuOps, LmHeadCrossEntropyAtVocabularySizes) {
 // GradWrite::overwrite (the first write after LlamaModel::discard_grads): the weight gradients of the
 // GEMM (cuBLASLt's beta = 0, bf16 and f32 dw), the norm and the chunked LM head (its first chunk
 // overwrites, the others add) are the CPU's from zero, whatever dw held: NaN here.
+// The gradient factor read on the device (CrossEntropyParams::grad_scale_from, written by ops::fill):
+// the same bits as the factor given by value; and a captured call, replayed after the factor was
+// written again, scales by the new factor (what lets a training step with another label count replay
+// its CUDA graph).
+TEST_P(GpuOps, LmHeadCrossEntropyReadsItsFactorOnTheDeviceWhenItRuns) {
+  LT_REQUIRE_GPU();
+  const DType dt = GetParam();
+  const int64_t T = 45, C = 67, V = 501;
+  DeviceTensor x_d(dt, {T, C}), w_d(dt, {V, C}), dw_d(dt, {V, C}), loss_d(DType::f32, {T}), dx_d(dt, {T, C});
+  DeviceTensor lab_d(DType::i32, {T}), factor(DType::f32, {1});
+  upload(x_d, random_values(T * C, 71, dt));
+  upload(w_d, random_values(V * C, 72, dt, -0.5, 0.5));
+  auto labels = random_ints(T, 73, 0, V);
+  for (int64_t t : {2, 9, 40}) labels[t] = -100;
+  upload_ints(lab_d, labels);
+  ops::CrossEntropyParams by_value;
+  by_value.chunk_tokens = 16;
+  by_value.labels_checked = true;  // no host read: capturable
+  by_value.dw_write = ops::GradWrite::overwrite;
+  ops::CrossEntropyParams on_device = by_value;
+  on_device.grad_scale = 99.0;  // not used
+  on_device.grad_scale_from = factor;
+  auto grads = [&] { return std::pair{download_bytes(dx_d), download_bytes(dw_d)}; };
+  auto run = [&](const ops::CrossEntropyParams& p) { ops::lm_head_cross_entropy(loss_d, dx_d, dw_d, x_d, w_d, lab_d, p); };
+
+  by_value.grad_scale = 1.0 / 42.0;
+  run(by_value);
+  const auto at_42 = grads();
+  by_value.grad_scale = 1.0 / 30.0;
+  run(by_value);
+  const auto at_30 = grads();
+  ASSERT_NE(at_42, at_30);  // the factor shows in both gradients
+
+  ops::fill(factor, 1.0 / 42.0);
+  run(on_device);
+  EXPECT_EQ(grads(), at_42) << "the factor read on the device scales differently from the value";
+
+  const CudaGraph graph = CudaGraph::capture([&] { run(on_device); });
+  ops::fill(factor, 1.0 / 30.0);
+  zero(dx_d);
+  graph.launch();
+  EXPECT_EQ(grads(), at_30) << "the replayed call did not scale by the factor written after its capture";
+  ops::fill(factor, 1.0 / 42.0);
+  graph.launch();
+  EXPECT_EQ(grads(), at_42);
+
+  DeviceTensor f64_factor(DType::f64, {1});
+  on_device.grad_scale_from = f64_factor;
+  expect_error([&] { run(on_device); }, {"grad_scale_from", "f64"});
+}
+
 TEST_P(GpuOps, OverwrittenWeightGradientsIgnoreWhatTheyHeld) {
   LT_REQUIRE_GPU();
   const DType dt = GetParam();

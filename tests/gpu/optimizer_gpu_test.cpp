@@ -118,6 +118,26 @@ TEST(GpuOptimizerOps, ConvertMatchesTheCpuBitForBit) {
   }
 }
 
+// fill on the device writes what the CPU's fill writes, in every float dtype (the value rounded on the
+// host: ties to even for bf16), over a vector tail and a one-element tensor. The device tensor starts
+// zeroed, so a fill that wrote nothing differs from the CPU's bytes (-0.0 included).
+TEST(GpuOptimizerOps, FillMatchesTheCpuBitForBit) {
+  LT_REQUIRE_GPU();
+  for (DType dt : {DType::f32, DType::bf16, DType::f64}) {
+    for (double value : {1.0 / 3.0, -0.0, 1e30, 1.0 + std::ldexp(1.0, -8), 1.0 / 45.0}) {
+      for (int64_t n : {int64_t{1}, int64_t{1001}}) {
+        std::vector<unsigned char> host(static_cast<size_t>(n) * dtype_size(dt));
+        const Tensor cpu(host.data(), dt, {n});
+        ops::fill(cpu, value);
+        DeviceTensor d(dt, {n});
+        zero(d);
+        ops::fill(d, value);
+        EXPECT_EQ(download_bytes(d), host) << dtype_name(dt) << " " << value << " n " << n;
+      }
+    }
+  }
+}
+
 struct AdamWCase {
   DType param, grad;
   bool master;

@@ -229,6 +229,34 @@ TEST(CrossEntropy, GradientsMatchFiniteDifferences) {
   EXPECT_LT(err_dw, test::kGradientTolerance);
 }
 
+// The factor read from a tensor when the op runs (what a replayed CUDA graph sees change) scales as the
+// same factor given by value, and grad_scale is then not used.
+TEST(CrossEntropy, GradScaleFromATensorEqualsTheValue) {
+  HostTensor<double> x({kTokens, kDim}), w({kVocab, kDim}), losses({kTokens}), dx({kTokens, kDim});
+  HostTensor<double> dw({kVocab, kDim}), losses2({kTokens}), dx2({kTokens, kDim}), dw2({kVocab, kDim});
+  test::fill_uniform(x, 31, -2.0, 2.0);
+  test::fill_uniform(w, 32);
+  const HostTensor<int32_t> labels = random_labels(33);
+  const double scale = 1.0 / valid_count(labels);
+  ops::lm_head_cross_entropy(losses, dx, dw, x, w, labels, params(scale, 7));
+  HostTensor<double> factor({1});
+  factor[0] = scale;
+  ops::CrossEntropyParams p = params(123.0, 7);  // not used
+  p.grad_scale_from = factor;
+  ops::lm_head_cross_entropy(losses2, dx2, dw2, x, w, labels, p);
+  EXPECT_EQ(losses2.values, losses.values);
+  EXPECT_EQ(dx2.values, dx.values);
+  EXPECT_EQ(dw2.values, dw.values);
+  HostTensor<int32_t> int_factor({1});
+  p.grad_scale_from = int_factor;
+  test::expect_error([&] { ops::lm_head_cross_entropy(losses2, dx2, dw2, x, w, labels, p); },
+                     {"grad_scale_from must be f32 or f64", "i32[1]"});
+  HostTensor<double> two({2});
+  p.grad_scale_from = two;
+  test::expect_error([&] { ops::lm_head_cross_entropy(losses2, dx2, dw2, x, w, labels, p); },
+                     {"grad_scale_from must be one element", "f64[2]"});
+}
+
 TEST(CrossEntropy, LabelOutOfRangeIsAnErrorAndWritesNothing) {
   HostTensor<float> x({kTokens, kDim}), w({kVocab, kDim}), losses({kTokens}), dx({kTokens, kDim});
   HostTensor<float> dw({kVocab, kDim});

@@ -223,5 +223,22 @@ TEST(FlatOps, SumSquaresAndConvert) {
   EXPECT_THROW(ops::convert(wrong, x), Error);
 }
 
+TEST(FlatOps, FillRoundsTheValueAsConvertDoes) {
+  const double value = 1.0 / 3.0;
+  test::HostTensor<double> d({7});
+  test::HostTensor<float> f({5});
+  test::HostTensor<bf16> b({3});
+  ops::fill(d, value);
+  ops::fill(f, value);
+  ops::fill(b, value);
+  for (double v : d.values) EXPECT_EQ(v, value);
+  for (float v : f.values) EXPECT_EQ(v, static_cast<float>(value));
+  for (bf16 v : b.values) EXPECT_EQ(v.bits, bf16(static_cast<float>(value)).bits);
+  test::HostTensor<int32_t> ints({2});
+  EXPECT_THROW(ops::fill(ints, 1.0), Error);
+  test::HostTensor<float> m({4, 4});
+  EXPECT_THROW(ops::fill(Tensor(m).narrow(1, 0, 2), 1.0), Error);  // not contiguous
+}
+
 }  // namespace
 }  // namespace longtrain::trainer
