@@ -423,8 +423,8 @@ void LlamaModel::layer_backward(int64_t l, const LayerActs& a, Tensor x_in, Tens
 
 // Final norm, LM head and cross-entropy, forward and backward fused one chunk of loss_chunk_tokens
 // at a time: neither the [T, V] logits nor a [T, C] normed copy of the last residual ever exist.
-LossSum LlamaModel::head(const TokenShard& shard, Tensor x_final, Tensor losses, bool with_grad, double grad_scale,
-                         int64_t T, Tensor loss_sum) {
+LossSum LlamaModel::head(const TokenShard& shard, Tensor x_final, Tensor losses, bool with_grad, int64_t T,
+                         Tensor loss_sum) {
   // Every label is checked before any gradient is touched, so a bad batch leaves them as they were.
   const int64_t valid =
       shard.valid_labels >= 0 ? shard.valid_labels : count_valid_labels(shard.labels, kIgnoreIndex, config_.vocab_size);
@@ -432,7 +432,9 @@ LossSum LlamaModel::head(const TokenShard& shard, Tensor x_final, Tensor losses,
   if (with_grad) zero(d_residual);
   ops::CrossEntropyParams ce;
   ce.ignore_index = kIgnoreIndex;
-  ce.grad_scale = grad_scale;
+  // The factor forward_backward wrote on the device: read by the kernels, never their argument, so a
+  // replayed graph scales by this call's factor (a step's label count changes under masked labels).
+  if (with_grad) ce.grad_scale_from = acts_.get("grad_scale");
   ce.labels_checked = true;
   for_chunks(T, tiling_.loss_chunk_tokens, [&](int64_t t0, int64_t n) {
     const Tensor normed = acts_.get("final_norm").narrow(0, n), rstd = acts_.get("final_rstd").narrow(0, n),
@@ -456,8 +458,12 @@ LossSum LlamaModel::head(const TokenShard& shard, Tensor x_final, Tensor losses,
 
 LossSum LlamaModel::forward_backward(const TokenShard& shard, double grad_scale, Tensor loss_sum) {
   check_shard(shard);
-  if (graph_eligible(shard, loss_sum)) return forward_backward_graphed(shard, grad_scale, loss_sum);
-  return run_forward_backward(shard, grad_scale, loss_sum);
+  LT_CHECK(std::isfinite(grad_scale),
+           "forward_backward: grad_scale {} is not finite (pass 1 / the valid labels of the global batch)", grad_scale);
+  // Queued outside any graph (ops::fill takes the value as its argument): the head reads it.
+  ops::fill(acts_.get("grad_scale"), grad_scale);
+  if (graph_eligible(shard, loss_sum)) return forward_backward_graphed(shard, loss_sum);
+  return run_forward_backward(shard, loss_sum);
 }
 
 bool LlamaModel::graph_eligible(const TokenShard& shard, const Tensor& loss_sum) const {
@@ -468,7 +474,7 @@ bool LlamaModel::graph_eligible(const TokenShard& shard, const Tensor& loss_sum)
          !gradients_ready_ && !profile::enabled();
 }
 
-LossSum LlamaModel::forward_backward_graphed(const TokenShard& shard, double grad_scale, Tensor loss_sum) {
+LossSum LlamaModel::forward_backward_graphed(const TokenShard& shard, Tensor loss_sum) {
   // Everything the captured kernels take from the host (model/step_graphs.h).
   StepGraphKey key;
   key.tokens = shard.tokens.numel();
@@ -479,8 +485,6 @@ LossSum LlamaModel::forward_backward_graphed(const TokenShard& shard, double gra
   key.labels_stride = shard.labels.stride[0];
   key.positions_stride = shard.positions.stride[0];
   key.loss_sum = loss_sum.data;
-  key.grad_scale = grad_scale;
-  key.valid_labels = shard.valid_labels;
   for (const Discardable& d : discardable_) key.discarded.push_back(d.discarded);
   key.attention_kernel_policy = static_cast<int>(attn::kernel_policy());
   key.gemm_algo_policy = static_cast<int>(ops::gemm_algo_policy());
@@ -509,7 +513,7 @@ LossSum LlamaModel::forward_backward_graphed(const TokenShard& shard, double gra
   // A key's first call runs eagerly, and so does every call until one ran no kernel or GEMM trial call.
   if (!graphs_->ready_to_capture(key)) {
     const int64_t trial_calls = attn::kernel_trial_calls() + ops::gemm_trial_calls();
-    const LossSum r = run_forward_backward(shard, grad_scale, loss_sum);
+    const LossSum r = run_forward_backward(shard, loss_sum);
     graphs_->record_eager_call(key, attn::kernel_trial_calls() + ops::gemm_trial_calls() == trial_calls);
     return r;
   }
@@ -524,12 +528,12 @@ LossSum LlamaModel::forward_backward_graphed(const TokenShard& shard, double gra
   };
   CudaGraph graph;
   try {
-    graph = CudaGraph::capture([&] { run_forward_backward(shard, grad_scale, loss_sum); });
+    graph = CudaGraph::capture([&] { run_forward_backward(shard, loss_sum); });
   } catch (const Error& e) {
     // Run the call eagerly and leave graphs off for this model, with the reason.
     restore();
     graphs_->turn_off(e.what());
-    return run_forward_backward(shard, grad_scale, loss_sum);
+    return run_forward_backward(shard, loss_sum);
   } catch (...) {
     restore();
     throw;
@@ -549,7 +553,7 @@ LossSum LlamaModel::forward_backward_graphed(const TokenShard& shard, double gra
   return {0.0, shard.valid_labels};
 }
 
-LossSum LlamaModel::run_forward_backward(const TokenShard& shard, double grad_scale, Tensor loss_sum) {
+LossSum LlamaModel::run_forward_backward(const TokenShard& shard, Tensor loss_sum) {
   attention_->set_documents(shard.documents);  // every layer's attention, forward and backward
   const int64_t T = shard.tokens.numel(), L = config_.n_layers;
   CheckpointOffloader* off = offloader_.get();
@@ -572,7 +576,7 @@ LossSum LlamaModel::run_forward_backward(const TokenShard& shard, double grad_sc
   }
 
   LossSum loss =
-      head(shard, residual(L, T), acts_.get("losses").narrow(0, T), /*with_grad=*/true, grad_scale, T, loss_sum);
+      head(shard, residual(L, T), acts_.get("losses").narrow(0, T), /*with_grad=*/true, T, loss_sum);
   gradients_ready(gradient_ranges_[0]);  // final norm, LM head (tied: it is the embedding, reported last)
 
   // Backward. Offloaded: the last layers are still in their slots (x_l's slot was last written by
@@ -610,7 +614,7 @@ LossSum LlamaModel::forward(const TokenShard& shard, Tensor losses) {
   Tensor x_final = forward_layers(shard);
   const int64_t T = shard.tokens.numel();
   Tensor out = losses.empty() ? acts_.get("losses").narrow(0, T) : losses;
-  return head(shard, x_final, out, /*with_grad=*/false, 1.0, T);
+  return head(shard, x_final, out, /*with_grad=*/false, T);
 }
 
 void LlamaModel::forward_logits(const TokenShard& shard, Tensor logits) {

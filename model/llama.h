@@ -241,12 +241,13 @@ class LlamaModel {
   bool training_forward_ = false;
   Tensor rope_table(int64_t T) const;  // this step's RoPE table (ops::rope_table), T rows
   // forward_backward's work, queued (or captured) without the shard check or graphs.
-  LossSum run_forward_backward(const TokenShard& shard, double grad_scale, Tensor loss_sum);
+  LossSum run_forward_backward(const TokenShard& shard, Tensor loss_sum);
   // forward_backward through a graph (captured now, or replayed), or eagerly until one is made.
-  LossSum forward_backward_graphed(const TokenShard& shard, double grad_scale, Tensor loss_sum);
+  LossSum forward_backward_graphed(const TokenShard& shard, Tensor loss_sum);
   bool graph_eligible(const TokenShard& shard, const Tensor& loss_sum) const;
-  LossSum head(const TokenShard& shard, Tensor x_final, Tensor losses, bool with_grad, double grad_scale,
-               int64_t T, Tensor loss_sum = {});
+  // with_grad: the factor is the one forward_backward wrote into the activations' "grad_scale".
+  LossSum head(const TokenShard& shard, Tensor x_final, Tensor losses, bool with_grad, int64_t T,
+               Tensor loss_sum = {});
   void check_shard(const TokenShard& shard) const;
   // Reports r after zeroing the gradients in it that discard_grads() left and nothing has written since.
   void gradients_ready(const FlatRange& r);

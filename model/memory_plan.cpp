@@ -128,6 +128,9 @@ void add_activation_entries(Arena& acts, const LlamaConfig& config, const Precis
   acts.add("final_rstd", {Lc}, stat);
   acts.add("d_final_norm", {Lc, C}, act);
   acts.add("losses", {T}, stat);
+  // forward_backward's gradient factor, read on the device (ops::CrossEntropyParams::grad_scale_from);
+  // f64 on the CPU so the reference scales exactly as with the double it is given.
+  acts.add("grad_scale", {1}, precision.device == Device::cpu ? DType::f64 : DType::f32);
   acts.add("d_residual", {T, C}, act);
   acts.add("d_norm", {M, C}, act);
   acts.add("d_s", {M, F}, act);

@@ -38,8 +38,7 @@ const StepGraphs::Entry& StepGraphs::add(StepGraphKey key, CudaGraph graph, Step
   ++stats_.captures;
   if (stats_.captures >= kMaxUnpaidCaptures && stats_.replays < 2 * stats_.captures) {
     turn_off(fmt::format("the step's calls kept changing ({} captures, {} replays): a graph is replayed only for a "
-                         "call with the same token count, buffers, grad_scale (1 / the valid labels of the step) and "
-                         "gradients to overwrite",
+                         "call with the same token count, buffers, gradients to overwrite and kernel choices",
                          stats_.captures, stats_.replays));
   }
   return entries_.back();  // kept even when turned off: the caller launches it once

@@ -3,9 +3,10 @@
 // must redo on the host.
 //
 // A graph replays its capture's kernels with their captured arguments: the shard's and loss_sum's
-// device pointers and the token count, grad_scale (the cross-entropy's gradient factor, a kernel
-// argument), which gradients were still discarded (overwrite or accumulate, the GEMMs' beta) and the
-// kernel choices in force. All of them are the key. What the call also did on the host (the discarded
+// device pointers and the token count, which gradients were still discarded (overwrite or accumulate,
+// the GEMMs' beta) and the kernel choices in force. All of them are the key. The gradient factor
+// grad_scale (1 / the step's valid labels, which masked labels change every step) is not: the
+// cross-entropy reads it from device memory, written before each call outside the graph. What the call also did on the host (the discarded
 // flags it cleared, the attention's call counters) is recorded at capture and applied on each replay.
 // RoPE's frequencies are kernel arguments too: set_rope_length drops every graph.
 //
@@ -33,8 +34,6 @@ struct StepGraphKey {
   const void* positions = nullptr;
   int64_t ids_stride = 0, labels_stride = 0, positions_stride = 0;
   const void* loss_sum = nullptr;
-  double grad_scale = 0.0;
-  int64_t valid_labels = 0;
   std::vector<bool> discarded;  // LlamaModel's discardable gradients, in order, as the call began
   int attention_kernel_policy = 0;
   int gemm_algo_policy = 0;
@@ -80,8 +79,7 @@ class StepGraphs {
   // which gradients they overwrite) and a few more.
   static constexpr size_t kMaxGraphs = 4;
   // After this many captures with fewer than two replays per capture, the calls change too often to
-  // gain from graphs (a grad_scale that varies every step, say: each step's first micro-batch runs
-  // eagerly, the second is captured, the rest replay it): graphs turn off.
+  // gain from graphs (buffers that move every step, say): graphs turn off.
   static constexpr int64_t kMaxUnpaidCaptures = 8;
 
  private:

@@ -523,6 +523,8 @@ class HostSyncingAttention final : public attn::SequenceAttention {
 // each step) copied into the same device buffers (the trainer's staging arena) and run with their
 // labels counted on the host and the loss summed on the device, then AdamW. Before step
 // `free_before_step` a device buffer is allocated and freed (graphs hold raw pointers: all dropped).
+// With `masked_prompts` each micro-batch's first few labels (a different number every step) are
+// ignored, as a fine-tuning set masks its prompts: the step's label count, and so grad_scale, changes.
 struct GraphRun {
   std::vector<double> losses;  // per step, the loss summed over both micro-batches
   std::vector<double> params;  // after the last step
@@ -531,7 +533,8 @@ struct GraphRun {
   std::string refused;  // set_cuda_graphs' answer
 };
 
-GraphRun run_graph_steps(bool graphs, int steps, int free_before_step, bool host_syncing_attention = false) {
+GraphRun run_graph_steps(bool graphs, int steps, int free_before_step, bool host_syncing_attention = false,
+                         bool masked_prompts = false) {
   const LlamaConfig c = tiny_config();
   // Graphs are captured after an eager call free of GEMM trials: under LONGTRAIN_GEMM_ALGO=auto this
   // small model's trials would outlast the steps. The heuristic's algorithm, as the other tests run.
@@ -563,7 +566,13 @@ GraphRun run_graph_steps(bool graphs, int steps, int free_before_step, bool host
     int64_t valid = 0;
     for (uint64_t i = 0; i < 2; ++i) {
       micro.emplace_back(kTokens, c.vocab_size, 0, std::vector<int32_t>{}, 500 + 31 * static_cast<uint64_t>(step) + i);
-      valid += micro.back().valid;
+      Batch& b = micro.back();
+      const size_t prompt = masked_prompts ? static_cast<size_t>(5 * step + 3 * static_cast<int>(i)) % 13 + 1 : 0;
+      for (size_t t = 0; t < prompt; ++t) {
+        b.valid -= b.labels[t] != LlamaModel::kIgnoreIndex;
+        b.labels[t] = LlamaModel::kIgnoreIndex;
+      }
+      valid += b.valid;
     }
     m.discard_grads();
     zero(loss_sum);
@@ -639,6 +648,25 @@ TEST_P(GpuModelCudaGraphs, ReplayedStepsTrainAsEagerSteps) {
   // that did nothing would be seen.
   const std::vector<double> initial = download(gpu_model(CheckpointPolicy::remat_aware)->params().flat());
   EXPECT_GT(relative_error(eager.params, initial), 4.0 / 256.0);
+  expect_same_training(graphed, eager, eager_again);
+}
+
+// Masked prompts: every step has its own label count, so its own grad_scale, which the graphs read on
+// the device: the same captures and replays as above, and eager training's results.
+TEST_P(GpuModelCudaGraphs, StepsWithChangingLabelCountsReplayWithTheirOwnScale) {
+  LT_REQUIRE_GPU();
+  const PolicyScope policy(GetParam());
+  const GraphRun eager = run_graph_steps(false, 5, 3, false, true), eager_again = run_graph_steps(false, 5, 3, false, true);
+  const GraphRun graphed = run_graph_steps(true, 5, 3, false, true);
+  ASSERT_EQ(graphed.refused, "");
+  std::printf("  graphs: %lld captured, %lld replays, %lld dropped%s%s\n", (long long)graphed.stats.captures,
+              (long long)graphed.stats.replays, (long long)graphed.stats.dropped,
+              graphed.stats.off_reason.empty() ? "" : "; off: ", graphed.stats.off_reason.c_str());
+  EXPECT_EQ(graphed.stats.off_reason, "");
+  EXPECT_EQ(graphed.stats.captures, 4);
+  EXPECT_EQ(graphed.stats.replays, 4);
+  // The masked steps train differently from the unmasked ones (the masking took effect).
+  EXPECT_NE(eager.losses, run_graph_steps(false, 5, 3).losses);
   expect_same_training(graphed, eager, eager_again);
 }
 

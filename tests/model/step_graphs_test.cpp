@@ -11,17 +11,15 @@
 namespace longtrain::model {
 namespace {
 
-StepGraphKey key(double grad_scale = 1.0 / 60.0, std::vector<bool> discarded = {true, true, false}) {
+StepGraphKey key(int64_t tokens = 61, std::vector<bool> discarded = {true, true, false}) {
   static int ids, labels, positions, loss;
   StepGraphKey k;
-  k.tokens = 61;
+  k.tokens = tokens;
   k.ids = &ids;
   k.labels = &labels;
   k.positions = &positions;
   k.ids_stride = k.labels_stride = k.positions_stride = 1;
   k.loss_sum = &loss;
-  k.grad_scale = grad_scale;
-  k.valid_labels = 60;
   k.discarded = std::move(discarded);
   return k;
 }
@@ -40,15 +38,15 @@ TEST(StepGraphs, AKeyIsCapturedAfterAnEagerCallWithoutTrialsAndFoundByEveryField
   EXPECT_FALSE(g.ready_to_capture(key()));
   g.record_eager_call(key(), /*clean=*/true);
   EXPECT_TRUE(g.ready_to_capture(key()));
-  EXPECT_FALSE(g.ready_to_capture(key(1.0 / 59.0)));
+  EXPECT_FALSE(g.ready_to_capture(key(59)));
   EXPECT_EQ(g.find(key(), /*frees=*/5), nullptr);
   g.add(key(), CudaGraph{}, effects(2), /*frees=*/5);
   const StepGraphs::Entry* e = g.find(key(), 5);
   ASSERT_NE(e, nullptr);
   EXPECT_EQ(e->effects.attention_forward_calls, 2);
   // Any field the captured kernels took from the host makes another call.
-  EXPECT_EQ(g.find(key(1.0 / 59.0), 5), nullptr);
-  EXPECT_EQ(g.find(key(1.0 / 60.0, {false, false, false}), 5), nullptr);
+  EXPECT_EQ(g.find(key(59), 5), nullptr);
+  EXPECT_EQ(g.find(key(61, {false, false, false}), 5), nullptr);
   StepGraphKey other_buffer = key();
   other_buffer.loss_sum = &other_buffer;
   EXPECT_EQ(g.find(other_buffer, 5), nullptr);
@@ -62,11 +60,11 @@ TEST(StepGraphs, AKeyIsCapturedAfterAnEagerCallWithoutTrialsAndFoundByEveryField
 TEST(StepGraphs, AFreedBufferDropsEveryGraph) {
   StepGraphs g;
   g.add(key(), CudaGraph{}, effects(1), /*frees=*/3);
-  g.add(key(1.0 / 59.0), CudaGraph{}, effects(1), /*frees=*/3);
+  g.add(key(59), CudaGraph{}, effects(1), /*frees=*/3);
   ASSERT_NE(g.find(key(), 3), nullptr);
   EXPECT_EQ(g.find(key(), 4), nullptr);  // a buffer was freed since the capture
   EXPECT_EQ(g.stats().dropped, 2);
-  EXPECT_EQ(g.find(key(1.0 / 59.0), 4), nullptr);
+  EXPECT_EQ(g.find(key(59), 4), nullptr);
   // Captured again, it is found at the new count.
   g.add(key(), CudaGraph{}, effects(1), /*frees=*/4);
   EXPECT_NE(g.find(key(), 4), nullptr);
@@ -84,27 +82,27 @@ TEST(StepGraphs, AFreedBufferDropsEveryGraph) {
 TEST(StepGraphs, TheOldestGraphGoesWhenTheCacheIsFull) {
   StepGraphs g;
   for (size_t i = 0; i <= StepGraphs::kMaxGraphs; ++i) {
-    g.add(key(1.0 / static_cast<double>(50 + i)), CudaGraph{}, effects(1), 0);
+    g.add(key(50 + static_cast<int64_t>(i)), CudaGraph{}, effects(1), 0);
     g.count_replay();  // paid for: no turning off
   }
-  EXPECT_EQ(g.find(key(1.0 / 50.0), 0), nullptr);
-  for (size_t i = 1; i <= StepGraphs::kMaxGraphs; ++i) EXPECT_NE(g.find(key(1.0 / static_cast<double>(50 + i)), 0), nullptr);
+  EXPECT_EQ(g.find(key(50), 0), nullptr);
+  for (size_t i = 1; i <= StepGraphs::kMaxGraphs; ++i) EXPECT_NE(g.find(key(50 + static_cast<int64_t>(i)), 0), nullptr);
   EXPECT_EQ(g.stats().dropped, 1);
   EXPECT_FALSE(g.off());
 }
 
-// A grad_scale that changes every step (the valid labels of each step differ) makes every step's calls
-// new: graphs turn off instead of capturing every step.
+// Calls that change every step (here the token count) make every step's calls new: graphs turn off
+// instead of capturing every step.
 TEST(StepGraphs, CallsThatKeepChangingTurnGraphsOff) {
   StepGraphs g;
   for (int64_t i = 0; i < StepGraphs::kMaxUnpaidCaptures; ++i) {
     EXPECT_FALSE(g.off()) << i;
-    g.add(key(1.0 / static_cast<double>(100 + i)), CudaGraph{}, effects(1), 0);
+    g.add(key(100 + i), CudaGraph{}, effects(1), 0);
     g.count_replay();  // one replay per capture: each step's last micro-batches; not worth a capture a step
   }
   EXPECT_TRUE(g.off());
   EXPECT_NE(g.stats().off_reason.find("kept changing"), std::string::npos) << g.stats().off_reason;
-  EXPECT_NE(g.stats().off_reason.find("grad_scale"), std::string::npos) << g.stats().off_reason;
+  EXPECT_NE(g.stats().off_reason.find("token count"), std::string::npos) << g.stats().off_reason;
 }
 
 TEST(StepGraphs, AModelOffCudaRefusesGraphsWithTheReason) {
