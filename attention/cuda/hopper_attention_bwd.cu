@@ -61,20 +61,21 @@
 // stage wait 1-4% slower; the next step's Sᵀ alone issued before dQ's staging, now without spills
 // or serialized wgmmas, 10% slower. That file has the stall profile of this kernel at D = 128.)
 //
-// Tried on 2026-12-06 and not kept (bench/results/attention-hopper-bwd-ab-h200-2026-12-06.json, H200,
-// two rounds each in one call at D = 128, one at D = 64): dSᵀ stored before the rest of dV and dK are
-// issued, 9% slower at 16K and 0.8% at 64K (D = 128); L2 evict_last hints on the Q/dO loads and the
-// dQ reductions with evict_first on K/V, 16% slower at 16K and level at 64K (D = 128), 0.4-1.3% slower
-// at D = 64; the (Q, dO) stage released as soon as dV and dK are done (wait_group 1), before dQ, 2.4%
-// faster at 64K but 15% slower at 16K (D = 128), 1.3-1.7% slower at D = 64; FlashAttention-3's dQ
-// writer (the producer warpgroup's warp 1 issues the reductions; the consumers arrive on a named
-// barrier after staging and sync on an "empty" one before the next staging) 14-20% slower at D = 128,
-// but 2.3% / 2.5% faster at D = 64 (16K / 64K) in its one round. ptxas -v afterwards: with the
-// writer, the kernel spills 52-68 bytes at both head dims (none without it), in the producer
-// warpgroup's 24 registers (a writer loop with no reductions still spills; a dead one does not).
-// With 32 producer / 232 consumer registers no D = 128 variant spills, writer included, while D = 64
-// then spills 16-24 bytes in the consumers. So the next A/B: the writer at D = 128 with a 32 / 232
-// split, and at D = 64 a leaner writer within 24.
+// The dQ writer: at D = 64 the reductions are issued by warp 1 of the producer warpgroup
+// (FlashAttention-3's dQ writer) instead of each consumer warpgroup's thread 0 after a barrier of its
+// 128 threads, so the consumers only arrive after their staging stores and go on to the next step.
+// A/B'd against the kernel without it, three interleaved rounds in one call each (bench/results/
+// attention-hopper-bwd-dq-writer-2026-12-06.json): at D = 64 1.9-2.8% faster at 16K and 1.3-1.7% at
+// 64K (H100), 2.3% / 2.5% in one round on the H200. At D = 128 it is slower: 14-20% on the H200 with
+// the producer's 24 registers (ptxas -v: the writer spills 52-68 bytes there, at both head dims), and
+// still 5.8-6.4% (16K) and 3.7-6.9% (64K) slower on the H100 with a 32 producer / 232 consumer split
+// that spills nothing; so D = 128 keeps the consumers' own reductions.
+// Also tried on 2026-12-06 and not kept (bench/results/attention-hopper-bwd-ab-h200-2026-12-06.json,
+// H200, two rounds each in one call at D = 128, one at D = 64): dSᵀ stored before the rest of dV and
+// dK are issued, 9% slower at 16K and 0.8% at 64K (D = 128); L2 evict_last hints on the Q/dO loads and
+// the dQ reductions with evict_first on K/V, 16% slower at 16K and level at 64K (D = 128), 0.4-1.3%
+// slower at D = 64; the (Q, dO) stage released as soon as dV and dK are done (wait_group 1), before
+// dQ, 2.4% faster at 64K but 15% slower at 16K (D = 128), 1.3-1.7% slower at D = 64.
 //
 // K_w in registers: at D = 64 each consumer thread loads its bf16 A fragments of K_w once (16
 // registers) and Sᵀ = K_w·Qᵀ runs with A from registers, which takes 8 KB per warpgroup and step off
@@ -85,6 +86,7 @@
 // (bench/results/attention-hopper-bwd-k-registers-h200-2026-12-04.json).
 //
 // Per CTA: 384 threads = a producer warpgroup and two consumer warpgroups (setmaxnreg 24 / 240).
+// - The producer's warp 1 is the dQ writer at D = 64 (below); warps 2-3 (and 1 at D = 128) leave.
 // - The producer's warp 0 TMA-loads the K and V tiles once, then streams (Q, dO) tiles of kBlockM
 //   query rows (128 for head_dim 64, 64 for head_dim 128) through a kStages ring, for every query head
 //   of the group and every query tile that meets the keys (causal: those at or below the diagonal).
@@ -139,6 +141,14 @@
 //   next step's named barrier 1, thread 0 waits until that reduction has read the buffer
 //   (cp.async.bulk.wait_group.read), so no thread overwrites it early; at the end thread 0 waits for
 //   the last reduction to complete before the CTA exits.
+// - The dQ writer instead (D = 64, "The dQ writer" below): named barriers 4 + w (dQ full) and 6 + w
+//   (dQ empty), each 128 threads of warpgroup w and the writer's 32. Per step w syncs on 6 + w (from
+//   the second step on), stores and fences its staging buffer and arrives on 4 + w without waiting;
+//   the writer syncs on 4 + w and its lane 0 issues the reduction; once both reductions of the step
+//   have read their buffers (wait_group.read) the writer arrives on 6 + w for the next step (not
+//   after the last step, so no arrival is left unconsumed), and at the end lane 0 waits for the last
+//   reductions to complete. A warpgroup cannot arrive twice on 4 + w unseen: its next arrival needs
+//   the writer's arrival on 6 + w, which comes after the writer's sync on 4 + w.
 // Phases: step i uses stage s = i % kStages, parity (i / kStages) & 1 on the full barriers.
 //
 // Edges: keys >= Tk (TMA zero-fills them) and, causal, keys after the query are masked to P = 0 in
@@ -187,6 +197,10 @@ constexpr uint32_t kAtomBytes = 1024;   // 8 swizzled rows: the SBO of every des
 constexpr int kProducerRegs = 24, kConsumerRegs = 240;  // 128·24 + 256·240 = 64512 <= 65536 registers
 constexpr uint32_t kDsBarrier = 1;      // named barrier id (0 is __syncthreads)
 constexpr uint32_t kDqStageBarrier = 2;  // + consumer warpgroup: its dQ staging stores are in
+// With a dQ writer warp (BwdTiles::kDqWriter), + consumer warpgroup: its staging buffer is full (the
+// warpgroup arrives, the writer syncs) and empty again (the writer arrives, the warpgroup syncs).
+constexpr uint32_t kDqFullBarrier = 4, kDqEmptyBarrier = 6;
+constexpr uint32_t kDqWriterBarrierThreads = 128 + 32;  // a consumer warpgroup and the writer warp
 constexpr int kDqSub = 64;              // each consumer warpgroup's dQ sub-block is 64 × 64
 constexpr int kDqSubFloats = kDqSub * kDqSub;
 constexpr float kLog2e = 1.4426950408889634f;
@@ -206,6 +220,10 @@ template <int D> struct BwdTiles {
   // Sᵀ's A operand K_w from registers instead of shared memory, as measured (header: "K_w in
   // registers"): D / 4 registers per thread, which D = 128 has no room for.
   static constexpr bool kKInRegisters = D == 64;
+  // The dQ bulk reductions issued by a writer warp (the producer warpgroup's warp 1; FlashAttention-3's
+  // dQ writer) instead of each consumer warpgroup's thread 0 after a barrier of its 128 threads
+  // (header: "The dQ writer"): 1.3-2.8% faster at D = 64, 4-20% slower at D = 128, as measured.
+  static constexpr bool kDqWriter = D == 64;
   static_assert(kBlockM / 16 % kExpChunks == 0, "whole dV k-steps per exp2 chunk");
   static constexpr int kColBlocks = D / kSwizzleElems;
   static constexpr uint32_t kKVColBlockBytes = kBlockN * kRowBytes;
@@ -414,6 +432,39 @@ __device__ __forceinline__ void produce(const CUtensorMap* tm_q, const CUtensorM
 #endif  // LT_HOPPER_DEVICE_CODE
 }
 
+// The dQ writer warp (Tl::kDqWriter; its 32 lanes): per step, for each consumer warpgroup w, waits
+// until w's staging buffer is full, lane 0 issues its bulk reduction into the accumulator; then, but
+// after the last step, lane 0 waits until both reductions have read their buffers and the warp tells
+// both warpgroups they may write them again. It returns once the last reductions have completed.
+template <class Tl>
+__device__ __forceinline__ void write_dq(const BwdParams& p, const int lane, const uint32_t smem, const int kv_head,
+                                         const int steps) {
+#if LT_HOPPER_DEVICE_CODE
+  StepCursor cursor(p, kv_head);
+  for (int step = 0; step < steps; ++step, cursor.next()) {
+#pragma unroll
+    for (int w = 0; w < 2; ++w) {
+      named_barrier_sync(kDqFullBarrier + w, kDqWriterBarrierThreads);
+      if (lane == 0) {
+        float* const acc = p.dq_accum +
+                           (static_cast<int64_t>(cursor.head) * p.num_q_tiles + cursor.m) * Tl::kDqTileFloats +
+                           w * kDqSubFloats;
+        bulk_reduce_add_f32(acc, smem + Tl::kDqStageOffset + w * Tl::kDqStageBytes, Tl::kDqStageBytes);
+        bulk_commit_group();
+      }
+    }
+    // The consumers sync on the empty barriers before every step's staging stores but the first.
+    if (step + 1 < steps) {
+      if (lane == 0) bulk_wait_read_all();
+      __syncwarp();
+#pragma unroll
+      for (int w = 0; w < 2; ++w) named_barrier_arrive(kDqEmptyBarrier + w, kDqWriterBarrierThreads);
+    }
+  }
+  if (lane == 0) bulk_wait_all();
+#endif  // LT_HOPPER_DEVICE_CODE
+}
+
 template <int D, bool kCausal>
 __global__ void __launch_bounds__(kThreads, 1)
     hopper_attention_bwd_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
@@ -458,8 +509,12 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   const int warpgroup = threadIdx.x / 128;
   if (warpgroup == 0) {
-    // ---- producer: warp 0 only; warps 1-3 leave at once (no later CTA-wide barrier) ----
+    // ---- producer: warp 0, and warp 1 as the dQ writer (Tl::kDqWriter); the others leave at once (no
+    // later CTA-wide barrier) ----
     setmaxnreg_dec<kProducerRegs>();
+    if constexpr (Tl::kDqWriter) {
+      if (threadIdx.x / 32 == 1) return write_dq<Tl>(p, threadIdx.x % 32, smem, kv_head, steps);
+    }
     if (threadIdx.x >= 32) return;
     produce<Tl>(&tm_q, &tm_k, &tm_v, &tm_do, p, threadIdx.x, smem, lse_rows, delta_rows, kv_head, n0, steps);
     return;
@@ -645,7 +700,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     fence_proxy_async_shared();
     // The dQ staging buffer's last reduction (issued at the end of the previous step) has read it
     // before anyone passes this barrier and writes it again.
-    if (t == 0) bulk_wait_read_all();
+    if (!Tl::kDqWriter && t == 0) bulk_wait_read_all();
     named_barrier_sync(kDsBarrier, kConsumerThreads);
 
     // dQ sub-block = dS·K over the 128 keys in steps of 16 (2048 bytes of dS rows and of K rows):
@@ -673,21 +728,31 @@ __global__ void __launch_bounds__(kThreads, 1)
     // dQ sub-block into the f32 accumulator (fragment order; header comment).
     // The sub-block into this warpgroup's staging buffer (the accumulator's own order, so one
     // contiguous 16 KB bulk reduction adds it), then thread 0 issues that once every store is in.
+    // With a writer warp: the buffer is free once the writer says so (after the first step); the
+    // stores go in and the warpgroup arrives without waiting for the reduction to be issued.
     const uint32_t stage = smem + Tl::kDqStageOffset + cw * Tl::kDqStageBytes;
+    if constexpr (Tl::kDqWriter) {
+      if (step > 0) named_barrier_sync(kDqEmptyBarrier + cw, kDqWriterBarrierThreads);
+    }
 #pragma unroll
     for (int j = 0; j < Tl::kDqFloats / 4; ++j)
       st_shared_v4(stage + 16u * t + 2048u * j, dq[4 * j], dq[4 * j + 1], dq[4 * j + 2], dq[4 * j + 3]);
     fence_proxy_async_shared();
-    named_barrier_sync(kDqStageBarrier + cw, 128);
-    if (t == 0) {
-      float* const acc = p.dq_accum + (static_cast<int64_t>(head) * p.num_q_tiles + m) * Tl::kDqTileFloats +
-                         cw * kDqSubFloats;
-      bulk_reduce_add_f32(acc, stage, Tl::kDqStageBytes);
-      bulk_commit_group();
+    if constexpr (Tl::kDqWriter) {
+      named_barrier_arrive(kDqFullBarrier + cw, kDqWriterBarrierThreads);
+    } else {
+      named_barrier_sync(kDqStageBarrier + cw, 128);
+      if (t == 0) {
+        float* const acc = p.dq_accum + (static_cast<int64_t>(head) * p.num_q_tiles + m) * Tl::kDqTileFloats +
+                           cw * kDqSubFloats;
+        bulk_reduce_add_f32(acc, stage, Tl::kDqStageBytes);
+        bulk_commit_group();
+      }
     }
   }
-  // The last reduction has completed (read its source, written the accumulator) before the CTA leaves.
-  if (t == 0) bulk_wait_all();
+  // The last reduction has completed (read its source, written the accumulator) before the CTA leaves
+  // (with a writer warp, the writer waits for it).
+  if (!Tl::kDqWriter && t == 0) bulk_wait_all();
 
   // ---- epilogue: dK = scale · Σ dSᵀ·Q, dV = Σ Pᵀ·dO for this warpgroup's keys ----
   char* const dk_base = static_cast<char*>(p.dk);

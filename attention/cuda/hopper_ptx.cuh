@@ -277,6 +277,9 @@ static __device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], uint64
 static __device__ __forceinline__ void named_barrier_sync(uint32_t id, uint32_t count) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
+static __device__ __forceinline__ void named_barrier_arrive(uint32_t id, uint32_t count) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
 // Arrives where `pred` holds (warp-uniform), without a branch: it may sit between a wgmma and its wait.
 static __device__ __forceinline__ void named_barrier_arrive_if(uint32_t id, uint32_t count, bool pred) {
   asm volatile(
