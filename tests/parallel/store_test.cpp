@@ -317,5 +317,51 @@ TEST(TcpStoreLiveness, TheServerGoingAwayIsReported) {
   ::waitpid(child, &status, 0);
 }
 
+// A server host that goes silent between the monitor's watch and its publish of a changed value is
+// reported as silent (hung or unreachable), as on the watch, not as exited: here the published value's
+// own callback stops the server process just before the monitor sends it (a CI run hit this order
+// with a real SIGSTOP).
+TEST(TcpStoreLiveness, AServerSilentOnAPublishIsReportedAsSilent) {
+  const int port = net::pick_free_port();
+  std::fflush(nullptr);
+  pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    StoreOptions so = server_options();
+    so.port = port;
+    so.rank = 0;
+    so.world_size = 2;
+    so.on_peer_failure = [](const std::string&) {};
+    auto* leaked = new TcpStore(so);
+    leaked->set("rank0/up", "1");
+    std::this_thread::sleep_for(30s);  // stopped before then, and killed
+    ::_exit(1);
+  }
+  std::promise<std::string> heard;
+  StoreOptions co = client_options(port);
+  co.rank = 1;
+  co.world_size = 2;
+  co.liveness_timeout = 1s;
+  co.on_peer_failure = [&](const std::string& why) { heard.set_value(why); };
+  TcpStore client(co);
+  client.wait({"rank0/up"});
+  std::atomic<bool> stopped{false};
+  client.publish("rank1/progress", [&] {
+    if (!stopped.exchange(true)) ::kill(child, SIGSTOP);
+    return std::string("1");
+  });
+  auto f = heard.get_future();
+  const bool ready = f.wait_for(10s) == std::future_status::ready;
+  ::kill(child, SIGKILL);
+  int status = 0;
+  ::waitpid(child, &status, 0);
+  ASSERT_TRUE(ready) << "no failure reported 10 s after the server stopped";
+  EXPECT_TRUE(stopped.load());
+  const std::string why = f.get();
+  EXPECT_NE(why.find(fmt::format("the rendezvous store at 127.0.0.1:{} did not answer rank 1 for 1 s", port)),
+            std::string::npos)
+      << why;
+}
+
 }  // namespace
 }  // namespace longtrain::parallel
