@@ -502,9 +502,6 @@ TEST_P(GpuOps, LmHeadCrossEntropyAtVocabularySizes) {
   }
 }
 
-// GradWrite::overwrite (the first write after LlamaModel::discard_grads): the weight gradients of the
-// GEMM (cuBLASLt's beta = 0, bf16 and f32 dw), the norm and the chunked LM head (its first chunk
-// overwrites, the others add) are the CPU's from zero, whatever dw held: NaN here.
 // The gradient factor read on the device (CrossEntropyParams::grad_scale_from, written by ops::fill):
 // the same bits as the factor given by value; and a captured call, replayed after the factor was
 // written again, scales by the new factor (what lets a training step with another label count replay
@@ -556,6 +553,9 @@ TEST_P(GpuOps, LmHeadCrossEntropyReadsItsFactorOnTheDeviceWhenItRuns) {
   expect_error([&] { run(on_device); }, {"grad_scale_from", "f64"});
 }
 
+// GradWrite::overwrite (the first write after LlamaModel::discard_grads): the weight gradients of the
+// GEMM (cuBLASLt's beta = 0, bf16 and f32 dw), the norm and the chunked LM head (its first chunk
+// overwrites, the others add) are the CPU's from zero, whatever dw held: NaN here.
 TEST_P(GpuOps, OverwrittenWeightGradientsIgnoreWhatTheyHeld) {
   LT_REQUIRE_GPU();
   const DType dt = GetParam();
