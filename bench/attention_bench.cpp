@@ -299,6 +299,8 @@ int main(int argc, char** argv) try {
         ms_hopper[r] = median_ms(hopper_fwd, opt.warmup, opt.reps);
         ms_hopper_fb[r] = median_ms(hopper_fwd_bwd, opt.warmup, opt.reps);
         row[run.key] = {{"variant", vname},
+                        {"fwd_kv_heads_per_section", attn::hopper::fwd_kv_heads_per_section(hkv)},
+                        {"bwd_kv_heads_per_section", attn::hopper::bwd_kv_heads_per_section(hkv)},
                         {"fwd_ms", round3(ms_hopper[r])},
                         {"fwd_tflops", round1(fwd_flops / ms_hopper[r] / 1e9)},
                         {"fwdbwd_ms", round3(ms_hopper_fb[r])},

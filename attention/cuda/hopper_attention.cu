@@ -18,7 +18,7 @@
 //   operand of O += P·V (V from shared memory, N-major: the transposed B operand).
 // Causal blocks skip the K/V tiles wholly above the diagonal and mask only the tiles that cross it;
 // keys >= Tk (TMA zero-fills the rows past the end) are masked in the last tile. The grid runs the
-// longest (causal) query tiles first.
+// longest (causal) query tiles first, in the launch order's sections (fwd_work_tile).
 //
 // Shared-memory layout. TMA writes every tile in 128-byte swizzled rows (CU_TENSOR_MAP_SWIZZLE_128B):
 // a box is 64 bf16 of head_dim (128 bytes) by `rows` tokens, stored as rows × 128 bytes in 1024-byte
@@ -87,6 +87,8 @@ struct Params {
   int64_t lse_ts, lse_hs;
   int tq, tk;
   int group;        // q heads per kv head
+  int kv_heads;
+  int section;      // kv heads per launch-order section (fwd_work_tile)
   int num_q_tiles;
   float scale;      // natural-log scale (for the LSE)
   float scale_log2; // scale · log2(e) (for exp2)
@@ -204,6 +206,20 @@ __device__ __forceinline__ void store_rows(const float (&o)[D / 2], const float 
 #endif  // LT_HOPPER_DEVICE_CODE
 }
 
+// This CTA's work tile (hopper_attention.h, "The launch order"): its query head and its query tile
+// counted from the last (tile_rev 0: the last, the longest causal one). CTA w in launch order (x
+// fastest) takes, within its section of p.section kv heads, the query tiles longest first and the
+// section's query heads fastest.
+__device__ __forceinline__ void fwd_work_tile(const Params& p, int& head, int& tile_rev) {
+  const int w = static_cast<int>(blockIdx.y * gridDim.x + blockIdx.x);
+  const int section_ctas = p.section * p.group * p.num_q_tiles;
+  const int sec = w / section_ctas;
+  const int r = w - sec * section_ctas;
+  const int heads = min(p.section, p.kv_heads - sec * p.section) * p.group;  // the last section may be smaller
+  tile_rev = r / heads;
+  head = sec * p.section * p.group + (r - tile_rev * heads);
+}
+
 template <int D, bool kCausal, bool kF32Out, bool kMerge>
 __global__ void __launch_bounds__(kThreads, 1)
     fwd_baseline_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
@@ -220,8 +236,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto v_full = [&](int s) { return bars + 8u * (1 + S + s); };
   auto empty = [&](int s) { return bars + 8u * (1 + 2 * S + s); };
 
-  const int head = blockIdx.x;
-  const int q_tile = p.num_q_tiles - 1 - static_cast<int>(blockIdx.y);  // longest causal tiles first
+  int head, tile_rev;
+  fwd_work_tile(p, head, tile_rev);
+  const int q_tile = p.num_q_tiles - 1 - tile_rev;
   const int m0 = q_tile * kBlockM;
   const int kv_head = head / p.group;
   const int q_end = min(m0 + kBlockM, p.tq);
@@ -401,8 +418,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 //   FA3 uses the turns (its scheduler barrier) with three warpgroups too.
 //
 // Work tiles. A work tile is (query tile of kBlockM rows, query head), one per CTA: grid (Hq,
-// num_q_tiles), w = blockIdx.y·Hq + blockIdx.x; the longest (causal) query tiles first, the heads
-// fastest: every head's last query tile, then every head's one before, ...
+// num_q_tiles), launched in sections of kv heads (fwd_work_tile; hopper_attention.h, "The launch
+// order"): within a section the longest (causal) query tiles first, the section's heads fastest.
 //
 // Pipeline. Q is loaded once (q_full: the TMA bytes). K and V have separate rings of kStages stages,
 // each stage with a "full" mbarrier and an "empty" one (one arrival per consumer warp once its wgmma
@@ -527,8 +544,9 @@ __global__ void __launch_bounds__(OverlapTiles<D>::kThreads, 1)
   // This CTA's work tile ("Work tiles"): its first query row m0, its query head, and its K/V tiles
   // n_tiles (iteration i works on K/V tile n_tiles - 1 - i). Causal (Tq == Tk): the last query row
   // sees keys up to q_end - 1; later tiles are skipped.
-  const int head = static_cast<int>(blockIdx.x);
-  const int m0 = (p.num_q_tiles - 1 - static_cast<int>(blockIdx.y)) * Tl::kBlockM;  // blockIdx.y 0: the last tile
+  int head, tile_rev;
+  fwd_work_tile(p, head, tile_rev);
+  const int m0 = (p.num_q_tiles - 1 - tile_rev) * Tl::kBlockM;
   const int kv_tiles_all = (p.tk + kBlockN - 1) / kBlockN;
   const int q_end = min(m0 + Tl::kBlockM, p.tq);
   const int n_tiles = kCausal ? min(kv_tiles_all, (q_end - 1) / kBlockN + 1) : kv_tiles_all;
@@ -820,13 +838,17 @@ FwdVariant default_fwd_variant() {
   return variant;
 }
 
+int fwd_kv_heads_per_section(int64_t kv_heads) {
+  return host::section_from_env("LONGTRAIN_HOPPER_FWD_SECTION", 1, kv_heads);
+}
+
 void forward(const OutView& o, const StatsView& lse, const View& q, const View& k, const View& v, bool causal,
              float scale, bool merge) {
   forward(o, lse, q, k, v, causal, scale, merge, default_fwd_variant());
 }
 
 void forward(const OutView& o, const StatsView& lse, const View& q, const View& k, const View& v, bool causal,
-             float scale, bool merge, FwdVariant variant) {
+             float scale, bool merge, FwdVariant variant, int kv_heads_per_section) {
   const std::string why = unsupported_reason(o, lse, q, k, v, causal, merge);
   LT_CHECK(why.empty(), "hopper attention forward: {}", why);
   LT_CHECK(scale > 0.0f && std::isfinite(scale), "hopper attention forward: scale must be positive and finite, got {}",
@@ -843,6 +865,9 @@ void forward(const OutView& o, const StatsView& lse, const View& q, const View& 
   p.tq = static_cast<int>(q.tokens);
   p.tk = static_cast<int>(k.tokens);
   p.group = static_cast<int>(q.heads / k.heads);
+  p.kv_heads = static_cast<int>(k.heads);
+  p.section = kv_heads_per_section > 0 ? std::min(kv_heads_per_section, p.kv_heads)
+                                      : fwd_kv_heads_per_section(k.heads);
   p.num_q_tiles = static_cast<int>((q.tokens + rows - 1) / rows);
   p.scale = scale;
   p.scale_log2 = scale * 1.4426950408889634f;

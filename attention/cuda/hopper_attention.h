@@ -63,6 +63,27 @@ FwdVariant default_fwd_variant();
 const char* fwd_variant_name(FwdVariant variant);
 FwdVariant parse_fwd_variant(const std::string& name, const char* source);
 
+// The launch order of the CTAs. The GPU starts CTAs about in launch order, so the order decides which
+// work runs at the same time and shares the L2: the kv heads are taken in sections of
+// kv_heads_per_section (the last may be smaller), all of a section's CTAs before the next section's.
+// Within a section the forward launches its query tiles longest first (causal), the section's query
+// heads fastest, and the backward its key tiles longest first, the section's kv heads fastest. A
+// section of every kv head is the order both kernels had until 2026-12-06 (every kv head's work at
+// once). The default is one kv head per section: the running CTAs then read one kv head's K/V
+// (forward) and the same few Q/dO tiles and dQ reductions (backward). On the H100 at head dim 128
+// (32/8 heads) that cut the DRAM traffic at 64K tokens 8.6x in the forward and 3x in the backward
+// (ncu), and with it the power that holds the GPU at its cap: the forward ran 10% faster at 64K
+// (level at 16K and 32K), the backward 12-16% faster at 16K, 32K and 64K; at head dim 64 (32/4) the
+// backward ran 0-2% faster, the forward level (sections of 1, 2, 4 and 8 kv heads, two rounds;
+// bench/results/attention-hopper-launch-order-h100-2026-12-06.json).
+// The section size a call runs with when it passes 0 (as the model's calls do): the environment
+// variable LONGTRAIN_HOPPER_FWD_SECTION / LONGTRAIN_HOPPER_BWD_SECTION when set (a positive integer,
+// for benchmarks; anything else throws naming it), else 1. At most kv_heads. Any size gives the same
+// results: the forward's bits do not depend on it, nor do the backward's dK and dV (each CTA sums its
+// own); its dQ only in the order of the atomics.
+int fwd_kv_heads_per_section(int64_t kv_heads);
+int bwd_kv_heads_per_section(int64_t kv_heads);
+
 // o = softmax(scale · q·kᵀ [+ causal mask]) · v and lse, for this (Q block, K/V block) pair. Causal is
 // top-left aligned (query i sees keys j <= i, Tq == Tk). scale must be positive.
 // merge == false: o and lse are overwritten with the block's result.
@@ -72,11 +93,12 @@ FwdVariant parse_fwd_variant(const std::string& name, const char* source);
 // is one call with no separate merge pass.
 // Bitwise deterministic: no atomics, a fixed reduction order. Throws (naming the argument) where
 // unsupported_reason() is not empty.
-// Runs default_fwd_variant(); the overload picks the schedule (tests and benchmarks run both).
+// Runs default_fwd_variant(); the overload picks the schedule (tests and benchmarks run both) and
+// the launch order (kv_heads_per_section; 0: the default).
 void forward(const OutView& o, const StatsView& lse, const View& q, const View& k, const View& v, bool causal,
              float scale, bool merge);
 void forward(const OutView& o, const StatsView& lse, const View& q, const View& k, const View& v, bool causal,
-             float scale, bool merge, FwdVariant variant);
+             float scale, bool merge, FwdVariant variant, int kv_heads_per_section = 0);
 
 // ---- backward (hopper_attention_bwd.cu) ----------------------------------------------------------
 //
@@ -103,7 +125,7 @@ std::string backward_unsupported_reason(const OutView& dq, const OutView& dk, co
 
 void backward(const OutView& dq, const OutView& dk, const OutView& dv, const View& q, const View& k, const View& v,
               const View& d_o, const StatsView& lse, const StatsView& delta, bool causal, float scale,
-              bool accumulate);
+              bool accumulate, int kv_heads_per_section = 0);
 
 // The bytes of the f32 dQ accumulator backward() takes from scratch: Tq rounded up to the query tile
 // (128 rows at head dim 64, 64 at 128), times Hq · head_dim floats

@@ -170,6 +170,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -285,6 +286,8 @@ struct BwdParams {
   bool accumulate;  // dk/dv += this block's gradients (else :=)
   int tq, tk;
   int group;        // q heads per kv head
+  int kv_heads;
+  int section;      // kv heads per launch-order section (the kernel's first lines)
   int num_q_tiles;  // ceil(Tq / kBlockM)
   float scale;      // natural-log scale (dK's factor)
   float scale_log2; // scale · log2(e) (for exp2)
@@ -488,8 +491,16 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto do_full = [&](int s) { return bars + 8u * (1 + S + s); };
   auto empty = [&](int s) { return bars + 8u * (1 + 2 * S + s); };
 
-  const int kv_head = blockIdx.x;
-  const int n_tile = blockIdx.y;  // causal: tile 0 (the most query tiles) is launched first
+  // This CTA's kv head and key tile (hopper_attention.h, "The launch order"): CTA w in launch order (x
+  // fastest) takes, within its section of p.section kv heads, the key tiles from 0 up (causal: tile 0
+  // meets the most query tiles) and the section's kv heads fastest. Grid (kv heads, key tiles).
+  const int w = static_cast<int>(blockIdx.y * gridDim.x + blockIdx.x);
+  const int section_ctas = p.section * static_cast<int>(gridDim.y);
+  const int sec = w / section_ctas;
+  const int r = w - sec * section_ctas;
+  const int section_kv_heads = min(p.section, p.kv_heads - sec * p.section);  // the last may be smaller
+  const int n_tile = r / section_kv_heads;
+  const int kv_head = sec * p.section + (r - n_tile * section_kv_heads);
   const int n0 = n_tile * kBlockN;
   // Causal (Tq == Tk): query tiles wholly before key n0 see none of these keys. n0 < Tk = Tq, so at
   // least one tile remains; without a mask every query tile meets the keys.
@@ -927,9 +938,13 @@ std::string backward_unsupported_reason(const OutView& dq, const OutView& dk, co
   return check_stats(lse, "lse", q.tokens, q.heads);
 }
 
+int bwd_kv_heads_per_section(int64_t kv_heads) {
+  return host::section_from_env("LONGTRAIN_HOPPER_BWD_SECTION", 1, kv_heads);
+}
+
 void backward(const OutView& dq, const OutView& dk, const OutView& dv, const View& q, const View& k, const View& v,
               const View& d_o, const StatsView& lse, const StatsView& delta, bool causal, float scale,
-              bool accumulate) {
+              bool accumulate, int kv_heads_per_section) {
   std::string why = backward_unsupported_reason(dq, dk, dv, q, k, v, d_o, lse, causal);
   if (why.empty()) why = check_stats(delta, "delta", q.tokens, q.heads);
   LT_CHECK(why.empty(), "hopper attention backward: {}", why);
@@ -958,6 +973,9 @@ void backward(const OutView& dq, const OutView& dk, const OutView& dv, const Vie
   p.tq = static_cast<int>(q.tokens);
   p.tk = static_cast<int>(k.tokens);
   p.group = static_cast<int>(q.heads / k.heads);
+  p.kv_heads = static_cast<int>(k.heads);
+  p.section = kv_heads_per_section > 0 ? std::min(kv_heads_per_section, p.kv_heads)
+                                      : bwd_kv_heads_per_section(k.heads);
   p.num_q_tiles = static_cast<int>((q.tokens + M - 1) / M);
   p.scale = scale;
   p.scale_log2 = scale * kLog2e;

@@ -2,7 +2,9 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 
 #include "runtime/cuda_check.h"
 #include "runtime/error.h"
@@ -72,6 +74,21 @@ std::string check_tma_input(const View& v, const char* name) {
     return fmt::format("{}'s strides must be positive, got token stride {} and head stride {}", name, v.token_stride,
                        v.head_stride);
   return {};
+}
+
+int section_from_env(const char* env, int64_t fallback, int64_t kv_heads) {
+  int64_t n = fallback;
+  const char* value = std::getenv(env);
+  if (value != nullptr && *value != '\0') {
+    char* end = nullptr;
+    const long long parsed = std::strtoll(value, &end, 10);
+    LT_CHECK(*end == '\0' && parsed > 0,
+             "{} must be a positive integer (kv heads per launch-order section of the hopper attention kernels), "
+             "got '{}'; unset it for the default",
+             env, value);
+    n = parsed;
+  }
+  return static_cast<int>(std::clamp<int64_t>(n, 1, std::max<int64_t>(kv_heads, 1)));
 }
 
 }  // namespace longtrain::attn::hopper::host

@@ -1,5 +1,6 @@
 // Host-side helpers of our Hopper attention kernels: the TMA tensor maps over bf16 [tokens, heads,
-// dim] views, the sm_90 device check, and the TMA alignment checks of an input view, shared by the
+// dim] views, the sm_90 device check, the TMA alignment checks of an input view and the launch
+// order's section size, shared by the
 // forward (hopper_attention.cu) and the backward (hopper_attention_bwd.cu).
 #pragma once
 
@@ -22,5 +23,10 @@ bool sm90_device();
 // Empty when TMA can read the view: a base address and token/head strides that are multiples of 16
 // bytes, positive strides; else why not, naming `name`.
 std::string check_tma_input(const View& v, const char* name);
+
+// The kv heads per launch-order section (hopper_attention.h, "The launch order"): the environment
+// variable `env` when set (a positive integer; anything else throws naming it), else `fallback`;
+// clamped to [1, kv_heads].
+int section_from_env(const char* env, int64_t fallback, int64_t kv_heads);
 
 }  // namespace longtrain::attn::hopper::host

@@ -1100,6 +1100,82 @@ TEST(HopperAttentionBackwardVsCudnn, MatchesOnLargerShapes) {
   }
 }
 
+// The launch order (hopper_attention.h: kv heads in sections) decides only which CTAs run together:
+// under every section size, one kv head (the default at long lengths), one that does not divide the kv
+// heads (a smaller last section) and all of them (the order before sections), the forward's O and LSE
+// are the same bits and our backward's dK and dV too (each CTA sums its own in a fixed order); dQ, summed
+// with atomics, stays close. Each against cuDNN's, from the same inputs. Every output buffer starts as
+// a sentinel, so a work tile that no CTA took shows as a difference.
+TEST(HopperAttentionLaunchOrder, EverySectionSizeGivesTheSameResults) {
+  LT_REQUIRE_HOPPER();
+  struct Shape {
+    int64_t S, Hq, Hkv, D;
+    bool causal;
+  };
+  for (const Shape& s : {Shape{3000, 32, 8, 128, true}, Shape{2500, 24, 8, 64, true}, Shape{1000, 20, 5, 64, false},
+                         Shape{700, 12, 3, 128, false}}) {
+    const std::string tag = fmt::format(" [S={} {}/{} D={} {}]", s.S, s.Hq, s.Hkv, s.D, s.causal ? "causal" : "none");
+    SCOPED_TRACE(tag);
+    const float sc = static_cast<float>(1.0 / std::sqrt(static_cast<double>(s.D)));
+    const auto q = random_values(s.S * s.Hq * s.D, 1801, DType::bf16);
+    const auto k = random_values(s.S * s.Hkv * s.D, 1802, DType::bf16);
+    const auto v = random_values(s.S * s.Hkv * s.D, 1803, DType::bf16);
+    QkvOnDevice in(q, k, v, s.S, s.S, s.Hq, s.Hkv, s.D, true);
+    DeviceTensor d_o(DType::bf16, {s.S, s.Hq, s.D});
+    upload(d_o, random_values(s.S * s.Hq * s.D, 1804, DType::bf16));
+    const std::vector<double> sentinel_q(static_cast<size_t>(s.S * s.Hq * s.D), kSentinel);
+    const std::vector<double> sentinel_kv(static_cast<size_t>(s.S * s.Hkv * s.D), kSentinel);
+    const std::vector<double> sentinel_lse(static_cast<size_t>(s.S * s.Hq), kSentinel);
+
+    // cuDNN's forward and backward: the reference for every order.
+    DeviceTensor co(DType::bf16, {s.S, s.Hq, s.D}), clse(DType::f32, {s.S, s.Hq}), delta(DType::f32, {s.S, s.Hq});
+    attn::cudnn_sdpa::forward(hview(co), hstats(clse), hview(in.q), hview(in.k), hview(in.v), s.causal, sc);
+    attn::attention_delta(delta, co, d_o);
+    DeviceTensor cq(DType::bf16, {s.S, s.Hq, s.D}), ck(DType::bf16, {s.S, s.Hkv, s.D}),
+        cv(DType::bf16, {s.S, s.Hkv, s.D});
+    attn::cudnn_sdpa::backward(hview(cq), hview(ck), hview(cv), hview(in.q), hview(in.k), hview(in.v), hview(co),
+                               hview(d_o), hstats(clse), s.causal, sc);
+
+    std::vector<uint8_t> o_first, lse_first, dk_first, dv_first;
+    std::vector<double> dq_first;
+    for (const int section : {static_cast<int>(s.Hkv), 1, 2, 3}) {
+      const std::string at = fmt::format("{} kv heads per section{}", section, tag);
+      DeviceTensor o(DType::bf16, {s.S, s.Hq, s.D}), lse(DType::f32, {s.S, s.Hq});
+      DeviceTensor gq(DType::bf16, {s.S, s.Hq, s.D}), gk(DType::bf16, {s.S, s.Hkv, s.D}),
+          gv(DType::bf16, {s.S, s.Hkv, s.D});
+      upload(o, sentinel_q);
+      upload(lse, sentinel_lse);
+      upload(gq, sentinel_q);
+      upload(gk, sentinel_kv);
+      upload(gv, sentinel_kv);
+      attn::hopper::forward(hout(o), hstats(lse), hview(in.q), hview(in.k), hview(in.v), s.causal, sc, false,
+                            FwdVariant::overlap, section);
+      // The backward from cuDNN's O and LSE (the same for every order), so its outputs compare bitwise.
+      attn::hopper::backward(hout(gq), hout(gk), hout(gv), hview(in.q), hview(in.k), hview(in.v), hview(d_o),
+                             hstats(clse), hstats(delta), s.causal, sc, /*accumulate=*/false, section);
+      LT_CUDA_CHECK(cudaStreamSynchronize(cuda_stream()));
+      check_output("hopper O vs cuDNN, " + at, DType::bf16, download(o), download(co), s.Hq, s.D);
+      check_output("hopper LSE vs cuDNN, " + at, DType::f32, download(lse), download(clse), s.Hq, 1);
+      check_output("hopper dQ vs cuDNN, " + at, DType::bf16, download(gq), download(cq), s.Hq, s.D);
+      check_output("hopper dK vs cuDNN, " + at, DType::bf16, download(gk), download(ck), s.Hkv, s.D);
+      check_output("hopper dV vs cuDNN, " + at, DType::bf16, download(gv), download(cv), s.Hkv, s.D);
+      if (o_first.empty()) {
+        o_first = download_bytes(o);
+        lse_first = download_bytes(lse);
+        dk_first = download_bytes(gk);
+        dv_first = download_bytes(gv);
+        dq_first = download(gq);
+        continue;
+      }
+      EXPECT_TRUE(download_bytes(o) == o_first) << "hopper O differs from one section's, " << at;
+      EXPECT_TRUE(download_bytes(lse) == lse_first) << "hopper LSE differs from one section's, " << at;
+      EXPECT_TRUE(download_bytes(gk) == dk_first) << "hopper dK differs from one section's, " << at;
+      EXPECT_TRUE(download_bytes(gv) == dv_first) << "hopper dV differs from one section's, " << at;
+      expect_close("hopper dQ vs one section's, " + at, DType::bf16, download(gq), dq_first);
+    }
+  }
+}
+
 }  // namespace
 }  // namespace longtrain::test
 #endif  // LONGTRAIN_HAS_CUDA
