@@ -73,8 +73,8 @@ FwdVariant parse_fwd_variant(const std::string& name, const char* source);
 // (forward) and the same few Q/dO tiles and dQ reductions (backward). On the H100 at head dim 128
 // (32/8 heads) that cut the DRAM traffic at 64K tokens 8.6x in the forward and 3x in the backward
 // (ncu), and with it the power that holds the GPU at its cap: the forward ran 10% faster at 64K
-// (level at 16K and 32K), the backward 12-16% faster at 16K, 32K and 64K; at head dim 64 (32/4) the
-// backward ran 0-2% faster, the forward level (sections of 1, 2, 4 and 8 kv heads, two rounds;
+// (level at 16K and 32K), the backward 9-14% faster at 16K, 32K and 64K; at head dim 64 (32/4) the
+// backward ran 2-3% faster, the forward level (sections of 1, 2, 4 and 8 kv heads, two calls;
 // bench/results/attention-hopper-launch-order-h100-2026-12-06.json).
 // The section size a call runs with when it passes 0 (as the model's calls do): the environment
 // variable LONGTRAIN_HOPPER_FWD_SECTION / LONGTRAIN_HOPPER_BWD_SECTION when set (a positive integer,
