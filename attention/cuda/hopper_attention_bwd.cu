@@ -22,7 +22,10 @@
 // the running CTAs on ~132 different tiles, a working set past the L2: on the H200 descending cut the
 // DRAM traffic 2.5x (ncu, D 64 64K: 108 -> 43 GB) and the kernel's time by 12% / 13% at 8K (D 64 /
 // 128), 6% / 15% at 16K and 1.5-4% / 0.4-2.4% at 64K in two calls
-// (bench/results/attention-hopper-bwd-order-h200-2026-12-03.json).
+// (bench/results/attention-hopper-bwd-order-h200-2026-12-03.json). Under one kv head per launch
+// section (hopper_attention.h, "The launch order") the diagonal-up order was tried again: 4-24% slower
+// at both head dims and 16K-64K, 4.3x the DRAM reads at head dim 128 64K
+// (bench/results/attention-hopper-launch-order-h100-2026-12-06.json).
 // (Pairing two key tiles' CTAs in a cluster to add their dQ tiles in distributed shared memory before
 // one reduction measured 1.18-1.35x slower: see git history.)
 // The reductions are TMA bulk reductions (cp.reduce.async.bulk .add.f32), one 16 KB per warpgroup
