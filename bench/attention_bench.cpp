@@ -301,6 +301,7 @@ int main(int argc, char** argv) try {
         row[run.key] = {{"variant", vname},
                         {"fwd_kv_heads_per_section", attn::hopper::fwd_kv_heads_per_section(hkv)},
                         {"bwd_kv_heads_per_section", attn::hopper::bwd_kv_heads_per_section(hkv)},
+                        {"bwd_paired_key_tiles", attn::hopper::bwd_paired_key_tiles()},
                         {"fwd_ms", round3(ms_hopper[r])},
                         {"fwd_tflops", round1(fwd_flops / ms_hopper[r] / 1e9)},
                         {"fwdbwd_ms", round3(ms_hopper_fb[r])},

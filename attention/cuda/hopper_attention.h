@@ -127,6 +127,15 @@ void backward(const OutView& dq, const OutView& dk, const OutView& dv, const Vie
               const View& d_o, const StatsView& lse, const StatsView& delta, bool causal, float scale,
               bool accumulate, int kv_heads_per_section = 0);
 
+// Paired key tiles, an experiment off by default (LONGTRAIN_HOPPER_BWD_PAIRS=1, read at each call;
+// anything but 0 or 1 throws): each causal backward CTA runs key tile j (its query tiles from the last
+// down) and then key tile K - 1 - j (from its diagonal up), so every CTA does the same work; CTAs that
+// start together then stay on two query tiles at a time (pass 0's all at the same tile, going down,
+// pass 1's all at one tile, going up), where one key tile per CTA lets CTAs of unequal lengths drift
+// apart (the likely source of the backward's remaining DRAM traffic: 47 GB at head dim 128 64K against
+// cuDNN's 5.7). Written after the launch-order measurements; not yet run on a GPU.
+bool bwd_paired_key_tiles();
+
 // The bytes of the f32 dQ accumulator backward() takes from scratch: Tq rounded up to the query tile
 // (128 rows at head dim 64, 64 at 128), times Hq · head_dim floats
 // (model/memory_plan.cpp counts the same).

@@ -10,8 +10,10 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -1174,6 +1176,115 @@ TEST(HopperAttentionLaunchOrder, EverySectionSizeGivesTheSameResults) {
       expect_close("hopper dQ vs one section's, " + at, DType::bf16, download(gq), dq_first);
     }
   }
+}
+
+// The launch order's and the paired backward's switches (host code: runs without a GPU): unset means
+// the default, a valid value is taken (a section size clamped to the kv heads), anything else throws
+// naming the variable.
+TEST(HopperAttentionSwitches, EnvironmentValuesAreCheckedAndNamed) {
+  auto with_env = [](const char* name, const char* value, auto&& body) {
+    if (value) {
+      setenv(name, value, 1);
+    } else {
+      unsetenv(name);
+    }
+    body();
+    unsetenv(name);
+  };
+  with_env("LONGTRAIN_HOPPER_FWD_SECTION", nullptr, [] { EXPECT_EQ(attn::hopper::fwd_kv_heads_per_section(8), 1); });
+  with_env("LONGTRAIN_HOPPER_BWD_SECTION", nullptr, [] { EXPECT_EQ(attn::hopper::bwd_kv_heads_per_section(8), 1); });
+  with_env("LONGTRAIN_HOPPER_FWD_SECTION", "3", [] { EXPECT_EQ(attn::hopper::fwd_kv_heads_per_section(8), 3); });
+  with_env("LONGTRAIN_HOPPER_BWD_SECTION", "16", [] { EXPECT_EQ(attn::hopper::bwd_kv_heads_per_section(8), 8); });
+  for (const char* bad : {"0", "-2", "two", "3x"}) {
+    with_env("LONGTRAIN_HOPPER_BWD_SECTION", bad, [&] {
+      try {
+        attn::hopper::bwd_kv_heads_per_section(8);
+        ADD_FAILURE() << "LONGTRAIN_HOPPER_BWD_SECTION=" << bad << " was accepted";
+      } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("LONGTRAIN_HOPPER_BWD_SECTION"), std::string::npos) << e.what();
+      }
+    });
+  }
+  with_env("LONGTRAIN_HOPPER_BWD_PAIRS", nullptr, [] { EXPECT_FALSE(attn::hopper::bwd_paired_key_tiles()); });
+  with_env("LONGTRAIN_HOPPER_BWD_PAIRS", "0", [] { EXPECT_FALSE(attn::hopper::bwd_paired_key_tiles()); });
+  with_env("LONGTRAIN_HOPPER_BWD_PAIRS", "1", [] { EXPECT_TRUE(attn::hopper::bwd_paired_key_tiles()); });
+  with_env("LONGTRAIN_HOPPER_BWD_PAIRS", "yes", [] {
+    try {
+      attn::hopper::bwd_paired_key_tiles();
+      ADD_FAILURE() << "LONGTRAIN_HOPPER_BWD_PAIRS=yes was accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("LONGTRAIN_HOPPER_BWD_PAIRS"), std::string::npos) << e.what();
+    }
+  });
+}
+
+// Paired key tiles (LONGTRAIN_HOPPER_BWD_PAIRS=1, hopper_attention.h): each causal backward CTA runs
+// key tile j, then key tile K - 1 - j from its diagonal up, reloading K and V in between. Against
+// cuDNN's backward and against one key tile per CTA, at even and odd key tile counts (the middle tile
+// of an odd count runs alone), one key tile, both head dims, GQA and MQA; dQ/dK/dV overwritten, then
+// accumulated into.
+TEST(HopperAttentionBackwardPairs, PairedKeyTilesMatchOneTilePerCta) {
+  LT_REQUIRE_HOPPER();
+  struct Shape {
+    int64_t S, Hq, Hkv, D;
+  };
+  struct PairsOn {
+    PairsOn() { setenv("LONGTRAIN_HOPPER_BWD_PAIRS", "1", 1); }
+    ~PairsOn() { unsetenv("LONGTRAIN_HOPPER_BWD_PAIRS"); }
+  };
+  for (const Shape& s : {Shape{3000, 32, 8, 128}, Shape{2500, 24, 8, 64}, Shape{1100, 4, 2, 64}, Shape{1100, 2, 1, 128},
+                         Shape{200, 4, 1, 128}, Shape{100, 2, 2, 64}}) {
+    const std::string tag = fmt::format(" [S={} {}/{} D={} causal]", s.S, s.Hq, s.Hkv, s.D);
+    SCOPED_TRACE(tag);
+    const float sc = static_cast<float>(1.0 / std::sqrt(static_cast<double>(s.D)));
+    const auto q = random_values(s.S * s.Hq * s.D, 1901, DType::bf16);
+    const auto k = random_values(s.S * s.Hkv * s.D, 1902, DType::bf16);
+    const auto v = random_values(s.S * s.Hkv * s.D, 1903, DType::bf16);
+    QkvOnDevice in(q, k, v, s.S, s.S, s.Hq, s.Hkv, s.D, true);
+    DeviceTensor d_o(DType::bf16, {s.S, s.Hq, s.D});
+    upload(d_o, random_values(s.S * s.Hq * s.D, 1904, DType::bf16));
+    DeviceTensor o(DType::bf16, {s.S, s.Hq, s.D}), lse(DType::f32, {s.S, s.Hq}), delta(DType::f32, {s.S, s.Hq});
+    attn::cudnn_sdpa::forward(hview(o), hstats(lse), hview(in.q), hview(in.k), hview(in.v), true, sc);
+    attn::attention_delta(delta, o, d_o);
+    DeviceTensor cq(DType::bf16, {s.S, s.Hq, s.D}), ck(DType::bf16, {s.S, s.Hkv, s.D}),
+        cv(DType::bf16, {s.S, s.Hkv, s.D});
+    attn::cudnn_sdpa::backward(hview(cq), hview(ck), hview(cv), hview(in.q), hview(in.k), hview(in.v), hview(o),
+                               hview(d_o), hstats(lse), true, sc);
+    // One key tile per CTA (the default), then paired, each into f32 gradients that start as a sentinel:
+    // overwritten once, then accumulated into (so each holds 2x the gradient).
+    const std::vector<double> sentinel_q(static_cast<size_t>(s.S * s.Hq * s.D), kSentinel);
+    const std::vector<double> sentinel_kv(static_cast<size_t>(s.S * s.Hkv * s.D), kSentinel);
+    std::vector<double> single[3];
+    for (const bool pairs : {false, true}) {
+      const std::string at = std::string(pairs ? "paired" : "one key tile per CTA") + tag;
+      std::optional<PairsOn> on;
+      if (pairs) on.emplace();
+      ASSERT_EQ(attn::hopper::bwd_paired_key_tiles(), pairs);
+      DeviceTensor gq(DType::f32, {s.S, s.Hq, s.D}), gk(DType::f32, {s.S, s.Hkv, s.D}), gv(DType::f32, {s.S, s.Hkv, s.D});
+      upload(gq, sentinel_q);
+      upload(gk, sentinel_kv);
+      upload(gv, sentinel_kv);
+      for (const bool accumulate : {false, true})
+        attn::hopper::backward(hout(gq), hout(gk), hout(gv), hview(in.q), hview(in.k), hview(in.v), hview(d_o),
+                               hstats(lse), hstats(delta), true, sc, accumulate);
+      LT_CUDA_CHECK(cudaStreamSynchronize(cuda_stream()));
+      std::vector<double> got[3] = {download(gq), download(gk), download(gv)};
+      for (std::vector<double>& g : got)
+        for (double& x : g) x /= 2.0;
+      check_output("hopper dQ (twice, halved) vs cuDNN, " + at, DType::bf16, got[0], download(cq), s.Hq, s.D);
+      check_output("hopper dK (twice, halved) vs cuDNN, " + at, DType::bf16, got[1], download(ck), s.Hkv, s.D);
+      check_output("hopper dV (twice, halved) vs cuDNN, " + at, DType::bf16, got[2], download(cv), s.Hkv, s.D);
+      if (!pairs) {
+        for (int i = 0; i < 3; ++i) single[i] = std::move(got[i]);
+        continue;
+      }
+      // f32 sums of the same terms in another order (pass 1 climbs): close to one tile per CTA's.
+      expect_close("paired dQ vs one key tile per CTA" + tag, DType::f32, got[0], single[0]);
+      expect_close("paired dK vs one key tile per CTA" + tag, DType::f32, got[1], single[1]);
+      expect_close("paired dV vs one key tile per CTA" + tag, DType::f32, got[2], single[2]);
+    }
+  }
+  EXPECT_FALSE(attn::hopper::bwd_paired_key_tiles());
 }
 
 }  // namespace
