@@ -5,9 +5,13 @@
 # call on our kernels (LONGTRAIN_ATTENTION_KERNEL=hopper), then attention_bench beside
 # bench/anchors/attn_anchor.py (torch's cuDNN SDPA) at head dim 64 (32/4 heads) and 128 (32/8).
 # Run with .device carried (devroot, run/bin.tar.xz, commit, anchors/); everything comes back in
-# $OUT/all.tar.gz. STAGES picks what runs (default "tests bench"); KERNELS, LENGTHS and SHAPES override
+# $OUT/all.tar.gz. STAGES picks what runs (default "tests bench"; also "dram" and "ab", below); KERNELS, LENGTHS and SHAPES override
 # the bench's --kernel list (default: cuDNN and every forward variant), --lengths (16384,65536) and
 # head dims (default "64:4 128:8", head dim:kv heads).
+# Stage "dram" profiles our kernels' DRAM traffic with Nsight Compute (ncu, locked clocks): for each
+# item of AB_ENV (or the defaults when unset), the forward (twice) and the backward per head dim at the
+# first of LENGTHS: bytes read and written, L2 hit rate, duration (what the launch order was measured
+# by: bench/results/attention-hopper-launch-order-h100-2026-12-06.json).
 # Stage "ab" compares settings of an environment switch in one call (a variant under trial on a
 # branch, say): for each item of AB_ENV (space-separated VAR=value) the backward tests under it, then
 # our backward timed under each item at SHAPES and LENGTHS, e.g.
@@ -45,6 +49,22 @@ for stage in $STAGES; do
           --reps 5 --commit $COMMIT $( [ -f $anchor ] && echo --anchor $anchor ) --out $W/attention_d$D.json \
           > $W/attention_d$D.log 2>&1
         stamp "attention_bench d$D rc $?"; grep -vE "^\s*$" $W/attention_d$D.log | tail -16
+      done
+      ;;
+    dram)
+      NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null)
+      [ -n "$NCU" ] || { stamp "dram: no ncu on this machine"; continue; }
+      for shape in ${SHAPES:-64:4 128:8}; do
+        D=${shape%%:*}; KV=${shape#*:}; L=${LENGTHS:-65536}; L=${L%%,*}
+        for setting in ${AB_ENV:-LONGTRAIN_HOPPER_DEFAULTS=1}; do
+          tag=${setting//[^A-Za-z0-9_.-]/_}
+          env "$setting" timeout 150 $NCU --metrics dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct,gpu__time_duration.sum \
+            -k regex:'fwd_overlap|bwd_kernel' -c 3 --csv --page details \
+            $B/bench/attention_bench --kernel hopper-overlap --lengths $L --head-dim $D --kv-heads $KV --reps 1 --warmup 0 \
+            > "$W/dram_d${D}_$tag.csv" 2> "$W/dram_d${D}_$tag.err"
+          stamp "ncu d$D S$L under $setting rc $?"
+          grep -E "dram__bytes|hit_rate|gpu__time" "$W/dram_d${D}_$tag.csv" | awk -F'","' '{print $(NF-3), $(NF-1), $NF}'
+        done
       done
       ;;
     ab)
