@@ -135,7 +135,10 @@
 //   D = 128: 64 + 64 + 32 + 32 = 192. FlashAttention-3 runs the same tile shapes within 240.
 //
 // Synchronisation, every wait explicit:
-// - kv_full (count 1): lane 0's arrive.expect_tx(K + V bytes); TMA completes it. Consumers wait once.
+// - kv_full (count 1): lane 0's arrive.expect_tx(K + V bytes); TMA completes it. Consumers wait once
+//   per pass (phase 0; with paired key tiles phase 1 for pass 1's K and V).
+// - kv_empty (count 256, paired key tiles only): every consumer thread arrives once, after the wgmmas
+//   of pass 0's last step have completed; the producer waits for it before reloading K and V.
 // - q_full[s], do_full[s] (count 32 each): lane 0 first raises the expected bytes (mbarrier.expect_tx,
 //   no arrival) and issues the Q (dO) TMA; then each of the 32 lanes stores its lse (delta) values and
 //   arrives, so a phase completes only when both the TMA bytes and every lane's stores are in.
@@ -1163,7 +1166,8 @@ void backward(const OutView& dq, const OutView& dk, const OutView& dv, const Vie
                                       : bwd_kv_heads_per_section(k.heads);
   p.num_q_tiles = static_cast<int>((q.tokens + M - 1) / M);
   p.kv_tiles = static_cast<int>((k.tokens + kBlockN - 1) / kBlockN);
-  const bool pairs = causal && bwd_paired_key_tiles();
+  const bool pairs_asked = bwd_paired_key_tiles();  // read (and checked) on every call, causal or not
+  const bool pairs = causal && pairs_asked;
   p.scale = scale;
   p.scale_log2 = scale * kLog2e;
 

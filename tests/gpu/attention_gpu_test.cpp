@@ -1182,14 +1182,21 @@ TEST(HopperAttentionLaunchOrder, EverySectionSizeGivesTheSameResults) {
 // the default, a valid value is taken (a section size clamped to the kv heads), anything else throws
 // naming the variable.
 TEST(HopperAttentionSwitches, EnvironmentValuesAreCheckedAndNamed) {
+  // Runs body with `name` set to value (unset for nullptr), then puts back what the run had.
   auto with_env = [](const char* name, const char* value, auto&& body) {
+    const char* had = std::getenv(name);
+    const std::optional<std::string> before = had ? std::optional<std::string>(had) : std::nullopt;
     if (value) {
       setenv(name, value, 1);
     } else {
       unsetenv(name);
     }
     body();
-    unsetenv(name);
+    if (before) {
+      setenv(name, before->c_str(), 1);
+    } else {
+      unsetenv(name);
+    }
   };
   with_env("LONGTRAIN_HOPPER_FWD_SECTION", nullptr, [] { EXPECT_EQ(attn::hopper::fwd_kv_heads_per_section(8), 1); });
   with_env("LONGTRAIN_HOPPER_BWD_SECTION", nullptr, [] { EXPECT_EQ(attn::hopper::bwd_kv_heads_per_section(8), 1); });
@@ -1228,9 +1235,21 @@ TEST(HopperAttentionBackwardPairs, PairedKeyTilesMatchOneTilePerCta) {
   struct Shape {
     int64_t S, Hq, Hkv, D;
   };
-  struct PairsOn {
-    PairsOn() { setenv("LONGTRAIN_HOPPER_BWD_PAIRS", "1", 1); }
-    ~PairsOn() { unsetenv("LONGTRAIN_HOPPER_BWD_PAIRS"); }
+  // Sets LONGTRAIN_HOPPER_BWD_PAIRS for its lifetime and puts back what the run had (the test may run
+  // under either setting).
+  struct PairsSetTo {
+    std::optional<std::string> before;
+    explicit PairsSetTo(const char* value) {
+      if (const char* b = std::getenv("LONGTRAIN_HOPPER_BWD_PAIRS")) before = b;
+      setenv("LONGTRAIN_HOPPER_BWD_PAIRS", value, 1);
+    }
+    ~PairsSetTo() {
+      if (before) {
+        setenv("LONGTRAIN_HOPPER_BWD_PAIRS", before->c_str(), 1);
+      } else {
+        unsetenv("LONGTRAIN_HOPPER_BWD_PAIRS");
+      }
+    }
   };
   for (const Shape& s : {Shape{3000, 32, 8, 128}, Shape{2500, 24, 8, 64}, Shape{1100, 4, 2, 64}, Shape{1100, 2, 1, 128},
                          Shape{200, 4, 1, 128}, Shape{100, 2, 2, 64}}) {
@@ -1255,10 +1274,17 @@ TEST(HopperAttentionBackwardPairs, PairedKeyTilesMatchOneTilePerCta) {
     const std::vector<double> sentinel_q(static_cast<size_t>(s.S * s.Hq * s.D), kSentinel);
     const std::vector<double> sentinel_kv(static_cast<size_t>(s.S * s.Hkv * s.D), kSentinel);
     std::vector<double> single[3];
-    for (const bool pairs : {false, true}) {
-      const std::string at = std::string(pairs ? "paired" : "one key tile per CTA") + tag;
-      std::optional<PairsOn> on;
-      if (pairs) on.emplace();
+    // One key tile per CTA; paired under the default launch order (one kv head per section); paired
+    // in sections of 3 kv heads (a smaller last section where the kv heads are not a multiple of 3).
+    struct Run {
+      bool pairs;
+      int section;
+    };
+    for (const Run run : {Run{false, 0}, Run{true, 0}, Run{true, 3}}) {
+      const bool pairs = run.pairs;
+      const std::string at =
+          (pairs ? fmt::format("paired, section {}", run.section) : std::string("one key tile per CTA")) + tag;
+      const PairsSetTo setting(pairs ? "1" : "0");
       ASSERT_EQ(attn::hopper::bwd_paired_key_tiles(), pairs);
       DeviceTensor gq(DType::f32, {s.S, s.Hq, s.D}), gk(DType::f32, {s.S, s.Hkv, s.D}), gv(DType::f32, {s.S, s.Hkv, s.D});
       upload(gq, sentinel_q);
@@ -1266,7 +1292,7 @@ TEST(HopperAttentionBackwardPairs, PairedKeyTilesMatchOneTilePerCta) {
       upload(gv, sentinel_kv);
       for (const bool accumulate : {false, true})
         attn::hopper::backward(hout(gq), hout(gk), hout(gv), hview(in.q), hview(in.k), hview(in.v), hview(d_o),
-                               hstats(lse), hstats(delta), true, sc, accumulate);
+                               hstats(lse), hstats(delta), true, sc, accumulate, run.section);
       LT_CUDA_CHECK(cudaStreamSynchronize(cuda_stream()));
       std::vector<double> got[3] = {download(gq), download(gk), download(gv)};
       for (std::vector<double>& g : got)
@@ -1279,12 +1305,11 @@ TEST(HopperAttentionBackwardPairs, PairedKeyTilesMatchOneTilePerCta) {
         continue;
       }
       // f32 sums of the same terms in another order (pass 1 climbs): close to one tile per CTA's.
-      expect_close("paired dQ vs one key tile per CTA" + tag, DType::f32, got[0], single[0]);
-      expect_close("paired dK vs one key tile per CTA" + tag, DType::f32, got[1], single[1]);
-      expect_close("paired dV vs one key tile per CTA" + tag, DType::f32, got[2], single[2]);
+      expect_close(at + ": dQ vs one key tile per CTA", DType::f32, got[0], single[0]);
+      expect_close(at + ": dK vs one key tile per CTA", DType::f32, got[1], single[1]);
+      expect_close(at + ": dV vs one key tile per CTA", DType::f32, got[2], single[2]);
     }
   }
-  EXPECT_FALSE(attn::hopper::bwd_paired_key_tiles());
 }
 
 }  // namespace
