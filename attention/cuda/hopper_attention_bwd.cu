@@ -425,81 +425,16 @@ __device__ __forceinline__ void put_pair(void* dst, bool f32, bool accumulate, f
 // queries. The pairs (2q, 2q+1), read four at a time for the k-th 16 columns, are the bf16 A fragment
 // of the next MMA over those columns (a_r = pair 4k + r), which is how Pᵀ and dSᵀ feed dV and dK.
 
-// The producer warp (its 32 lanes; the smem layout and barriers of Tl, a BwdTiles): lane 0 TMA-loads the K and V tiles once (kv_full), then for every step the (Q, dO) tiles
+// The producer warp (its 32 lanes; the smem layout and barriers of Tl, a BwdTiles): lane 0 TMA-loads
+// the K and V tiles (kv_full; with kPairs again for pass 1, after kv_empty), then for every step the (Q, dO) tiles
 // into stage step % kStages after the consumers released it (empty), raising each full barrier's
 // expected bytes first; every lane copies its rows' lse (times log2 e) and delta and arrives on both
 // full barriers (count 32), so a phase completes when the TMA bytes and all 32 lanes' stores are in.
 // Rows past Tq or with lse = -inf get lse = +inf (P = 0) and delta = 0 (dS = 0; a NaN delta of such a
 // row is never read). It returns after the consumers' last releases, so no load is in flight when
 // the warp leaves.
-template <class Tl>
+template <class Tl, bool kPairs>
 __device__ __forceinline__ void produce(const CUtensorMap* tm_q, const CUtensorMap* tm_k, const CUtensorMap* tm_v,
-                                        const CUtensorMap* tm_do, const BwdParams& p, const int lane,
-                                        const uint32_t smem, float* const lse_rows, float* const delta_rows,
-                                        const int kv_head, const int n0, const int steps) {
-#if LT_HOPPER_DEVICE_CODE
-  constexpr int M = Tl::kBlockM;
-  constexpr int S = Tl::kStages;
-  const uint32_t sK = smem + Tl::kKOffset, sV = smem + Tl::kVOffset;
-  auto sQ = [&](int s) { return smem + Tl::kQOffset + s * Tl::kQBytes; };
-  auto sDo = [&](int s) { return smem + Tl::kDoOffset + s * Tl::kQBytes; };
-  const uint32_t bars = smem + Tl::kBarrierOffset;
-  const uint32_t kv_full = bars;
-  auto q_full = [&](int s) { return bars + 8u * (1 + s); };
-  auto do_full = [&](int s) { return bars + 8u * (1 + S + s); };
-  auto empty = [&](int s) { return bars + 8u * (1 + 2 * S + s); };
-  if (lane == 0) {
-    prefetch_tensor_map(tm_q);
-    prefetch_tensor_map(tm_k);
-    prefetch_tensor_map(tm_v);
-    prefetch_tensor_map(tm_do);
-    mbar_arrive_expect_tx(kv_full, 2 * Tl::kKVBytes);
-#pragma unroll
-    for (int c = 0; c < Tl::kColBlocks; ++c) {
-      tma_load_3d(sK + c * Tl::kKVColBlockBytes, tm_k, kv_full, c * kSwizzleElems, kv_head, n0);
-      tma_load_3d(sV + c * Tl::kKVColBlockBytes, tm_v, kv_full, c * kSwizzleElems, kv_head, n0);
-    }
-  }
-  StepCursor<false> cursor(p, kv_head);
-  for (int step = 0; step < steps; ++step, cursor.next()) {
-    const int s = step % S;
-    const int m = cursor.m, head = cursor.head;
-    const int m0 = m * M;
-    // Load `step` into stage s waits for the release of load step - S from it: phase (step - S) / S of
-    // empty[s], parity ((step / S) & 1) ^ 1; a fresh barrier's "previous phase" counts as complete, so
-    // the first pass does not block. Every lane waits: each overwrites its own lse/delta slots.
-    mbar_wait_no_trap(empty(s), ((step / S) & 1) ^ 1);
-    if (lane == 0) {
-      mbar_expect_tx(q_full(s), Tl::kQBytes);
-#pragma unroll
-      for (int c = 0; c < Tl::kColBlocks; ++c)
-        tma_load_3d(sQ(s) + c * Tl::kQColBlockBytes, tm_q, q_full(s), c * kSwizzleElems, head, m0);
-      mbar_expect_tx(do_full(s), Tl::kQBytes);
-#pragma unroll
-      for (int c = 0; c < Tl::kColBlocks; ++c)
-        tma_load_3d(sDo(s) + c * Tl::kQColBlockBytes, tm_do, do_full(s), c * kSwizzleElems, head, m0);
-    }
-#pragma unroll
-    for (int r = lane; r < M; r += 32) {
-      const int64_t row = m0 + r;
-      const float l = row < p.tq ? p.lse[row * p.lse_ts + head * p.lse_hs] : -INFINITY;
-      const bool live = l != -INFINITY;  // past Tq, or a row that saw no key: P = 0, dS = 0
-      lse_rows[s * M + r] = live ? l * kLog2e : INFINITY;
-      delta_rows[s * M + r] = live ? p.delta[row * p.delta_ts + head * p.delta_hs] : 0.0f;
-    }
-    mbar_arrive(q_full(s));  // release: this lane's lse/delta stores are visible to the waiters
-    mbar_arrive(do_full(s));
-  }
-  // Stay until the consumers have released every stage (load step completed phase step / S of its
-  // stage's empty barrier), so no load is in flight when warp 0 leaves.
-  if (lane == 0)
-    for (int step = max(0, steps - S); step < steps; ++step) mbar_wait_no_trap(empty(step % S), (step / S) & 1);
-#endif  // LT_HOPPER_DEVICE_CODE
-}
-
-// produce() for paired key tiles (kPairs): the same loads, pass 1's K and V after pass 0's steps.
-template <class Tl>
-__device__ __forceinline__ void produce_pairs(const CUtensorMap* tm_q, const CUtensorMap* tm_k, const CUtensorMap* tm_v,
                                         const CUtensorMap* tm_do, const BwdParams& p, const int lane,
                                         const uint32_t smem, float* const lse_rows, float* const delta_rows,
                                         const int kv_head, const int n_tile, const int steps0, const int steps) {
@@ -530,23 +465,31 @@ __device__ __forceinline__ void produce_pairs(const CUtensorMap* tm_q, const CUt
     prefetch_tensor_map(tm_do);
     load_kv(n_tile * kBlockN);
   }
-  // The producer takes each step's query tile and head from the step index (StepCursor's order: pass 0
-  // descending, pass 1 ascending to the last query tile) instead of carrying a cursor and KeyPasses:
-  // with the second pass their state made its 24 registers spill.
-  const int tiles0 = steps0 / p.group;                        // query tiles of pass 0
+  // One pass: each step's query tile and head from a StepCursor. Paired key tiles: from the step index
+  // (StepCursor<true>'s order: pass 0 descending, pass 1 ascending to the last query tile), because
+  // a cursor's state beside the reload made the producer's 24 registers spill.
+  StepCursor<false> cursor(p, kv_head);
+  const int tiles0 = steps0 / p.group;                                     // query tiles of pass 0
   const int m_base1 = p.num_q_tiles - (steps - steps0) / p.group - tiles0;  // pass 1: m = m_base1 + i
   for (int step = 0; step < steps; ++step) {
     const int s = step % S;
-    // Pass 1's K and V (key tile kv_tiles - 1 - n_tile, KeyPasses) replace pass 0's once every consumer
-    // thread has finished reading them (phase 0 of kv_empty); they complete phase 1 of kv_full. Every
-    // load of pass 0 was issued before this wait, so the consumers can reach it.
-    if (step == steps0 && lane == 0) {
-      mbar_wait_no_trap(kv_empty, 0);
-      load_kv((p.kv_tiles - 1 - n_tile) * kBlockN);
+    int m, head;
+    if constexpr (kPairs) {
+      // Pass 1's K and V (key tile kv_tiles - 1 - n_tile, KeyPasses) replace pass 0's once every
+      // consumer thread has finished reading them (phase 0 of kv_empty); they complete phase 1 of
+      // kv_full. Every load of pass 0 was issued before this wait, so the consumers can reach it.
+      if (step == steps0 && lane == 0) {
+        mbar_wait_no_trap(kv_empty, 0);
+        load_kv((p.kv_tiles - 1 - n_tile) * kBlockN);
+      }
+      const int i = step / p.group;
+      head = kv_head * p.group + (step - i * p.group);
+      m = i < tiles0 ? p.num_q_tiles - 1 - i : m_base1 + i;
+    } else {
+      m = cursor.m;
+      head = cursor.head;
+      cursor.next();
     }
-    const int i = step / p.group;
-    const int head = kv_head * p.group + (step - i * p.group);
-    const int m = i < tiles0 ? p.num_q_tiles - 1 - i : m_base1 + i;
     const int m0 = m * M;
     // Load `step` into stage s waits for the release of load step - S from it: phase (step - S) / S of
     // empty[s], parity ((step / S) & 1) ^ 1; a fresh barrier's "previous phase" counts as complete, so
@@ -674,13 +617,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (threadIdx.x / 32 == 1) return write_dq<Tl, kPairs>(p, threadIdx.x % 32, smem, kv_head, kp);
     }
     if (threadIdx.x >= 32) return;
-    if constexpr (kPairs) {
-      produce_pairs<Tl>(&tm_q, &tm_k, &tm_v, &tm_do, p, threadIdx.x, smem, lse_rows, delta_rows, kv_head, n_tile,
+    produce<Tl, kPairs>(&tm_q, &tm_k, &tm_v, &tm_do, p, threadIdx.x, smem, lse_rows, delta_rows, kv_head, n_tile,
                         kp.steps0, kp.steps);
-    } else {
-      produce<Tl>(&tm_q, &tm_k, &tm_v, &tm_do, p, threadIdx.x, smem, lse_rows, delta_rows, kv_head, n_tile * kBlockN,
-                  steps);
-    }
     return;
   }
 
