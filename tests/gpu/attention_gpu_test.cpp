@@ -1051,6 +1051,37 @@ const auto kHopperBwdCases =
 INSTANTIATE_TEST_SUITE_P(Blocks, HopperAttentionBackward, kHopperBwdCases,
                          [](const ::testing::TestParamInfo<HopperBwdCase>& info) { return std::string(info.param.name); });
 
+// One larger shape's inputs (random bf16 Q, K, V in one fused QKV buffer and dO, from seeds seed ..
+// seed + 3) and cuDNN's forward (O, LSE), delta and backward (bf16 dQ, dK, dV) on them: what the
+// larger-shape tests of our backward compare with.
+struct CudnnBackwardReference {
+  int64_t S, Hq, Hkv, D;
+  bool causal;
+  float sc;
+  std::string tag;  // the shape, for messages
+  QkvOnDevice in;
+  DeviceTensor d_o, o, lse, delta, dq, dk, dv;
+  CudnnBackwardReference(int64_t S_, int64_t Hq_, int64_t Hkv_, int64_t D_, bool causal_, uint64_t seed)
+      : S(S_), Hq(Hq_), Hkv(Hkv_), D(D_), causal(causal_),
+        sc(static_cast<float>(1.0 / std::sqrt(static_cast<double>(D_)))),
+        tag(fmt::format(" [S={} {}/{} D={} {}]", S_, Hq_, Hkv_, D_, causal_ ? "causal" : "none")),
+        in(random_values(S_ * Hq_ * D_, seed, DType::bf16), random_values(S_ * Hkv_ * D_, seed + 1, DType::bf16),
+           random_values(S_ * Hkv_ * D_, seed + 2, DType::bf16), S_, S_, Hq_, Hkv_, D_, true),
+        d_o(DType::bf16, {S_, Hq_, D_}),
+        o(DType::bf16, {S_, Hq_, D_}),
+        lse(DType::f32, {S_, Hq_}),
+        delta(DType::f32, {S_, Hq_}),
+        dq(DType::bf16, {S_, Hq_, D_}),
+        dk(DType::bf16, {S_, Hkv_, D_}),
+        dv(DType::bf16, {S_, Hkv_, D_}) {
+    upload(d_o, random_values(S * Hq * D, seed + 3, DType::bf16));
+    attn::cudnn_sdpa::forward(hview(o), hstats(lse), hview(in.q), hview(in.k), hview(in.v), causal, sc);
+    attn::attention_delta(delta, o, d_o);
+    attn::cudnn_sdpa::backward(hview(dq), hview(dk), hview(dv), hview(in.q), hview(in.k), hview(in.v), hview(o),
+                               hview(d_o), hstats(lse), causal, sc);
+  }
+};
+
 // Our backward against cuDNN's on larger shapes (many tiles) from one fused QKV buffer, both from the
 // same O and LSE (cuDNN's forward): bf16 dq/dk/dv overwritten. dK and dV are summed in
 // a fixed order (bitwise the same on a second run); dQ is summed over the key tiles with f32 atomics,
@@ -1061,26 +1092,11 @@ TEST(HopperAttentionBackwardVsCudnn, MatchesOnLargerShapes) {
     int64_t S, Hq, Hkv, D;
     bool causal;
   };
-  for (const Shape& s : {Shape{4096, 32, 4, 64, true}, Shape{2048, 32, 8, 128, false}, Shape{3000, 16, 2, 128, true},
-                         Shape{1500, 8, 1, 64, false}}) {
-    const std::string tag = fmt::format(" [S={} {}/{} D={} {}]", s.S, s.Hq, s.Hkv, s.D, s.causal ? "causal" : "none");
+  for (const Shape& shape : {Shape{4096, 32, 4, 64, true}, Shape{2048, 32, 8, 128, false},
+                             Shape{3000, 16, 2, 128, true}, Shape{1500, 8, 1, 64, false}}) {
+    const CudnnBackwardReference s(shape.S, shape.Hq, shape.Hkv, shape.D, shape.causal, 1701);
+    const std::string& tag = s.tag;
     SCOPED_TRACE(tag);
-    const double scale = 1.0 / std::sqrt(static_cast<double>(s.D));
-    const float sc = static_cast<float>(scale);
-    const auto q = random_values(s.S * s.Hq * s.D, 1701, DType::bf16);
-    const auto k = random_values(s.S * s.Hkv * s.D, 1702, DType::bf16);
-    const auto v = random_values(s.S * s.Hkv * s.D, 1703, DType::bf16);
-    QkvOnDevice in(q, k, v, s.S, s.S, s.Hq, s.Hkv, s.D, true);
-    DeviceTensor o(DType::bf16, {s.S, s.Hq, s.D}), lse(DType::f32, {s.S, s.Hq}), delta(DType::f32, {s.S, s.Hq});
-    DeviceTensor d_o(DType::bf16, {s.S, s.Hq, s.D});
-    upload(d_o, random_values(s.S * s.Hq * s.D, 1704, DType::bf16));
-    attn::cudnn_sdpa::forward(hview(o), hstats(lse), hview(in.q), hview(in.k), hview(in.v), s.causal, sc);
-    attn::attention_delta(delta, o, d_o);
-
-    DeviceTensor cq(DType::bf16, {s.S, s.Hq, s.D}), ck(DType::bf16, {s.S, s.Hkv, s.D}),
-        cv(DType::bf16, {s.S, s.Hkv, s.D});
-    attn::cudnn_sdpa::backward(hview(cq), hview(ck), hview(cv), hview(in.q), hview(in.k), hview(in.v), hview(o),
-                               hview(d_o), hstats(lse), s.causal, sc);
     DeviceTensor hq1(DType::bf16, {s.S, s.Hq, s.D}), hk1(DType::bf16, {s.S, s.Hkv, s.D}),
         hv1(DType::bf16, {s.S, s.Hkv, s.D});
     DeviceTensor hq2(DType::bf16, {s.S, s.Hq, s.D}), hk2(DType::bf16, {s.S, s.Hkv, s.D}),
@@ -1089,13 +1105,13 @@ TEST(HopperAttentionBackwardVsCudnn, MatchesOnLargerShapes) {
       const DeviceTensor& gq = run == 0 ? hq1 : hq2;
       const DeviceTensor& gk = run == 0 ? hk1 : hk2;
       const DeviceTensor& gv = run == 0 ? hv1 : hv2;
-      attn::hopper::backward(hout(gq), hout(gk), hout(gv), hview(in.q), hview(in.k), hview(in.v), hview(d_o),
-                             hstats(lse), hstats(delta), s.causal, sc, /*accumulate=*/false);
+      attn::hopper::backward(hout(gq), hout(gk), hout(gv), hview(s.in.q), hview(s.in.k), hview(s.in.v), hview(s.d_o),
+                             hstats(s.lse), hstats(s.delta), s.causal, s.sc, /*accumulate=*/false);
     }
     LT_CUDA_CHECK(cudaStreamSynchronize(cuda_stream()));
-    check_output("hopper dQ vs cuDNN" + tag, DType::bf16, download(hq1), download(cq), s.Hq, s.D);
-    check_output("hopper dK vs cuDNN" + tag, DType::bf16, download(hk1), download(ck), s.Hkv, s.D);
-    check_output("hopper dV vs cuDNN" + tag, DType::bf16, download(hv1), download(cv), s.Hkv, s.D);
+    check_output("hopper dQ vs cuDNN" + tag, DType::bf16, download(hq1), download(s.dq), s.Hq, s.D);
+    check_output("hopper dK vs cuDNN" + tag, DType::bf16, download(hk1), download(s.dk), s.Hkv, s.D);
+    check_output("hopper dV vs cuDNN" + tag, DType::bf16, download(hv1), download(s.dv), s.Hkv, s.D);
     EXPECT_TRUE(download_bytes(hk1) == download_bytes(hk2)) << "hopper dK differs between two runs" << tag;
     EXPECT_TRUE(download_bytes(hv1) == download_bytes(hv2)) << "hopper dV differs between two runs" << tag;
     expect_close("hopper dQ, run 2 vs run 1" + tag, DType::bf16, download(hq2), download(hq1));
@@ -1114,29 +1130,15 @@ TEST(HopperAttentionLaunchOrder, EverySectionSizeGivesTheSameResults) {
     int64_t S, Hq, Hkv, D;
     bool causal;
   };
-  for (const Shape& s : {Shape{3000, 32, 8, 128, true}, Shape{2500, 24, 8, 64, true}, Shape{1000, 20, 5, 64, false},
-                         Shape{700, 12, 3, 128, false}}) {
-    const std::string tag = fmt::format(" [S={} {}/{} D={} {}]", s.S, s.Hq, s.Hkv, s.D, s.causal ? "causal" : "none");
+  for (const Shape& shape : {Shape{3000, 32, 8, 128, true}, Shape{2500, 24, 8, 64, true},
+                             Shape{1000, 20, 5, 64, false}, Shape{700, 12, 3, 128, false}}) {
+    // cuDNN's forward and backward: the reference for every order.
+    const CudnnBackwardReference s(shape.S, shape.Hq, shape.Hkv, shape.D, shape.causal, 1801);
+    const std::string& tag = s.tag;
     SCOPED_TRACE(tag);
-    const float sc = static_cast<float>(1.0 / std::sqrt(static_cast<double>(s.D)));
-    const auto q = random_values(s.S * s.Hq * s.D, 1801, DType::bf16);
-    const auto k = random_values(s.S * s.Hkv * s.D, 1802, DType::bf16);
-    const auto v = random_values(s.S * s.Hkv * s.D, 1803, DType::bf16);
-    QkvOnDevice in(q, k, v, s.S, s.S, s.Hq, s.Hkv, s.D, true);
-    DeviceTensor d_o(DType::bf16, {s.S, s.Hq, s.D});
-    upload(d_o, random_values(s.S * s.Hq * s.D, 1804, DType::bf16));
     const std::vector<double> sentinel_q(static_cast<size_t>(s.S * s.Hq * s.D), kSentinel);
     const std::vector<double> sentinel_kv(static_cast<size_t>(s.S * s.Hkv * s.D), kSentinel);
     const std::vector<double> sentinel_lse(static_cast<size_t>(s.S * s.Hq), kSentinel);
-
-    // cuDNN's forward and backward: the reference for every order.
-    DeviceTensor co(DType::bf16, {s.S, s.Hq, s.D}), clse(DType::f32, {s.S, s.Hq}), delta(DType::f32, {s.S, s.Hq});
-    attn::cudnn_sdpa::forward(hview(co), hstats(clse), hview(in.q), hview(in.k), hview(in.v), s.causal, sc);
-    attn::attention_delta(delta, co, d_o);
-    DeviceTensor cq(DType::bf16, {s.S, s.Hq, s.D}), ck(DType::bf16, {s.S, s.Hkv, s.D}),
-        cv(DType::bf16, {s.S, s.Hkv, s.D});
-    attn::cudnn_sdpa::backward(hview(cq), hview(ck), hview(cv), hview(in.q), hview(in.k), hview(in.v), hview(co),
-                               hview(d_o), hstats(clse), s.causal, sc);
 
     std::vector<uint8_t> o_first, lse_first, dk_first, dv_first;
     std::vector<double> dq_first;
@@ -1150,17 +1152,17 @@ TEST(HopperAttentionLaunchOrder, EverySectionSizeGivesTheSameResults) {
       upload(gq, sentinel_q);
       upload(gk, sentinel_kv);
       upload(gv, sentinel_kv);
-      attn::hopper::forward(hout(o), hstats(lse), hview(in.q), hview(in.k), hview(in.v), s.causal, sc, false,
+      attn::hopper::forward(hout(o), hstats(lse), hview(s.in.q), hview(s.in.k), hview(s.in.v), s.causal, s.sc, false,
                             FwdVariant::overlap, section);
       // The backward from cuDNN's O and LSE (the same for every order), so its outputs compare bitwise.
-      attn::hopper::backward(hout(gq), hout(gk), hout(gv), hview(in.q), hview(in.k), hview(in.v), hview(d_o),
-                             hstats(clse), hstats(delta), s.causal, sc, /*accumulate=*/false, section);
+      attn::hopper::backward(hout(gq), hout(gk), hout(gv), hview(s.in.q), hview(s.in.k), hview(s.in.v), hview(s.d_o),
+                             hstats(s.lse), hstats(s.delta), s.causal, s.sc, /*accumulate=*/false, section);
       LT_CUDA_CHECK(cudaStreamSynchronize(cuda_stream()));
-      check_output("hopper O vs cuDNN, " + at, DType::bf16, download(o), download(co), s.Hq, s.D);
-      check_output("hopper LSE vs cuDNN, " + at, DType::f32, download(lse), download(clse), s.Hq, 1);
-      check_output("hopper dQ vs cuDNN, " + at, DType::bf16, download(gq), download(cq), s.Hq, s.D);
-      check_output("hopper dK vs cuDNN, " + at, DType::bf16, download(gk), download(ck), s.Hkv, s.D);
-      check_output("hopper dV vs cuDNN, " + at, DType::bf16, download(gv), download(cv), s.Hkv, s.D);
+      check_output("hopper O vs cuDNN, " + at, DType::bf16, download(o), download(s.o), s.Hq, s.D);
+      check_output("hopper LSE vs cuDNN, " + at, DType::f32, download(lse), download(s.lse), s.Hq, 1);
+      check_output("hopper dQ vs cuDNN, " + at, DType::bf16, download(gq), download(s.dq), s.Hq, s.D);
+      check_output("hopper dK vs cuDNN, " + at, DType::bf16, download(gk), download(s.dk), s.Hkv, s.D);
+      check_output("hopper dV vs cuDNN, " + at, DType::bf16, download(gv), download(s.dv), s.Hkv, s.D);
       if (o_first.empty()) {
         o_first = download_bytes(o);
         lse_first = download_bytes(lse);
@@ -1251,24 +1253,11 @@ TEST(HopperAttentionBackwardPairs, PairedKeyTilesMatchOneTilePerCta) {
       }
     }
   };
-  for (const Shape& s : {Shape{3000, 32, 8, 128}, Shape{2500, 24, 8, 64}, Shape{1100, 4, 2, 64}, Shape{1100, 2, 1, 128},
-                         Shape{200, 4, 1, 128}, Shape{100, 2, 2, 64}}) {
-    const std::string tag = fmt::format(" [S={} {}/{} D={} causal]", s.S, s.Hq, s.Hkv, s.D);
+  for (const Shape& shape : {Shape{3000, 32, 8, 128}, Shape{2500, 24, 8, 64}, Shape{1100, 4, 2, 64},
+                             Shape{1100, 2, 1, 128}, Shape{200, 4, 1, 128}, Shape{100, 2, 2, 64}}) {
+    const CudnnBackwardReference s(shape.S, shape.Hq, shape.Hkv, shape.D, /*causal=*/true, 1901);
+    const std::string& tag = s.tag;
     SCOPED_TRACE(tag);
-    const float sc = static_cast<float>(1.0 / std::sqrt(static_cast<double>(s.D)));
-    const auto q = random_values(s.S * s.Hq * s.D, 1901, DType::bf16);
-    const auto k = random_values(s.S * s.Hkv * s.D, 1902, DType::bf16);
-    const auto v = random_values(s.S * s.Hkv * s.D, 1903, DType::bf16);
-    QkvOnDevice in(q, k, v, s.S, s.S, s.Hq, s.Hkv, s.D, true);
-    DeviceTensor d_o(DType::bf16, {s.S, s.Hq, s.D});
-    upload(d_o, random_values(s.S * s.Hq * s.D, 1904, DType::bf16));
-    DeviceTensor o(DType::bf16, {s.S, s.Hq, s.D}), lse(DType::f32, {s.S, s.Hq}), delta(DType::f32, {s.S, s.Hq});
-    attn::cudnn_sdpa::forward(hview(o), hstats(lse), hview(in.q), hview(in.k), hview(in.v), true, sc);
-    attn::attention_delta(delta, o, d_o);
-    DeviceTensor cq(DType::bf16, {s.S, s.Hq, s.D}), ck(DType::bf16, {s.S, s.Hkv, s.D}),
-        cv(DType::bf16, {s.S, s.Hkv, s.D});
-    attn::cudnn_sdpa::backward(hview(cq), hview(ck), hview(cv), hview(in.q), hview(in.k), hview(in.v), hview(o),
-                               hview(d_o), hstats(lse), true, sc);
     // One key tile per CTA (the default), then paired, each into f32 gradients that start as a sentinel:
     // overwritten once, then accumulated into (so each holds 2x the gradient).
     const std::vector<double> sentinel_q(static_cast<size_t>(s.S * s.Hq * s.D), kSentinel);
@@ -1286,20 +1275,21 @@ TEST(HopperAttentionBackwardPairs, PairedKeyTilesMatchOneTilePerCta) {
           (pairs ? fmt::format("paired, section {}", run.section) : std::string("one key tile per CTA")) + tag;
       const PairsSetTo setting(pairs ? "1" : "0");
       ASSERT_EQ(attn::hopper::bwd_paired_key_tiles(), pairs);
-      DeviceTensor gq(DType::f32, {s.S, s.Hq, s.D}), gk(DType::f32, {s.S, s.Hkv, s.D}), gv(DType::f32, {s.S, s.Hkv, s.D});
+      DeviceTensor gq(DType::f32, {s.S, s.Hq, s.D}), gk(DType::f32, {s.S, s.Hkv, s.D}),
+          gv(DType::f32, {s.S, s.Hkv, s.D});
       upload(gq, sentinel_q);
       upload(gk, sentinel_kv);
       upload(gv, sentinel_kv);
       for (const bool accumulate : {false, true})
-        attn::hopper::backward(hout(gq), hout(gk), hout(gv), hview(in.q), hview(in.k), hview(in.v), hview(d_o),
-                               hstats(lse), hstats(delta), true, sc, accumulate, run.section);
+        attn::hopper::backward(hout(gq), hout(gk), hout(gv), hview(s.in.q), hview(s.in.k), hview(s.in.v), hview(s.d_o),
+                               hstats(s.lse), hstats(s.delta), true, s.sc, accumulate, run.section);
       LT_CUDA_CHECK(cudaStreamSynchronize(cuda_stream()));
       std::vector<double> got[3] = {download(gq), download(gk), download(gv)};
       for (std::vector<double>& g : got)
         for (double& x : g) x /= 2.0;
-      check_output("hopper dQ (twice, halved) vs cuDNN, " + at, DType::bf16, got[0], download(cq), s.Hq, s.D);
-      check_output("hopper dK (twice, halved) vs cuDNN, " + at, DType::bf16, got[1], download(ck), s.Hkv, s.D);
-      check_output("hopper dV (twice, halved) vs cuDNN, " + at, DType::bf16, got[2], download(cv), s.Hkv, s.D);
+      check_output("hopper dQ (twice, halved) vs cuDNN, " + at, DType::bf16, got[0], download(s.dq), s.Hq, s.D);
+      check_output("hopper dK (twice, halved) vs cuDNN, " + at, DType::bf16, got[1], download(s.dk), s.Hkv, s.D);
+      check_output("hopper dV (twice, halved) vs cuDNN, " + at, DType::bf16, got[2], download(s.dv), s.Hkv, s.D);
       if (!pairs) {
         for (int i = 0; i < 3; ++i) single[i] = std::move(got[i]);
         continue;
