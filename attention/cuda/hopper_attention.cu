@@ -207,17 +207,10 @@ __device__ __forceinline__ void store_rows(const float (&o)[D / 2], const float 
 }
 
 // This CTA's work tile (hopper_attention.h, "The launch order"): its query head and its query tile
-// counted from the last (tile_rev 0: the last, the longest causal one). CTA w in launch order (x
-// fastest) takes, within its section of p.section kv heads, the query tiles longest first and the
-// section's query heads fastest.
+// counted from the last (tile_rev 0: the last, the longest causal one). Within its section of p.section
+// kv heads, the query tiles longest first and the section's query heads fastest.
 __device__ __forceinline__ void fwd_work_tile(const Params& p, int& head, int& tile_rev) {
-  const int w = static_cast<int>(blockIdx.y * gridDim.x + blockIdx.x);
-  const int section_ctas = p.section * p.group * p.num_q_tiles;
-  const int sec = w / section_ctas;
-  const int r = w - sec * section_ctas;
-  const int heads = min(p.section, p.kv_heads - sec * p.section) * p.group;  // the last section may be smaller
-  tile_rev = r / heads;
-  head = sec * p.section * p.group + (r - tile_rev * heads);
+  launch_order_tile(p.section, p.kv_heads, p.group, p.num_q_tiles, head, tile_rev);
 }
 
 template <int D, bool kCausal, bool kF32Out, bool kMerge>

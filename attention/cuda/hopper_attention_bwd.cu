@@ -585,13 +585,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   // fastest) takes, within its section of p.section kv heads, the key tiles from 0 up (causal: tile 0
   // meets the most query tiles) and the section's kv heads fastest. Grid (kv heads, key tiles), or
   // with kPairs (kv heads, pairs): n_tile is then the pair's first key tile (KeyPasses).
-  const int w = static_cast<int>(blockIdx.y * gridDim.x + blockIdx.x);
-  const int section_ctas = p.section * static_cast<int>(gridDim.y);
-  const int sec = w / section_ctas;
-  const int r = w - sec * section_ctas;
-  const int section_kv_heads = min(p.section, p.kv_heads - sec * p.section);  // the last may be smaller
-  const int n_tile = r / section_kv_heads;
-  const int kv_head = sec * p.section + (r - n_tile * section_kv_heads);
+  int kv_head, n_tile;
+  launch_order_tile(p.section, p.kv_heads, 1, static_cast<int>(gridDim.y), kv_head, n_tile);
   static_assert(kCausal || !kPairs, "paired key tiles are for causal blocks");
   const KeyPasses kp(p, n_tile, kCausal, kPairs, M);
   const int steps = kp.steps;

@@ -1,6 +1,7 @@
 // PTX wrappers shared by our Hopper attention kernels (hopper_attention.cu forward,
 // hopper_attention_bwd.cu backward): mbarriers, TMA tensor loads, setmaxnreg, wgmma fences and MMAs,
-// shared-memory matrix descriptors, named barriers, proxy fences, vector reductions. Device code
+// shared-memory matrix descriptors, named barriers, proxy fences, vector reductions, the CTAs' launch
+// order. Device code
 // only, compiled in the sm_90a target (longtrain_attention_hopper); every function is static inline,
 // so each .cu gets its own copy.
 #pragma once
@@ -354,5 +355,24 @@ static __device__ __forceinline__ void bulk_wait_read_all() {
 }
 // Until none of this thread's bulk groups is pending at all (its global writes performed).
 static __device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+
+// ---- the launch order both kernels share (hopper_attention.h, "The launch order") ----
+
+// This CTA's work in the launch order: CTA w (blockIdx, x fastest) of a grid of kv_heads ·
+// units_per_kv · tiles CTAs, the kv heads taken in sections of `section` (the last may be smaller);
+// within a section the tiles in order and the section's units fastest. Units are the forward's query
+// heads (the group per kv head) or the backward's kv heads (one). Sets `unit` (a global index) and
+// `tile` (0..tiles-1).
+static __device__ __forceinline__ void launch_order_tile(const int section, const int kv_heads,
+                                                         const int units_per_kv, const int tiles, int& unit,
+                                                         int& tile) {
+  const int w = static_cast<int>(blockIdx.y * gridDim.x + blockIdx.x);
+  const int section_ctas = section * units_per_kv * tiles;
+  const int sec = w / section_ctas;
+  const int r = w - sec * section_ctas;
+  const int units = min(section, kv_heads - sec * section) * units_per_kv;
+  tile = r / units;
+  unit = sec * section * units_per_kv + (r - tile * units);
+}
 
 }  // namespace longtrain::attn::hopper::ptx
