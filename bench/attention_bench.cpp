@@ -299,16 +299,20 @@ int main(int argc, char** argv) try {
         ms_hopper[r] = median_ms(hopper_fwd, opt.warmup, opt.reps);
         ms_hopper_fb[r] = median_ms(hopper_fwd_bwd, opt.warmup, opt.reps);
         row[run.key] = {{"variant", vname},
-                        {"fwd_kv_heads_per_section", attn::hopper::fwd_kv_heads_per_section(hkv)},
-                        {"bwd_kv_heads_per_section", attn::hopper::bwd_kv_heads_per_section(hkv)},
+                        {"fwd_kv_heads_per_section",
+                         attn::hopper::fwd_kv_heads_per_section(S, S, Hq, hkv, D, true, run.variant)},
+                        {"bwd_kv_heads_per_section", attn::hopper::bwd_kv_heads_per_section(S, S, Hq, hkv, D, true)},
                         {"bwd_paired_key_tiles", attn::hopper::bwd_paired_key_tiles()},
                         {"fwd_ms", round3(ms_hopper[r])},
                         {"fwd_tflops", round1(fwd_flops / ms_hopper[r] / 1e9)},
                         {"fwdbwd_ms", round3(ms_hopper_fb[r])},
                         {"fwdbwd_tflops", round1(3.5 * fwd_flops / ms_hopper_fb[r] / 1e9)}};
-        std::printf("hkv=%2lld S=%6lld: hopper %-12s fwd %8.3f ms (%5.1f TFLOP/s), fwd+bwd %8.3f ms (%5.1f)\n",
+        std::printf("hkv=%2lld S=%6lld: hopper %-12s fwd %8.3f ms (%5.1f TFLOP/s), fwd+bwd %8.3f ms (%5.1f), "
+                    "sections %d/%d\n",
                     static_cast<long long>(hkv), static_cast<long long>(S), vname, ms_hopper[r],
-                    fwd_flops / ms_hopper[r] / 1e9, ms_hopper_fb[r], 3.5 * fwd_flops / ms_hopper_fb[r] / 1e9);
+                    fwd_flops / ms_hopper[r] / 1e9, ms_hopper_fb[r], 3.5 * fwd_flops / ms_hopper_fb[r] / 1e9,
+                    row[run.key]["fwd_kv_heads_per_section"].get<int>(),
+                    row[run.key]["bwd_kv_heads_per_section"].get<int>());
         // Against the anchor's torch rows (the speed target is torch's cuDNN SDPA fwd+bwd).
         for (const char* backend : {"cudnn", "flash"}) {
           const std::string key = fmt::format("{}_hkv{}_S{}", backend, hkv, S);

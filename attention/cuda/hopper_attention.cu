@@ -47,6 +47,7 @@
 #include <string>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "runtime/cuda_check.h"
 #include "runtime/error.h"
@@ -831,8 +832,23 @@ FwdVariant default_fwd_variant() {
   return variant;
 }
 
-int fwd_kv_heads_per_section(int64_t kv_heads) {
-  return host::section_from_env("LONGTRAIN_HOPPER_FWD_SECTION", 1, kv_heads);
+int fwd_kv_heads_per_section(int64_t tq, int64_t tk, int64_t q_heads, int64_t kv_heads, int64_t head_dim, bool causal,
+                             FwdVariant variant) {
+  if (const int asked = host::section_from_env("LONGTRAIN_HOPPER_FWD_SECTION", kv_heads); asked > 0) return asked;
+  LT_CHECK(tq > 0 && tk > 0 && kv_heads > 0 && q_heads % kv_heads == 0,
+           "hopper attention forward: Tq {}, Tk {}, q heads {}, kv heads {} give no launch order", tq, tk, q_heads,
+           kv_heads);
+  // The CTAs in launch order (fwd_work_tile): query tiles from the last, each CTA's work its K/V tiles
+  // plus one for its prologue and epilogue.
+  const int64_t rows = block_rows(variant, head_dim), q_tiles = (tq + rows - 1) / rows;
+  const int64_t kv_tiles = (tk + kBlockN - 1) / kBlockN;
+  std::vector<int64_t> work(static_cast<size_t>(q_tiles));
+  for (int64_t t = 0; t < q_tiles; ++t) {
+    const int64_t q_end = std::min((q_tiles - t) * rows, tq);
+    work[static_cast<size_t>(t)] = 1 + (causal ? std::min(kv_tiles, (q_end - 1) / kBlockN + 1) : kv_tiles);
+  }
+  return host::cached_section_for_tail(variant == FwdVariant::overlap ? "fwd_overlap" : "fwd_baseline", work,
+                                       q_heads / kv_heads, kv_heads);
 }
 
 void forward(const OutView& o, const StatsView& lse, const View& q, const View& k, const View& v, bool causal,
@@ -859,8 +875,9 @@ void forward(const OutView& o, const StatsView& lse, const View& q, const View& 
   p.tk = static_cast<int>(k.tokens);
   p.group = static_cast<int>(q.heads / k.heads);
   p.kv_heads = static_cast<int>(k.heads);
-  p.section = kv_heads_per_section > 0 ? std::min(kv_heads_per_section, p.kv_heads)
-                                      : fwd_kv_heads_per_section(k.heads);
+  p.section = kv_heads_per_section > 0
+                  ? std::min(kv_heads_per_section, p.kv_heads)
+                  : fwd_kv_heads_per_section(q.tokens, k.tokens, q.heads, k.heads, q.dim, causal, variant);
   p.num_q_tiles = static_cast<int>((q.tokens + rows - 1) / rows);
   p.scale = scale;
   p.scale_log2 = scale * 1.4426950408889634f;

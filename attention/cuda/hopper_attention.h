@@ -69,7 +69,7 @@ FwdVariant parse_fwd_variant(const std::string& name, const char* source);
 // Within a section the forward launches its query tiles longest first (causal), the section's query
 // heads fastest, and the backward its key tiles longest first, the section's kv heads fastest. A
 // section of every kv head is the order both kernels had until 2026-12-06 (every kv head's work at
-// once). The default is one kv head per section: the running CTAs then read one kv head's K/V
+// once). The default is one kv head per section where that leaves no tail (below): the running CTAs then read one kv head's K/V
 // (forward) and the same few Q/dO tiles and dQ reductions (backward). On the H100 at head dim 128
 // (32/8 heads) that cut the DRAM traffic at 64K tokens 8.6x in the forward and 3x in the backward
 // (ncu), and with it the power that holds the GPU at its cap: the forward ran 10% faster at 64K
@@ -78,11 +78,19 @@ FwdVariant parse_fwd_variant(const std::string& name, const char* source);
 // bench/results/attention-hopper-launch-order-h100-2026-12-06.json).
 // The section size a call runs with when it passes 0 (as the model's calls do): the environment
 // variable LONGTRAIN_HOPPER_FWD_SECTION / LONGTRAIN_HOPPER_BWD_SECTION when set (a positive integer,
-// for benchmarks; anything else throws naming it), else 1. At most kv_heads. Any size gives the same
-// results: the forward's bits do not depend on it, nor do the backward's dK and dV (each CTA sums its
-// own); its dQ only in the order of the atomics.
-int fwd_kv_heads_per_section(int64_t kv_heads);
-int bwd_kv_heads_per_section(int64_t kv_heads);
+// for benchmarks; anything else throws naming it), else the fewest kv heads per section whose launch
+// leaves no tail (hopper_host.h, section_for_tail: a model of the block scheduler over the CTAs' work
+// in launch order, within 7% of the ideal): one kv head from about 16K tokens up, two or more at 8K,
+// where a kv head's CTAs are too few and one per section left the last section's longest CTAs running
+// alone (in the model the backward 1.24x / 1.49x the ideal at head dims 128 / 64; on the H200 the
+// model's two ran 1.16x / 1.41x faster, and the 1.1B step at 8K under `auto` 1.02-1.03x faster,
+// bench/results/attention-launch-sections-h200-2026-12-06.json). At most kv_heads.
+// Any size gives the same results: the forward's bits do not depend on it, nor do the backward's dK
+// and dV (each CTA sums its own); its dQ only in the order of the atomics. The backward's depends on
+// LONGTRAIN_HOPPER_BWD_PAIRS too (its CTAs' work).
+int fwd_kv_heads_per_section(int64_t tq, int64_t tk, int64_t q_heads, int64_t kv_heads, int64_t head_dim, bool causal,
+                             FwdVariant variant = default_fwd_variant());
+int bwd_kv_heads_per_section(int64_t tq, int64_t tk, int64_t q_heads, int64_t kv_heads, int64_t head_dim, bool causal);
 
 // o = softmax(scale · q·kᵀ [+ causal mask]) · v and lse, for this (Q block, K/V block) pair. Causal is
 // top-left aligned (query i sees keys j <= i, Tq == Tk). scale must be positive.

@@ -193,6 +193,7 @@
 #include <tuple>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "kernels/cuda/cuda_host.h"
 #include "runtime/cuda_check.h"
@@ -1059,8 +1060,24 @@ bool bwd_paired_key_tiles() {
   return true;
 }
 
-int bwd_kv_heads_per_section(int64_t kv_heads) {
-  return host::section_from_env("LONGTRAIN_HOPPER_BWD_SECTION", 1, kv_heads);
+int bwd_kv_heads_per_section(int64_t tq, int64_t tk, int64_t q_heads, int64_t kv_heads, int64_t head_dim, bool causal) {
+  if (const int asked = host::section_from_env("LONGTRAIN_HOPPER_BWD_SECTION", kv_heads); asked > 0) return asked;
+  LT_CHECK(tq > 0 && tk > 0 && kv_heads > 0 && q_heads % kv_heads == 0,
+           "hopper attention backward: Tq {}, Tk {}, q heads {}, kv heads {} give no launch order", tq, tk, q_heads,
+           kv_heads);
+  // The CTAs in launch order (the kernel's first lines, KeyPasses): key tiles from 0, or pairs of them,
+  // each CTA's work its steps (query tiles times the group's query heads) plus one for loading K/V and
+  // storing dK/dV.
+  const int64_t m = block_m(head_dim), q_tiles = (tq + m - 1) / m, kv_tiles = (tk + kBlockN - 1) / kBlockN;
+  const int64_t group = q_heads / kv_heads;
+  auto steps = [&](int64_t n) { return (q_tiles - (causal ? n * kBlockN / m : 0)) * group; };
+  const bool pairs = causal && bwd_paired_key_tiles();
+  std::vector<int64_t> work;
+  for (int64_t n = 0; n < (pairs ? (kv_tiles + 1) / 2 : kv_tiles); ++n) {
+    const int64_t other = kv_tiles - 1 - n;
+    work.push_back(1 + steps(n) + (pairs && other != n ? 1 + steps(other) : 0));
+  }
+  return host::cached_section_for_tail(pairs ? "bwd_pairs" : "bwd", work, 1, kv_heads);
 }
 
 void backward(const OutView& dq, const OutView& dk, const OutView& dv, const View& q, const View& k, const View& v,
@@ -1095,8 +1112,9 @@ void backward(const OutView& dq, const OutView& dk, const OutView& dv, const Vie
   p.tk = static_cast<int>(k.tokens);
   p.group = static_cast<int>(q.heads / k.heads);
   p.kv_heads = static_cast<int>(k.heads);
-  p.section = kv_heads_per_section > 0 ? std::min(kv_heads_per_section, p.kv_heads)
-                                      : bwd_kv_heads_per_section(k.heads);
+  p.section = kv_heads_per_section > 0
+                  ? std::min(kv_heads_per_section, p.kv_heads)
+                  : bwd_kv_heads_per_section(q.tokens, k.tokens, q.heads, k.heads, q.dim, causal);
   p.num_q_tiles = static_cast<int>((q.tokens + M - 1) / M);
   p.kv_tiles = static_cast<int>((k.tokens + kBlockN - 1) / kBlockN);
   const bool pairs_asked = bwd_paired_key_tiles();  // read (and checked) on every call, causal or not

@@ -5,6 +5,12 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <queue>
+#include <tuple>
+#include <vector>
 
 #include "runtime/cuda_check.h"
 #include "runtime/error.h"
@@ -76,19 +82,98 @@ std::string check_tma_input(const View& v, const char* name) {
   return {};
 }
 
-int section_from_env(const char* env, int64_t fallback, int64_t kv_heads) {
-  int64_t n = fallback;
+int section_from_env(const char* env, int64_t kv_heads) {
   const char* value = std::getenv(env);
-  if (value != nullptr && *value != '\0') {
-    char* end = nullptr;
-    const long long parsed = std::strtoll(value, &end, 10);
-    LT_CHECK(*end == '\0' && parsed > 0,
-             "{} must be a positive integer (kv heads per launch-order section of the hopper attention kernels), "
-             "got '{}'; unset it for the default",
-             env, value);
-    n = parsed;
+  if (value == nullptr || *value == '\0') return 0;
+  char* end = nullptr;
+  const long long parsed = std::strtoll(value, &end, 10);
+  LT_CHECK(*end == '\0' && parsed > 0,
+           "{} must be a positive integer (kv heads per launch-order section of the hopper attention kernels), "
+           "got '{}'; unset it for the default",
+           env, value);
+  return static_cast<int>(std::clamp<int64_t>(parsed, 1, std::max<int64_t>(kv_heads, 1)));
+}
+
+double launch_makespan(const std::vector<int64_t>& tile_work, int64_t units_per_kv, int64_t kv_heads, int64_t section,
+                       int64_t slots) {
+  LT_CHECK(units_per_kv > 0 && kv_heads > 0 && section > 0 && slots > 0,
+           "launch_makespan: units per kv head {}, kv heads {}, section {} and slots {} must be positive", units_per_kv,
+           kv_heads, section, slots);
+  // Each slot's finishing time; a CTA starts on the earliest-free slot, in launch order.
+  std::priority_queue<int64_t, std::vector<int64_t>, std::greater<>> free_at;
+  for (int64_t s = 0; s < slots; ++s) free_at.push(0);
+  int64_t end = 0;
+  for (int64_t first = 0; first < kv_heads; first += section) {
+    const int64_t units = std::min(section, kv_heads - first) * units_per_kv;
+    for (const int64_t work : tile_work) {
+      for (int64_t u = 0; u < units; ++u) {
+        const int64_t done = free_at.top() + work;
+        free_at.pop();
+        free_at.push(done);
+        end = std::max(end, done);
+      }
+    }
   }
-  return static_cast<int>(std::clamp<int64_t>(n, 1, std::max<int64_t>(kv_heads, 1)));
+  return static_cast<double>(end);
+}
+
+int section_for_tail(const std::vector<int64_t>& tile_work, int64_t units_per_kv, int64_t kv_heads, int64_t slots,
+                     double tolerance) {
+  LT_CHECK(!tile_work.empty() && kv_heads > 0 && units_per_kv > 0 && slots > 0,
+           "section_for_tail: no tiles, or kv heads {} / units {} / slots {} not positive", kv_heads, units_per_kv, slots);
+  int64_t total = 0, longest = 0;
+  for (const int64_t w : tile_work) {
+    total += w;
+    longest = std::max(longest, w);
+  }
+  const double ideal = std::max(static_cast<double>(total * units_per_kv * kv_heads) / static_cast<double>(slots),
+                                static_cast<double>(longest));
+  int best = 1;
+  double best_span = 0;
+  for (int64_t section = 1; section <= kv_heads; ++section) {
+    // Every size, the smallest first (kv heads are few; a size that does not divide them leaves a
+    // smaller last section, a schedule of its own).
+    const double span = launch_makespan(tile_work, units_per_kv, kv_heads, section, slots);
+    if (span <= ideal * (1.0 + tolerance)) return static_cast<int>(section);
+    if (section == 1 || span < best_span) {
+      best = static_cast<int>(section);
+      best_span = span;
+    }
+  }
+  return best;
+}
+
+int sm_count() {
+  int device = 0;
+  LT_CUDA_CHECK(cudaGetDevice(&device));
+  static std::mutex mutex;
+  static std::map<int, int> counts;
+  const std::lock_guard<std::mutex> lock(mutex);
+  auto it = counts.find(device);
+  if (it == counts.end()) {
+    int n = 0;
+    LT_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
+    it = counts.emplace(device, std::max(n, 1)).first;
+  }
+  return it->second;
+}
+
+int cached_section_for_tail(const char* kernel, const std::vector<int64_t>& tile_work, int64_t units_per_kv,
+                            int64_t kv_heads) {
+  const int slots = sm_count();
+  using Key = std::tuple<std::string, std::vector<int64_t>, int64_t, int64_t, int>;
+  static std::mutex mutex;
+  static std::map<Key, int> sections;
+  Key key{kernel, tile_work, units_per_kv, kv_heads, slots};
+  {
+    const std::lock_guard<std::mutex> lock(mutex);
+    const auto it = sections.find(key);
+    if (it != sections.end()) return it->second;
+  }
+  const int section = section_for_tail(tile_work, units_per_kv, kv_heads, slots);
+  const std::lock_guard<std::mutex> lock(mutex);
+  sections.emplace(std::move(key), section);
+  return section;
 }
 
 }  // namespace longtrain::attn::hopper::host

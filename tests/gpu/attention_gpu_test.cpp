@@ -516,6 +516,7 @@ INSTANTIATE_TEST_SUITE_P(
 #include <utility>
 
 #include "attention/cuda/hopper_attention.h"
+#include "attention/cuda/hopper_host.h"
 #include "runtime/cuda_check.h"
 
 namespace longtrain::test {
@@ -1200,14 +1201,15 @@ TEST(HopperAttentionSwitches, EnvironmentValuesAreCheckedAndNamed) {
       unsetenv(name);
     }
   };
-  with_env("LONGTRAIN_HOPPER_FWD_SECTION", nullptr, [] { EXPECT_EQ(attn::hopper::fwd_kv_heads_per_section(8), 1); });
-  with_env("LONGTRAIN_HOPPER_BWD_SECTION", nullptr, [] { EXPECT_EQ(attn::hopper::bwd_kv_heads_per_section(8), 1); });
-  with_env("LONGTRAIN_HOPPER_FWD_SECTION", "3", [] { EXPECT_EQ(attn::hopper::fwd_kv_heads_per_section(8), 3); });
-  with_env("LONGTRAIN_HOPPER_BWD_SECTION", "16", [] { EXPECT_EQ(attn::hopper::bwd_kv_heads_per_section(8), 8); });
+  // A shape: 8K tokens, 32 query and 8 kv heads, head dim 128, causal.
+  auto fwd_section = [] { return attn::hopper::fwd_kv_heads_per_section(8192, 8192, 32, 8, 128, true); };
+  auto bwd_section = [] { return attn::hopper::bwd_kv_heads_per_section(8192, 8192, 32, 8, 128, true); };
+  with_env("LONGTRAIN_HOPPER_FWD_SECTION", "3", [&] { EXPECT_EQ(fwd_section(), 3); });
+  with_env("LONGTRAIN_HOPPER_BWD_SECTION", "16", [&] { EXPECT_EQ(bwd_section(), 8); });
   for (const char* bad : {"0", "-2", "two", "3x"}) {
     with_env("LONGTRAIN_HOPPER_BWD_SECTION", bad, [&] {
       try {
-        attn::hopper::bwd_kv_heads_per_section(8);
+        bwd_section();
         ADD_FAILURE() << "LONGTRAIN_HOPPER_BWD_SECTION=" << bad << " was accepted";
       } catch (const Error& e) {
         EXPECT_NE(std::string(e.what()).find("LONGTRAIN_HOPPER_BWD_SECTION"), std::string::npos) << e.what();
@@ -1225,6 +1227,73 @@ TEST(HopperAttentionSwitches, EnvironmentValuesAreCheckedAndNamed) {
       EXPECT_NE(std::string(e.what()).find("LONGTRAIN_HOPPER_BWD_PAIRS"), std::string::npos) << e.what();
     }
   });
+}
+
+// The launch order's section size model (hopper_host.h; host code, runs without a GPU): list
+// scheduling in launch order, checked against a schedule worked by hand, and the sizes it picks for
+// the backward at 8K (where one kv head per section leaves a tail) and 64K (where it does not).
+TEST(HopperLaunchOrderModel, MakespanIsListSchedulingInLaunchOrder) {
+  namespace host = attn::hopper::host;
+  // Three SMs, two kv heads, CTAs of work 6, 3, 2, 1 per kv head. Sections of one kv head: kv head 0
+  // fills the SMs (6, 3, 2 + 1 = 3), kv head 1's 6 starts at 3 and ends at 9. Sections of two: both
+  // 6s first, then 3 + 3 on the third SM, the 2s and 1s fill in: 8, the ideal (24 / 3).
+  const std::vector<int64_t> work{6, 3, 2, 1};
+  EXPECT_EQ(host::launch_makespan(work, 1, 2, 1, 3), 9.0);
+  EXPECT_EQ(host::launch_makespan(work, 1, 2, 2, 3), 8.0);
+  EXPECT_EQ(host::section_for_tail(work, 1, 2, 3), 2);
+  // Units per kv head multiply the CTAs of a tile: two units of {4} on two SMs, one kv head: 4.
+  EXPECT_EQ(host::launch_makespan({4}, 2, 1, 1, 2), 4.0);
+  EXPECT_EQ(host::launch_makespan({4}, 2, 1, 1, 1), 8.0);
+  // A tie keeps the smaller size: one kv head's section is the whole grid either way.
+  EXPECT_EQ(host::section_for_tail({5, 1, 1, 1, 1, 1}, 1, 2, 2), 1);
+  EXPECT_THROW(host::launch_makespan(work, 1, 2, 0, 3), Error);
+  EXPECT_THROW(host::section_for_tail({}, 1, 2, 3), Error);
+}
+
+TEST(HopperLaunchOrderModel, BackwardSectionsAvoidTheTailAt8K) {
+  namespace host = attn::hopper::host;
+  // The backward's CTAs of one kv head: key tile n meets the query tiles from n·128 / M up, each for
+  // every query head of the group, plus one unit for K/V and dK/dV (bwd_kv_heads_per_section).
+  auto work = [](int64_t tokens, int64_t m, int64_t group) {
+    std::vector<int64_t> w;
+    for (int64_t n = 0; n < tokens / 128; ++n) w.push_back(1 + (tokens / m - n * 128 / m) * group);
+    return w;
+  };
+  auto ideal = [](const std::vector<int64_t>& w, int64_t kv_heads, int64_t slots) {
+    int64_t total = 0;
+    for (int64_t x : w) total += x;
+    return std::max(static_cast<double>(total * kv_heads) / static_cast<double>(slots), static_cast<double>(w[0]));
+  };
+  // Head dim 64 (M = 128), 32/4 heads, 8K on 132 SMs: one kv head per section is ~1.49x the ideal,
+  // two is at the ideal.
+  const std::vector<int64_t> d64 = work(8192, 128, 8);
+  EXPECT_GT(host::launch_makespan(d64, 1, 4, 1, 132), 1.4 * ideal(d64, 4, 132));
+  EXPECT_LE(host::launch_makespan(d64, 1, 4, 2, 132), 1.02 * ideal(d64, 4, 132));
+  EXPECT_EQ(host::section_for_tail(d64, 1, 4, 132), 2);
+  // Head dim 128 (M = 64), 32/8 heads: 1.24x at one kv head per section; two are within 2%.
+  const std::vector<int64_t> d128 = work(8192, 64, 4);
+  EXPECT_GT(host::launch_makespan(d128, 1, 8, 1, 132), 1.2 * ideal(d128, 8, 132));
+  EXPECT_EQ(host::section_for_tail(d128, 1, 8, 132), 2);
+  // At 12K (head dim 128) two, not the four whose makespan is nearer the ideal: the default tolerance
+  // (7%) is what made the measured faster size (two) the pick.
+  EXPECT_EQ(host::section_for_tail(work(12288, 64, 4), 1, 8, 132), 2);
+  // At 16K and 64K one kv head per section stays (the DRAM traffic it was made to cut).
+  EXPECT_EQ(host::section_for_tail(work(16384, 64, 4), 1, 8, 132), 1);
+  EXPECT_EQ(host::section_for_tail(work(65536, 64, 4), 1, 8, 132), 1);
+  EXPECT_EQ(host::section_for_tail(work(65536, 128, 8), 1, 4, 132), 1);
+}
+
+// On an sm_90 GPU the kernels' defaults are the model's picks on its SMs: the 8K backward above
+// gets more than one kv head per section, 64K gets one.
+TEST(HopperLaunchOrderModel, DefaultsOnThisGpu) {
+  if (!attn::hopper::supported(64, 1, 1)) GTEST_SKIP() << "the hopper attention kernel needs an sm_90 GPU";
+  if (std::getenv("LONGTRAIN_HOPPER_FWD_SECTION") || std::getenv("LONGTRAIN_HOPPER_BWD_SECTION") ||
+      std::getenv("LONGTRAIN_HOPPER_BWD_PAIRS"))
+    GTEST_SKIP() << "a LONGTRAIN_HOPPER_*_SECTION or _BWD_PAIRS override is set in this run";
+  EXPECT_GT(attn::hopper::bwd_kv_heads_per_section(8192, 8192, 32, 4, 64, true), 1);
+  EXPECT_EQ(attn::hopper::bwd_kv_heads_per_section(65536, 65536, 32, 8, 128, true), 1);
+  EXPECT_EQ(attn::hopper::fwd_kv_heads_per_section(65536, 65536, 32, 8, 128, true), 1);
+  EXPECT_EQ(attn::hopper::fwd_kv_heads_per_section(65536, 65536, 32, 4, 64, true), 1);
 }
 
 // Paired key tiles (LONGTRAIN_HOPPER_BWD_PAIRS=1, hopper_attention.h): each causal backward CTA runs
