@@ -302,7 +302,6 @@ int main(int argc, char** argv) try {
                         {"fwd_kv_heads_per_section",
                          attn::hopper::fwd_kv_heads_per_section(S, S, Hq, hkv, D, true, run.variant)},
                         {"bwd_kv_heads_per_section", attn::hopper::bwd_kv_heads_per_section(S, S, Hq, hkv, D, true)},
-                        {"bwd_paired_key_tiles", attn::hopper::bwd_paired_key_tiles()},
                         {"fwd_ms", round3(ms_hopper[r])},
                         {"fwd_tflops", round1(fwd_flops / ms_hopper[r] / 1e9)},
                         {"fwdbwd_ms", round3(ms_hopper_fb[r])},

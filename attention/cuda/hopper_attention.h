@@ -86,8 +86,7 @@ FwdVariant parse_fwd_variant(const std::string& name, const char* source);
 // model's two ran 1.16x / 1.41x faster, and the 1.1B step at 8K under `auto` 1.02-1.03x faster,
 // bench/results/attention-launch-sections-h200-2026-12-06.json). At most kv_heads.
 // Any size gives the same results: the forward's bits do not depend on it, nor do the backward's dK
-// and dV (each CTA sums its own); its dQ only in the order of the atomics. The backward's depends on
-// LONGTRAIN_HOPPER_BWD_PAIRS too (its CTAs' work).
+// and dV (each CTA sums its own); its dQ only in the order of the atomics.
 int fwd_kv_heads_per_section(int64_t tq, int64_t tk, int64_t q_heads, int64_t kv_heads, int64_t head_dim, bool causal,
                              FwdVariant variant = default_fwd_variant());
 int bwd_kv_heads_per_section(int64_t tq, int64_t tk, int64_t q_heads, int64_t kv_heads, int64_t head_dim, bool causal);
@@ -134,15 +133,6 @@ std::string backward_unsupported_reason(const OutView& dq, const OutView& dk, co
 void backward(const OutView& dq, const OutView& dk, const OutView& dv, const View& q, const View& k, const View& v,
               const View& d_o, const StatsView& lse, const StatsView& delta, bool causal, float scale,
               bool accumulate, int kv_heads_per_section = 0);
-
-// Paired key tiles, an experiment off by default (LONGTRAIN_HOPPER_BWD_PAIRS=1, read at each call;
-// anything but 0 or 1 throws): each causal backward CTA runs key tile j (its query tiles from the last
-// down) and then key tile K - 1 - j (from its diagonal up), so every CTA does the same work; CTAs that
-// start together then stay on two query tiles at a time (pass 0's all at the same tile, going down,
-// pass 1's all at one tile, going up), where one key tile per CTA lets CTAs of unequal lengths drift
-// apart (the likely source of the backward's remaining DRAM traffic: 47 GB at head dim 128 64K against
-// cuDNN's 5.7). Written after the launch-order measurements; not yet run on a GPU.
-bool bwd_paired_key_tiles();
 
 // The bytes of the f32 dQ accumulator backward() takes from scratch: Tq rounded up to the query tile
 // (128 rows at head dim 64, 64 at 128), times Hq · head_dim floats

@@ -26,6 +26,11 @@
 // section (hopper_attention.h, "The launch order") the diagonal-up order was tried again: 4-24% slower
 // at both head dims and 16K-64K, 4.3x the DRAM reads at head dim 128 64K
 // (bench/results/attention-hopper-launch-order-h100-2026-12-06.json).
+// CTAs of two key tiles each, j from the last query tile down and then K - 1 - j from its diagonal up
+// (equal work for every CTA, and the CTAs that start together on two query tiles at a time), measured
+// 1-5% slower at 8K-64K and both head dims on the H200 (the equal lengths lose the longest-first
+// packing of the last wave; bench/results/attention-launch-sections-h200-2026-12-06.json), and were
+// removed (git history: LONGTRAIN_HOPPER_BWD_PAIRS).
 // (Pairing two key tiles' CTAs in a cluster to add their dQ tiles in distributed shared memory before
 // one reduction measured 1.18-1.35x slower: see git history.)
 // The reductions are TMA bulk reductions (cp.reduce.async.bulk .add.f32), one 16 KB per warpgroup
@@ -80,15 +85,6 @@
 // slower at D = 64; the (Q, dO) stage released as soon as dV and dK are done (wait_group 1), before
 // dQ, 2.4% faster at 64K but 15% slower at 16K (D = 128), 1.3-1.7% slower at D = 64.
 //
-// Paired key tiles (kPairs; LONGTRAIN_HOPPER_BWD_PAIRS=1, off by default, hopper_attention.h): a causal
-// CTA runs key tile j, stores its dK/dV, then key tile K - 1 - j with its query tiles from the
-// diagonal up (KeyPasses, StepCursor<true>). Between the passes every consumer thread arrives on
-// kv_empty once its last wgmma of pass 0 has completed; the producer, which has issued all of pass 0's
-// loads, waits for that, reloads K and V (phase 1 of kv_full) and goes on with pass 1's loads; at D = 64
-// the consumers reload K_w into registers. The producer computes each step's tile and head from the
-// step index (a cursor plus the reload spilled its 24 registers); it still spills 36-44 bytes at
-// D = 128 (ptxas -v), where the one-tile kernel spills none.
-//
 // K_w in registers: at D = 64 each consumer thread loads its bf16 A fragments of K_w once (16
 // registers) and Sᵀ = K_w·Qᵀ runs with A from registers, which takes 8 KB per warpgroup and step off
 // the shared-memory reads of the MMAs (an SS m64n128k16 reads 6 KB per 64 tensor-core cycles, near
@@ -135,10 +131,7 @@
 //   D = 128: 64 + 64 + 32 + 32 = 192. FlashAttention-3 runs the same tile shapes within 240.
 //
 // Synchronisation, every wait explicit:
-// - kv_full (count 1): lane 0's arrive.expect_tx(K + V bytes); TMA completes it. Consumers wait once
-//   per pass (phase 0; with paired key tiles phase 1 for pass 1's K and V).
-// - kv_empty (count 256, paired key tiles only): every consumer thread arrives once, after the wgmmas
-//   of pass 0's last step have completed; the producer waits for it before reloading K and V.
+// - kv_full (count 1): lane 0's arrive.expect_tx(K + V bytes); TMA completes it. Consumers wait once.
 // - q_full[s], do_full[s] (count 32 each): lane 0 first raises the expected bytes (mbarrier.expect_tx,
 //   no arrival) and issues the Q (dO) TMA; then each of the 32 lanes stores its lse (delta) values and
 //   arrives, so a phase completes only when both the TMA bytes and every lane's stores are in.
@@ -261,7 +254,7 @@ template <int D> struct BwdTiles {
   static constexpr uint32_t kLseOffset = kDsOffset + kDsBuffers * kDsBytes;  // f32 [kStages][kBlockM]
   static constexpr uint32_t kDeltaOffset = kLseOffset + kStages * kBlockM * 4;
   static constexpr uint32_t kBarrierOffset = kDeltaOffset + kStages * kBlockM * 4;
-  static constexpr int kBarriers = 2 + 3 * kStages;  // kv_full, q_full[s], do_full[s], empty[s], kv_empty
+  static constexpr int kBarriers = 1 + 3 * kStages;  // kv_full, q_full[s], do_full[s], empty[s]
   // Each consumer warpgroup's 64 × 64 f32 dQ sub-block, staged in the accumulator's order (16-byte
   // aligned, as bulk copies need).
   static constexpr uint32_t kDqStageOffset = (kBarrierOffset + 8 * kBarriers + 127) / 128 * 128;
@@ -304,72 +297,25 @@ struct BwdParams {
   int group;        // q heads per kv head
   int kv_heads;
   int section;      // kv heads per launch-order section (the kernel's first lines)
-  int kv_tiles;     // ceil(Tk / kBlockN)
   int num_q_tiles;  // ceil(Tq / kBlockM)
   float scale;      // natural-log scale (dK's factor)
   float scale_log2; // scale · log2(e) (for exp2)
 };
 
-// A CTA's key tiles: one, or with kPairs two run one after the other ("Paired key tiles"): pass 0
-// visits its query tiles from the last down to the first that meets its keys, pass 1 from the first
-// that meets its keys up to the last.
-struct KeyPasses {
-  int tile[2];     // key tile of each pass
-  int m_first[2];  // the first query tile that meets each
-  int steps0;      // steps of pass 0
-  int steps;       // steps of both passes
-  __device__ __forceinline__ KeyPasses(const BwdParams& p, const int n_tile, const bool causal, const bool pairs,
-                                       const int M) {
-    const int other = pairs ? p.kv_tiles - 1 - n_tile : n_tile;
-    tile[0] = n_tile;
-    tile[1] = other;
-    // Causal (Tq == Tk): query tiles wholly before the tile's first key see none of its keys; that key
-    // is < Tk = Tq, so at least one query tile remains. Without a mask every query tile meets the keys.
-    m_first[0] = causal ? n_tile * kBlockN / M : 0;
-    m_first[1] = causal ? other * kBlockN / M : 0;
-    steps0 = (p.num_q_tiles - m_first[0]) * p.group;
-    steps = steps0 + (other != n_tile ? (p.num_q_tiles - m_first[1]) * p.group : 0);
-  }
-  __device__ __forceinline__ bool two() const { return steps > steps0; }
-};
-
-// A CTA's steps in order: query tile m (pass 0 the last first: header, "The step order"; pass 1 the
-// first first) and query head (the kv head's group, fastest). The producer and the consumers both walk
-// it with this cursor, so they agree; it counts instead of dividing by the group each step (a runtime
-// divisor: ~20 instructions).
-template <bool kPairs>
+// A CTA's steps in order: query tile m (the last first: header, "The step order") and query head (the
+// kv head's group, fastest). The producer and the consumers both walk it with this cursor, so they
+// agree; it counts instead of dividing by the group each step (a runtime divisor: ~20 instructions).
 struct StepCursor {
-  int m, head, head_first, head_end, dm, m_stop, m_restart;
-  __device__ __forceinline__ StepCursor(const BwdParams& p, const int kv_head, const KeyPasses& kp)
-      : m(p.num_q_tiles - 1),
-        head(kv_head * p.group),
-        head_first(kv_head * p.group),
-        head_end((kv_head + 1) * p.group),
-        dm(-1),
-        m_stop(kp.m_first[0]),
-        m_restart(kp.m_first[1]) {}
-  // One pass (kPairs false).
+  int m, head, head_first, head_end;
   __device__ __forceinline__ StepCursor(const BwdParams& p, const int kv_head)
       : m(p.num_q_tiles - 1),
         head(kv_head * p.group),
         head_first(kv_head * p.group),
-        head_end((kv_head + 1) * p.group),
-        dm(-1),
-        m_stop(-1),
-        m_restart(0) {}
+        head_end((kv_head + 1) * p.group) {}
   __device__ __forceinline__ void next() {
     if (++head == head_end) {
       head = head_first;
-      if constexpr (kPairs) {
-        m += dm;
-        if (m < m_stop) {  // pass 0 done: pass 1 climbs from its first query tile (unused after one pass)
-          m = m_restart;
-          dm = 1;
-          m_stop = -1;
-        }
-      } else {
-        --m;
-      }
+      --m;
     }
   }
 };
@@ -426,19 +372,18 @@ __device__ __forceinline__ void put_pair(void* dst, bool f32, bool accumulate, f
 // queries. The pairs (2q, 2q+1), read four at a time for the k-th 16 columns, are the bf16 A fragment
 // of the next MMA over those columns (a_r = pair 4k + r), which is how Pᵀ and dSᵀ feed dV and dK.
 
-// The producer warp (its 32 lanes; the smem layout and barriers of Tl, a BwdTiles): lane 0 TMA-loads
-// the K and V tiles (kv_full; with kPairs again for pass 1, after kv_empty), then for every step the (Q, dO) tiles
+// The producer warp (its 32 lanes; the smem layout and barriers of Tl, a BwdTiles): lane 0 TMA-loads the K and V tiles once (kv_full), then for every step the (Q, dO) tiles
 // into stage step % kStages after the consumers released it (empty), raising each full barrier's
 // expected bytes first; every lane copies its rows' lse (times log2 e) and delta and arrives on both
 // full barriers (count 32), so a phase completes when the TMA bytes and all 32 lanes' stores are in.
 // Rows past Tq or with lse = -inf get lse = +inf (P = 0) and delta = 0 (dS = 0; a NaN delta of such a
 // row is never read). It returns after the consumers' last releases, so no load is in flight when
 // the warp leaves.
-template <class Tl, bool kPairs>
+template <class Tl>
 __device__ __forceinline__ void produce(const CUtensorMap* tm_q, const CUtensorMap* tm_k, const CUtensorMap* tm_v,
                                         const CUtensorMap* tm_do, const BwdParams& p, const int lane,
                                         const uint32_t smem, float* const lse_rows, float* const delta_rows,
-                                        const int kv_head, const int n_tile, const int steps0, const int steps) {
+                                        const int kv_head, const int n0, const int steps) {
 #if LT_HOPPER_DEVICE_CODE
   constexpr int M = Tl::kBlockM;
   constexpr int S = Tl::kStages;
@@ -450,47 +395,22 @@ __device__ __forceinline__ void produce(const CUtensorMap* tm_q, const CUtensorM
   auto q_full = [&](int s) { return bars + 8u * (1 + s); };
   auto do_full = [&](int s) { return bars + 8u * (1 + S + s); };
   auto empty = [&](int s) { return bars + 8u * (1 + 2 * S + s); };
-  const uint32_t kv_empty = bars + 8u * (1 + 3 * S);
-  auto load_kv = [&](const int n0) {
+  if (lane == 0) {
+    prefetch_tensor_map(tm_q);
+    prefetch_tensor_map(tm_k);
+    prefetch_tensor_map(tm_v);
+    prefetch_tensor_map(tm_do);
     mbar_arrive_expect_tx(kv_full, 2 * Tl::kKVBytes);
 #pragma unroll
     for (int c = 0; c < Tl::kColBlocks; ++c) {
       tma_load_3d(sK + c * Tl::kKVColBlockBytes, tm_k, kv_full, c * kSwizzleElems, kv_head, n0);
       tma_load_3d(sV + c * Tl::kKVColBlockBytes, tm_v, kv_full, c * kSwizzleElems, kv_head, n0);
     }
-  };
-  if (lane == 0) {
-    prefetch_tensor_map(tm_q);
-    prefetch_tensor_map(tm_k);
-    prefetch_tensor_map(tm_v);
-    prefetch_tensor_map(tm_do);
-    load_kv(n_tile * kBlockN);
   }
-  // One pass: each step's query tile and head from a StepCursor. Paired key tiles: from the step index
-  // (StepCursor<true>'s order: pass 0 descending, pass 1 ascending to the last query tile), because
-  // a cursor's state beside the reload made the producer's 24 registers spill.
-  StepCursor<false> cursor(p, kv_head);
-  const int tiles0 = steps0 / p.group;                                     // query tiles of pass 0
-  const int m_base1 = p.num_q_tiles - (steps - steps0) / p.group - tiles0;  // pass 1: m = m_base1 + i
-  for (int step = 0; step < steps; ++step) {
+  StepCursor cursor(p, kv_head);
+  for (int step = 0; step < steps; ++step, cursor.next()) {
     const int s = step % S;
-    int m, head;
-    if constexpr (kPairs) {
-      // Pass 1's K and V (key tile kv_tiles - 1 - n_tile, KeyPasses) replace pass 0's once every
-      // consumer thread has finished reading them (phase 0 of kv_empty); they complete phase 1 of
-      // kv_full. Every load of pass 0 was issued before this wait, so the consumers can reach it.
-      if (step == steps0 && lane == 0) {
-        mbar_wait_no_trap(kv_empty, 0);
-        load_kv((p.kv_tiles - 1 - n_tile) * kBlockN);
-      }
-      const int i = step / p.group;
-      head = kv_head * p.group + (step - i * p.group);
-      m = i < tiles0 ? p.num_q_tiles - 1 - i : m_base1 + i;
-    } else {
-      m = cursor.m;
-      head = cursor.head;
-      cursor.next();
-    }
+    const int m = cursor.m, head = cursor.head;
     const int m0 = m * M;
     // Load `step` into stage s waits for the release of load step - S from it: phase (step - S) / S of
     // empty[s], parity ((step / S) & 1) ^ 1; a fresh barrier's "previous phase" counts as complete, so
@@ -528,12 +448,11 @@ __device__ __forceinline__ void produce(const CUtensorMap* tm_q, const CUtensorM
 // until w's staging buffer is full, lane 0 issues its bulk reduction into the accumulator; then, but
 // after the last step, lane 0 waits until both reductions have read their buffers and the warp tells
 // both warpgroups they may write them again. It returns once the last reductions have completed.
-template <class Tl, bool kPairs>
+template <class Tl>
 __device__ __forceinline__ void write_dq(const BwdParams& p, const int lane, const uint32_t smem, const int kv_head,
-                                         const KeyPasses& kp) {
+                                         const int steps) {
 #if LT_HOPPER_DEVICE_CODE
-  const int steps = kp.steps;
-  StepCursor<kPairs> cursor(p, kv_head, kp);
+  StepCursor cursor(p, kv_head);
   for (int step = 0; step < steps; ++step, cursor.next()) {
 #pragma unroll
     for (int w = 0; w < 2; ++w) {
@@ -558,7 +477,7 @@ __device__ __forceinline__ void write_dq(const BwdParams& p, const int lane, con
 #endif  // LT_HOPPER_DEVICE_CODE
 }
 
-template <int D, bool kCausal, bool kPairs>
+template <int D, bool kCausal>
 __global__ void __launch_bounds__(kThreads, 1)
     hopper_attention_bwd_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                                 const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_do,
@@ -580,17 +499,17 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto q_full = [&](int s) { return bars + 8u * (1 + s); };
   auto do_full = [&](int s) { return bars + 8u * (1 + S + s); };
   auto empty = [&](int s) { return bars + 8u * (1 + 2 * S + s); };
-  const uint32_t kv_empty = bars + 8u * (1 + 3 * S);
 
   // This CTA's kv head and key tile (hopper_attention.h, "The launch order"): CTA w in launch order (x
   // fastest) takes, within its section of p.section kv heads, the key tiles from 0 up (causal: tile 0
-  // meets the most query tiles) and the section's kv heads fastest. Grid (kv heads, key tiles), or
-  // with kPairs (kv heads, pairs): n_tile is then the pair's first key tile (KeyPasses).
+  // meets the most query tiles) and the section's kv heads fastest. Grid (kv heads, key tiles).
   int kv_head, n_tile;
   launch_order_tile(p.section, p.kv_heads, 1, static_cast<int>(gridDim.y), kv_head, n_tile);
-  static_assert(kCausal || !kPairs, "paired key tiles are for causal blocks");
-  const KeyPasses kp(p, n_tile, kCausal, kPairs, M);
-  const int steps = kp.steps;
+  const int n0 = n_tile * kBlockN;
+  // Causal (Tq == Tk): query tiles wholly before key n0 see none of these keys. n0 < Tk = Tq, so at
+  // least one tile remains; without a mask every query tile meets the keys.
+  const int m_first = kCausal ? n0 / M : 0;
+  const int steps = (p.num_q_tiles - m_first) * p.group;  // query tiles num_q_tiles - 1 down to m_first (StepCursor)
 
   if (threadIdx.x == 0) {
     mbar_init(kv_full, 1);
@@ -599,7 +518,6 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_init(do_full(s), 32);
       mbar_init(empty(s), kConsumerThreads);
     }
-    mbar_init(kv_empty, kConsumerThreads);
     fence_barrier_init();
   }
   __syncthreads();
@@ -610,80 +528,52 @@ __global__ void __launch_bounds__(kThreads, 1)
     // later CTA-wide barrier) ----
     setmaxnreg_dec<kProducerRegs>();
     if constexpr (Tl::kDqWriter) {
-      if (threadIdx.x / 32 == 1) return write_dq<Tl, kPairs>(p, threadIdx.x % 32, smem, kv_head, kp);
+      if (threadIdx.x / 32 == 1) return write_dq<Tl>(p, threadIdx.x % 32, smem, kv_head, steps);
     }
     if (threadIdx.x >= 32) return;
-    produce<Tl, kPairs>(&tm_q, &tm_k, &tm_v, &tm_do, p, threadIdx.x, smem, lse_rows, delta_rows, kv_head, n_tile,
-                        kp.steps0, kp.steps);
+    produce<Tl>(&tm_q, &tm_k, &tm_v, &tm_do, p, threadIdx.x, smem, lse_rows, delta_rows, kv_head, n0, steps);
     return;
   }
 
   // ---- consumers ----
   setmaxnreg_inc<kConsumerRegs>();
-  const int cw = warpgroup - 1;  // keys n0 + 64·cw + [0, 64) of the pass's key tile (n0)
+  const int cw = warpgroup - 1;  // keys n0 + 64·cw + [0, 64)
   const int t = threadIdx.x % 128;
   const int warp = t / 32, lane = t % 32;
+  const int key_wg = n0 + kWgKeys * cw;
   const int key_row = kWgKeys * cw + 16 * warp + lane / 4;  // this thread's half-0 key row in the tile
+  const int key_lo = n0 + key_row;                          // ... as a key index; half 1 is +8
   const int col_lane = 2 * (lane % 4);
-  // The pass's keys: this warpgroup's first, this thread's half-0 key (half 1 is +8), and whether the
-  // warpgroup has keys >= Tk (zero rows).
-  int key_wg, key_lo;
-  bool keys_past_end;
-  auto set_keys = [&](const int n0) {
-    key_wg = n0 + kWgKeys * cw;
-    key_lo = n0 + key_row;
-    keys_past_end = key_wg + kWgKeys > p.tk;
-  };
-  set_keys(kp.tile[0] * kBlockN);
 
   float dv[Tl::kKVFloats], dk[Tl::kKVFloats];
 #pragma unroll
   for (int i = 0; i < Tl::kKVFloats; ++i) dv[i] = dk[i] = 0.0f;
+  const bool keys_past_end = key_wg + kWgKeys > p.tk;  // this warpgroup has keys >= Tk (zero rows)
 
   mbar_wait_no_trap(kv_full, 0);
-  // At D = 64, K_w is Sᵀ's A operand from registers (bf16 pairs, loaded once per pass; header: "K_w in
+  // At D = 64, K_w is Sᵀ's A operand from registers (bf16 pairs, loaded once; header: "K_w in
   // registers"): pair r of k-step kk holds key rows key_row + 8·(r % 2), head_dim columns
   // 16·kk + 8·(r / 2) + col_lane + {0, 1}, read from the 128-byte swizzled K tile.
   constexpr bool kKRegs = Tl::kKInRegisters;
   uint32_t ka[kKRegs ? D / 16 : 1][4];
-  auto load_k_registers = [&] {
-    if constexpr (kKRegs) {
+  if constexpr (kKRegs) {
 #pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
+    for (int kk = 0; kk < D / 16; ++kk) {
 #pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          const int row = key_row + 8 * (r % 2);
-          const int col = 16 * kk + 8 * (r / 2) + col_lane;
-          const uint32_t byte = (col % 64) * 2;
-          ka[kk][r] = ld_shared_u32(sK + (col / 64) * Tl::kKVColBlockBytes + row * kRowBytes +
-                                    (((byte / 16) ^ (row % 8)) << 4) + byte % 16);
-        }
+      for (int r = 0; r < 4; ++r) {
+        const int row = key_row + 8 * (r % 2);
+        const int col = 16 * kk + 8 * (r / 2) + col_lane;
+        const uint32_t byte = (col % 64) * 2;
+        ka[kk][r] = ld_shared_u32(sK + (col / 64) * Tl::kKVColBlockBytes + row * kRowBytes +
+                                  (((byte / 16) ^ (row % 8)) << 4) + byte % 16);
       }
     }
-  };
-  load_k_registers();
-
-  // dK = scale · Σ dSᵀ·Q, dV = Σ Pᵀ·dO for this warpgroup's keys of the pass, stored or added once.
-  auto store_dk_dv = [&] {
-    char* const dk_base = static_cast<char*>(p.dk);
-    char* const dv_base = static_cast<char*>(p.dv);
-    const int dk_elem = p.dk_f32 ? 4 : 2, dv_elem = p.dv_f32 ? 4 : 2;
-#pragma unroll
-    for (int i = 0; i < Tl::kKVFloats; i += 2) {
-      const int64_t key = key_lo + 8 * ((i / 2) % 2);
-      if (key >= p.tk) continue;
-      const int64_t col = 8 * (i / 4) + col_lane;
-      put_pair(dk_base + (key * p.dk_ts + kv_head * p.dk_hs + col) * dk_elem, p.dk_f32, p.accumulate,
-               dk[i] * p.scale, dk[i + 1] * p.scale);
-      put_pair(dv_base + (key * p.dv_ts + kv_head * p.dv_hs + col) * dv_elem, p.dv_f32, p.accumulate, dv[i],
-               dv[i + 1]);
-    }
-  };
+  }
   // Every operand's descriptor is this one's plus constants and the stage's or buffer's offset
   // (desc_at), not a new encoding of its address per wgmma.
   const uint64_t desc0 = smem_desc(smem, 16, kAtomBytes);
   const uint32_t wg_rows = kWgKeys * cw * kRowBytes;  // this warpgroup's 64 rows of K and V
-  StepCursor<kPairs> cursor(p, kv_head, kp);
+  StepCursor cursor(p, kv_head);
   for (int step = 0; step < steps; ++step, cursor.next()) {
     const int s = step % S;
     const uint32_t parity = (step / S) & 1;
@@ -874,26 +764,25 @@ __global__ void __launch_bounds__(kThreads, 1)
         bulk_commit_group();
       }
     }
-
-    // End of pass 0 with a pass 1 to come: this thread's reads of K and V (and K_w) are done (wait_group
-    // 0 above), so it releases them to the producer, stores pass 0's dK/dV, and starts pass 1's sums
-    // once its K and V are in (phase 1 of kv_full).
-    if (kPairs && step == kp.steps0 - 1 && kp.two()) {
-      mbar_arrive(kv_empty);
-      store_dk_dv();
-#pragma unroll
-      for (int i = 0; i < Tl::kKVFloats; ++i) dv[i] = dk[i] = 0.0f;
-      set_keys(kp.tile[1] * kBlockN);
-      mbar_wait_no_trap(kv_full, 1);
-      load_k_registers();
-    }
   }
   // The last reduction has completed (read its source, written the accumulator) before the CTA leaves
   // (with a writer warp, the writer waits for it).
   if (!Tl::kDqWriter && t == 0) bulk_wait_all();
 
-  // ---- epilogue: the last pass's dK and dV ----
-  store_dk_dv();
+  // ---- epilogue: dK = scale · Σ dSᵀ·Q, dV = Σ Pᵀ·dO for this warpgroup's keys ----
+  char* const dk_base = static_cast<char*>(p.dk);
+  char* const dv_base = static_cast<char*>(p.dv);
+  const int dk_elem = p.dk_f32 ? 4 : 2, dv_elem = p.dv_f32 ? 4 : 2;
+#pragma unroll
+  for (int i = 0; i < Tl::kKVFloats; i += 2) {
+    const int64_t key = key_lo + 8 * ((i / 2) % 2);
+    if (key >= p.tk) continue;
+    const int64_t col = 8 * (i / 4) + col_lane;
+    put_pair(dk_base + (key * p.dk_ts + kv_head * p.dk_hs + col) * dk_elem, p.dk_f32, p.accumulate,
+             dk[i] * p.scale, dk[i + 1] * p.scale);
+    put_pair(dv_base + (key * p.dv_ts + kv_head * p.dv_hs + col) * dv_elem, p.dv_f32, p.accumulate, dv[i],
+             dv[i + 1]);
+  }
 #endif  // LT_HOPPER_DEVICE_CODE
 }
 
@@ -959,10 +848,10 @@ __global__ void dq_from_accum_kernel(Out* dq, int64_t dq_ts, int64_t dq_hs, cons
 
 int block_m(int64_t head_dim) { return head_dim == 64 ? BwdTiles<64>::kBlockM : BwdTiles<128>::kBlockM; }
 
-template <int D, bool kCausal, bool kPairs>
+template <int D, bool kCausal>
 void launch_bwd(const CUtensorMap& mq, const CUtensorMap& mk, const CUtensorMap& mv, const CUtensorMap& mdo,
                 const BwdParams& p, int kv_heads, int kv_tiles) {
-  auto* kernel = hopper_attention_bwd_kernel<D, kCausal, kPairs>;
+  auto* kernel = hopper_attention_bwd_kernel<D, kCausal>;
   constexpr uint32_t smem_bytes = BwdTiles<D>::kSmemBytes;
   static const bool configured = [kernel] {
     LT_CUDA_CHECK(
@@ -1053,31 +942,20 @@ std::string backward_unsupported_reason(const OutView& dq, const OutView& dk, co
   return check_stats(lse, "lse", q.tokens, q.heads);
 }
 
-bool bwd_paired_key_tiles() {
-  const char* value = std::getenv("LONGTRAIN_HOPPER_BWD_PAIRS");
-  if (value == nullptr || *value == '\0' || std::string(value) == "0") return false;
-  LT_CHECK(std::string(value) == "1", "LONGTRAIN_HOPPER_BWD_PAIRS must be 0 or 1, got '{}'", value);
-  return true;
-}
-
 int bwd_kv_heads_per_section(int64_t tq, int64_t tk, int64_t q_heads, int64_t kv_heads, int64_t head_dim, bool causal) {
   if (const int asked = host::section_from_env("LONGTRAIN_HOPPER_BWD_SECTION", kv_heads); asked > 0) return asked;
   LT_CHECK(tq > 0 && tk > 0 && kv_heads > 0 && q_heads % kv_heads == 0,
            "hopper attention backward: Tq {}, Tk {}, q heads {}, kv heads {} give no launch order", tq, tk, q_heads,
            kv_heads);
-  // The CTAs in launch order (the kernel's first lines, KeyPasses): key tiles from 0, or pairs of them,
-  // each CTA's work its steps (query tiles times the group's query heads) plus one for loading K/V and
+  // The CTAs in launch order (the kernel's first lines): key tiles from 0, each CTA's work its steps
+  // (the query tiles that meet its keys times the group's query heads) plus one for loading K/V and
   // storing dK/dV.
   const int64_t m = block_m(head_dim), q_tiles = (tq + m - 1) / m, kv_tiles = (tk + kBlockN - 1) / kBlockN;
   const int64_t group = q_heads / kv_heads;
-  auto steps = [&](int64_t n) { return (q_tiles - (causal ? n * kBlockN / m : 0)) * group; };
-  const bool pairs = causal && bwd_paired_key_tiles();
-  std::vector<int64_t> work;
-  for (int64_t n = 0; n < (pairs ? (kv_tiles + 1) / 2 : kv_tiles); ++n) {
-    const int64_t other = kv_tiles - 1 - n;
-    work.push_back(1 + steps(n) + (pairs && other != n ? 1 + steps(other) : 0));
-  }
-  return host::cached_section_for_tail(pairs ? "bwd_pairs" : "bwd", work, 1, kv_heads);
+  std::vector<int64_t> work(static_cast<size_t>(kv_tiles));
+  for (int64_t n = 0; n < kv_tiles; ++n)
+    work[static_cast<size_t>(n)] = 1 + (q_tiles - (causal ? n * kBlockN / m : 0)) * group;
+  return host::cached_section_for_tail("bwd", work, 1, kv_heads);
 }
 
 void backward(const OutView& dq, const OutView& dk, const OutView& dv, const View& q, const View& k, const View& v,
@@ -1116,9 +994,6 @@ void backward(const OutView& dq, const OutView& dk, const OutView& dv, const Vie
                   ? std::min(kv_heads_per_section, p.kv_heads)
                   : bwd_kv_heads_per_section(q.tokens, k.tokens, q.heads, k.heads, q.dim, causal);
   p.num_q_tiles = static_cast<int>((q.tokens + M - 1) / M);
-  p.kv_tiles = static_cast<int>((k.tokens + kBlockN - 1) / kBlockN);
-  const bool pairs_asked = bwd_paired_key_tiles();  // read (and checked) on every call, causal or not
-  const bool pairs = causal && pairs_asked;
   p.scale = scale;
   p.scale_log2 = scale * kLog2e;
 
@@ -1127,25 +1002,20 @@ void backward(const OutView& dq, const OutView& dk, const OutView& dv, const Vie
   p.dq_accum = static_cast<float*>(cuda_util::scratch(cuda_util::Scratch::attn_dq_accum, acc_bytes));
   LT_CUDA_CHECK(cudaMemsetAsync(p.dq_accum, 0, acc_bytes, cuda_stream()));
 
-  // Grid (kv heads, CTAs per kv head): one per key tile, or per pair of them.
-  const int hkv = static_cast<int>(k.heads), kv_tiles = pairs ? (p.kv_tiles + 1) / 2 : p.kv_tiles;
+  const int hkv = static_cast<int>(k.heads), kv_tiles = static_cast<int>((k.tokens + kBlockN - 1) / kBlockN);
   const int hq = static_cast<int>(q.heads);
   if (q.dim == 64) {
-    if (pairs) {
-      launch_bwd<64, true, true>(mq, mk, mv, mdo, p, hkv, kv_tiles);
-    } else if (causal) {
-      launch_bwd<64, true, false>(mq, mk, mv, mdo, p, hkv, kv_tiles);
+    if (causal) {
+      launch_bwd<64, true>(mq, mk, mv, mdo, p, hkv, kv_tiles);
     } else {
-      launch_bwd<64, false, false>(mq, mk, mv, mdo, p, hkv, kv_tiles);
+      launch_bwd<64, false>(mq, mk, mv, mdo, p, hkv, kv_tiles);
     }
     launch_dq<64>(dq, p.dq_accum, p.tq, hq, p.num_q_tiles, scale, accumulate);
   } else {
-    if (pairs) {
-      launch_bwd<128, true, true>(mq, mk, mv, mdo, p, hkv, kv_tiles);
-    } else if (causal) {
-      launch_bwd<128, true, false>(mq, mk, mv, mdo, p, hkv, kv_tiles);
+    if (causal) {
+      launch_bwd<128, true>(mq, mk, mv, mdo, p, hkv, kv_tiles);
     } else {
-      launch_bwd<128, false, false>(mq, mk, mv, mdo, p, hkv, kv_tiles);
+      launch_bwd<128, false>(mq, mk, mv, mdo, p, hkv, kv_tiles);
     }
     launch_dq<128>(dq, p.dq_accum, p.tq, hq, p.num_q_tiles, scale, accumulate);
   }

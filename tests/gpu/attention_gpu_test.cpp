@@ -1181,9 +1181,8 @@ TEST(HopperAttentionLaunchOrder, EverySectionSizeGivesTheSameResults) {
   }
 }
 
-// The launch order's and the paired backward's switches (host code: runs without a GPU): unset means
-// the default, a valid value is taken (a section size clamped to the kv heads), anything else throws
-// naming the variable.
+// The launch order's switches (host code: runs without a GPU): a valid value is taken (a section
+// size clamped to the kv heads), anything else throws naming the variable.
 TEST(HopperAttentionSwitches, EnvironmentValuesAreCheckedAndNamed) {
   // Runs body with `name` set to value (unset for nullptr), then puts back what the run had.
   auto with_env = [](const char* name, const char* value, auto&& body) {
@@ -1216,17 +1215,6 @@ TEST(HopperAttentionSwitches, EnvironmentValuesAreCheckedAndNamed) {
       }
     });
   }
-  with_env("LONGTRAIN_HOPPER_BWD_PAIRS", nullptr, [] { EXPECT_FALSE(attn::hopper::bwd_paired_key_tiles()); });
-  with_env("LONGTRAIN_HOPPER_BWD_PAIRS", "0", [] { EXPECT_FALSE(attn::hopper::bwd_paired_key_tiles()); });
-  with_env("LONGTRAIN_HOPPER_BWD_PAIRS", "1", [] { EXPECT_TRUE(attn::hopper::bwd_paired_key_tiles()); });
-  with_env("LONGTRAIN_HOPPER_BWD_PAIRS", "yes", [] {
-    try {
-      attn::hopper::bwd_paired_key_tiles();
-      ADD_FAILURE() << "LONGTRAIN_HOPPER_BWD_PAIRS=yes was accepted";
-    } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find("LONGTRAIN_HOPPER_BWD_PAIRS"), std::string::npos) << e.what();
-    }
-  });
 }
 
 // The launch order's section size model (hopper_host.h; host code, runs without a GPU): list
@@ -1287,88 +1275,12 @@ TEST(HopperLaunchOrderModel, BackwardSectionsAvoidTheTailAt8K) {
 // gets more than one kv head per section, 64K gets one.
 TEST(HopperLaunchOrderModel, DefaultsOnThisGpu) {
   if (!attn::hopper::supported(64, 1, 1)) GTEST_SKIP() << "the hopper attention kernel needs an sm_90 GPU";
-  if (std::getenv("LONGTRAIN_HOPPER_FWD_SECTION") || std::getenv("LONGTRAIN_HOPPER_BWD_SECTION") ||
-      std::getenv("LONGTRAIN_HOPPER_BWD_PAIRS"))
-    GTEST_SKIP() << "a LONGTRAIN_HOPPER_*_SECTION or _BWD_PAIRS override is set in this run";
+  if (std::getenv("LONGTRAIN_HOPPER_FWD_SECTION") || std::getenv("LONGTRAIN_HOPPER_BWD_SECTION"))
+    GTEST_SKIP() << "a LONGTRAIN_HOPPER_*_SECTION override is set in this run";
   EXPECT_GT(attn::hopper::bwd_kv_heads_per_section(8192, 8192, 32, 4, 64, true), 1);
   EXPECT_EQ(attn::hopper::bwd_kv_heads_per_section(65536, 65536, 32, 8, 128, true), 1);
   EXPECT_EQ(attn::hopper::fwd_kv_heads_per_section(65536, 65536, 32, 8, 128, true), 1);
   EXPECT_EQ(attn::hopper::fwd_kv_heads_per_section(65536, 65536, 32, 4, 64, true), 1);
-}
-
-// Paired key tiles (LONGTRAIN_HOPPER_BWD_PAIRS=1, hopper_attention.h): each causal backward CTA runs
-// key tile j, then key tile K - 1 - j from its diagonal up, reloading K and V in between. Against
-// cuDNN's backward and against one key tile per CTA, at even and odd key tile counts (the middle tile
-// of an odd count runs alone), one key tile, both head dims, GQA and MQA; dQ/dK/dV overwritten, then
-// accumulated into.
-TEST(HopperAttentionBackwardPairs, PairedKeyTilesMatchOneTilePerCta) {
-  LT_REQUIRE_HOPPER();
-  struct Shape {
-    int64_t S, Hq, Hkv, D;
-  };
-  // Sets LONGTRAIN_HOPPER_BWD_PAIRS for its lifetime and puts back what the run had (the test may run
-  // under either setting).
-  struct PairsSetTo {
-    std::optional<std::string> before;
-    explicit PairsSetTo(const char* value) {
-      if (const char* b = std::getenv("LONGTRAIN_HOPPER_BWD_PAIRS")) before = b;
-      setenv("LONGTRAIN_HOPPER_BWD_PAIRS", value, 1);
-    }
-    ~PairsSetTo() {
-      if (before) {
-        setenv("LONGTRAIN_HOPPER_BWD_PAIRS", before->c_str(), 1);
-      } else {
-        unsetenv("LONGTRAIN_HOPPER_BWD_PAIRS");
-      }
-    }
-  };
-  for (const Shape& shape : {Shape{3000, 32, 8, 128}, Shape{2500, 24, 8, 64}, Shape{1100, 4, 2, 64},
-                             Shape{1100, 2, 1, 128}, Shape{200, 4, 1, 128}, Shape{100, 2, 2, 64}}) {
-    const CudnnBackwardReference s(shape.S, shape.Hq, shape.Hkv, shape.D, /*causal=*/true, 1901);
-    const std::string& tag = s.tag;
-    SCOPED_TRACE(tag);
-    // One key tile per CTA (the default), then paired, each into f32 gradients that start as a sentinel:
-    // overwritten once, then accumulated into (so each holds 2x the gradient).
-    const std::vector<double> sentinel_q(static_cast<size_t>(s.S * s.Hq * s.D), kSentinel);
-    const std::vector<double> sentinel_kv(static_cast<size_t>(s.S * s.Hkv * s.D), kSentinel);
-    std::vector<double> single[3];
-    // One key tile per CTA; paired under the default launch order (one kv head per section); paired
-    // in sections of 3 kv heads (a smaller last section where the kv heads are not a multiple of 3).
-    struct Run {
-      bool pairs;
-      int section;
-    };
-    for (const Run run : {Run{false, 0}, Run{true, 0}, Run{true, 3}}) {
-      const bool pairs = run.pairs;
-      const std::string at =
-          (pairs ? fmt::format("paired, section {}", run.section) : std::string("one key tile per CTA")) + tag;
-      const PairsSetTo setting(pairs ? "1" : "0");
-      ASSERT_EQ(attn::hopper::bwd_paired_key_tiles(), pairs);
-      DeviceTensor gq(DType::f32, {s.S, s.Hq, s.D}), gk(DType::f32, {s.S, s.Hkv, s.D}),
-          gv(DType::f32, {s.S, s.Hkv, s.D});
-      upload(gq, sentinel_q);
-      upload(gk, sentinel_kv);
-      upload(gv, sentinel_kv);
-      for (const bool accumulate : {false, true})
-        attn::hopper::backward(hout(gq), hout(gk), hout(gv), hview(s.in.q), hview(s.in.k), hview(s.in.v), hview(s.d_o),
-                               hstats(s.lse), hstats(s.delta), true, s.sc, accumulate, run.section);
-      LT_CUDA_CHECK(cudaStreamSynchronize(cuda_stream()));
-      std::vector<double> got[3] = {download(gq), download(gk), download(gv)};
-      for (std::vector<double>& g : got)
-        for (double& x : g) x /= 2.0;
-      check_output("hopper dQ (twice, halved) vs cuDNN, " + at, DType::bf16, got[0], download(s.dq), s.Hq, s.D);
-      check_output("hopper dK (twice, halved) vs cuDNN, " + at, DType::bf16, got[1], download(s.dk), s.Hkv, s.D);
-      check_output("hopper dV (twice, halved) vs cuDNN, " + at, DType::bf16, got[2], download(s.dv), s.Hkv, s.D);
-      if (!pairs) {
-        for (int i = 0; i < 3; ++i) single[i] = std::move(got[i]);
-        continue;
-      }
-      // f32 sums of the same terms in another order (pass 1 climbs): close to one tile per CTA's.
-      expect_close(at + ": dQ vs one key tile per CTA", DType::f32, got[0], single[0]);
-      expect_close(at + ": dK vs one key tile per CTA", DType::f32, got[1], single[1]);
-      expect_close(at + ": dV vs one key tile per CTA", DType::f32, got[2], single[2]);
-    }
-  }
 }
 
 }  // namespace
