@@ -32,6 +32,10 @@
 // timed first after the backward's timing ran up to 12% slower at 64K than the same kernel timed
 // again (bench/results/attention-hopper-fwd-lazy-rescale-2026-12-05.json, position_probe).
 // FLOPs count the causal half: fwd = 4·Hq·S²·D / 2, fwd+bwd = 3.5 × fwd.
+//
+// "ours" runs under the kernel choice a training run makes by default (bench_common.h:
+// use_training_kernel_policies): auto, each call shape's trial run out before the timing and its
+// choices recorded in the row; LONGTRAIN_ATTENTION_KERNEL=cudnn (or hopper) times that policy instead.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -132,7 +136,11 @@ int main(int argc, char** argv) try {
   LT_CHECK(cuda_available(), "attention_bench: no CUDA device is visible");
   json anchor = opt.anchor.empty() ? json() : read_json("attention_bench", "the anchor results", opt.anchor);
 
+  // "ours" runs as a training run's attention does by default (auto: cuDNN or our kernels per call
+  // shape, each timed on its first calls), unless LONGTRAIN_ATTENTION_KERNEL names another policy.
+  const KernelPolicies policies = use_training_kernel_policies();
   json result;
+  result["attention_kernel_policy"] = std::string(attn::kernel_policy_name(policies.attention));
   result["benchmark"] =
       fmt::format("causal attention fwd and fwd+bwd, batch 1, 32 query heads, head dim {}, bf16", opt.head_dim);
   result["date"] = utc_date();
@@ -143,7 +151,8 @@ int main(int argc, char** argv) try {
                                  opt.warmup);
   result["flops"] = "fwd = 4*Hq*S^2*D/2 (causal half), fwd+bwd = 3.5*fwd";
   result["ours"] =
-      "longtrain as the model calls it: LocalSequenceAttention forward (Q/K/V views of a fused bf16 QKV buffer, "
+      "longtrain as the model calls it, under attention_kernel_policy (auto, as a training run by default: "
+      "after each shape's trial, the kernels it chose): LocalSequenceAttention forward (Q/K/V views of a fused bf16 QKV buffer, "
       "bf16 O, f32 LSE stored head-major) and backward (the final O to cuDNN, dQ/dK/dV overwritten in place in a fused bf16 dQKV "
       "buffer)";
   result["ours_block_delta_f32"] =
@@ -357,6 +366,29 @@ int main(int argc, char** argv) try {
         std::fflush(stdout);
         continue;
       }
+      // Under auto the first calls of each shape are its trial (both kernels, alternating, the host
+      // waiting once at the end): run them out before timing, so that "ours" (and the block calls
+      // from delta, shapes of their own) time the chosen kernels.
+      const size_t choices_before = attn::kernel_choices().size();
+      auto run_out_trials = [](const std::function<void()>& fn) {
+        for (int i = 0; i < 16; ++i) {
+          const int64_t trials = attn::kernel_trial_calls();
+          fn();
+          if (attn::kernel_trial_calls() == trials) return;
+        }
+        LT_CHECK(false, "attention_bench: the auto kernel trials did not end within 16 calls");
+      };
+      run_out_trials(fwd_bwd);
+      run_out_trials(block_delta_fwd_bwd);
+      const std::vector<attn::KernelChoice> all_choices = attn::kernel_choices();
+      json row_choices = json::array();
+      for (size_t i = choices_before; i < all_choices.size(); ++i) {
+        const attn::KernelChoice& c = all_choices[i];
+        row_choices.push_back({{"shape", c.shape}, {"kernel", c.kernel}, {"cudnn_ms", c.cudnn_ms}, {"hopper_ms", c.hopper_ms}});
+        std::printf("hkv=%2lld S=%6lld: ours under auto: %s -> %s (cuDNN %.3f ms, ours %.3f ms)\n",
+                    static_cast<long long>(hkv), static_cast<long long>(S), c.shape.c_str(), c.kernel.c_str(),
+                    c.cudnn_ms, c.hopper_ms);
+      }
       const double ms_f = median_ms(fwd, opt.warmup, opt.reps);
       const double ms_fb = median_ms(fwd_bwd, opt.warmup, opt.reps);
       const double ms_db = median_ms(block_delta_fwd_bwd, opt.warmup, opt.reps);
@@ -384,7 +416,9 @@ int main(int argc, char** argv) try {
                     static_cast<long long>(hkv), static_cast<long long>(S),
                     attn::hopper::fwd_variant_name(hopper_runs[r].variant), ms_cf / ms_hopper[r], ms_hopper[r], ms_cf);
       }
-      row.update(json{{"ours", {{"fwd_ms", round3(ms_f)},
+      row.update(json{{"ours", {{"policy", std::string(attn::kernel_policy_name(policies.attention))},
+                                {"auto_choices", row_choices},
+                                {"fwd_ms", round3(ms_f)},
                             {"fwd_tflops", round1(fwd_flops / ms_f / 1e9)},
                             {"fwdbwd_ms", round3(ms_fb)},
                             {"fwdbwd_tflops", round1(3.5 * fwd_flops / ms_fb / 1e9)}}},

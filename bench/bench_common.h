@@ -1,7 +1,8 @@
 // What the GPU benchmarks (attention_bench, llama_bench, comm_bench, cp_bench) share: the command
 // line and its comma lists, the date and the machine recorded in a result, reading an anchor's JSON
-// and writing ours, device buffers, the synthetic bf16 inputs, CUDA-event timing, and the slowest
-// rank's value. Header-only: each benchmark is one program.
+// and writing ours, device buffers, the synthetic bf16 inputs, CUDA-event timing, the slowest rank's
+// value, and the kernel choices a training run gets. Header-only: each benchmark is one
+// program.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -12,6 +13,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <ctime>
 #include <exception>
 #include <fstream>
@@ -24,6 +26,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "attention/local_attention.h"
+#include "kernels/ops.h"
 #include "parallel/communicator.h"
 #include "runtime/cuda_check.h"
 #include "runtime/device.h"
@@ -187,6 +191,30 @@ inline void write_json(const std::string& tool, const std::string& path, const j
   std::ofstream out(path);
   LT_CHECK(out.good(), "{}: cannot write {}", tool, path);
   out << result.dump(1) << "\n";
+}
+
+// ---- kernel choices --------------------------------------------------------------------------------
+
+// What a training run chooses by default: its config's attention.kernel and train.gemm_algorithm are
+// both auto (trainer/config.cpp; config_test checks those defaults).
+struct KernelPolicies {
+  attn::KernelPolicy attention;
+  ops::GemmAlgoPolicy gemm;
+};
+
+// Puts the process under the kernel choices a training run with the default config gets (trainer.cpp:
+// set_kernel_choices): auto for attention and GEMMs, unless LONGTRAIN_ATTENTION_KERNEL or
+// LONGTRAIN_GEMM_ALGO names another (the same developer's overrides the trainer honours). Without it a
+// benchmark would run the libraries' own defaults (cudnn, heuristic) and time what no run uses.
+// Returns the policies in force, for the result to record.
+inline KernelPolicies use_training_kernel_policies() {
+  auto unset = [](const char* name) {
+    const char* v = std::getenv(name);
+    return v == nullptr || *v == '\0';
+  };
+  if (unset("LONGTRAIN_ATTENTION_KERNEL")) attn::set_kernel_policy(attn::KernelPolicy::autotune);
+  if (unset("LONGTRAIN_GEMM_ALGO")) ops::set_gemm_algo_policy(ops::GemmAlgoPolicy::autotune);
+  return {attn::kernel_policy(), ops::gemm_algo_policy()};
 }
 
 // ---- device memory and inputs --------------------------------------------------------------------

@@ -45,7 +45,7 @@
 //
 // For each length (ascending) and checkpoint policy: the memory plan is printed and checked against
 // the free device memory before anything is allocated (a config that does not fit is reported and
-// skipped); then warm-up steps (under LONGTRAIN_GEMM_ALGO=auto more of them, up to 32, until every
+// skipped); then warm-up steps (under GEMM auto more of them, up to 32, until every
 // GEMM shape's trial has ended: the row's gemm_trial_steps, after which the parameters and optimizer
 // are rewound and the warm-up steps run again), then timed steps (wall clock between two
 // device synchronisations, as the anchor times them), with CUDA events splitting each step into
@@ -56,6 +56,10 @@
 // (LlamaModel::set_cuda_graphs, train.cuda_graphs), captured in the warm-up and replayed by every timed
 // step (checked; the row's cuda_graph); the attention inside it is then not timed (null). off,on
 // runs each policy both ways, one row each, for an A/B in one process.
+//
+// Kernel choices: as a training run with the default config makes them (bench_common.h:
+// use_training_kernel_policies): auto for attention (cuDNN or ours per call shape) and GEMMs, unless
+// LONGTRAIN_ATTENTION_KERNEL or LONGTRAIN_GEMM_ALGO names another; the result records both.
 //
 // FLOPs: the anchor counts 6·N_matmul + 6·L·S·d_model per token (N_matmul = all parameters except the
 // embedding; causal attention at half of 12·L·S·d). model_tflops and MFU (against 989 TFLOP/s dense
@@ -543,20 +547,24 @@ int main(int argc, char** argv) try {
       "forward_backward + AdamW step";
   if (!anchor.is_null()) result["anchor"] = {{"script", "bench/anchors/llama_anchor.py"}, {"file", opt.anchor}};
 
+  // Which attention kernel ran the block calls and, under auto, what each call shape chose and both
+  // kernels' times; likewise the GEMMs' cuBLASLt algorithm and auto's choices. Both as a training run
+  // with the default config picks them (auto), unless LONGTRAIN_ATTENTION_KERNEL (cudnn, hopper, auto)
+  // or LONGTRAIN_GEMM_ALGO (heuristic, auto) says otherwise.
+  const KernelPolicies policies = use_training_kernel_policies();
+  result["attention_kernel_policy"] = std::string(attn::kernel_policy_name(policies.attention));
+  result["gemm_algo_policy"] = std::string(ops::gemm_algo_policy_name(policies.gemm));
   if (main_rank)
-    std::printf("llama_bench: %d x %s, %d SMs, %.1f GiB; %.0f parameters%s\n", P,
-                machine["gpu"].get<std::string>().c_str(), machine["sms"].get<int>(),
+    std::printf("llama_bench: %d x %s, %d SMs, %.1f GiB; %.0f parameters%s; attention kernel %s, GEMM algorithm %s\n",
+                P, machine["gpu"].get<std::string>().c_str(), machine["sms"].get<int>(),
                 machine["gpu_memory_gib"].get<double>(), n_all,
-                P > 1 ? fmt::format("; sequence parallel, {} schedule", attn::schedule_name(opt.schedule)).c_str() : "");
+                P > 1 ? fmt::format("; sequence parallel, {} schedule", attn::schedule_name(opt.schedule)).c_str() : "",
+                std::string(attn::kernel_policy_name(policies.attention)).c_str(),
+                std::string(ops::gemm_algo_policy_name(policies.gemm)).c_str());
   const std::vector<bf16> image = parameter_image(cfg);
   json rows = json::array();
   std::vector<std::string> summary;
   if (!anchor.is_null() && anchor.contains("params")) result["anchor_params"] = anchor["params"];
-  // Which attention kernel ran the block calls (LONGTRAIN_ATTENTION_KERNEL: cudnn, hopper, auto) and,
-  // under auto, what each call shape chose and both kernels' times.
-  result["attention_kernel_policy"] = std::string(attn::kernel_policy_name(attn::kernel_policy()));
-  // Likewise the GEMMs' cuBLASLt algorithm (LONGTRAIN_GEMM_ALGO: heuristic, auto) and auto's choices.
-  result["gemm_algo_policy"] = std::string(ops::gemm_algo_policy_name(ops::gemm_algo_policy()));
   auto write_result = [&](const json& r) {
     if (opt.out.empty() || !main_rank) return;
     result["rows"] = r;

@@ -6,10 +6,11 @@
 # anchors/compiled_llama_anchor.py); everything comes back in $OUT/all.tar.gz.
 #   scripts/device/run-step-vs-compiled.sh 8192:none,remat_aware
 #   SKIP_TESTS=1 SHAPE=3b scripts/device/run-step-vs-compiled.sh 32768:none,remat_aware,full
-# KERNELS (default "cudnn") lists attention kernel policies (LONGTRAIN_ATTENTION_KERNEL: cudnn, hopper,
-# auto): our step runs once per policy, each merged with the same anchor run. GEMM (default auto, the
-# trainer's train.gemm_algorithm default; or heuristic) is LONGTRAIN_GEMM_ALGO for every step. GRAPHS
-# (default off; on, or off,on for both in one process) is llama_bench's --cuda-graphs.
+# KERNELS (default auto, the trainer's attention.kernel default) lists attention kernel policies
+# (LONGTRAIN_ATTENTION_KERNEL: cudnn, hopper, auto): our step runs once per policy, each merged with the
+# same anchor run. GEMM (default auto, the trainer's train.gemm_algorithm default; or heuristic) is
+# LONGTRAIN_GEMM_ALGO for every step. GRAPHS (default off; on, or off,on for both in one process) is
+# llama_bench's --cuda-graphs.
 set -u
 source scripts/device/session.sh
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
@@ -28,7 +29,7 @@ fi
 # SHAPE=3b: the Llama-3.2-3B shape on both sides (the anchor with our vocabulary, 128256).
 SHAPE=${SHAPE:-1b}
 if [ "$SHAPE" = 3b ]; then BSHAPE=llama3.2-3b; export VOCAB=128256; else BSHAPE=tinyllama; fi
-KERNELS=${KERNELS:-cudnn}
+KERNELS=${KERNELS:-auto}
 export LONGTRAIN_GEMM_ALGO=${GEMM:-auto}
 for item in "${@:-8192:none,remat_aware}"; do
   S=${item%%:*}; P=${item#*:}; N=$SHAPE-$S

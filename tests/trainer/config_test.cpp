@@ -659,7 +659,8 @@ TEST(TrainerConfig, GradDtypeResolvesAndRefusesWhatCannotBe) {
 }
 
 // attention.kernel: auto by default (each call shape timed on cuDNN and our Hopper kernels), the three
-// names, and a wrong one named with the accepted values.
+// names, and a wrong one named with the accepted values. (The benchmarks time this default:
+// bench_common.h, use_training_kernel_policies.)
 TEST(TrainerConfig, AttentionKernelTakesItsThreeNames) {
   EXPECT_EQ(load("data:\n  train: d\n").attention.kernel, attn::KernelPolicy::autotune);
   EXPECT_EQ(load("data:\n  train: d\n", {"attention.kernel=cudnn"}).attention.kernel, attn::KernelPolicy::cudnn);
@@ -669,7 +670,8 @@ TEST(TrainerConfig, AttentionKernelTakesItsThreeNames) {
   EXPECT_TRUE(contains(msg, "cudnn")) << msg;
 }
 
-// train.gemm_algorithm: auto by default (kernels/ops.h), heuristic the other name; anything else names the key.
+// train.gemm_algorithm: auto by default (kernels/ops.h; the benchmarks time it, as above), heuristic the
+// other name; anything else names the key.
 TEST(TrainerConfig, GemmAlgorithmTakesItsTwoNames) {
   EXPECT_EQ(load("data:\n  train: d\n").train.gemm_algorithm, ops::GemmAlgoPolicy::autotune);
   EXPECT_EQ(load("data:\n  train: d\n", {"train.gemm_algorithm=heuristic"}).train.gemm_algorithm,
