@@ -112,7 +112,8 @@ std::string_view kernel_policy_name(KernelPolicy policy);
 KernelPolicy kernel_policy();
 void set_kernel_policy(KernelPolicy policy);
 
-// A decision made under auto: the call shape, the kernel chosen, and each kernel's fastest timed call.
+// A decision made under auto: the call shape, the kernel chosen, and each kernel's mean time over its
+// timed trial calls.
 struct KernelChoice {
   std::string shape;
   std::string kernel;

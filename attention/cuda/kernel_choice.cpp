@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <map>
@@ -65,27 +66,57 @@ KernelPolicy policy_locked(State& s) {
   return *s.policy;
 }
 
-// After the last timed call of a shape: wait for it, take each kernel's fastest call, decide.
+// After the last timed call of a shape: wait for it, compare the kernels' mean times, decide.
 void decide(State& s, const CallShape& shape, Trial& t) {
   LT_CUDA_CHECK(cudaEventSynchronize(t.timings.back().end));
-  double best[2] = {1e300, 1e300};
+  std::vector<std::pair<Kernel, double>> timed_ms;
   for (const Timing& tm : t.timings) {
     float ms = 0.0f;
     LT_CUDA_CHECK(cudaEventElapsedTime(&ms, tm.start, tm.end));
-    double& b = best[tm.kernel == Kernel::hopper ? 1 : 0];
-    b = std::min(b, static_cast<double>(ms));
+    timed_ms.emplace_back(tm.kernel, static_cast<double>(ms));
     LT_CUDA_CHECK(cudaEventDestroy(tm.start));
     LT_CUDA_CHECK(cudaEventDestroy(tm.end));
   }
   t.timings.clear();
-  t.decided = best[1] < best[0] ? Kernel::hopper : Kernel::cudnn;
-  KernelChoice c{shape.describe(), *t.decided == Kernel::hopper ? "hopper" : "cudnn", best[0], best[1]};
+  const TrialDecision d = decide_trial(timed_ms);
+  t.decided = d.kernel;
+  KernelChoice c{shape.describe(), d.kernel == Kernel::hopper ? "hopper" : "cudnn", d.cudnn_ms, d.hopper_ms};
   std::fprintf(stderr, "longtrain: attention kernel for %s: %s (cuDNN %.3f ms, hopper %.3f ms)\n", c.shape.c_str(),
                c.kernel.c_str(), c.cudnn_ms, c.hopper_ms);
   s.choices.push_back(std::move(c));
 }
 
 }  // namespace
+
+int trial_length() { return 2 + 2 * kTimedRounds; }
+
+Kernel trial_kernel(int call) {
+  LT_CHECK(call >= 0 && call < trial_length(), "attention kernel trial: call {} is not in the trial's {} calls",
+           call, trial_length());
+  if (call < 2) return call == 0 ? Kernel::cudnn : Kernel::hopper;  // the untimed pair
+  // Timed calls in ABBA order: pairs alternate which kernel goes first.
+  const int timed = call - 2, pair = timed / 2;
+  const bool cudnn_first = pair % 2 == 0;
+  return (timed % 2 == 0) == cudnn_first ? Kernel::cudnn : Kernel::hopper;
+}
+
+TrialDecision decide_trial(const std::vector<std::pair<Kernel, double>>& timed_ms) {
+  double sum[2] = {0.0, 0.0};
+  int n[2] = {0, 0};
+  for (const auto& [kernel, ms] : timed_ms) {
+    LT_CHECK(std::isfinite(ms) && ms >= 0.0, "attention kernel trial: a timed call took {} ms", ms);
+    const int i = kernel == Kernel::hopper ? 1 : 0;
+    sum[i] += ms;
+    ++n[i];
+  }
+  LT_CHECK(n[0] > 0 && n[1] > 0, "attention kernel trial: {} cuDNN and {} hopper timed calls, both kernels need one",
+           n[0], n[1]);
+  TrialDecision d;
+  d.cudnn_ms = sum[0] / n[0];
+  d.hopper_ms = sum[1] / n[1];
+  d.kernel = d.hopper_ms < d.cudnn_ms ? Kernel::hopper : Kernel::cudnn;
+  return d;
+}
 
 KernelPolicy current_policy() {
   State& s = state();
@@ -131,10 +162,10 @@ Kernel run_chosen(const CallShape& shape, bool hopper_ok, const std::function<vo
     lock.unlock();
     return run(k);
   }
-  // Trial calls alternate cuDNN, hopper; the first pair is untimed.
+  // The trial's calls (trial_kernel): an untimed pair, then the timed ones in ABBA order.
   const int call = t.calls++;
   ++s.trial_calls;
-  const Kernel k = call % 2 == 0 ? Kernel::cudnn : Kernel::hopper;
+  const Kernel k = trial_kernel(call);
   if (call < 2) {
     run(k);
     return k;
@@ -147,7 +178,7 @@ Kernel run_chosen(const CallShape& shape, bool hopper_ok, const std::function<vo
   run(k);
   LT_CUDA_CHECK(cudaEventRecord(tm.end, cuda_stream()));
   t.timings.push_back(tm);
-  if (t.calls == 2 + 2 * kTimedRounds) decide(s, shape, t);
+  if (t.calls == trial_length()) decide(s, shape, t);
   return k;
 }
 

@@ -8,15 +8,21 @@
 //   call run once, whole, into the caller's outputs, so the results are right whichever kernel ran,
 //   merging into partials and accumulating gradients included.
 // The trial of a shape: one untimed call of each kernel (cuDNN builds its plan, both touch their code
-// and caches), then kTimedRounds timed calls of each, alternating, timed with CUDA events on the
-// stream; after the last one the host waits for its end event once, takes each kernel's fastest time
-// and logs the choice. Not bitwise reproducible across processes: two kernels within noise of each
-// other may be chosen differently.
+// and caches), then kTimedRounds timed calls of each, timed with CUDA events on the stream, in ABBA
+// order (cuDNN, ours, ours, cuDNN, ...); after the last one the host waits for its end event once,
+// compares the kernels' mean times and logs the choice. A trial runs while the GPU's clock is still
+// falling towards its power-capped level (a model's first layers after idle): in plain alternation
+// with each kernel's fastest call, the kernel timed first in every pair got the faster-clocked slot
+// (cuDNN; a tie at head dim 128 and 64K went to it though ours ran 3% faster sustained). In ABBA
+// order both kernels' mean positions are the same, so a clock that falls at a steady rate favours
+// neither. Not bitwise reproducible across processes: two kernels within noise of each other may be
+// chosen differently.
 #pragma once
 
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "attention/local_attention.h"
@@ -51,5 +57,16 @@ std::vector<KernelChoice> choices();
 
 // Calls run as trial calls so far (never decreases).
 int64_t trial_calls();
+
+// The trial's schedule and decision, for the tests: how many calls a shape's trial takes, the kernel
+// of its call number `call` (0-based), and the decision from the timed calls' (kernel, ms) in the
+// order they ran: the kernel with the smaller mean (cuDNN on a tie), with both means.
+int trial_length();
+Kernel trial_kernel(int call);
+struct TrialDecision {
+  Kernel kernel = Kernel::cudnn;
+  double cudnn_ms = 0.0, hopper_ms = 0.0;
+};
+TrialDecision decide_trial(const std::vector<std::pair<Kernel, double>>& timed_ms);
 
 }  // namespace longtrain::attn::cuda

@@ -3,11 +3,13 @@
 // every call's result must be right; after the trial the shape has one recorded decision, with both
 // kernels' times, naming the faster. Covers a plain forward, the merge into an f32 partial (the
 // schedules' call), and the backward: accumulating into f32 dq/dk/dv from delta (the schedules'
-// call) and overwriting bf16 ones from O (one rank's). Skips without an sm_90 GPU.
+// call) and overwriting bf16 ones from O (one rank's). Skips without an sm_90 GPU. The trial's schedule
+// and decision (KernelChoiceTrial) run on the host, in CI too.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "attention/local_attention.h"
@@ -15,7 +17,9 @@
 
 #ifdef LONGTRAIN_HAS_CUDA
 #include "attention/cuda/hopper_attention.h"
+#include "attention/cuda/kernel_choice.h"
 #include "runtime/cuda_check.h"
+#include "runtime/error.h"
 #endif
 
 namespace longtrain::test {
@@ -156,6 +160,63 @@ TEST(KernelChoiceAuto, EveryBackwardTrialCallIsRightAndTheFasterKernelIsRecorded
       "the accumulating f32 backward");
   expect_decision(find_choice(all, "backward no-mask Tq=1000 Tk=1000 heads 8/2 head_dim 64"),
                   "the overwriting bf16 backward");
+}
+
+// The trial's schedule (host only, no GPU): after the untimed pair, each kernel's timed calls sit at
+// the same mean position (ABBA order), so a clock that falls at a steady rate while the trial runs
+// (the GPU heating towards its power cap) slows both kernels' means alike.
+TEST(KernelChoiceTrial, TimedCallsSitAtTheSameMeanPositionForBothKernels) {
+  using attn::cuda::Kernel;
+  const int n = attn::cuda::trial_length();
+  ASSERT_GE(n, 6);
+  EXPECT_EQ(attn::cuda::trial_kernel(0), Kernel::cudnn);
+  EXPECT_EQ(attn::cuda::trial_kernel(1), Kernel::hopper);
+  int count[2] = {0, 0}, position_sum[2] = {0, 0};
+  for (int call = 2; call < n; ++call) {
+    const int i = attn::cuda::trial_kernel(call) == Kernel::hopper ? 1 : 0;
+    ++count[i];
+    position_sum[i] += call;
+  }
+  EXPECT_EQ(count[0], count[1]);
+  EXPECT_EQ(position_sum[0], position_sum[1]);
+  EXPECT_THROW(attn::cuda::trial_kernel(n), Error);
+  EXPECT_THROW(attn::cuda::trial_kernel(-1), Error);
+}
+
+// A kernel 1% faster is chosen though every call runs 3% slower than the one before (a falling clock),
+// and two equal kernels get equal means; the decision reads the means (cuDNN on a tie). Under plain
+// alternation with each kernel's fastest call, cuDNN (always first in a pair) would win the first case.
+TEST(KernelChoiceTrial, AFallingClockFavoursNeitherKernel) {
+  using attn::cuda::Kernel;
+  auto trial = [](double cudnn_ms, double hopper_ms, double slowdown_per_call) {
+    std::vector<std::pair<Kernel, double>> timed;
+    for (int call = 2; call < attn::cuda::trial_length(); ++call) {
+      const Kernel k = attn::cuda::trial_kernel(call);
+      const double base = k == Kernel::hopper ? hopper_ms : cudnn_ms;
+      timed.emplace_back(k, base * (1.0 + slowdown_per_call * call));
+    }
+    return attn::cuda::decide_trial(timed);
+  };
+  const attn::cuda::TrialDecision faster_ours = trial(10.0, 9.9, 0.03);
+  EXPECT_EQ(faster_ours.kernel, Kernel::hopper) << "cuDNN " << faster_ours.cudnn_ms << " ms, ours "
+                                                << faster_ours.hopper_ms << " ms";
+  const attn::cuda::TrialDecision faster_cudnn = trial(9.9, 10.0, 0.03);
+  EXPECT_EQ(faster_cudnn.kernel, Kernel::cudnn);
+  const attn::cuda::TrialDecision equal = trial(10.0, 10.0, 0.03);
+  EXPECT_NEAR(equal.cudnn_ms, equal.hopper_ms, 1e-9);
+  EXPECT_EQ(equal.kernel, Kernel::cudnn);
+  // The means are what is recorded.
+  const attn::cuda::TrialDecision flat = trial(4.0, 5.0, 0.0);
+  EXPECT_DOUBLE_EQ(flat.cudnn_ms, 4.0);
+  EXPECT_DOUBLE_EQ(flat.hopper_ms, 5.0);
+}
+
+// A timed call that is not a number, or a trial without one of the kernels, is an error, not a choice.
+TEST(KernelChoiceTrial, ANonFiniteTimeOrAMissingKernelIsAnError) {
+  using attn::cuda::Kernel;
+  EXPECT_THROW(attn::cuda::decide_trial({{Kernel::cudnn, 1.0}, {Kernel::hopper, std::nan("")}}), Error);
+  EXPECT_THROW(attn::cuda::decide_trial({{Kernel::cudnn, INFINITY}, {Kernel::hopper, 1.0}}), Error);
+  EXPECT_THROW(attn::cuda::decide_trial({{Kernel::cudnn, 1.0}, {Kernel::cudnn, 2.0}}), Error);
 }
 
 #else
