@@ -25,7 +25,10 @@
 //
 //   attention_bench [--lengths 4096,16384,65536] [--anchor attn_anchor.json] [--out result.json]
 //                   [--commit SHA] [--warmup 3] [--reps 10] [--kv-heads 32,8] [--head-dim 128]
-//                   [--layouts bshd,bhsd] [--kernel cudnn,hopper,hopper-overlap,...]
+//                   [--layouts bshd,bhsd] [--kernel cudnn,hopper,hopper-overlap,...] [--lse-layout token|head]
+//
+// --lse-layout: the LSE of the direct kernel calls (the hopper and cuDNN-only rows), token-major (the
+// default) or head-major, as the model stores it for the "ours" rows.
 //
 // Timing as the anchor does it: CUDA events around each call, the median of the timed runs. Comparing
 // forward variants, use --reps 20 and reverse their order in a second run: at --reps 5 the forward
@@ -60,6 +63,7 @@ struct Options : RunRecord {
   int64_t head_dim = 128;
   std::vector<std::string> layouts;
   std::vector<std::string> kernels{"cudnn"};
+  bool head_major_lse = false;  // --lse-layout head: the direct kernel calls' LSE as the model stores it
   int warmup = 3, reps = 10;
 };
 
@@ -87,6 +91,11 @@ Options parse(int argc, char** argv) {
         LT_CHECK(k == "cudnn" || k == "hopper" || k.rfind("hopper-", 0) == 0,
                  "attention_bench: --kernel takes a list of cudnn, hopper, hopper-<variant>, got '{}'",
                  k);
+    } else if (a == "--lse-layout") {
+      const std::string layout = next();
+      LT_CHECK(layout == "token" || layout == "head", "attention_bench: --lse-layout takes token or head, got '{}'",
+               layout);
+      o.head_major_lse = layout == "head";
     } else if (a == "--warmup") {
       o.warmup = next.int32();
     } else if (a == "--reps") {
@@ -141,6 +150,7 @@ int main(int argc, char** argv) try {
   const KernelPolicies policies = use_training_kernel_policies();
   json result;
   result["attention_kernel_policy"] = std::string(attn::kernel_policy_name(policies.attention));
+  result["direct_calls_lse_layout"] = opt.head_major_lse ? "head-major [Hq, S]" : "token-major [S, Hq]";
   result["benchmark"] =
       fmt::format("causal attention fwd and fwd+bwd, batch 1, 32 query heads, head dim {}, bf16", opt.head_dim);
   result["date"] = utc_date();
@@ -230,7 +240,10 @@ int main(int argc, char** argv) try {
         attn::attention_block_backward(dq.t, dk.t, dv.t, q, k, v, d_o.t, lse.t, Tensor{}, delta.t, mask, scale,
                                        attn::GradMode::accumulate);
       };
-      const attn::cudnn_sdpa::StatsView stats{static_cast<float*>(lse.t.data), S, Hq, Hq, 1};
+      // The direct calls' LSE (hopper and cuDNN-only rows): token-major, or head-major as the model's.
+      const attn::cudnn_sdpa::StatsView stats =
+          opt.head_major_lse ? attn::cudnn_sdpa::StatsView{static_cast<float*>(lse.t.data), S, Hq, 1, S}
+                             : attn::cudnn_sdpa::StatsView{static_cast<float*>(lse.t.data), S, Hq, Hq, 1};
       auto cudnn_fwd = [&] {
         attn::cudnn_sdpa::forward(view(o.t), stats, view(q), view(k), view(v), true, static_cast<float>(scale));
       };
