@@ -397,7 +397,7 @@ int main(int argc, char** argv) try {
       json row_choices = json::array();
       for (size_t i = choices_before; i < all_choices.size(); ++i) {
         const attn::KernelChoice& c = all_choices[i];
-        row_choices.push_back({{"shape", c.shape}, {"kernel", c.kernel}, {"cudnn_ms", c.cudnn_ms}, {"hopper_ms", c.hopper_ms}});
+        row_choices.push_back(kernel_choice_json(c));
         std::printf("hkv=%2lld S=%6lld: ours under auto: %s -> %s (cuDNN %.3f ms, ours %.3f ms)\n",
                     static_cast<long long>(hkv), static_cast<long long>(S), c.shape.c_str(), c.kernel.c_str(),
                     c.cudnn_ms, c.hopper_ms);

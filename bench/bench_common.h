@@ -217,6 +217,11 @@ inline KernelPolicies use_training_kernel_policies() {
   return {attn::kernel_policy(), ops::gemm_algo_policy()};
 }
 
+// A decision of the attention kernel trial (auto) as results record it.
+inline json kernel_choice_json(const attn::KernelChoice& c) {
+  return {{"shape", c.shape}, {"kernel", c.kernel}, {"cudnn_ms", c.cudnn_ms}, {"hopper_ms", c.hopper_ms}};
+}
+
 // ---- device memory and inputs --------------------------------------------------------------------
 
 // A contiguous device tensor owning its memory.

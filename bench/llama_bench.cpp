@@ -569,8 +569,7 @@ int main(int argc, char** argv) try {
     if (opt.out.empty() || !main_rank) return;
     result["rows"] = r;
     json choices = json::array();
-    for (const attn::KernelChoice& c : attn::kernel_choices())
-      choices.push_back({{"shape", c.shape}, {"kernel", c.kernel}, {"cudnn_ms", c.cudnn_ms}, {"hopper_ms", c.hopper_ms}});
+    for (const attn::KernelChoice& c : attn::kernel_choices()) choices.push_back(kernel_choice_json(c));
     if (!choices.empty()) result["attention_kernel_choices"] = choices;
     json gemm_choices = json::array();
     for (const ops::GemmChoice& c : ops::gemm_choices())

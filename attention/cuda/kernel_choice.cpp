@@ -31,6 +31,7 @@ std::string CallShape::describe() const {
 
 namespace {
 
+constexpr int kUntimedCalls = 2;  // one of each kernel, cuDNN first
 constexpr int kTimedRounds = 2;
 
 // One CUDA event pair around a timed call.
@@ -40,7 +41,7 @@ struct Timing {
 };
 
 struct Trial {
-  int calls = 0;  // trial calls issued: 2 untimed, then 2·kTimedRounds timed
+  int calls = 0;  // trial calls issued: kUntimedCalls untimed, then 2·kTimedRounds timed
   std::vector<Timing> timings;
   std::optional<Kernel> decided;
 };
@@ -88,14 +89,14 @@ void decide(State& s, const CallShape& shape, Trial& t) {
 
 }  // namespace
 
-int trial_length() { return 2 + 2 * kTimedRounds; }
+int trial_length() { return kUntimedCalls + 2 * kTimedRounds; }
 
 Kernel trial_kernel(int call) {
   LT_CHECK(call >= 0 && call < trial_length(), "attention kernel trial: call {} is not in the trial's {} calls",
            call, trial_length());
-  if (call < 2) return call == 0 ? Kernel::cudnn : Kernel::hopper;  // the untimed pair
+  if (call < kUntimedCalls) return call == 0 ? Kernel::cudnn : Kernel::hopper;
   // Timed calls in ABBA order: pairs alternate which kernel goes first.
-  const int timed = call - 2, pair = timed / 2;
+  const int timed = call - kUntimedCalls, pair = timed / 2;
   const bool cudnn_first = pair % 2 == 0;
   return (timed % 2 == 0) == cudnn_first ? Kernel::cudnn : Kernel::hopper;
 }
@@ -166,7 +167,7 @@ Kernel run_chosen(const CallShape& shape, bool hopper_ok, const std::function<vo
   const int call = t.calls++;
   ++s.trial_calls;
   const Kernel k = trial_kernel(call);
-  if (call < 2) {
+  if (call < kUntimedCalls) {
     run(k);
     return k;
   }
