@@ -747,8 +747,10 @@ int main(int argc, char** argv) try {
         };
         const auto t_warm = std::chrono::steady_clock::now();
         for (int i = 0; i < opt.warmup; ++i) step(-1);
-        // Under LONGTRAIN_GEMM_ALGO=auto, GEMM shapes called a few times a step (the LM head's chunks)
-        // are still in their trial: warm up until every trial has ended, so none runs in a timed step.
+        // Under LONGTRAIN_GEMM_ALGO=auto, GEMM shapes that add into their output in place and run a few
+        // times a step (the LM head's weight gradient over the loss chunks after the first: one trial run
+        // per call) are still in their trial: warm up until every trial has ended, so none runs in a
+        // timed step.
         // The ranks of a group agree on it (a rank stepping alone would hang the collectives).
         auto trials_pending = [&] {
           std::vector<double> pending = {static_cast<double>(ops::gemm_trials_pending())};

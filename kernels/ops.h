@@ -89,13 +89,15 @@ void swiglu_backward(Tensor d_gate_up, Tensor d_out, Tensor gate_up);
 // Which cuBLASLt algorithm runs a GEMM shape on CUDA (the CPU has one GEMM):
 // - heuristic: cuBLASLt's heuristic's first answer (what PyTorch's matmul runs);
 // - autotune ("auto"): the heuristic's first few answers are measured on the shape's first calls and
-//   the fastest runs it for the rest of the process. As for attention's auto
-//   (attention/cuda/kernel_choice.h), a trial is not a repeated call: the shape's first calls each run
-//   once, whole, into the caller's output, cycling through the candidates (one untimed round, then two
-//   timed rounds, CUDA events), so every result is right whichever algorithm ran, in-place
-//   accumulation (beta = 1) included. After the last trial call the host waits for its end event
-//   once and takes each candidate's fastest call. Candidates round differently, so results are not
-//   bitwise reproducible across processes under auto (within one they are, once decided).
+//   the fastest runs it for the rest of the process. The trial cycles through the candidates (one
+//   untimed round, then two timed rounds, CUDA events), each run the whole product into the caller's
+//   output, so every result is right whichever algorithm ran. A call that may run repeatedly (its
+//   output overlaps none of its inputs) runs the whole trial at once, the last run's result kept; one
+//   that adds into its output in place (beta = 1 with C = D) runs once per call, so its trial spreads
+//   over the shape's first calls and each adds exactly once. After the last trial run the host waits
+//   for its end event once and takes each candidate's fastest run. Candidates round differently, so
+//   results are not bitwise reproducible across processes under auto (within one they are, once
+//   decided).
 // The policy: the last set_gemm_algo_policy, else LONGTRAIN_GEMM_ALGO read at the first GEMM, else
 // heuristic.
 enum class GemmAlgoPolicy { heuristic, autotune };

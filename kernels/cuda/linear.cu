@@ -4,11 +4,13 @@
 #include <cublasLt.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdio>
 #include <map>
 #include <mutex>
 #include <optional>
 #include <tuple>
+#include <utility>
 
 #include "kernels/backends.h"
 #include "kernels/cuda/cuda_common.cuh"
@@ -30,8 +32,9 @@ namespace {
 
 constexpr size_t kWorkspaceBytes = 32u << 20;  // what llm.c and PyTorch give cuBLASLt on Hopper
 // Under auto: how many of the heuristic's answers are measured, and in how many timed rounds (after one
-// untimed round, whose calls may load a kernel's module). A model's per-layer GEMMs run once per layer,
-// so 6 · 3 = 18 trial calls end inside the first step of a 22-layer model.
+// untimed round, whose runs may load a kernel's module). A call that may run repeatedly into its output
+// (gemm_call_repeatable) runs all 6 · 3 = 18 trial runs at once; the others (accumulating in place) run
+// once per call, and a model's per-layer GEMMs end their 18 inside the first step of a 22-layer model.
 constexpr int kGemmCandidates = 6;
 constexpr int kGemmTimedRounds = 2;
 
@@ -168,6 +171,41 @@ void decide(Gemms& g, GemmPlan& p) {
 
 }  // namespace
 
+namespace {
+
+// [first, last) byte addresses of a matrix (empty for a matrix without elements).
+std::pair<uintptr_t, uintptr_t> byte_range(const MatrixBytes& m) {
+  LT_CHECK(m.rows >= 0 && m.cols >= 0 && m.ld >= m.rows && m.elem_size > 0,
+           "gemm: a {}x{} matrix with leading dimension {} and {}-byte elements", m.rows, m.cols, m.ld, m.elem_size);
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(m.data);
+  if (m.rows == 0 || m.cols == 0) return {begin, begin};
+  return {begin, begin + static_cast<uintptr_t>(((m.cols - 1) * m.ld + m.rows) * static_cast<int64_t>(m.elem_size))};
+}
+
+bool overlap(const MatrixBytes& x, const MatrixBytes& y) {
+  const auto [x0, x1] = byte_range(x);
+  const auto [y0, y1] = byte_range(y);
+  return x0 < x1 && y0 < y1 && x0 < y1 && y0 < x1;
+}
+
+}  // namespace
+
+bool gemm_call_repeatable(const MatrixBytes& a, const MatrixBytes& b, const MatrixBytes& c, const MatrixBytes& d,
+                          bool reads_c) {
+  return !overlap(d, a) && !overlap(d, b) && !(reads_c && overlap(d, c));
+}
+
+int gemm_trial_length(int candidates) {
+  LT_CHECK(candidates >= 1, "gemm trial: {} candidates", candidates);
+  return candidates * (1 + kGemmTimedRounds);
+}
+
+int gemm_trial_runs(int candidates, int calls_done, bool repeatable) {
+  const int length = gemm_trial_length(candidates);
+  LT_CHECK(calls_done >= 0 && calls_done < length, "gemm trial: run {} is not in the trial's {}", calls_done, length);
+  return repeatable ? length - calls_done : 1;
+}
+
 std::vector<GemmChoice> gemm_choices() {
   Gemms& g = gemms();
   std::lock_guard<std::mutex> lock(g.mutex);
@@ -224,24 +262,32 @@ void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const voi
     run(*plan.chosen);
     return;
   }
-  // A trial call: the next candidate in turn, timed after the first round.
+  // A trial call: the next candidates in turn (gemm_trial_runs: the whole trial where rerunning into D
+  // gives the same result, else one), timed after the first round. Each run is the whole product.
   const int n_algos = static_cast<int>(plan.algos.size());
-  const int call = plan.calls++;
+  const size_t ab_size = dtype_size(ab), d_size = dtype_size(d);
+  const bool repeatable = gemm_call_repeatable({A, trans_a ? k : m, trans_a ? m : k, lda, ab_size},
+                                               {B, trans_b ? n : k, trans_b ? k : n, ldb, ab_size},
+                                               {C, m, n, ldc, d_size}, {D, m, n, ldd, d_size}, accumulate);
+  const int runs = gemm_trial_runs(n_algos, plan.calls, repeatable);
   ++g.trial_calls;
-  const int candidate = call % n_algos;
-  if (call < n_algos) {
+  for (int r = 0; r < runs; ++r) {
+    const int call = plan.calls++;
+    const int candidate = call % n_algos;
+    if (call < n_algos) {
+      run(candidate);
+      continue;
+    }
+    GemmTiming t;
+    t.candidate = candidate;
+    LT_CUDA_CHECK(cudaEventCreate(&t.start));
+    LT_CUDA_CHECK(cudaEventCreate(&t.end));
+    LT_CUDA_CHECK(cudaEventRecord(t.start, cuda_stream()));
     run(candidate);
-    return;
+    LT_CUDA_CHECK(cudaEventRecord(t.end, cuda_stream()));
+    plan.timings.push_back(t);
   }
-  GemmTiming t;
-  t.candidate = candidate;
-  LT_CUDA_CHECK(cudaEventCreate(&t.start));
-  LT_CUDA_CHECK(cudaEventCreate(&t.end));
-  LT_CUDA_CHECK(cudaEventRecord(t.start, cuda_stream()));
-  run(candidate);
-  LT_CUDA_CHECK(cudaEventRecord(t.end, cuda_stream()));
-  plan.timings.push_back(t);
-  if (plan.calls == n_algos * (1 + kGemmTimedRounds)) decide(g, plan);
+  if (plan.calls == gemm_trial_length(n_algos)) decide(g, plan);
 }
 
 void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const void* A, int64_t lda, const void* B,

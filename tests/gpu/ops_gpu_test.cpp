@@ -20,6 +20,10 @@
 #include "runtime/cuda_graph.h"
 #include "runtime/error.h"
 
+#ifdef LONGTRAIN_HAS_CUDA
+#include "kernels/cuda/gemm.h"
+#endif
+
 namespace longtrain::test {
 namespace {
 
@@ -287,7 +291,9 @@ TEST_P(GpuOps, LinearUnderAutoGemmAlgorithmIsRightOnEveryTrialCall) {
   upload(dy_d, dy);
   upload(r_d, r0);
   upload(dw_d, dw0);
-  // 6 candidates × 3 rounds = 18 trial calls at most; 20 calls cover every trial and the decided algorithm.
+  // 6 candidates × 3 rounds = 18 trial runs at most; 20 calls cover every trial and the decided algorithm.
+  // The product into a y of its own (and dx) may rerun: its whole trial runs in the first call. The
+  // in-place residual and the accumulated dw add into their outputs: one run per call, 18 calls.
   const int calls = 20;
   // r (in place, stored in dt) is compared with what it held before the call plus x·wᵀ; the f32 dw
   // with dw0 plus the calls' dyᵀ·x so far.
@@ -306,6 +312,13 @@ TEST_P(GpuOps, LinearUnderAutoGemmAlgorithmIsRightOnEveryTrialCall) {
     for (size_t j = 0; j < r_want.size(); ++j) r_want[j] = r_before[j] + xw_h.values[j];
     expect_close("linear_residual_forward in place (+=)", dt, r_after, r_want);
     r_before = r_after;
+    if (i == 0) {
+      const std::vector<ops::GemmChoice> first = ops::gemm_choices();
+      EXPECT_GT(first.size(), choices_before) << "no shape that may rerun ended its trial in its first call";
+      for (size_t j = choices_before; j < first.size(); ++j)
+        EXPECT_EQ(first[j].shape.find("beta 1"), std::string::npos)
+            << first[j].shape << ": a shape adding into its output ended its trial in one call";
+    }
   }
   EXPECT_EQ(ops::gemm_trials_pending(), pending_before) << "a shape of this test is still in its trial";
   const std::vector<ops::GemmChoice> choices = ops::gemm_choices();
@@ -316,6 +329,40 @@ TEST_P(GpuOps, LinearUnderAutoGemmAlgorithmIsRightOnEveryTrialCall) {
     EXPECT_TRUE(std::isfinite(c.chosen_ms) && c.chosen_ms > 0 && c.chosen_ms <= c.heuristic_ms) << c.shape;
   }
 }
+
+#ifdef LONGTRAIN_HAS_CUDA
+// Host only (CI too): which GEMM calls may run their whole algorithm trial at once. Rerunning into D is
+// the same result only when D shares no byte with A, B and (beta != 0) C; a call adding into D in place
+// would add once per run.
+TEST(GemmTrial, OnlyACallWhoseOutputOverlapsNoInputRunsItsWholeTrialAtOnce) {
+  using cuda_util::MatrixBytes;
+  std::vector<float> buf(4096);
+  auto at = [&](size_t offset, int64_t rows, int64_t cols, int64_t ld) {
+    return MatrixBytes{buf.data() + offset, rows, cols, ld, sizeof(float)};
+  };
+  const MatrixBytes a = at(0, 16, 8, 20), b = at(200, 8, 4, 8), c = at(300, 16, 4, 16);
+  // a spans floats [0, 7·20 + 16) = [0, 156): its last column ends at row 16, not at the ld.
+  EXPECT_TRUE(cuda_util::gemm_call_repeatable(a, b, c, at(400, 16, 4, 16), true)) << "D apart from everything";
+  EXPECT_TRUE(cuda_util::gemm_call_repeatable(a, b, c, at(156, 16, 2, 16), true)) << "D right after A's last element";
+  EXPECT_FALSE(cuda_util::gemm_call_repeatable(a, b, c, at(155, 16, 2, 16), true)) << "D on A's last element";
+  EXPECT_FALSE(cuda_util::gemm_call_repeatable(a, b, c, at(190, 16, 2, 16), true)) << "D over B's start";
+  EXPECT_FALSE(cuda_util::gemm_call_repeatable(a, b, c, c, true)) << "D = C with beta 1: the in-place add";
+  EXPECT_TRUE(cuda_util::gemm_call_repeatable(a, b, c, c, false)) << "D = C with beta 0: C is never read";
+  EXPECT_TRUE(cuda_util::gemm_call_repeatable(a, b, at(0, 0, 0, 1), at(400, 16, 4, 16), true)) << "an empty C";
+  EXPECT_THROW(cuda_util::gemm_call_repeatable(a, b, c, at(400, 16, 4, 8), false), Error) << "ld < rows";
+}
+
+TEST(GemmTrial, ARepeatableCallRunsTheRestOfItsTrialAnotherRunsOne) {
+  EXPECT_EQ(cuda_util::gemm_trial_length(6), 18);
+  EXPECT_EQ(cuda_util::gemm_trial_length(1), 3);
+  EXPECT_EQ(cuda_util::gemm_trial_runs(6, 0, true), 18);
+  EXPECT_EQ(cuda_util::gemm_trial_runs(6, 5, true), 13);
+  EXPECT_EQ(cuda_util::gemm_trial_runs(6, 0, false), 1);
+  EXPECT_EQ(cuda_util::gemm_trial_runs(6, 17, false), 1);
+  EXPECT_THROW(cuda_util::gemm_trial_runs(6, 18, true), Error) << "past the trial";
+  EXPECT_THROW(cuda_util::gemm_trial_runs(0, 0, true), Error) << "no candidates";
+}
+#endif
 
 // The model's RoPE: one table per step (f32 on the GPU), Q and K of the fused buffer as one view:
 // bit for bit what rope_forward / rope_backward give on the GPU, and V untouched. Head dims 64 and
