@@ -384,12 +384,13 @@ int main(int argc, char** argv) try {
       // from delta, shapes of their own) time the chosen kernels.
       const size_t choices_before = attn::kernel_choices().size();
       auto run_out_trials = [](const std::function<void()>& fn) {
-        for (int i = 0; i < 16; ++i) {
+        constexpr int kMaxCalls = 256;  // a trial is 58 calls of its shape (kernel_choice.h)
+        for (int i = 0; i < kMaxCalls; ++i) {
           const int64_t trials = attn::kernel_trial_calls();
           fn();
           if (attn::kernel_trial_calls() == trials) return;
         }
-        LT_CHECK(false, "attention_bench: the auto kernel trials did not end within 16 calls");
+        LT_CHECK(false, "attention_bench: the auto kernel trials did not end within {} calls", kMaxCalls);
       };
       run_out_trials(fwd_bwd);
       run_out_trials(block_delta_fwd_bwd);

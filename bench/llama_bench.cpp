@@ -45,8 +45,8 @@
 //
 // For each length (ascending) and checkpoint policy: the memory plan is printed and checked against
 // the free device memory before anything is allocated (a config that does not fit is reported and
-// skipped); then warm-up steps (under GEMM auto more of them, up to 32, until every
-// GEMM shape's trial has ended: the row's gemm_trial_steps, after which the parameters and optimizer
+// skipped); then warm-up steps (under auto more of them, up to 32, until every GEMM shape's trial has
+// ended and a step ran no attention trial call: the row's trial_steps, after which the parameters and optimizer
 // are rewound and the warm-up steps run again), then timed steps (wall clock between two
 // device synchronisations, as the anchor times them), with CUDA events splitting each step into
 // forward+backward, optimizer, and the attention calls inside forward+backward. The attention
@@ -529,7 +529,7 @@ int main(int argc, char** argv) try {
   result["commit"] = opt.commit;
   result["command"] = opt.command;
   result["parameters"] = cfg.num_parameters();
-  result["timing"] = fmt::format("wall clock over {} steps after {} warm-up steps (and gemm_trial_steps more), device "
+  result["timing"] = fmt::format("wall clock over {} steps after {} warm-up steps (and trial_steps more), device "
                                  "synchronised before and after, slowest rank (the anchor: 4 steps after 2)",
                                  opt.steps, opt.warmup);
   result["flops"] =
@@ -746,14 +746,19 @@ int main(int argc, char** argv) try {
           loss_sum = host[0];  // over the group already
         };
         const auto t_warm = std::chrono::steady_clock::now();
+        int64_t attention_trial_calls = attn::kernel_trial_calls();
         for (int i = 0; i < opt.warmup; ++i) step(-1);
-        // Under LONGTRAIN_GEMM_ALGO=auto, GEMM shapes that add into their output in place and run a few
-        // times a step (the LM head's weight gradient over the loss chunks after the first: one trial run
-        // per call) are still in their trial: warm up until every trial has ended, so none runs in a
-        // timed step.
-        // The ranks of a group agree on it (a rank stepping alone would hang the collectives).
+        // Under auto, trials may still run: GEMM shapes that add into their output in place and run a
+        // few times a step (the LM head's weight gradient over the loss chunks after the first: one
+        // trial run per call), and attention shapes (whose timing starts at their 49th call, in the
+        // second step). Warm up until every GEMM trial has ended and a step ran no attention trial
+        // call, so none runs in a timed step. The ranks of a group agree on it (a rank stepping alone
+        // would hang the collectives).
         auto trials_pending = [&] {
-          std::vector<double> pending = {static_cast<double>(ops::gemm_trials_pending())};
+          const int64_t calls = attn::kernel_trial_calls();
+          const bool attention_trials = calls != attention_trial_calls;  // in the steps since the last look
+          attention_trial_calls = calls;
+          std::vector<double> pending = {static_cast<double>(ops::gemm_trials_pending() + (attention_trials ? 1 : 0))};
           reduce_host(group, pending, parallel::ReduceOp::max);
           return pending[0] > 0;
         };
@@ -875,7 +880,7 @@ int main(int argc, char** argv) try {
         row["loss"] = round3(loss);
         row["grad_norm"] = round3(grad_norm);
         row["first_steps_s"] = round3(maxes[6]);
-        row["gemm_trial_steps"] = trial_steps;
+        row["trial_steps"] = trial_steps;  // GEMM and attention trials (gemm_trial_steps until 2026-12-07)
         row["attention_forwards_per_layer"] = forwards_per_layer;
         if (!op_profile.is_null()) row["profile"] = op_profile;
         row["split_ms"] = {{"forward_backward", round1(fb_ms)},

@@ -2,21 +2,23 @@
 // (hopper_attention.h). The policy (local_attention.h: set_kernel_policy, LONGTRAIN_ATTENTION_KERNEL):
 // - cudnn: always cuDNN (the default);
 // - hopper: ours wherever it supports the call, cuDNN elsewhere;
-// - auto: each distinct call shape is measured both ways on its first calls and the faster kernel runs
-//   it for the rest of the process. A trial is not a repeated call: the first calls of a shape (a
-//   model has one per layer, a schedule one per ring step) simply alternate between the kernels, each
-//   call run once, whole, into the caller's outputs, so the results are right whichever kernel ran,
-//   merging into partials and accumulating gradients included.
-// The trial of a shape: one untimed call of each kernel (cuDNN builds its plan, both touch their code
-// and caches), then kTimedRounds timed calls of each, timed with CUDA events on the stream, in ABBA
-// order (cuDNN, ours, ours, cuDNN, ...); after the last one the host waits for its end event once,
-// compares the kernels' mean times and logs the choice. A trial runs while the GPU's clock is still
-// falling towards its power-capped level (a model's first layers after idle): in plain alternation
-// with each kernel's fastest call, the kernel timed first in every pair got the faster-clocked slot
-// (cuDNN; a tie at head dim 128 and 64K went to it though ours ran 3% faster sustained). In ABBA
-// order both kernels' mean positions are the same, so a clock that falls at a steady rate favours
-// neither. Not bitwise reproducible across processes: two kernels within noise of each other may be
-// chosen differently.
+// - auto: each distinct call shape is measured both ways after its first calls and the faster kernel
+//   runs it for the rest of the process. A trial is not a repeated call: the calls of a shape (a model
+//   has one per layer, a schedule one per ring step) simply run the kernel the trial is at, each call
+//   run once, whole, into the caller's outputs, so the results are right whichever kernel ran, merging
+//   into partials and accumulating gradients included.
+// The trial of a shape (trial_kernel): its first kWarmCalls calls (48: into a model's second step) run
+// cuDNN untimed, so that the first step's transients are over; then one untimed call of each kernel
+// (cuDNN builds its plan, both touch their code and caches), then kTimedRounds (4) timed calls of
+// each, timed with CUDA events on the stream, in ABBA order (cuDNN, ours, ours, cuDNN, cuDNN, ours,
+// ours, cuDNN); after the last one the host waits for its end event once, compares the kernels' mean
+// times and logs the choice. The GPU's clock may still be falling towards its power-capped level: in
+// plain alternation with each kernel's fastest call, the kernel timed first in every pair got the
+// faster-clocked slot (cuDNN; a tie at head dim 128 and 64K went to it though ours ran 3% faster
+// sustained). In ABBA order both kernels' mean positions are the same, so a clock that falls at a
+// steady rate favours neither. Not bitwise reproducible across processes: two kernels within noise of
+// each other may be chosen differently. A shape called fewer than trial_length() times (a short eval
+// at a length of its own) runs cuDNN throughout.
 #pragma once
 
 #include <cstdint>
@@ -55,13 +57,15 @@ Kernel run_chosen(const CallShape& shape, bool hopper_ok, const std::function<vo
 // The decisions made under auto so far (for logs, benchmarks and tests).
 std::vector<KernelChoice> choices();
 
-// Calls run as trial calls so far (never decreases).
+// Calls run as trial calls so far, the warm calls before the timing included (never decreases).
 int64_t trial_calls();
 
-// The trial's schedule and decision, for the tests: how many calls a shape's trial takes, the kernel
-// of its call number `call` (0-based), and the decision from the timed calls' (kernel, ms) in the
-// order they ran: the kernel with the smaller mean (cuDNN on a tie), with both means.
+// The trial's schedule and decision, for the tests: how many calls a shape's trial takes, the first
+// timed one, the kernel of its call number `call` (0-based), and the decision from the timed calls'
+// (kernel, ms) in the order they ran: the kernel with the smaller mean (cuDNN on a tie), with both
+// means.
 int trial_length();
+int trial_first_timed_call();
 Kernel trial_kernel(int call);
 struct TrialDecision {
   Kernel kernel = Kernel::cudnn;

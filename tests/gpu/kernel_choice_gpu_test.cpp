@@ -62,9 +62,10 @@ TEST(KernelChoiceAuto, EveryTrialCallIsRightAndTheFasterKernelIsRecorded) {
   upload(kd, k);
   upload(vd, v);
 
-  // A plain forward: 8 calls, the first 6 the trial (2 untimed, 4 timed), into a buffer reset to NaN.
+  // A plain forward: the trial's calls and two more (the decided kernel), into a buffer reset to NaN.
+  const int calls = attn::cuda::trial_length() + 2;
   DeviceTensor o(DType::bf16, {S, Hq, D}), lse(DType::f32, {S, Hq});
-  for (int call = 0; call < 8; ++call) {
+  for (int call = 0; call < calls; ++call) {
     upload(o, std::vector<double>(static_cast<size_t>(S * Hq * D), std::nan("")));
     attn::attention_block_forward(o, lse, qd, kd, vd, BlockMask::causal_diagonal, scale);
     expect_close("auto forward, call " + std::to_string(call), DType::bf16, download(o), o_h.values);
@@ -80,7 +81,7 @@ TEST(KernelChoiceAuto, EveryTrialCallIsRightAndTheFasterKernelIsRecorded) {
   attn::attention_block_forward(on_h, lsen_h, q_h, k_h, v_h, BlockMask::none, scale);
   DeviceTensor acc(DType::f32, {S, Hq, D}), lse_acc(DType::f32, {S, Hq}), blk(DType::bf16, {S, Hq, D}),
       lse_blk(DType::f32, {S, Hq});
-  for (int call = 0; call < 8; ++call) {
+  for (int call = 0; call < calls; ++call) {
     attn::attention_block_forward(acc, lse_acc, qd, k1, v1, BlockMask::none, scale);
     attn::attention_block_forward_merge(acc, lse_acc, blk, lse_blk, qd, k2, v2, BlockMask::none, scale);
     expect_close("auto merge, call " + std::to_string(call), DType::bf16, download(acc), on_h.values);
@@ -120,7 +121,7 @@ TEST(KernelChoiceAuto, EveryBackwardTrialCallIsRightAndTheFasterKernelIsRecorded
     upload(o, o_h.values);
     upload(lse, lse_h.values);
     attn::attention_delta(delta, o, gd);
-    for (int call = 0; call < 8; ++call) {
+    for (int call = 0; call < attn::cuda::trial_length() + 2; ++call) {
       const std::string tag = std::string(causal ? " causal" : " no-mask") + ", call " + std::to_string(call);
       if (causal) {
         // The schedules' call: from delta, accumulating into f32 dq/dk/dv that hold nonzero values.
@@ -162,17 +163,20 @@ TEST(KernelChoiceAuto, EveryBackwardTrialCallIsRightAndTheFasterKernelIsRecorded
                   "the overwriting bf16 backward");
 }
 
-// The trial's schedule (host only, no GPU): after the untimed pair, each kernel's timed calls sit at
-// the same mean position (ABBA order), so a clock that falls at a steady rate while the trial runs
-// (the GPU heating towards its power cap) slows both kernels' means alike.
+// The trial's schedule (host only, no GPU): cuDNN alone on the warm calls (the first step's
+// transients), then an untimed call of each kernel; after that each kernel's timed calls sit at the
+// same mean position (ABBA order), so a clock that falls at a steady rate while the trial runs (the GPU
+// heating towards its power cap) slows both kernels' means alike.
 TEST(KernelChoiceTrial, TimedCallsSitAtTheSameMeanPositionForBothKernels) {
   using attn::cuda::Kernel;
-  const int n = attn::cuda::trial_length();
-  ASSERT_GE(n, 6);
-  EXPECT_EQ(attn::cuda::trial_kernel(0), Kernel::cudnn);
-  EXPECT_EQ(attn::cuda::trial_kernel(1), Kernel::hopper);
+  const int n = attn::cuda::trial_length(), first_timed = attn::cuda::trial_first_timed_call();
+  ASSERT_GE(first_timed, 2 + 22) << "the timing starts after a 22-layer model's first step";
+  ASSERT_GE(n - first_timed, 8) << "four timed calls of each kernel";
+  for (int call = 0; call < first_timed - 2; ++call) EXPECT_EQ(attn::cuda::trial_kernel(call), Kernel::cudnn) << call;
+  EXPECT_EQ(attn::cuda::trial_kernel(first_timed - 2), Kernel::cudnn);
+  EXPECT_EQ(attn::cuda::trial_kernel(first_timed - 1), Kernel::hopper);
   int count[2] = {0, 0}, position_sum[2] = {0, 0};
-  for (int call = 2; call < n; ++call) {
+  for (int call = first_timed; call < n; ++call) {
     const int i = attn::cuda::trial_kernel(call) == Kernel::hopper ? 1 : 0;
     ++count[i];
     position_sum[i] += call;
@@ -190,7 +194,7 @@ TEST(KernelChoiceTrial, AFallingClockFavoursNeitherKernel) {
   using attn::cuda::Kernel;
   auto trial = [](double cudnn_ms, double hopper_ms, double slowdown_per_call) {
     std::vector<std::pair<Kernel, double>> timed;
-    for (int call = 2; call < attn::cuda::trial_length(); ++call) {
+    for (int call = attn::cuda::trial_first_timed_call(); call < attn::cuda::trial_length(); ++call) {
       const Kernel k = attn::cuda::trial_kernel(call);
       const double base = k == Kernel::hopper ? hopper_ms : cudnn_ms;
       timed.emplace_back(k, base * (1.0 + slowdown_per_call * call));
