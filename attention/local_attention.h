@@ -97,8 +97,8 @@ void attention_segments_backward(Tensor dq, Tensor dk, Tensor dv, Tensor q, Tens
 // ---- which kernel runs the block calls on CUDA (attention/cuda/kernel_choice.h) --------------------
 
 // cudnn: cuDNN's fused SDPA for every call. hopper: our sm_90a kernels wherever they support the call
-// (cuDNN elsewhere). autotune ("auto"): per call shape, both measured on its first calls and the faster
-// kept for the process. No effect on the CPU.
+// (cuDNN elsewhere). autotune ("auto"): per call shape, both measured after its first 48 calls (cuDNN
+// runs those) and the faster kept for the process (cuda/kernel_choice.h). No effect on the CPU.
 enum class KernelPolicy { cudnn, hopper, autotune };
 
 // "cudnn", "hopper" or "auto"; anything else throws naming the accepted values and `where` (the

@@ -146,7 +146,7 @@ int main(int argc, char** argv) try {
   json anchor = opt.anchor.empty() ? json() : read_json("attention_bench", "the anchor results", opt.anchor);
 
   // "ours" runs as a training run's attention does by default (auto: cuDNN or our kernels per call
-  // shape, each timed on its first calls), unless LONGTRAIN_ATTENTION_KERNEL names another policy.
+  // shape, each timed after its first 48 calls), unless LONGTRAIN_ATTENTION_KERNEL names another policy.
   const KernelPolicies policies = use_training_kernel_policies();
   json result;
   result["attention_kernel_policy"] = std::string(attn::kernel_policy_name(policies.attention));
@@ -379,9 +379,9 @@ int main(int argc, char** argv) try {
         std::fflush(stdout);
         continue;
       }
-      // Under auto the first calls of each shape are its trial (both kernels, alternating, the host
-      // waiting once at the end): run them out before timing, so that "ours" (and the block calls
-      // from delta, shapes of their own) time the chosen kernels.
+      // Under auto the first 58 calls of each shape are its trial (48 on cuDNN, then both kernels in
+      // turn, the host waiting once at the end): run them out before timing, so that "ours" (and the
+      // block calls from delta, shapes of their own) time the chosen kernels.
       const size_t choices_before = attn::kernel_choices().size();
       auto run_out_trials = [](const std::function<void()>& fn) {
         constexpr int kMaxCalls = 256;  // a trial is 58 calls of its shape (kernel_choice.h)

@@ -574,8 +574,8 @@ const std::vector<KeySpec>& key_table() {
        .bind = LT_CONFIG_FIELD(attention.causal), .aliases = {"is_causal", "mask"}, .resume = OnResume::refused},
       {.section = "attention", .key = "kernel", .default_value = std::string("auto"),
        .meaning = "which kernel runs attention's block calls on cuda: cudnn (cuDNN's fused SDPA), hopper (ours, "
-                  "sm_90 only; cuDNN where it does not apply), auto (each call shape timed both ways on its first "
-                  "calls, the faster kept); LONGTRAIN_ATTENTION_KERNEL overrides it",
+                  "sm_90 only; cuDNN where it does not apply), auto (each call shape timed both ways after its "
+                  "first 48 calls, which run cuDNN; the faster kept); LONGTRAIN_ATTENTION_KERNEL overrides it",
        .bind = LT_CONFIG_FIELD(attention.kernel), .aliases = {"attn_implementation", "attn_impl", "backend", "sdpa_backend"},
        .hashed = false, .resume = OnResume::allowed},
 
