@@ -69,7 +69,8 @@ struct GemmPlan {
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr, d = nullptr;
   std::vector<cublasLtMatmulAlgo_t> algos;  // the heuristic's answers in its order
   std::string shape;                        // for the log and gemm_choices()
-  // The trial under auto: calls issued so far, their timings, and the decision (algos' index).
+  // The trial under auto: runs issued so far (several a call where it may rerun), their timings, and
+  // the decision (algos' index).
   int calls = 0;
   std::vector<GemmTiming> timings;
   std::optional<int> chosen;
@@ -168,10 +169,6 @@ void decide(Gemms& g, GemmPlan& p) {
                c.shape.c_str(), c.chosen + 1, c.candidates, c.chosen_ms, c.heuristic_ms);
   g.choices.push_back(std::move(c));
 }
-
-}  // namespace
-
-namespace {
 
 // [first, last) byte addresses of a matrix (empty for a matrix without elements).
 std::pair<uintptr_t, uintptr_t> byte_range(const MatrixBytes& m) {
