@@ -35,8 +35,9 @@ namespace {
 // bursts, cuDNN's plan builds, the clock still falling towards the power cap) pass before the timing,
 // so that the trial times the kernels as the run goes on to run them. (Timed in a 3B step's first
 // layers on an H100, the backward trial chose ours by 4.4% in one process and cuDNN's by 3.2% in the
-// next, while cuDNN's ran 2.2% faster in the steps that followed in both.) 48 calls: the second step of
-// a model of 22-28 layers.
+// next, while cuDNN's ran 2.2% faster in the steps that followed in both; timed after 48 calls, three
+// of three processes chose cuDNN's, by 2.8-4.1%: bench/results/attention-trial-warm-2026-12-07.json.)
+// 48 calls: the second step of a model of 22-28 layers.
 constexpr int kWarmCalls = 48;
 constexpr int kUntimedCalls = 2;  // then one of each kernel, cuDNN first
 constexpr int kTimedRounds = 4;   // ABBA ABBA: both kernels' timed calls at the same mean position

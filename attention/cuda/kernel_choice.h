@@ -17,8 +17,8 @@
 // faster-clocked slot (cuDNN; a tie at head dim 128 and 64K went to it though ours ran 3% faster
 // sustained). In ABBA order both kernels' mean positions are the same, so a clock that falls at a
 // steady rate favours neither. Not bitwise reproducible across processes: two kernels within noise of
-// each other may be chosen differently. A shape called fewer than trial_length() times (a short eval
-// at a length of its own) runs cuDNN throughout.
+// each other may be chosen differently. A shape called at most 48 times (a short eval at a length of
+// its own) runs cuDNN throughout; one called fewer than trial_length() times is never decided.
 #pragma once
 
 #include <cstdint>
