@@ -48,6 +48,7 @@
 
 #include "attention/cuda/cudnn_sdpa.h"
 #include "attention/cuda/hopper_attention.h"
+#include "attention/cuda/kernel_choice.h"
 #include "attention/local_attention.h"
 #include "attention/sequence_attention.h"
 #include "bench/bench_common.h"
@@ -379,18 +380,19 @@ int main(int argc, char** argv) try {
         std::fflush(stdout);
         continue;
       }
-      // Under auto the first 58 calls of each shape are its trial (48 on cuDNN, then both kernels in
-      // turn, the host waiting once at the end): run them out before timing, so that "ours" (and the
-      // block calls from delta, shapes of their own) time the chosen kernels.
+      // Under auto the first calls of each shape are its trial (attn::cuda::trial_length(): cuDNN
+      // alone, then both kernels in turn, the host waiting once at the end): run them out before
+      // timing, so that "ours" (and the block calls from delta, shapes of their own) time the chosen
+      // kernels.
       const size_t choices_before = attn::kernel_choices().size();
       auto run_out_trials = [](const std::function<void()>& fn) {
-        constexpr int kMaxCalls = 256;  // a trial is 58 calls of its shape (kernel_choice.h)
-        for (int i = 0; i < kMaxCalls; ++i) {
+        const int max_calls = 4 * attn::cuda::trial_length();
+        for (int i = 0; i < max_calls; ++i) {
           const int64_t trials = attn::kernel_trial_calls();
           fn();
           if (attn::kernel_trial_calls() == trials) return;
         }
-        LT_CHECK(false, "attention_bench: the auto kernel trials did not end within {} calls", kMaxCalls);
+        LT_CHECK(false, "attention_bench: the auto kernel trials did not end within {} calls", max_calls);
       };
       run_out_trials(fwd_bwd);
       run_out_trials(block_delta_fwd_bwd);
