@@ -70,11 +70,10 @@ void swiglu_forward(Tensor out, Tensor gate_up) {
   const profile::Region region("swiglu_forward", device);
   LT_DISPATCH(device, swiglu_forward, out, gate_up);
 }
-void swiglu_backward(Tensor d_gate_up, Tensor d_out, Tensor gate_up) {
-  const Device device = common_device("swiglu_backward", {&d_gate_up, &d_out, &gate_up});
+void swiglu_backward(Tensor d_gate_up, Tensor d_out, Tensor gate_up, Tensor out) {
+  const Device device = common_device("swiglu_backward", {&d_gate_up, &d_out, &gate_up, &out});
   const profile::Region region("swiglu_backward", device);
-  LT_DISPATCH(device, swiglu_backward, d_gate_up,
-              d_out, gate_up);
+  LT_DISPATCH(device, swiglu_backward, d_gate_up, d_out, gate_up, out);
 }
 GemmAlgoPolicy parse_gemm_algo_policy(std::string_view name, std::string_view where) {
   if (name == "heuristic") return GemmAlgoPolicy::heuristic;

@@ -82,8 +82,11 @@ void rope_apply(Tensor x, Tensor table, bool inverse);
 // gate_up [T, 2F] is the fused gate/up GEMM output: gate = columns [0, F), up = [F, 2F).
 // out[t, f] = silu(gate[t, f]) * up[t, f]      out [T, F]
 void swiglu_forward(Tensor out, Tensor gate_up);
-// d_gate_up [T, 2F] from d_out [T, F] and the saved gate_up.
-void swiglu_backward(Tensor d_gate_up, Tensor d_out, Tensor gate_up);
+// d_gate_up [T, 2F] from d_out [T, F] and the saved gate_up (d_gate_up may be gate_up itself).
+// out [T, F], when given, is written as swiglu_forward writes it (bit for bit) from the same reads: a
+// policy that recomputes the MLP needs the forward's output again only for the down projection's
+// weight gradient, which can run after this, so the recompute reads gate_up once instead of twice.
+void swiglu_backward(Tensor d_gate_up, Tensor d_out, Tensor gate_up, Tensor out = {});
 
 // ---- linear (no bias) ------------------------------------------------------------------------
 // Which cuBLASLt algorithm runs a GEMM shape on CUDA (the CPU has one GEMM):
@@ -125,7 +128,8 @@ void linear_forward(Tensor y, Tensor x, Tensor w);
 // y = residual + x · Wᵀ: the residual stream's add done by the GEMM (cuBLASLt's C and beta = 1 on
 // CUDA: one fp32 sum rounded once, no separate pass). y may be residual itself.
 void linear_residual_forward(Tensor y, Tensor x, Tensor w, Tensor residual);
-// dx = dy · W (skipped when dx is empty);  dw += dyᵀ · x (dw = dyᵀ · x under GradWrite::overwrite)
+// dx = dy · W (skipped when dx is empty);  dw += dyᵀ · x (dw = dyᵀ · x under GradWrite::overwrite;
+// skipped when dw is empty, so the two products can run apart, with x written in between)
 void linear_backward(Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w, GradWrite dw_write = GradWrite::accumulate);
 
 // ---- residual ------------------------------------------------------------------------------

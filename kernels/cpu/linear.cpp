@@ -53,11 +53,13 @@ template <class T>
 void linear_backward_impl(const Tensor& dx, const Tensor& dw, const Tensor& dy, const Tensor& x, const Tensor& w,
                           GradWrite dw_write) {
   // dx [T, K] = dy [T, N] · w [N, K]          (overwritten; skipped when dx is empty)
-  // dw [N, K] += dy [T, N]ᵀ · x [T, K]        (accumulated, or overwritten: beta = 0 never reads dw)
+  // dw [N, K] += dy [T, N]ᵀ · x [T, K]        (accumulated, or overwritten: beta = 0 never reads dw;
+  //                                             skipped when dw is empty)
   const int64_t n_tokens = x.shape[0], K = x.shape[1], N = w.shape[0];
   if (!dx.empty())
     gemm<T>(false, false, n_tokens, K, N, dy.ptr<T>(), leading_dim(dy), w.ptr<T>(), leading_dim(w), T(0),
             dx.ptr<T>(), leading_dim(dx));
+  if (dw.empty()) return;
   gemm<T>(true, false, N, K, n_tokens, dy.ptr<T>(), leading_dim(dy), x.ptr<T>(), leading_dim(x),
           dw_write == GradWrite::overwrite ? T(0) : T(1), dw.ptr<T>(), leading_dim(dw));
 }
@@ -111,12 +113,15 @@ void linear_backward(Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w, GradWr
   check_matrix(op, "x", x, x.dtype);
   check_matrix(op, "w", w, x.dtype);
   check_matrix(op, "dy", dy, x.dtype);
-  LT_CHECK(!dw.empty(), "{}: dw is empty; the weight gradient is always written", op);
-  check_matrix(op, "dw", dw, x.dtype);
-  LT_CHECK(w.shape[1] == x.shape[1] && dy.shape[0] == x.shape[0] && dy.shape[1] == w.shape[0] &&
-               dw.shape[0] == w.shape[0] && dw.shape[1] == w.shape[1],
-           "{}: shapes disagree: dw {}, dy {}, x {}, w {} (expected dy [T, N], x [T, K], w and dw [N, K])", op,
-           dw.describe(), dy.describe(), x.describe(), w.describe());
+  LT_CHECK(!dx.empty() || !dw.empty(), "{}: dx and dw are both empty: nothing to compute", op);
+  LT_CHECK(w.shape[1] == x.shape[1] && dy.shape[0] == x.shape[0] && dy.shape[1] == w.shape[0],
+           "{}: shapes disagree: dy {}, x {}, w {} (expected dy [T, N], x [T, K], w [N, K])", op, dy.describe(),
+           x.describe(), w.describe());
+  if (!dw.empty()) {
+    check_matrix(op, "dw", dw, x.dtype);
+    LT_CHECK(dw.shape[0] == w.shape[0] && dw.shape[1] == w.shape[1], "{}: dw {} must have the shape of w {}", op,
+             dw.describe(), w.describe());
+  }
   if (!dx.empty()) {
     check_matrix(op, "dx", dx, x.dtype);
     LT_CHECK(dx.shape[0] == x.shape[0] && dx.shape[1] == x.shape[1], "{}: dx {} must have the shape of x {}", op,

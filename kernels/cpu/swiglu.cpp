@@ -59,23 +59,27 @@ void swiglu_forward_impl(const Tensor& out, const Tensor& gate_up) {
 }
 
 template <class T>
-void swiglu_backward_impl(const Tensor& d_gate_up, const Tensor& d_out, const Tensor& gate_up) {
-  // d_gate_up [T, 2F], d_out [T, F], gate_up [T, 2F]
+void swiglu_backward_impl(const Tensor& d_gate_up, const Tensor& d_out, const Tensor& gate_up, const Tensor& out) {
+  // d_gate_up [T, 2F], d_out [T, F], gate_up [T, 2F], out [T, F] or empty
   // d up = d_out · silu(g);  d gate = d_out · up · silu'(g),  silu'(g) = s (1 + g (1 - s)), s = sigmoid(g).
-  // g and u are read before either gradient is written, so d_gate_up may alias gate_up.
+  // g and u are read before either gradient is written, so d_gate_up may alias gate_up. out is the
+  // forward's expression exactly (swiglu_forward_impl), so it equals the forward's output bit for bit.
   const int64_t n_tokens = d_out.shape[0], F = d_out.shape[1];
   const T* gu = gate_up.ptr<T>();
   const T* dout = d_out.ptr<T>();
   T* dgu = d_gate_up.ptr<T>();
+  T* o = out.empty() ? nullptr : out.ptr<T>();
   for (int64_t t = 0; t < n_tokens; ++t) {
     const T* gate = gu + t * gate_up.stride[0];
     const T* up = gate + F;
     const T* dot = dout + t * d_out.stride[0];
     T* dgate = dgu + t * d_gate_up.stride[0];
     T* dup = dgate + F;
+    T* ot = o == nullptr ? nullptr : o + t * out.stride[0];
     for (int64_t f = 0; f < F; ++f) {
       const double g = gate[f], u = up[f], d = dot[f];
       const double s = sigmoid(g);
+      if (ot != nullptr) ot[f] = static_cast<T>(g * s * u);
       dgate[f] = static_cast<T>(d * u * s * (1.0 + g * (1.0 - s)));
       dup[f] = static_cast<T>(d * g * s);
     }
@@ -90,10 +94,17 @@ void swiglu_forward(Tensor out, Tensor gate_up) {
   return swiglu_forward_impl<double>(out, gate_up);
 }
 
-void swiglu_backward(Tensor d_gate_up, Tensor d_out, Tensor gate_up) {
-  check_swiglu("swiglu_backward", "d_out", d_out, {{"d_gate_up", &d_gate_up}, {"gate_up", &gate_up}});
-  if (d_out.dtype == DType::f32) return swiglu_backward_impl<float>(d_gate_up, d_out, gate_up);
-  return swiglu_backward_impl<double>(d_gate_up, d_out, gate_up);
+void swiglu_backward(Tensor d_gate_up, Tensor d_out, Tensor gate_up, Tensor out) {
+  const char* op = "swiglu_backward";
+  check_swiglu(op, "d_out", d_out, {{"d_gate_up", &d_gate_up}, {"gate_up", &gate_up}});
+  if (!out.empty()) {
+    LT_CHECK(out.ndim == 2 && out.shape[0] == d_out.shape[0] && out.shape[1] == d_out.shape[1] &&
+                 out.dtype == d_out.dtype && last_dim_unit_stride(out),
+             "{}: out {} (the recomputed forward output) must be like d_out {}: [T, F], its dtype, unit-stride rows",
+             op, out.describe(), d_out.describe());
+  }
+  if (d_out.dtype == DType::f32) return swiglu_backward_impl<float>(d_gate_up, d_out, gate_up, out);
+  return swiglu_backward_impl<double>(d_gate_up, d_out, gate_up, out);
 }
 
 }  // namespace longtrain::ops::cpu

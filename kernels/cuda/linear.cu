@@ -346,13 +346,16 @@ void linear_backward(Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w, GradWr
   const char* op = "linear_backward";
   check_linear(op, x, "x", w);
   check_tensor(dy, 2, op, "dy");
-  check_tensor(dw, 2, op, "dw");
-  check_float(dw, op, "dw");
+  LT_CHECK(!dx.empty() || !dw.empty(), "{}: dx and dw are both empty: nothing to compute", op);
   LT_CHECK(dy.dtype == x.dtype, "{}: dy {} must have x's dtype {}", op, dy.describe(), dtype_name(x.dtype));
   const int64_t T = x.size(0), K = x.size(1), N = w.size(0);
   LT_CHECK(w.size(1) == K, "{}: w {} must be [N, {}] for x {}", op, w.describe(), K, x.describe());
   LT_CHECK(dy.size(0) == T && dy.size(1) == N, "{}: dy {} must be [{}, {}]", op, dy.describe(), T, N);
-  check_same_shape(dw, w, op);
+  if (!dw.empty()) {
+    check_tensor(dw, 2, op, "dw");
+    check_float(dw, op, "dw");
+    check_same_shape(dw, w, op);
+  }
   if (!dx.empty()) {
     check_tensor(dx, 2, op, "dx");
     check_same_shape(dx, x, op);
@@ -360,6 +363,7 @@ void linear_backward(Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w, GradWr
     gemm(false, false, K, T, N, w.data, w.stride[0], dy.data, dy.stride[0], dx.data, dx.stride[0], x.dtype, dx.dtype,
          1.0f, 0.0f);
   }
+  if (dw.empty()) return;
   // beta = 0 under overwrite: cuBLASLt does not read C (dw may hold anything, NaN included).
   gemm(false, true, K, N, T, x.data, x.stride[0], dy.data, dy.stride[0], dw.data, dw.stride[0], x.dtype, dw.dtype,
        1.0f, dw_write == GradWrite::overwrite ? 0.0f : 1.0f);

@@ -193,6 +193,12 @@ TEST_P(GpuOps, SwigluForwardBackward) {
     ops::swiglu_backward(dgu_d, dout_d, gu_d);
     expect_close("swiglu_forward out", dt, download(out_d), out_h.values);
     expect_close("swiglu_backward d_gate_up", dt, download(dgu_d), dgu_h.values);
+    // With the forward's output recomputed (the remat policies' path): bit for bit the forward's,
+    // and the same gradient.
+    DeviceTensor out2_d(dt, {T, F}), dgu2_d(dt, {T, 2 * F});
+    ops::swiglu_backward(dgu2_d, dout_d, gu_d, out2_d);
+    EXPECT_EQ(download(out2_d), download(out_d)) << "recomputed swiglu output";
+    EXPECT_EQ(download(dgu2_d), download(dgu_d)) << "d_gate_up with the output recomputed";
   }
 }
 

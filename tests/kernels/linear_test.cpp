@@ -72,6 +72,19 @@ TYPED_TEST(LinearTest, EmptyDxSkipsTheInputGradient) {
   test::expect_close("linear dw, dx empty", dw.values, ref_dw);
 }
 
+// dx alone, with dw empty: what the model runs before x exists (the recomputed SwiGLU output is
+// written after the down projection's input gradient), so x must not be read: NaN here.
+TYPED_TEST(LinearTest, EmptyDwSkipsTheWeightGradientAndNeverReadsX) {
+  using T = TypeParam;
+  HostTensor<T> x({kTokens, kIn}), w({kOut, kIn}), dy({kTokens, kOut}), dx({kTokens, kIn});
+  std::fill(x.values.begin(), x.values.end(), std::numeric_limits<T>::quiet_NaN());
+  test::fill_uniform(w, 10);
+  test::fill_uniform(dy, 11);
+  test::fill_uniform(dx, 12);  // overwritten
+  ops::linear_backward(dx, Tensor(), dy, x, w);
+  test::expect_close("linear dx, dw empty", dx.values, reference_dx(test::as_double(dy), test::as_double(w)));
+}
+
 // GradWrite::overwrite: dw = dyᵀ · x whatever dw held (NaN here), also with no tokens (dw = 0).
 TYPED_TEST(LinearTest, OverwrittenWeightGradientIgnoresWhatDwHeld) {
   using T = TypeParam;
@@ -186,7 +199,11 @@ TEST(Linear, Errors) {
   test::expect_error([&] { ops::linear_forward(y16, x16, w16); }, {"dtype bf16 is not supported"});
   test::expect_error([&] { ops::linear_backward(dx_bad, dw, dy, x, w_ok); },
                      {"linear_backward", "dx f32[37, 15] cpu"});
-  test::expect_error([&] { ops::linear_backward(Tensor(), Tensor(), dy, x, w_ok); }, {"dw is empty"});
+  test::expect_error([&] { ops::linear_backward(Tensor(), Tensor(), dy, x, w_ok); },
+                     {"linear_backward", "dx and dw are both empty"});
+  HostTensor<float> dw_bad({kOut + 1, kIn});
+  test::expect_error([&] { ops::linear_backward(Tensor(), dw_bad, dy, x, w_ok); },
+                     {"linear_backward", "dw f32[12, 13] cpu", "w f32[11, 13] cpu"});
 }
 
 }  // namespace

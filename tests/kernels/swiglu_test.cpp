@@ -55,6 +55,28 @@ TYPED_TEST(SwigluTest, ForwardAndBackwardMatchReference) {
                      reference_backward(test::as_double(d_out), test::as_double(gate_up)));
 }
 
+// The remat policies' recompute: swiglu_backward given `out` writes the forward's output as well, bit
+// for bit what swiglu_forward writes (down_proj's weight gradient reads it), and the same gradient as
+// without it; also in place (d_gate_up = gate_up), as the backward may run.
+TYPED_TEST(SwigluTest, BackwardRecomputesTheForwardOutputBitForBit) {
+  using T = TypeParam;
+  HostTensor<T> gate_up({kTokens, 2 * kFfn}), out({kTokens, kFfn}), d_out({kTokens, kFfn});
+  HostTensor<T> d_gate_up({kTokens, 2 * kFfn}), d_gate_up_plain({kTokens, 2 * kFfn}), recomputed({kTokens, kFfn});
+  test::fill_uniform(gate_up, 21, -6.0, 6.0);
+  test::fill_uniform(d_out, 22);
+  test::fill_uniform(recomputed, 23);  // overwritten
+  ops::swiglu_forward(out, gate_up);
+  ops::swiglu_backward(d_gate_up_plain, d_out, gate_up);
+  ops::swiglu_backward(d_gate_up, d_out, gate_up, recomputed);
+  EXPECT_EQ(recomputed.values, out.values);
+  EXPECT_EQ(d_gate_up.values, d_gate_up_plain.values);
+  HostTensor<T> in_place = gate_up;
+  test::fill_uniform(recomputed, 24);
+  ops::swiglu_backward(in_place, d_out, in_place, recomputed);
+  EXPECT_EQ(recomputed.values, out.values);
+  EXPECT_EQ(in_place.values, d_gate_up_plain.values);
+}
+
 TYPED_TEST(SwigluTest, StridedRowsOfAWiderBuffer) {
   // gate_up read from, and out written to, column slices of wider buffers.
   using T = TypeParam;
@@ -126,6 +148,9 @@ TEST(Swiglu, Errors) {
   test::expect_error([&] { ops::swiglu_forward(out16, gate_up16); }, {"dtype bf16 is not supported"});
   test::expect_error([&] { ops::swiglu_backward(gate_up, d_out, gate_up_ok); },
                      {"swiglu_backward", "d_gate_up f32[37, 23] cpu"});
+  HostTensor<float> out_wide({kTokens, kFfn + 1});
+  test::expect_error([&] { ops::swiglu_backward(d_gate_up, d_out, gate_up_ok, out_wide); },
+                     {"swiglu_backward", "out f32[37, 12] cpu", "d_out f32[37, 11] cpu"});
 }
 
 }  // namespace
