@@ -24,16 +24,22 @@
 // rows too.
 //
 //   attention_bench [--lengths 4096,16384,65536] [--anchor attn_anchor.json] [--out result.json]
-//                   [--commit SHA] [--warmup 3] [--reps 10] [--kv-heads 32,8] [--head-dim 128]
+//                   [--commit SHA] [--warmup 3] [--reps 10] [--rounds 2] [--kv-heads 32,8] [--head-dim 128]
 //                   [--layouts bshd,bhsd] [--kernel cudnn,hopper,hopper-overlap,...] [--lse-layout token|head]
 //
 // --lse-layout: the LSE of the direct kernel calls (the hopper and cuDNN-only rows), token-major (the
 // default) or head-major, as the model stores it for the "ours" rows.
 //
-// Timing as the anchor does it: CUDA events around each call, the median of the timed runs. Comparing
-// forward variants, use --reps 20 and reverse their order in a second run: at --reps 5 the forward
-// timed first after the backward's timing ran up to 12% slower at 64K than the same kernel timed
-// again (bench/results/attention-hopper-fwd-lazy-rescale-2026-12-05.json, position_probe).
+// Timing as the anchor does it: CUDA events around each call, the median of the timed runs; and the
+// rows of a shape interleaved: --rounds times each row once per round, the rounds in turn in the
+// listed order and reversed, and reports the mean of its rounds' medians (each round's in the row).
+// A row's place in the run matters on a power-capped GPU: at --reps 5 a forward timed first after the
+// backward's timing ran up to 12% slower at 64K than the same kernel timed again
+// (bench/results/attention-hopper-fwd-lazy-rescale-2026-12-05.json, position_probe), and "ours" timed
+// after its trials ran 8% slower than cuDNN's rows timed before them
+// (bench/results/attention-trial-warm-2026-12-07.json). All trials run before any row is timed.
+// The anchor is another process; scripts/device/run-attention-vs-anchor.sh runs it before and after
+// this one and compares with their mean.
 // FLOPs count the causal half: fwd = 4·Hq·S²·D / 2, fwd+bwd = 3.5 × fwd.
 //
 // "ours" runs under the kernel choice a training run makes by default (bench_common.h:
@@ -65,7 +71,7 @@ struct Options : RunRecord {
   std::vector<std::string> layouts;
   std::vector<std::string> kernels{"cudnn"};
   bool head_major_lse = false;  // --lse-layout head: the direct kernel calls' LSE as the model stores it
-  int warmup = 3, reps = 10;
+  int warmup = 3, reps = 10, rounds = 2;
 };
 
 Options parse(int argc, char** argv) {
@@ -101,6 +107,9 @@ Options parse(int argc, char** argv) {
       o.warmup = next.int32();
     } else if (a == "--reps") {
       o.reps = next.int32();
+    } else if (a == "--rounds") {
+      o.rounds = next.int32();
+      LT_CHECK(o.rounds >= 1, "attention_bench: --rounds must be at least 1, got {}", o.rounds);
     } else {
       return false;
     }
@@ -108,6 +117,49 @@ Options parse(int argc, char** argv) {
   });
   return o;
 }
+
+// Rows timed in rounds, interleaved (the file's header): add each row's callable, then run().
+class InterleavedTimer {
+ public:
+  InterleavedTimer(int warmup, int reps, int rounds) : warmup_(warmup), reps_(reps), rounds_(rounds) {}
+  void add(const std::string& name, std::function<void()> fn) { rows_.push_back({name, std::move(fn), {}}); }
+  void run() {
+    for (int r = 0; r < rounds_; ++r) {
+      for (size_t i = 0; i < rows_.size(); ++i) {
+        Row& row = rows_[r % 2 == 0 ? i : rows_.size() - 1 - i];
+        row.round_ms.push_back(median_ms(row.fn, warmup_, reps_));
+      }
+    }
+  }
+  // The mean of the row's round medians.
+  double ms(const std::string& name) const {
+    const Row& row = find(name);
+    double sum = 0;
+    for (double m : row.round_ms) sum += m;
+    LT_CHECK(!row.round_ms.empty(), "attention_bench: row {} was not timed", name);
+    return sum / static_cast<double>(row.round_ms.size());
+  }
+  json rounds(const std::string& name) const {
+    json out = json::array();
+    for (double m : find(name).round_ms) out.push_back(round3(m));
+    return out;
+  }
+
+ private:
+  struct Row {
+    std::string name;
+    std::function<void()> fn;
+    std::vector<double> round_ms;
+  };
+  const Row& find(const std::string& name) const {
+    for (const Row& r : rows_)
+      if (r.name == name) return r;
+    LT_CHECK(false, "attention_bench: no timed row {}", name);
+    return rows_.front();
+  }
+  int warmup_, reps_, rounds_;
+  std::vector<Row> rows_;
+};
 
 attn::cudnn_sdpa::View view(const Tensor& t) {
   return {t.data, t.shape[0], t.shape[1], t.shape[2], t.stride[0], t.stride[1]};
@@ -158,8 +210,10 @@ int main(int argc, char** argv) try {
   result["machine"] = machine_json();
   result["commit"] = opt.commit;
   result["command"] = opt.command;
-  result["timing"] = fmt::format("CUDA events, median of {} runs after {} warm-ups (as attn_anchor.py)", opt.reps,
-                                 opt.warmup);
+  result["timing"] = fmt::format(
+      "CUDA events, median of {} runs after {} warm-ups (as attn_anchor.py); a shape's rows interleaved in {} "
+      "rounds (in order, then reversed, in turn), each row the mean of its rounds' medians (round_ms)",
+      opt.reps, opt.warmup, opt.rounds);
   result["flops"] = "fwd = 4*Hq*S^2*D/2 (causal half), fwd+bwd = 3.5*fwd";
   result["ours"] =
       "longtrain as the model calls it, under attention_kernel_policy (auto, as a training run by default: "
@@ -226,8 +280,10 @@ int main(int argc, char** argv) try {
       const Tensor gq = dqkv.t.narrow(1, 0, Hq), gk = dqkv.t.narrow(1, Hq, hkv), gv = dqkv.t.narrow(1, Hq + hkv, hkv);
 
       attn::LocalSequenceAttention model_attention(/*causal=*/true, scale);
-      // The LSE as the model stores it for one rank's attention on CUDA: head-major [Hq, S] storage.
-      Tensor model_lse = lse.t;
+      // The LSE as the model stores it for one rank's attention on CUDA: head-major [Hq, S] storage, a
+      // buffer of its own (the direct calls' rows, interleaved with these, keep theirs in `lse`).
+      CudaBuffer model_lse_buffer(DType::f32, {S, Hq});
+      Tensor model_lse = model_lse_buffer.t;
       model_lse.stride = {1, S, 0, 0};
       auto fwd = [&] { model_attention.forward(o.t, model_lse, q, k, v); };
       auto fwd_bwd = [&] {
@@ -295,40 +351,91 @@ int main(int argc, char** argv) try {
                     static_cast<long long>(hkv), static_cast<long long>(S), label, diff[0], diff[0] / ref_max[0],
                     diff[1], diff[1] / ref_max[1], diff[2], diff[2] / ref_max[2], static_cast<long long>(grad_nonfinite));
       };
+      // A forward first, so that a backward timed before any forward reads a real O and LSE.
       if (run_hopper) {
-        // A forward first, so that the timed backward reads a real O and LSE.
         attn::hopper::forward({o.t.data, false, S, Hq, D, o.t.stride[0], o.t.stride[1]}, stats, view(q), view(k),
                               view(v), true, static_cast<float>(scale), false, hopper_runs[0].variant);
+      } else if (run_cudnn) {
+        cudnn_fwd();
       }
+      // Under auto the first calls of each shape are its trial (attn::cuda::trial_length(): cuDNN
+      // alone, then both kernels in turn, the host waiting once at the end): run them out before any
+      // row is timed, so that "ours" (and the block calls from delta, shapes of their own) time the
+      // chosen kernels and no row is timed on a GPU the trials warmed and others not.
+      const size_t choices_before = attn::kernel_choices().size();
+      auto run_out_trials = [](const std::function<void()>& fn) {
+        const int max_calls = 4 * attn::cuda::trial_length();
+        for (int i = 0; i < max_calls; ++i) {
+          const int64_t trials = attn::kernel_trial_calls();
+          fn();
+          if (attn::kernel_trial_calls() == trials) return;
+        }
+        LT_CHECK(false, "attention_bench: the auto kernel trials did not end within {} calls", max_calls);
+      };
+      json row_choices = json::array();
+      if (run_cudnn) {
+        run_out_trials(fwd_bwd);
+        run_out_trials(block_delta_fwd_bwd);
+        const std::vector<attn::KernelChoice> all_choices = attn::kernel_choices();
+        for (size_t i = choices_before; i < all_choices.size(); ++i) {
+          const attn::KernelChoice& c = all_choices[i];
+          row_choices.push_back(kernel_choice_json(c));
+          std::printf("hkv=%2lld S=%6lld: ours under auto: %s -> %s (cuDNN %.3f ms, ours %.3f ms)\n",
+                      static_cast<long long>(hkv), static_cast<long long>(S), c.shape.c_str(), c.kernel.c_str(),
+                      c.cudnn_ms, c.hopper_ms);
+        }
+      }
+
+      // Every compared row, timed interleaved (the file's header).
+      InterleavedTimer timer(opt.warmup, opt.reps, opt.rounds);
+      if (run_hopper) timer.add("hopper_bwd", hopper_bwd);
+      std::vector<std::function<void()>> hopper_fwds;
+      hopper_fwds.reserve(hopper_runs.size());  // the fwd+bwd rows hold references to its elements
+      for (const HopperRun& run : hopper_runs) {
+        // Our kernel's forward, on the views the cuDNN rows use (the direct calls' LSE).
+        hopper_fwds.push_back([&, variant = run.variant] {
+          attn::hopper::forward({o.t.data, false, S, Hq, D, o.t.stride[0], o.t.stride[1]}, stats, view(q), view(k),
+                                view(v), true, static_cast<float>(scale), false, variant);
+        });
+        const std::function<void()>& hopper_fwd = hopper_fwds.back();
+        timer.add(run.key + "_fwd", hopper_fwd);
+        timer.add(run.key + "_fwdbwd", [&hopper_fwd, &hopper_bwd] {
+          hopper_fwd();
+          hopper_bwd();
+        });
+      }
+      if (run_cudnn) {
+        timer.add("ours_fwd", fwd);
+        timer.add("ours_fwdbwd", fwd_bwd);
+        timer.add("ours_block_delta_f32", block_delta_fwd_bwd);
+        timer.add("cudnn_fwd", cudnn_fwd);
+        timer.add("cudnn_fwdbwd", cudnn_fwd_bwd);
+      }
+      timer.run();
+
       if (run_hopper) {
-        const double ms_b = median_ms(hopper_bwd, opt.warmup, opt.reps);
+        const double ms_b = timer.ms("hopper_bwd");
         row["hopper_bwd"] = {{"bwd_ms", round3(ms_b)},
-                             {"bwd_tflops", round1(2.5 * fwd_flops / ms_b / 1e9)}};
+                             {"bwd_tflops", round1(2.5 * fwd_flops / ms_b / 1e9)},
+                             {"round_ms", timer.rounds("hopper_bwd")}};
         std::printf("hkv=%2lld S=%6lld: hopper backward %8.3f ms (%5.1f TFLOP/s)\n", static_cast<long long>(hkv),
                     static_cast<long long>(S), ms_b, 2.5 * fwd_flops / ms_b / 1e9);
       }
       for (size_t r = 0; r < hopper_runs.size(); ++r) {
         const HopperRun& run = hopper_runs[r];
         const char* vname = attn::hopper::fwd_variant_name(run.variant);
-        // Our kernel's forward, on the views the cuDNN rows use (LSE token-major as ours_cudnn_only).
-        auto hopper_fwd = [&] {
-          attn::hopper::forward({o.t.data, false, S, Hq, D, o.t.stride[0], o.t.stride[1]}, stats, view(q), view(k),
-                                view(v), true, static_cast<float>(scale), false, run.variant);
-        };
-        auto hopper_fwd_bwd = [&] {
-          hopper_fwd();
-          hopper_bwd();
-        };
-        ms_hopper[r] = median_ms(hopper_fwd, opt.warmup, opt.reps);
-        ms_hopper_fb[r] = median_ms(hopper_fwd_bwd, opt.warmup, opt.reps);
+        ms_hopper[r] = timer.ms(run.key + "_fwd");
+        ms_hopper_fb[r] = timer.ms(run.key + "_fwdbwd");
         row[run.key] = {{"variant", vname},
                         {"fwd_kv_heads_per_section",
                          attn::hopper::fwd_kv_heads_per_section(S, S, Hq, hkv, D, true, run.variant)},
                         {"bwd_kv_heads_per_section", attn::hopper::bwd_kv_heads_per_section(S, S, Hq, hkv, D, true)},
                         {"fwd_ms", round3(ms_hopper[r])},
                         {"fwd_tflops", round1(fwd_flops / ms_hopper[r] / 1e9)},
+                        {"fwd_round_ms", timer.rounds(run.key + "_fwd")},
                         {"fwdbwd_ms", round3(ms_hopper_fb[r])},
-                        {"fwdbwd_tflops", round1(3.5 * fwd_flops / ms_hopper_fb[r] / 1e9)}};
+                        {"fwdbwd_tflops", round1(3.5 * fwd_flops / ms_hopper_fb[r] / 1e9)},
+                        {"fwdbwd_round_ms", timer.rounds(run.key + "_fwdbwd")}};
         std::printf("hkv=%2lld S=%6lld: hopper %-12s fwd %8.3f ms (%5.1f TFLOP/s), fwd+bwd %8.3f ms (%5.1f), "
                     "sections %d/%d\n",
                     static_cast<long long>(hkv), static_cast<long long>(S), vname, ms_hopper[r],
@@ -348,7 +455,7 @@ int main(int argc, char** argv) try {
         }
         if (run_cudnn) {
           // The two kernels' outputs on the same inputs: the largest difference of O (bf16) and LSE.
-          hopper_fwd();
+          hopper_fwds[r]();
           const std::vector<float> o_h = download_floats(o.t), l_h = download_floats(lse.t);
           cudnn_fwd();
           const std::vector<float> o_c = download_floats(o.t), l_c = download_floats(lse.t);
@@ -370,7 +477,7 @@ int main(int argc, char** argv) try {
                       static_cast<long long>(nonfinite));
           if (r == 0) {
             // Both backwards from this forward's O and LSE.
-            hopper_fwd();
+            hopper_fwds[r]();
             bwd_diffs(hopper_bwd, row["hopper_bwd"], "hopper_bwd");
           }
         }
@@ -380,36 +487,9 @@ int main(int argc, char** argv) try {
         std::fflush(stdout);
         continue;
       }
-      // Under auto the first calls of each shape are its trial (attn::cuda::trial_length(): cuDNN
-      // alone, then both kernels in turn, the host waiting once at the end): run them out before
-      // timing, so that "ours" (and the block calls from delta, shapes of their own) time the chosen
-      // kernels.
-      const size_t choices_before = attn::kernel_choices().size();
-      auto run_out_trials = [](const std::function<void()>& fn) {
-        const int max_calls = 4 * attn::cuda::trial_length();
-        for (int i = 0; i < max_calls; ++i) {
-          const int64_t trials = attn::kernel_trial_calls();
-          fn();
-          if (attn::kernel_trial_calls() == trials) return;
-        }
-        LT_CHECK(false, "attention_bench: the auto kernel trials did not end within {} calls", max_calls);
-      };
-      run_out_trials(fwd_bwd);
-      run_out_trials(block_delta_fwd_bwd);
-      const std::vector<attn::KernelChoice> all_choices = attn::kernel_choices();
-      json row_choices = json::array();
-      for (size_t i = choices_before; i < all_choices.size(); ++i) {
-        const attn::KernelChoice& c = all_choices[i];
-        row_choices.push_back(kernel_choice_json(c));
-        std::printf("hkv=%2lld S=%6lld: ours under auto: %s -> %s (cuDNN %.3f ms, ours %.3f ms)\n",
-                    static_cast<long long>(hkv), static_cast<long long>(S), c.shape.c_str(), c.kernel.c_str(),
-                    c.cudnn_ms, c.hopper_ms);
-      }
-      const double ms_f = median_ms(fwd, opt.warmup, opt.reps);
-      const double ms_fb = median_ms(fwd_bwd, opt.warmup, opt.reps);
-      const double ms_db = median_ms(block_delta_fwd_bwd, opt.warmup, opt.reps);
-      const double ms_cf = median_ms(cudnn_fwd, opt.warmup, opt.reps);
-      const double ms_cfb = median_ms(cudnn_fwd_bwd, opt.warmup, opt.reps);
+      const double ms_f = timer.ms("ours_fwd"), ms_fb = timer.ms("ours_fwdbwd");
+      const double ms_db = timer.ms("ours_block_delta_f32");
+      const double ms_cf = timer.ms("cudnn_fwd"), ms_cfb = timer.ms("cudnn_fwdbwd");
       // cuDNN's backward alone, as the fwd+bwd call pays it (the two timings' difference).
       const double ms_cb = ms_cfb - ms_cf;
       row["cudnn_bwd_from_difference"] = {{"bwd_ms", round3(ms_cb)}, {"bwd_tflops", round1(2.5 * fwd_flops / ms_cb / 1e9)}};
@@ -435,15 +515,20 @@ int main(int argc, char** argv) try {
       row.update(json{{"ours", {{"policy", std::string(attn::kernel_policy_name(policies.attention))},
                                 {"auto_choices", row_choices},
                                 {"fwd_ms", round3(ms_f)},
-                            {"fwd_tflops", round1(fwd_flops / ms_f / 1e9)},
-                            {"fwdbwd_ms", round3(ms_fb)},
-                            {"fwdbwd_tflops", round1(3.5 * fwd_flops / ms_fb / 1e9)}}},
-                  {"ours_block_delta_f32", {{"fwdbwd_ms", round3(ms_db)},
-                                            {"fwdbwd_tflops", round1(3.5 * fwd_flops / ms_db / 1e9)}}},
-                  {"ours_cudnn_only", {{"fwd_ms", round3(ms_cf)},
-                                       {"fwd_tflops", round1(fwd_flops / ms_cf / 1e9)},
-                                       {"fwdbwd_ms", round3(ms_cfb)},
-                                       {"fwdbwd_tflops", round1(3.5 * fwd_flops / ms_cfb / 1e9)}}}});
+                                {"fwd_tflops", round1(fwd_flops / ms_f / 1e9)},
+                                {"fwd_round_ms", timer.rounds("ours_fwd")},
+                                {"fwdbwd_ms", round3(ms_fb)},
+                                {"fwdbwd_tflops", round1(3.5 * fwd_flops / ms_fb / 1e9)},
+                                {"fwdbwd_round_ms", timer.rounds("ours_fwdbwd")}}},
+                      {"ours_block_delta_f32", {{"fwdbwd_ms", round3(ms_db)},
+                                                {"fwdbwd_tflops", round1(3.5 * fwd_flops / ms_db / 1e9)},
+                                                {"fwdbwd_round_ms", timer.rounds("ours_block_delta_f32")}}},
+                      {"ours_cudnn_only", {{"fwd_ms", round3(ms_cf)},
+                                           {"fwd_tflops", round1(fwd_flops / ms_cf / 1e9)},
+                                           {"fwd_round_ms", timer.rounds("cudnn_fwd")},
+                                           {"fwdbwd_ms", round3(ms_cfb)},
+                                           {"fwdbwd_tflops", round1(3.5 * fwd_flops / ms_cfb / 1e9)},
+                                           {"fwdbwd_round_ms", timer.rounds("cudnn_fwdbwd")}}}});
       for (const std::string& layout : opt.layouts) {
         // Separate Q/K/V/O/dO and dQ/dK/dV buffers in this layout, the bare cuDNN graphs.
         CudaBuffer lq(DType::bf16, {S, Hq, D}), lk(DType::bf16, {S, hkv, D}), lv(DType::bf16, {S, hkv, D});
