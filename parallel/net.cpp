@@ -30,7 +30,10 @@ namespace {
 
 int remaining_ms(Clock::time_point deadline) {
   if (deadline == Clock::time_point::max()) return -1;
-  auto left = std::chrono::duration_cast<Millis>(deadline - Clock::now()).count();
+  // Rounded up: poll() waiting a truncated count returned up to 1 ms before the deadline, so a caller
+  // that then measured how long it had waited found less than its limit (a reply timed out after
+  // 0.999 s of a 1 s limit was taken for a closed connection; seen in CI).
+  auto left = std::chrono::ceil<Millis>(deadline - Clock::now()).count();
   return left < 0 ? 0 : static_cast<int>(std::min<long long>(left, 1 << 30));
 }
 
@@ -205,6 +208,7 @@ bool read_all(int fd, void* buf, size_t n, Clock::time_point deadline) {
       int r = ::poll(&pfd, 1, remaining_ms(deadline));
       if (r < 0 && errno == EINTR) continue;
       LT_CHECK(r >= 0, "socket poll failed: {}", errno_text(errno));
+      if (r == 0 && Clock::now() < deadline) continue;  // woke early: wait out the rest
       LT_CHECK(r > 0, "no reply on the socket before the deadline");
     }
     ssize_t r = ::recv(fd, p + got, n - got, 0);

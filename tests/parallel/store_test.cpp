@@ -45,6 +45,22 @@ std::string error_of(const std::function<void()>& f) {
   return "(no error)";
 }
 
+// A read with a deadline and nothing to read gives up only once the deadline has passed, never a
+// fraction of a millisecond before it: the store's monitor tells a silent server from a closed
+// connection by how long it waited, and a poll() that woke up to 1 ms early turned a silent server
+// into a "killed" one in CI. Deadlines at odd microseconds, as real ones fall.
+TEST(Net, AReadTimesOutOnlyAfterItsDeadline) {
+  int sv[2];
+  ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM, 0, sv), 0);
+  net::Fd reader(sv[0]), writer(sv[1]);
+  for (int i = 0; i < 20; ++i) {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::microseconds(1000 + 137 * i);
+    char byte = 0;
+    EXPECT_THROW(net::read_all(reader.get(), &byte, 1, deadline), Error);
+    EXPECT_GE(std::chrono::steady_clock::now(), deadline) << "deadline " << 1000 + 137 * i << " us ahead";
+  }
+}
+
 TEST(TcpStore, SetGetAddCheckErase) {
   TcpStore server(server_options());
   TcpStore client(client_options(server.port()));
