@@ -4,7 +4,8 @@
 # dim 128 (8 KV heads, the anchor's default) and 64 (4 KV heads, TinyLlama's), 16K and 64K. Prints
 # fwd+bwd ratios to torch's cuDNN SDPA: ours (the training run's default policy) and the bare cuDNN
 # graphs; writes $W/attention-vs-anchor.json. Run with .device carried (anchors/attn_anchor.py); env
-# GPU_TESTS='gtest filter' runs those gpu_test tests first.
+# GPU_TESTS='gtest filter' runs those gpu_test tests first; SHAPES='128x8' (head dim x KV heads) and
+# LENGTHS=16384 narrow the rows.
 set -u
 source scripts/device/session.sh
 if [ -n "${GPU_TESTS:-}" ]; then
@@ -17,7 +18,8 @@ anchor() {  # head dim, kv heads, folder
   OUT=$3 HEAD_DIM=$1 KV_HEADS=$2 timeout 120 python3 .device/anchors/attn_anchor.py > $3/anchor.log 2>&1
   stamp "attn_anchor.py head dim $1 -> $(basename $3) rc $?"
 }
-for cfg in "128 8" "64 4"; do
+for cfg in ${SHAPES:-128x8 64x4}; do
+  cfg=${cfg/x/ }
   set -- $cfg
   anchor $1 $2 $W/d$1-before
   timeout 240 $B/bench/attention_bench --lengths $LENGTHS --kv-heads $2 --head-dim $1 --rounds 2 --commit $COMMIT \
@@ -31,6 +33,8 @@ W = sys.argv[1]
 summary = {"reference": "torch cuDNN SDPA fwd+bwd: the mean of attn_anchor.py before and after attention_bench",
            "rows": []}
 for D, kv in ((128, 8), (64, 4)):
+    if not glob.glob(f"{W}/d{D}-before"):
+        continue
     try:
         ours = json.load(open(f"{W}/attention-d{D}.json"))
         anchors = [json.load(open(glob.glob(f"{W}/d{D}-{t}/*.json")[0])) for t in ("before", "after")]
