@@ -390,16 +390,15 @@ int main(int argc, char** argv) try {
       InterleavedTimer timer(opt.warmup, opt.reps, opt.rounds);
       if (run_hopper) timer.add("hopper_bwd", hopper_bwd);
       std::vector<std::function<void()>> hopper_fwds;
-      hopper_fwds.reserve(hopper_runs.size());  // the fwd+bwd rows hold references to its elements
       for (const HopperRun& run : hopper_runs) {
         // Our kernel's forward, on the views the cuDNN rows use (the direct calls' LSE).
-        hopper_fwds.push_back([&, variant = run.variant] {
+        auto hopper_fwd = [&, variant = run.variant] {
           attn::hopper::forward({o.t.data, false, S, Hq, D, o.t.stride[0], o.t.stride[1]}, stats, view(q), view(k),
                                 view(v), true, static_cast<float>(scale), false, variant);
-        });
-        const std::function<void()>& hopper_fwd = hopper_fwds.back();
+        };
+        hopper_fwds.push_back(hopper_fwd);
         timer.add(run.key + "_fwd", hopper_fwd);
-        timer.add(run.key + "_fwdbwd", [&hopper_fwd, &hopper_bwd] {
+        timer.add(run.key + "_fwdbwd", [hopper_fwd, &hopper_bwd] {
           hopper_fwd();
           hopper_bwd();
         });

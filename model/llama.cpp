@@ -388,15 +388,13 @@ void LlamaModel::layer_backward(int64_t l, const LayerActs& a, Tensor x_in, Tens
       ops::linear_residual_forward(h, o.narrow(t0, n), p.o_proj, x_in.narrow(t0, n));
       ops::rmsnorm_forward(n2, rstd2, h, p.post_norm, config_.norm_eps);
       ops::linear_forward(gate_up, n2, p.gate_up);
-      // s = swiglu(gate_up) is recomputed by swiglu_backward below, from the reads it makes anyway:
-      // only down_proj's weight gradient needs s, and it runs after.
-      ops::linear_backward(d_s, Tensor{}, d, s, p.down_proj);
-      ops::swiglu_backward(d_gate_up, d_s, gate_up, s);
-      ops::linear_backward(Tensor{}, g.down_proj, d, s, p.down_proj, first_write(g.down_proj));
-    } else {
-      ops::linear_backward(d_s, g.down_proj, d, s, p.down_proj, first_write(g.down_proj));
-      ops::swiglu_backward(d_gate_up, d_s, gate_up);
     }
+    // down_proj's input and weight gradients run apart: under a recomputing policy s = swiglu(gate_up)
+    // is written by swiglu_backward from the reads it makes anyway, and only the weight gradient, after
+    // it, reads s.
+    ops::linear_backward(d_s, Tensor{}, d, s, p.down_proj);
+    ops::swiglu_backward(d_gate_up, d_s, gate_up, recompute ? s : Tensor{});
+    ops::linear_backward(Tensor{}, g.down_proj, d, s, p.down_proj, first_write(g.down_proj));
     ops::linear_backward(d_norm, g.gate_up, d_gate_up, n2, p.gate_up, first_write(g.gate_up));
     ops::rmsnorm_backward(d, g.post_norm, d_norm, h, p.post_norm, rstd2, first_write(g.post_norm));  // now dL/dh
     ops::linear_backward(d_o.narrow(t0, n), g.o_proj, d, o.narrow(t0, n), p.o_proj, first_write(g.o_proj));
