@@ -57,6 +57,12 @@ std::string_view kernel_policy_name(KernelPolicy policy) {
   return "?";
 }
 
+KernelPolicy set_kernel_policy_unless_overridden(KernelPolicy requested) {
+  const char* env = std::getenv("LONGTRAIN_ATTENTION_KERNEL");
+  set_kernel_policy(env && *env ? parse_kernel_policy(env, "LONGTRAIN_ATTENTION_KERNEL") : requested);
+  return kernel_policy();
+}
+
 #ifdef LONGTRAIN_HAS_CUDA
 KernelPolicy kernel_policy() { return cuda::current_policy(); }
 void set_kernel_policy(KernelPolicy policy) { cuda::set_policy(policy); }

@@ -111,6 +111,9 @@ std::string_view kernel_policy_name(KernelPolicy policy);
 // decided under auto stays decided).
 KernelPolicy kernel_policy();
 void set_kernel_policy(KernelPolicy policy);
+// What a run asks for (its config's attention.kernel) unless LONGTRAIN_ATTENTION_KERNEL names a policy:
+// the developer's override wins over every config. Returns the policy in force.
+KernelPolicy set_kernel_policy_unless_overridden(KernelPolicy requested);
 
 // A decision made under auto: the call shape, the kernel chosen, and each kernel's mean time over its
 // timed trial calls.

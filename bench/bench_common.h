@@ -208,13 +208,8 @@ struct KernelPolicies {
 // benchmark would run the libraries' own defaults (cudnn, heuristic) and time what no run uses.
 // Returns the policies in force, for the result to record.
 inline KernelPolicies use_training_kernel_policies() {
-  auto unset = [](const char* name) {
-    const char* v = std::getenv(name);
-    return v == nullptr || *v == '\0';
-  };
-  if (unset("LONGTRAIN_ATTENTION_KERNEL")) attn::set_kernel_policy(attn::KernelPolicy::autotune);
-  if (unset("LONGTRAIN_GEMM_ALGO")) ops::set_gemm_algo_policy(ops::GemmAlgoPolicy::autotune);
-  return {attn::kernel_policy(), ops::gemm_algo_policy()};
+  return {attn::set_kernel_policy_unless_overridden(attn::KernelPolicy::autotune),
+          ops::set_gemm_algo_policy_unless_overridden(ops::GemmAlgoPolicy::autotune)};
 }
 
 // A decision of the attention kernel trial (auto) as results record it.

@@ -109,6 +109,11 @@ void set_gemm_algo_policy(GemmAlgoPolicy policy) {
   std::lock_guard<std::mutex> lock(s.mutex);
   s.policy = policy;
 }
+GemmAlgoPolicy set_gemm_algo_policy_unless_overridden(GemmAlgoPolicy requested) {
+  const char* env = std::getenv("LONGTRAIN_GEMM_ALGO");
+  set_gemm_algo_policy(env && *env ? parse_gemm_algo_policy(env, "LONGTRAIN_GEMM_ALGO") : requested);
+  return gemm_algo_policy();
+}
 #ifdef LONGTRAIN_HAS_CUDA
 std::vector<GemmChoice> gemm_choices() { return cuda_util::gemm_choices(); }
 int gemm_trials_pending() { return cuda_util::gemm_trials_pending(); }

@@ -108,6 +108,9 @@ GemmAlgoPolicy parse_gemm_algo_policy(std::string_view name, std::string_view wh
 std::string_view gemm_algo_policy_name(GemmAlgoPolicy policy);
 GemmAlgoPolicy gemm_algo_policy();
 void set_gemm_algo_policy(GemmAlgoPolicy policy);
+// What a run asks for (its config's train.gemm_algorithm) unless LONGTRAIN_GEMM_ALGO names a policy: the
+// developer's override wins over every config. Returns the policy in force.
+GemmAlgoPolicy set_gemm_algo_policy_unless_overridden(GemmAlgoPolicy requested);
 // One decision under auto: the shape, the chosen candidate (0 = the heuristic's first) of how many, and
 // the fastest timed call of the chosen one and of the heuristic's first.
 struct GemmChoice {

@@ -261,4 +261,29 @@ void expect_error(F&& f, std::initializer_list<std::string> parts) {
   }
 }
 
+// Runs body with the environment variable `name` set to value (unset for nullptr), then puts back what
+// the process had, also when body throws.
+template <class F>
+void with_env(const char* name, const char* value, F&& body) {
+  const char* had = std::getenv(name);
+  const std::optional<std::string> before = had ? std::optional<std::string>(had) : std::nullopt;
+  struct Restore {
+    const char* name;
+    const std::optional<std::string>& before;
+    ~Restore() {
+      if (before) {
+        ::setenv(name, before->c_str(), 1);
+      } else {
+        ::unsetenv(name);
+      }
+    }
+  } restore{name, before};
+  if (value) {
+    ::setenv(name, value, 1);
+  } else {
+    ::unsetenv(name);
+  }
+  body();
+}
+
 }  // namespace longtrain::test

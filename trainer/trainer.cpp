@@ -129,15 +129,10 @@ Ranks join_world(const TrainConfig& c) {
 }
 
 // The kernel choices are process-wide: the config's attention.kernel and train.gemm_algorithm, unless
-// LONGTRAIN_ATTENTION_KERNEL or LONGTRAIN_GEMM_ALGO names one (a developer's override, read by the
-// attention and the GEMMs themselves).
+// LONGTRAIN_ATTENTION_KERNEL or LONGTRAIN_GEMM_ALGO names one (a developer's override).
 void set_kernel_choices(const TrainConfig& c) {
-  auto unset = [](const char* name) {
-    const char* v = std::getenv(name);
-    return v == nullptr || *v == '\0';
-  };
-  if (unset("LONGTRAIN_ATTENTION_KERNEL")) attn::set_kernel_policy(c.attention.kernel);
-  if (unset("LONGTRAIN_GEMM_ALGO")) ops::set_gemm_algo_policy(c.train.gemm_algorithm);
+  attn::set_kernel_policy_unless_overridden(c.attention.kernel);
+  ops::set_gemm_algo_policy_unless_overridden(c.train.gemm_algorithm);
 }
 
 // The attention every layer runs: one block on a single rank, else the configured distributed

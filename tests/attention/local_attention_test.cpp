@@ -1017,6 +1017,29 @@ TEST(KernelPolicy, ParsesTheThreeNamesAndNamesTheSourceOfABadOne) {
   EXPECT_HAS(msg, "LONGTRAIN_ATTENTION_KERNEL: the attention kernel must be cudnn, hopper or auto, got 'flash'");
 }
 
+// A run's requested policy (its config's attention.kernel: trainer.cpp, set_kernel_choices; the
+// benchmarks' use_training_kernel_policies) takes effect unless LONGTRAIN_ATTENTION_KERNEL names one,
+// which wins; a bad value there names the variable.
+TEST(KernelPolicy, TheEnvironmentsPolicyWinsOverTheRequestedOne) {
+  const KernelPolicy saved = kernel_policy();
+  test::with_env("LONGTRAIN_ATTENTION_KERNEL", nullptr, [] {
+    EXPECT_EQ(set_kernel_policy_unless_overridden(KernelPolicy::hopper), KernelPolicy::hopper);
+    EXPECT_EQ(kernel_policy(), KernelPolicy::hopper);
+  });
+  test::with_env("LONGTRAIN_ATTENTION_KERNEL", "", [] {
+    EXPECT_EQ(set_kernel_policy_unless_overridden(KernelPolicy::autotune), KernelPolicy::autotune);
+  });
+  test::with_env("LONGTRAIN_ATTENTION_KERNEL", "cudnn", [] {
+    EXPECT_EQ(set_kernel_policy_unless_overridden(KernelPolicy::autotune), KernelPolicy::cudnn);
+    EXPECT_EQ(kernel_policy(), KernelPolicy::cudnn);
+  });
+  test::with_env("LONGTRAIN_ATTENTION_KERNEL", "flash", [] {
+    const std::string msg = error_of([] { set_kernel_policy_unless_overridden(KernelPolicy::autotune); });
+    EXPECT_HAS(msg, "LONGTRAIN_ATTENTION_KERNEL: the attention kernel must be cudnn, hopper or auto, got 'flash'");
+  });
+  set_kernel_policy(saved);
+}
+
 // On the CPU a merged block call is the two steps it stands for, bit for bit.
 TEST(BlockForwardMerge, OnTheCpuEqualsForwardThenLseMerge) {
   const int64_t Tq = 9, Tk = 13, Hq = 4, Hkv = 2, D = 6;

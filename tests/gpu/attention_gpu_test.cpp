@@ -1184,22 +1184,6 @@ TEST(HopperAttentionLaunchOrder, EverySectionSizeGivesTheSameResults) {
 // The launch order's switches (host code: runs without a GPU): a valid value is taken (a section
 // size clamped to the kv heads), anything else throws naming the variable.
 TEST(HopperAttentionSwitches, EnvironmentValuesAreCheckedAndNamed) {
-  // Runs body with `name` set to value (unset for nullptr), then puts back what the run had.
-  auto with_env = [](const char* name, const char* value, auto&& body) {
-    const char* had = std::getenv(name);
-    const std::optional<std::string> before = had ? std::optional<std::string>(had) : std::nullopt;
-    if (value) {
-      setenv(name, value, 1);
-    } else {
-      unsetenv(name);
-    }
-    body();
-    if (before) {
-      setenv(name, before->c_str(), 1);
-    } else {
-      unsetenv(name);
-    }
-  };
   // A shape: 8K tokens, 32 query and 8 kv heads, head dim 128, causal.
   auto fwd_section = [] { return attn::hopper::fwd_kv_heads_per_section(8192, 8192, 32, 8, 128, true); };
   auto bwd_section = [] { return attn::hopper::bwd_kv_heads_per_section(8192, 8192, 32, 8, 128, true); };

@@ -206,5 +206,25 @@ TEST(Linear, Errors) {
                      {"linear_backward", "dw f32[12, 13] cpu", "w f32[11, 13] cpu"});
 }
 
+// A run's requested GEMM algorithm policy (its config's train.gemm_algorithm: trainer.cpp,
+// set_kernel_choices; the benchmarks' use_training_kernel_policies) takes effect unless
+// LONGTRAIN_GEMM_ALGO names one, which wins; a bad value there names the variable.
+TEST(GemmAlgoPolicy, TheEnvironmentsPolicyWinsOverTheRequestedOne) {
+  const ops::GemmAlgoPolicy saved = ops::gemm_algo_policy();
+  test::with_env("LONGTRAIN_GEMM_ALGO", nullptr, [] {
+    EXPECT_EQ(ops::set_gemm_algo_policy_unless_overridden(ops::GemmAlgoPolicy::autotune), ops::GemmAlgoPolicy::autotune);
+    EXPECT_EQ(ops::gemm_algo_policy(), ops::GemmAlgoPolicy::autotune);
+  });
+  test::with_env("LONGTRAIN_GEMM_ALGO", "heuristic", [] {
+    EXPECT_EQ(ops::set_gemm_algo_policy_unless_overridden(ops::GemmAlgoPolicy::autotune), ops::GemmAlgoPolicy::heuristic);
+    EXPECT_EQ(ops::gemm_algo_policy(), ops::GemmAlgoPolicy::heuristic);
+  });
+  test::with_env("LONGTRAIN_GEMM_ALGO", "fastest", [] {
+    test::expect_error([] { ops::set_gemm_algo_policy_unless_overridden(ops::GemmAlgoPolicy::heuristic); },
+                       {"LONGTRAIN_GEMM_ALGO: the GEMM algorithm policy must be heuristic or auto, got 'fastest'"});
+  });
+  ops::set_gemm_algo_policy(saved);
+}
+
 }  // namespace
 }  // namespace longtrain
