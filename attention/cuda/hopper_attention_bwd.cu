@@ -93,6 +93,16 @@
 // ptxas serialize the wgmmas and spill (C7512); D = 128 would need 32 registers per operand
 // (bench/results/attention-hopper-bwd-k-registers-h200-2026-12-04.json).
 //
+// The peers at head dim 128, causal (read 2026-12-07; nothing of theirs is used here): FlashAttention-3
+// (hopper/flash_bwd_launch_template.h) runs this kernel's structure: 64 queries × 128 keys, Sᵀ and dPᵀ
+// swapped m64n64 SS, dV/dK RS from registers, dQ as two m64n64 halves staged and bulk-reduced, 24/240
+// registers; it differs in a double-buffered dS (no barrier before its stmatrix), the query loop from
+// the diagonal up and one CTA per query head. ThunderKittens (kernels/attention/mha_h100) lets one
+// warpgroup compute the whole dQ tile as m64n128 while the other starts the next step, which is this
+// file's removed turn-taking kernel (above). The three SS m64n64 products of a step read about as many
+// shared-memory bytes per cycle as an SM gives (ncu: LSU 57%, tensor pipe 60% busy at 16K), the likely
+// reason cuDNN's backward keeps a few percent ahead at this head dim.
+//
 // Per CTA: 384 threads = a producer warpgroup and two consumer warpgroups (setmaxnreg 24 / 240).
 // - The producer's warp 1 is the dQ writer at D = 64 (below); warps 2-3 (and 1 at D = 128) leave.
 // - The producer's warp 0 TMA-loads the K and V tiles once, then streams (Q, dO) tiles of kBlockM
