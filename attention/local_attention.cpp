@@ -57,9 +57,14 @@ std::string_view kernel_policy_name(KernelPolicy policy) {
   return "?";
 }
 
-KernelPolicy set_kernel_policy_unless_overridden(KernelPolicy requested) {
+std::optional<KernelPolicy> kernel_policy_from_env() {
   const char* env = std::getenv("LONGTRAIN_ATTENTION_KERNEL");
-  set_kernel_policy(env && *env ? parse_kernel_policy(env, "LONGTRAIN_ATTENTION_KERNEL") : requested);
+  if (env == nullptr || *env == '\0') return std::nullopt;
+  return parse_kernel_policy(env, "LONGTRAIN_ATTENTION_KERNEL");
+}
+
+KernelPolicy set_kernel_policy_unless_overridden(KernelPolicy requested) {
+  set_kernel_policy(kernel_policy_from_env().value_or(requested));
   return kernel_policy();
 }
 
@@ -71,10 +76,7 @@ int64_t kernel_trial_calls() { return cuda::trial_calls(); }
 #else
 namespace {
 KernelPolicy& cpu_build_policy() {
-  static KernelPolicy policy = [] {
-    const char* env = std::getenv("LONGTRAIN_ATTENTION_KERNEL");
-    return env && *env ? parse_kernel_policy(env, "LONGTRAIN_ATTENTION_KERNEL") : KernelPolicy::cudnn;
-  }();
+  static KernelPolicy policy = kernel_policy_from_env().value_or(KernelPolicy::cudnn);
   return policy;
 }
 }  // namespace

@@ -13,6 +13,7 @@
 // views; on CPU all the float tensors of a call share one dtype.
 #pragma once
 
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -114,6 +115,8 @@ void set_kernel_policy(KernelPolicy policy);
 // What a run asks for (its config's attention.kernel) unless LONGTRAIN_ATTENTION_KERNEL names a policy:
 // the developer's override wins over every config. Returns the policy in force.
 KernelPolicy set_kernel_policy_unless_overridden(KernelPolicy requested);
+// The policy LONGTRAIN_ATTENTION_KERNEL names, if it is set and not empty (a bad name throws, naming it).
+std::optional<KernelPolicy> kernel_policy_from_env();
 
 // A decision made under auto: the call shape, the kernel chosen, and each kernel's mean time over its
 // timed trial calls.

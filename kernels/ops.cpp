@@ -94,14 +94,17 @@ GemmPolicyStore& gemm_policy_store() {
   static GemmPolicyStore s;
   return s;
 }
+// The policy LONGTRAIN_GEMM_ALGO names, if it is set and not empty (a bad name throws, naming it).
+std::optional<GemmAlgoPolicy> gemm_algo_policy_from_env() {
+  const char* env = std::getenv("LONGTRAIN_GEMM_ALGO");
+  if (env == nullptr || *env == '\0') return std::nullopt;
+  return parse_gemm_algo_policy(env, "LONGTRAIN_GEMM_ALGO");
+}
 }  // namespace
 GemmAlgoPolicy gemm_algo_policy() {
   GemmPolicyStore& s = gemm_policy_store();
   std::lock_guard<std::mutex> lock(s.mutex);
-  if (!s.policy) {
-    const char* env = std::getenv("LONGTRAIN_GEMM_ALGO");
-    s.policy = env && *env ? parse_gemm_algo_policy(env, "LONGTRAIN_GEMM_ALGO") : GemmAlgoPolicy::heuristic;
-  }
+  if (!s.policy) s.policy = gemm_algo_policy_from_env().value_or(GemmAlgoPolicy::heuristic);
   return *s.policy;
 }
 void set_gemm_algo_policy(GemmAlgoPolicy policy) {
@@ -110,8 +113,7 @@ void set_gemm_algo_policy(GemmAlgoPolicy policy) {
   s.policy = policy;
 }
 GemmAlgoPolicy set_gemm_algo_policy_unless_overridden(GemmAlgoPolicy requested) {
-  const char* env = std::getenv("LONGTRAIN_GEMM_ALGO");
-  set_gemm_algo_policy(env && *env ? parse_gemm_algo_policy(env, "LONGTRAIN_GEMM_ALGO") : requested);
+  set_gemm_algo_policy(gemm_algo_policy_from_env().value_or(requested));
   return gemm_algo_policy();
 }
 #ifdef LONGTRAIN_HAS_CUDA

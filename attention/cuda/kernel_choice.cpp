@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -68,10 +67,7 @@ State& state() {
 }
 
 KernelPolicy policy_locked(State& s) {
-  if (!s.policy) {
-    const char* env = std::getenv("LONGTRAIN_ATTENTION_KERNEL");
-    s.policy = env && *env ? parse_kernel_policy(env, "LONGTRAIN_ATTENTION_KERNEL") : KernelPolicy::cudnn;
-  }
+  if (!s.policy) s.policy = kernel_policy_from_env().value_or(KernelPolicy::cudnn);
   return *s.policy;
 }
 
