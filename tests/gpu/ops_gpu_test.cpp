@@ -689,7 +689,10 @@ TEST_P(GpuOps, BackwardsAreBitwiseDeterministic) {
     upload(wl_d, random_values(C * C, 77, dt));
     ops::rmsnorm_backward(dx_d, dw_d, dy_d, x_d, w_d, rstd_d);
     ops::embedding_backward(dtab_d, tok_d, dy_d);
-    ops::lm_head_cross_entropy(loss_d, dxl_d, dlm_d, x_d, lm_d, lab_d, ops::CrossEntropyParams{-100, 0.01, 64});
+    ops::CrossEntropyParams ce;
+    ce.grad_scale = 0.01;
+    ce.chunk_tokens = 64;
+    ops::lm_head_cross_entropy(loss_d, dxl_d, dlm_d, x_d, lm_d, lab_d, ce);
     ops::linear_backward(dxx_d, dwl_d, dy_d, x_d, wl_d);
     std::vector<std::vector<unsigned char>> out;
     for (DeviceTensor* t : {&dx_d, &dw_d, &dtab_d, &dlm_d, &dxl_d, &dwl_d, &dxx_d, &loss_d})
