@@ -139,6 +139,13 @@
 // Registers per consumer thread (f32 accumulators): dV, dK D/2 each; Sᵀ, dPᵀ kBlockM/2 each; dQ 32:
 //   D = 64: 32 + 32 + 64 + 64 (+ 32 dQ once Sᵀ, dPᵀ are packed to bf16) = 192 at the peak;
 //   D = 128: 64 + 64 + 32 + 32 = 192. FlashAttention-3 runs the same tile shapes within 240.
+// Why D = 128 keeps 64 query rows although 128 would ease the shared-memory bound (above): an SS
+// m64nNk16 reads 2 KB of A and 32·N bytes of B while the tensor pipe takes N/2 cycles: 128 bytes per
+// cycle at N = 64 (all an SM's shared memory gives, with nothing left for the TMA, dS and dQ traffic)
+// and 96 at N = 128. With 128 query rows at D = 128 the accumulators take 64 + 64 + 64 + 64 = 256
+// registers per thread, over the 240 a consumer gets, and the tiles K 32 + V 32 + Q 32 + dO 32 + dS 64
+// + dQ 64 KB = 256 KB with a single (Q, dO) stage, over the 227 KB a CTA may use (224 with one dS
+// buffer as well, and then no load overlaps the step).
 //
 // Synchronisation, every wait explicit:
 // - kv_full (count 1): lane 0's arrive.expect_tx(K + V bytes); TMA completes it. Consumers wait once.
