@@ -297,16 +297,16 @@ class GraphBuilder {
     return keep_.back();
   }
 
-  // The engine behind a plan, logged once per graph kind per process: cuDNN's global engine index
-  // and the start of the plan's JSON (engine id, knobs). Measured on cuDNN 9.19 / H200: forward
-  // engine 2, backward engine 6 (docs/cudnn-sdpa.md).
+  // The engine behind a plan, logged once per graph kind and distinct engine configuration per
+  // process: cuDNN's global engine index and the plan's knob choices. Keyed by the configuration,
+  // not the kind alone, because two graphs of one kind (token-major against head-major LSE
+  // strides) may get different kernel configurations, and only a line each shows it. Measured on
+  // cuDNN 9.19 / H200: forward engine 2, backward engine 6 (docs/cudnn-sdpa.md).
   static void log_once(const char* what, cudnnBackendDescriptor_t cfg, cudnnBackendDescriptor_t plan,
                        cudnnBackendHeurMode_t mode, int64_t index, int64_t count, int64_t workspace) {
     static std::mutex m;
     static std::map<std::string, bool> logged;
     std::lock_guard<std::mutex> lock(m);
-    if (logged[what]) return;
-    logged[what] = true;
     int64_t engine_index = -1, n = 0;
     cudnnBackendDescriptor_t engine = nullptr;
     if (cudnnBackendCreateDescriptor(CUDNN_BACKEND_ENGINE_DESCRIPTOR, &engine) == CUDNN_STATUS_SUCCESS) {
@@ -335,6 +335,9 @@ class GraphBuilder {
         json = json.substr(0, 300) + "...";
       }
     }
+    const std::string key = fmt::format("{} {} {} {}", what, engine_index, workspace, json);
+    if (logged[key]) return;
+    logged[key] = true;
     std::fprintf(stderr, "longtrain: cuDNN %zu %s: engine %lld (heuristics mode %s, configuration %lld of %lld), "
                  "workspace %lld bytes, plan %s\n",
                  cudnnGetVersion(), what, static_cast<long long>(engine_index),
