@@ -302,6 +302,29 @@ std::vector<std::string> split_by(std::string_view s, const std::vector<std::pai
   return out;
 }
 
+// A Replace normalizer's or decoder's step: every match of the pattern becomes the content.
+struct Replace {
+  Pattern pattern;
+  std::string content;
+  void apply(std::string& s) const {
+    std::string out;
+    size_t prev = 0;
+    for (const auto& [a, b] : pattern.find_all(s)) {
+      out.append(s, prev, a - prev);
+      out += content;
+      prev = b;
+    }
+    out.append(s, prev, std::string::npos);
+    s = std::move(out);
+  }
+};
+
+Replace parse_replace(const json& j, const std::string& where) {
+  LT_CHECK(j.contains("pattern") && j.contains("content") && j["content"].is_string(),
+           "{}: Replace needs \"pattern\" and \"content\"", where);
+  return {parse_pattern(j["pattern"], where + ".pattern"), j["content"].get<std::string>()};
+}
+
 Behavior parse_behavior(const json& j, const std::string& where) {
   const std::string b = j.is_string() ? j.get<std::string>() : std::string();
   if (b == "Removed") return Behavior::removed;
@@ -365,21 +388,7 @@ Normalizer parse_normalizer(const json& j, const std::string& where) {
     };
   }
   if (type == "Replace") {
-    LT_CHECK(j.contains("pattern") && j.contains("content") && j["content"].is_string(),
-             "{}: Replace needs \"pattern\" and \"content\"", where);
-    const Pattern p = parse_pattern(j["pattern"], where + ".pattern");
-    const std::string content = j["content"].get<std::string>();
-    return [p, content](std::string& s) {
-      std::string out;
-      size_t prev = 0;
-      for (const auto& [a, b] : p.find_all(s)) {
-        out.append(s, prev, a - prev);
-        out += content;
-        prev = b;
-      }
-      out.append(s, prev, std::string::npos);
-      s = std::move(out);
-    };
+    return [r = parse_replace(j, where)](std::string& s) { r.apply(s); };
   }
   if (type == "Prepend") {
     LT_CHECK(j.contains("prepend") && j["prepend"].is_string(), "{}: Prepend needs \"prepend\"", where);
@@ -522,22 +531,8 @@ Decoder parse_decoder(const json& j, const std::string& where) {
     };
   }
   if (type == "Replace") {
-    LT_CHECK(j.contains("pattern") && j.contains("content") && j["content"].is_string(),
-             "{}: Replace needs \"pattern\" and \"content\"", where);
-    const Pattern p = parse_pattern(j["pattern"], where + ".pattern");
-    const std::string content = j["content"].get<std::string>();
-    return [p, content](std::vector<std::string>& tokens) {
-      for (std::string& s : tokens) {
-        std::string out;
-        size_t prev = 0;
-        for (const auto& [a, b] : p.find_all(s)) {
-          out.append(s, prev, a - prev);
-          out += content;
-          prev = b;
-        }
-        out.append(s, prev, std::string::npos);
-        s = std::move(out);
-      }
+    return [r = parse_replace(j, where)](std::vector<std::string>& tokens) {
+      for (std::string& s : tokens) r.apply(s);
     };
   }
   if (type == "ByteFallback") {
