@@ -382,14 +382,7 @@ SafetensorsLoadReport init_from_hf_directory(const std::string& dir, const Llama
              "another shape",
              dir, key, ours, hf_key, theirs);
   };
-  same("vocab_size", "vocab_size", config.vocab_size, hf.vocab_size);
-  same("dim", "hidden_size", config.dim, hf.dim);
-  same("n_layers", "num_hidden_layers", config.n_layers, hf.n_layers);
-  same("n_heads", "num_attention_heads", config.n_heads, hf.n_heads);
-  same("n_kv_heads", "num_key_value_heads", config.n_kv_heads, hf.n_kv_heads);
-  same("head_dim", "head_dim", config.head_dim, hf.head_dim);
-  same("ffn_dim", "intermediate_size", config.ffn_dim, hf.ffn_dim);
-  same("tie_embeddings", "tie_word_embeddings", config.tie_embeddings, hf.tie_embeddings);
+  for_each_hf_shape_field(config, hf, same);
   SafetensorsLoadOptions options;
   options.extra = ExtraTensors::ignore;
   options.conversion = DTypeConversion::rounding;

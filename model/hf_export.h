@@ -47,6 +47,21 @@ struct HfLlamaConfig {
   std::string torch_dtype = "float32";  // dtype of the weights in the directory ("bfloat16", ...)
 };
 
+// The fields that fix the weights' shapes, in the key mapping above: fn(our key, config.json's key,
+// ours, theirs) for vocab_size, dim, n_layers, n_heads, n_kv_heads, head_dim, ffn_dim and
+// tie_embeddings, in that order. `ours` may be mutable (a config taking the directory's shape).
+template <class Ours, class Theirs, class Fn>
+void for_each_hf_shape_field(Ours& ours, const Theirs& theirs, Fn&& fn) {
+  fn("vocab_size", "vocab_size", ours.vocab_size, theirs.vocab_size);
+  fn("dim", "hidden_size", ours.dim, theirs.dim);
+  fn("n_layers", "num_hidden_layers", ours.n_layers, theirs.n_layers);
+  fn("n_heads", "num_attention_heads", ours.n_heads, theirs.n_heads);
+  fn("n_kv_heads", "num_key_value_heads", ours.n_kv_heads, theirs.n_kv_heads);
+  fn("head_dim", "head_dim", ours.head_dim, theirs.head_dim);
+  fn("ffn_dim", "intermediate_size", ours.ffn_dim, theirs.ffn_dim);
+  fn("tie_embeddings", "tie_word_embeddings", ours.tie_embeddings, theirs.tie_embeddings);
+}
+
 // "float32", "float64", "bfloat16", "int32": torch's names, as config.json's torch_dtype uses them.
 const char* torch_dtype_name(DType dtype);
 

@@ -1217,15 +1217,8 @@ void Loader::apply_init_from() {
                        name, ours, file, hf_key, theirs, name));
     ours = theirs;
   };
-  shape("vocab_size", "vocab_size", m.vocab_size, h.vocab_size);
-  shape("dim", "hidden_size", m.dim, h.dim);
-  shape("n_layers", "num_hidden_layers", m.n_layers, h.n_layers);
-  shape("n_heads", "num_attention_heads", m.n_heads, h.n_heads);
-  shape("n_kv_heads", "num_key_value_heads", m.n_kv_heads, h.n_kv_heads);
-  shape("head_dim", "head_dim", m.head_dim, h.head_dim);
-  shape("ffn_dim", "intermediate_size", m.ffn_dim, h.ffn_dim);
-  shape("norm_eps", "rms_norm_eps", m.norm_eps, h.norm_eps);
-  shape("tie_embeddings", "tie_word_embeddings", m.tie_embeddings, h.tie_embeddings);
+  model::for_each_hf_shape_field(m, h, shape);
+  shape("norm_eps", "rms_norm_eps", m.norm_eps, h.norm_eps);  // not a shape, but the directory's to set
   if (!given("model.max_seq_len")) m.max_seq_len = h.max_seq_len;
   if (!given("model.rope_theta")) m.rope_theta = h.rope_theta;
   bool rope_given = false;
