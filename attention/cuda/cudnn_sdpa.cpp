@@ -335,7 +335,8 @@ class GraphBuilder {
         json = json.substr(0, 300) + "...";
       }
     }
-    const std::string key = fmt::format("{} {} {} {}", what, engine_index, workspace, json);
+    // Not the workspace: it follows the shape.
+    const std::string key = fmt::format("{} {} {}", what, engine_index, json);
     if (logged[key]) return;
     logged[key] = true;
     std::fprintf(stderr, "longtrain: cuDNN %zu %s: engine %lld (heuristics mode %s, configuration %lld of %lld), "
