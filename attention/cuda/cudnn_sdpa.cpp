@@ -305,7 +305,7 @@ class GraphBuilder {
   static void log_once(const char* what, cudnnBackendDescriptor_t cfg, cudnnBackendDescriptor_t plan,
                        cudnnBackendHeurMode_t mode, int64_t index, int64_t count, int64_t workspace) {
     static std::mutex m;
-    static std::map<std::string, bool> logged;
+    static std::set<std::string> logged;
     std::lock_guard<std::mutex> lock(m);
     int64_t engine_index = -1, n = 0;
     cudnnBackendDescriptor_t engine = nullptr;
@@ -336,9 +336,7 @@ class GraphBuilder {
       }
     }
     // Not the workspace: it follows the shape.
-    const std::string key = fmt::format("{} {} {}", what, engine_index, json);
-    if (logged[key]) return;
-    logged[key] = true;
+    if (!logged.insert(fmt::format("{} {} {}", what, engine_index, json)).second) return;
     std::fprintf(stderr, "longtrain: cuDNN %zu %s: engine %lld (heuristics mode %s, configuration %lld of %lld), "
                  "workspace %lld bytes, plan %s\n",
                  cudnnGetVersion(), what, static_cast<long long>(engine_index),
