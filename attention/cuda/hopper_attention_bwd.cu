@@ -135,7 +135,7 @@
 // (Q, dO) tiles [kBlockM rows][D], two dS buffers, lse/delta rows per stage, mbarriers, and the two
 // warpgroups' f32 dQ staging buffers (2×16 KB). Budgets:
 //   D = 64,  kBlockM = 128: K 16 + V 16 + Q 2×16 + dO 2×16 + dS 2×16 + dQ 2×16 KB = 192 KB (+2 KB rows)
-//   D = 128, kBlockM = 64:  K 32 + V 32 + Q 2×16 + dO 2×16 + dS 2×16 + dQ 2×16 KB = 224 KB (+1 KB rows)
+//   D = 128, kBlockM = 64:  K 32 + V 32 + Q 2×16 + dO 2×16 + dS 2×16 + dQ 2×16 KB = 192 KB (+1 KB rows)
 // Registers per consumer thread (f32 accumulators): dV, dK D/2 each; Sᵀ, dPᵀ kBlockM/2 each; dQ 32:
 //   D = 64: 32 + 32 + 64 + 64 (+ 32 dQ once Sᵀ, dPᵀ are packed to bf16) = 192 at the peak;
 //   D = 128: 64 + 64 + 32 + 32 = 192. FlashAttention-3 runs the same tile shapes within 240.
