@@ -69,6 +69,16 @@
 // stage wait 1-4% slower; the next step's Sᵀ alone issued before dQ's staging, now without spills
 // or serialized wgmmas, 10% slower. That file has the stall profile of this kernel at D = 128.)
 //
+// Why the two consumer warpgroups stay in lockstep (one barrier per step, each computing half of the
+// step's dQ tile from all 128 keys of dS): kernels in which each warpgroup computed the whole tile over
+// its own 64 keys, with no per-step barrier between them, measured slower on the H100 (ABCCBA processes,
+// bench/results/attention-hopper-bwd-split-dq-h100-2026-12-07.json; code at git tag
+// hopper-bwd-split-dq). Each partial reduced on its own (twice the reductions at the L2): 16-19% slower
+// at both head dims and lengths, so the reductions bound this kernel more than the barrier does.
+// Warpgroup 0's partial added to warpgroup 1's in shared memory before one reduction (twice the
+// staging traffic; at D = 128 dV and dK had to finish before the wider dQ, for registers): 6-9%
+// slower at D = 128, level at D = 64 (-0.7% to +2.2%).
+//
 // The dQ writer: at D = 64 the reductions are issued by warp 1 of the producer warpgroup
 // (FlashAttention-3's dQ writer) instead of each consumer warpgroup's thread 0 after a barrier of its
 // 128 threads, so the consumers only arrive after their staging stores and go on to the next step.
