@@ -73,7 +73,7 @@
 // step's dQ tile from all 128 keys of dS): kernels in which each warpgroup computed the whole tile over
 // its own 64 keys, with no per-step barrier between them, measured slower on the H100 (ABCCBA processes,
 // bench/results/attention-hopper-bwd-split-dq-h100-2026-12-07.json; code at git tag
-// hopper-bwd-split-dq). Each partial reduced on its own (twice the reductions at the L2): 16-19% slower
+// hopper-bwd-split-dq). Each partial reduced on its own (twice the reductions at the L2): 14-19% slower
 // at both head dims and lengths, so the reductions bound this kernel more than the barrier does.
 // Warpgroup 0's partial added to warpgroup 1's in shared memory before one reduction (twice the
 // staging traffic; at D = 128 dV and dK had to finish before the wider dQ, for registers): 6-9%
