@@ -78,6 +78,9 @@ __global__ void cross_entropy_rows_kernel(const float* logits, int64_t V, const 
 
 constexpr int kClusterThreads = 512;
 constexpr int kMaxClusterCtas = 8;  // the portable cluster size
+// Only the sm_90 body of the cluster kernel uses these: defined for that pass alone, the others
+// (the host's, older GPUs') would warn that they are unused.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 constexpr float kLog2e = 1.4426950408889634f;
 
 __device__ __forceinline__ void cluster_arrive_release() {
@@ -86,6 +89,7 @@ __device__ __forceinline__ void cluster_arrive_release() {
 __device__ __forceinline__ void cluster_wait_acquire() {
   asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
+#endif
 
 // Row r of the chunk is handled by the cluster of CTAs blockIdx.x / ranks; CTA `rank` holds the row's
 // elements [rank · S, (rank + 1) · S), S = kClusterThreads · E, E per thread in groups of 4
