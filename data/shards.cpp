@@ -329,8 +329,16 @@ TokenCorpus::TokenCorpus(const std::string& dir, const std::string& split, int64
     try {
       s.bin_path = (fs::path(dir) / entry.at("bin").get<std::string>()).string();
       s.idx_path = (fs::path(dir) / entry.at("idx").get<std::string>()).string();
-      want_docs = entry.at("documents").get<int64_t>();
-      want_tokens = entry.at("tokens").get<int64_t>();
+      // Integers only: json's get<int64_t>() casts a float (1e300, say) unchecked (found by the shards
+      // fuzz target).
+      auto count = [&](const char* key) {
+        const nlohmann::json& v = entry.at(key);
+        LT_CHECK(v.is_number_integer(), "'{}': a shard entry of split \"{}\" has a non-integer \"{}\" ({}): "
+                 "prepare the shards again", manifest_path, split, key, v.dump());
+        return v.get<int64_t>();
+      };
+      want_docs = count("documents");
+      want_tokens = count("tokens");
     } catch (const nlohmann::json::exception& e) {
       LT_FAIL("'{}': a shard entry of split \"{}\" is malformed ({}): prepare the shards again", manifest_path,
               split, e.what());

@@ -467,6 +467,15 @@ TEST(Loader, BadInputIsAClearError) {
   const std::string short_idx = corrupt("shortidx", [](std::string& b) { b.resize(b.size() - 8); });
   expect_error([&] { open(short_idx, 8); }, {"train-00001.idx", "truncated"});
 
+  // A shard entry's count that is not an integer (the shards fuzz target found 1e78 read unchecked).
+  const std::string float_count = scratch / "floatcount";
+  fs::copy(set.path, float_count);
+  {
+    nlohmann::json m = read_manifest(float_count);
+    m["splits"]["train"]["shards"][0]["tokens"] = 1.0e78;
+    test::write_file(float_count + "/manifest.json", m.dump());
+  }
+  expect_error([&] { open(float_count, 8); }, {"manifest.json", "non-integer \"tokens\"", "1e+78"});
   // A truncated .bin.
   const std::string truncated = scratch / "truncated";
   fs::copy(set.path, truncated);
