@@ -134,6 +134,18 @@ void backward(const OutView& dq, const OutView& dk, const OutView& dv, const Vie
               const View& d_o, const StatsView& lse, const StatsView& delta, bool causal, float scale,
               bool accumulate, int kv_heads_per_section = 0);
 
+// How backward() adds the f32 dQ accumulator into dq, after the main kernel: rows (a 64 × 64
+// sub-block per CTA, staged in shared memory and written a whole row at a time; used where dq's base
+// and strides are 8-byte aligned in bf16, 16 in f32) or pairs (one thread per float4 of the
+// accumulator writing element pairs, any even strides; the only kernel until 2026-12-08). Both give
+// the same bits. The default is rows; LONGTRAIN_HOPPER_DQ_CONVERT (rows or pairs, read once; other
+// values throw) or set_dq_convert (tests, benchmarks) changes it for the process.
+enum class DqConvert { rows, pairs };
+DqConvert dq_convert();
+void set_dq_convert(DqConvert convert);
+DqConvert parse_dq_convert(const std::string& name, const char* source);
+const char* dq_convert_name(DqConvert convert);
+
 // The bytes of the f32 dQ accumulator backward() takes from scratch: Tq rounded up to the query tile
 // (128 rows at head dim 64, 64 at 128), times Hq · head_dim floats
 // (model/memory_plan.cpp counts the same).

@@ -206,6 +206,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -871,6 +872,81 @@ __global__ void dq_from_accum_kernel(Out* dq, int64_t dq_ts, int64_t dq_hs, cons
   }
 }
 
+// The same conversion, one 64 × 64 sub-block per CTA staged in shared memory so that the writes go
+// out as whole rows: dq_from_accum_kernel's threads write 2 elements of each of 2 rows, 4 bytes (bf16)
+// per 16-byte stretch of a row, so every 32-byte sector of dq is written by four separate stores,
+// and ncu measured it at 256 µs for 403 MB (head dim 128, 16K tokens, 32 heads; H100) where cuDNN's
+// convert_dq moves 389 MB in 140 µs (bench/results/attention-bwd-kernels-ncu-h100-2026-12-07.json).
+// Here a warp's 16 lanes write one row's 64 elements contiguously (8 bytes each in bf16, 16 in f32).
+// Needs dq's base and strides aligned to those 8 / 16 bytes (launch_dq checks; else the kernel above).
+// Shared-memory rows of 72 floats: the fragment stores (8 rows × 4 float2 per warp) then fill each
+// bank twice, the minimum for 256 bytes, and the row reads are contiguous.
+constexpr int kDqStageRow = kDqSub + 8;
+constexpr int kDqTiledThreads = 256;
+
+template <int D, class Out>
+__global__ void __launch_bounds__(kDqTiledThreads)
+    dq_from_accum_tiled_kernel(Out* dq, int64_t dq_ts, int64_t dq_hs, const float* __restrict__ acc, int tq,
+                               int num_q_tiles, float scale, bool accumulate) {
+  constexpr int M = BwdTiles<D>::kBlockM;
+  __shared__ float tile[kDqSub][kDqStageRow];
+  const int64_t sub = blockIdx.x;  // (head, m, w): sub-block w of tile (head, m)
+  const int w = static_cast<int>(sub % 2);
+  const int64_t tile_index = sub / 2;
+  const int head = static_cast<int>(tile_index / num_q_tiles), m = static_cast<int>(tile_index % num_q_tiles);
+  const float4* src = reinterpret_cast<const float4*>(acc + sub * kDqSubFloats);
+#pragma unroll
+  for (int k = 0; k < kDqSubFloats / 4 / kDqTiledThreads; ++k) {
+    const int i = k * kDqTiledThreads + static_cast<int>(threadIdx.x);  // float4 (j, t) = j·128 + t
+    const int j = i / 128, t = i % 128;
+    const float4 v = src[i];
+    const int r = 16 * (t / 32) + (t % 32) / 4, c = 8 * j + 2 * (t % 4);
+    *reinterpret_cast<float2*>(&tile[r][c]) = make_float2(v.x, v.y);
+    *reinterpret_cast<float2*>(&tile[r + 8][c]) = make_float2(v.z, v.w);
+  }
+  __syncthreads();
+  // head_dim 64: sub-block w is query rows 64w..; head_dim 128: columns 64w..
+  const int row_base = m * M + (D == 64 ? kDqSub * w : 0);
+  const int col_base = D == 64 ? 0 : kDqSub * w;
+#pragma unroll
+  for (int k = 0; k < kDqSubFloats / 4 / kDqTiledThreads; ++k) {
+    const int i = k * kDqTiledThreads + static_cast<int>(threadIdx.x);  // row i / 16, float4 i % 16 of it
+    const int r = i / 16, c = 4 * (i % 16);
+    const int64_t row = row_base + r;
+    if (row >= tq) continue;
+    const float4 v = *reinterpret_cast<const float4*>(&tile[r][c]);
+    float x[4] = {scale * v.x, scale * v.y, scale * v.z, scale * v.w};
+    Out* dst = dq + row * dq_ts + head * dq_hs + col_base + c;
+    if constexpr (std::is_same_v<Out, float>) {
+      float4* d4 = reinterpret_cast<float4*>(dst);
+      if (accumulate) {
+        const float4 old = *d4;
+        x[0] += old.x;
+        x[1] += old.y;
+        x[2] += old.z;
+        x[3] += old.w;
+      }
+      *d4 = make_float4(x[0], x[1], x[2], x[3]);
+    } else {
+      uint2* d2 = reinterpret_cast<uint2*>(dst);
+      if (accumulate) {
+        const uint2 old = *d2;
+        const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&old.x));
+        const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&old.y));
+        x[0] += a.x;
+        x[1] += a.y;
+        x[2] += b.x;
+        x[3] += b.y;
+      }
+      const __nv_bfloat162 lo = __floats2bfloat162_rn(x[0], x[1]), hi = __floats2bfloat162_rn(x[2], x[3]);
+      uint2 out;
+      out.x = *reinterpret_cast<const uint32_t*>(&lo);
+      out.y = *reinterpret_cast<const uint32_t*>(&hi);
+      *d2 = out;
+    }
+  }
+}
+
 // ---- host side ---------------------------------------------------------------------------------------
 
 int block_m(int64_t head_dim) { return head_dim == 64 ? BwdTiles<64>::kBlockM : BwdTiles<128>::kBlockM; }
@@ -892,9 +968,29 @@ void launch_bwd(const CUtensorMap& mq, const CUtensorMap& mk, const CUtensorMap&
 }
 
 
-// dq (+)= scale · the accumulator.
+// dq (+)= scale · the accumulator: by whole rows (dq_from_accum_tiled_kernel) where dq's base and
+// strides allow its 8-byte (bf16) / 16-byte (f32) stores, else in element pairs.
 template <int D>
 void launch_dq(const OutView& dq, const float* acc, int tq, int hq, int num_q_tiles, float scale, bool accumulate) {
+  static_assert(BwdTiles<D>::kDqTileFloats == 2 * kDqSubFloats, "dQ tile = two 64 × 64 sub-blocks");
+  const size_t store_bytes = dq.f32 ? 16 : 8, elem_bytes = dq.f32 ? 4 : 2;
+  const bool rows_aligned = reinterpret_cast<uintptr_t>(dq.data) % store_bytes == 0 &&
+                            (dq.token_stride * elem_bytes) % store_bytes == 0 &&
+                            (dq.head_stride * elem_bytes) % store_bytes == 0;
+  if (rows_aligned && dq_convert() == DqConvert::rows) {
+    const unsigned blocks = static_cast<unsigned>(static_cast<int64_t>(hq) * num_q_tiles * 2);
+    auto go = [&](auto* kernel, auto* out) {
+      kernel<<<blocks, kDqTiledThreads, 0, cuda_stream()>>>(out, dq.token_stride, dq.head_stride, acc, tq,
+                                                             num_q_tiles, scale, accumulate);
+    };
+    if (dq.f32) {
+      go(dq_from_accum_tiled_kernel<D, float>, static_cast<float*>(dq.data));
+    } else {
+      go(dq_from_accum_tiled_kernel<D, __nv_bfloat16>, static_cast<__nv_bfloat16*>(dq.data));
+    }
+    LT_CUDA_LAUNCH_CHECK("dq_from_accum_tiled_kernel");
+    return;
+  }
   const int64_t total = static_cast<int64_t>(hq) * num_q_tiles * BwdTiles<D>::kDqTileFloats / 4;
   constexpr int kBlock = 256;
   const unsigned blocks = static_cast<unsigned>((total + kBlock - 1) / kBlock);
@@ -931,6 +1027,27 @@ std::string check_stats(const StatsView& s, const char* name, int64_t tokens, in
 }
 
 }  // namespace
+
+DqConvert parse_dq_convert(const std::string& name, const char* source) {
+  if (name == "rows") return DqConvert::rows;
+  if (name == "pairs") return DqConvert::pairs;
+  throw Error(fmt::format("{}: the hopper backward's dQ conversion must be rows or pairs, got '{}'", source, name));
+}
+
+const char* dq_convert_name(DqConvert convert) { return convert == DqConvert::rows ? "rows" : "pairs"; }
+
+namespace {
+std::atomic<DqConvert>& dq_convert_setting() {
+  static std::atomic<DqConvert> setting{[] {
+    const char* env = std::getenv("LONGTRAIN_HOPPER_DQ_CONVERT");
+    return env && *env ? parse_dq_convert(env, "LONGTRAIN_HOPPER_DQ_CONVERT") : DqConvert::rows;
+  }()};
+  return setting;
+}
+}  // namespace
+
+DqConvert dq_convert() { return dq_convert_setting().load(); }
+void set_dq_convert(DqConvert convert) { dq_convert_setting().store(convert); }
 
 size_t backward_dq_accum_bytes(int64_t tq, int64_t q_heads, int64_t head_dim) {
   const int64_t m = block_m(head_dim);

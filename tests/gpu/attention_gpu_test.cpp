@@ -82,20 +82,21 @@ struct GradsOnDevice {
   Region regions[3];
   Tensor views[3];  // dq, dk, dv
 
+  // Each row padded by row_pad elements (even: the outputs are written in pairs).
   GradsOnDevice(DType dtype, int64_t Tq, int64_t Tk, int64_t Hq, int64_t Hkv, int64_t D_, bool fused,
-                const std::vector<double> (&init)[3])
+                const std::vector<double> (&init)[3], int64_t row_pad = 8)
       : D(D_) {
     const int64_t T[3] = {Tq, Tk, Tk}, H[3] = {Hq, Hkv, Hkv};
     if (fused) {
-      const int64_t ts = (Hq + 2 * Hkv) * D + 8;
+      const int64_t ts = (Hq + 2 * Hkv) * D + row_pad;
       add_buffer(dtype, Tq + 3, ts);
       regions[0] = {0, 0, Tq, Hq, ts};
       regions[1] = {0, Hq * D, Tk, Hkv, ts};
       regions[2] = {0, (Hq + Hkv) * D, Tk, Hkv, ts};
     } else {
       for (int i = 0; i < 3; ++i) {
-        add_buffer(dtype, T[i] + 3, H[i] * D + 8);
-        regions[i] = {i, 0, T[i], H[i], H[i] * D + 8};
+        add_buffer(dtype, T[i] + 3, H[i] * D + row_pad);
+        regions[i] = {i, 0, T[i], H[i], H[i] * D + row_pad};
       }
     }
     for (int i = 0; i < 3; ++i) {
@@ -923,6 +924,15 @@ const BwdReference& bwd_reference(const HopperBwdCase& c) {
   return cached;
 }
 
+// Sets the hopper backward's dQ conversion for a scope.
+struct DqConvertScope {
+  attn::hopper::DqConvert saved = attn::hopper::dq_convert();
+  explicit DqConvertScope(attn::hopper::DqConvert convert) { attn::hopper::set_dq_convert(convert); }
+  ~DqConvertScope() { attn::hopper::set_dq_convert(saved); }
+  DqConvertScope(const DqConvertScope&) = delete;
+  DqConvertScope& operator=(const DqConvertScope&) = delete;
+};
+
 class HopperAttentionBackward : public ::testing::TestWithParam<HopperBwdCase> {};
 
 TEST_P(HopperAttentionBackward, MatchesCpuReference) {
@@ -959,43 +969,55 @@ TEST_P(HopperAttentionBackward, MatchesCpuReference) {
     upload(delta_d, delta_in);
   }
 
-  // Destinations: nonzero values to accumulate onto, or NaN to overwrite.
-  std::vector<double> init[3];
-  const int64_t sizes[3] = {nq, nk, nk};
-  for (int i = 0; i < 3; ++i)
-    init[i] = c.accumulate ? random_values(static_cast<size_t>(sizes[i]), 1505 + i, c.grads)
-                           : std::vector<double>(static_cast<size_t>(sizes[i]), nan);
-  GradsOnDevice g(c.grads, c.Tq, c.Tk, c.Hq, c.Hkv, c.D, c.fused, init);
+  // Each case under both dQ conversions (hopper_attention.h, DqConvert), and once more asking for rows
+  // with rows padded by 2 elements, which leaves dq's token stride 4 bytes (bf16) or 8 (f32) off the
+  // row kernel's alignment, so backward() must take the element-pair kernel.
+  struct Run {
+    attn::hopper::DqConvert convert;
+    int64_t row_pad;
+    const char* name;
+  };
+  for (const Run run : {Run{attn::hopper::DqConvert::rows, 8, "rows"}, Run{attn::hopper::DqConvert::pairs, 8, "pairs"},
+                        Run{attn::hopper::DqConvert::rows, 2, "rows asked, unaligned dq"}}) {
+    DqConvertScope conversion(run.convert);
+    // Destinations: nonzero values to accumulate onto, or NaN to overwrite.
+    std::vector<double> init[3];
+    const int64_t sizes[3] = {nq, nk, nk};
+    for (int i = 0; i < 3; ++i)
+      init[i] = c.accumulate ? random_values(static_cast<size_t>(sizes[i]), 1505 + i, c.grads)
+                             : std::vector<double>(static_cast<size_t>(sizes[i]), nan);
+    GradsOnDevice g(c.grads, c.Tq, c.Tk, c.Hq, c.Hkv, c.D, c.fused, init, run.row_pad);
 
-  const bool causal = c.mask == BlockMask::causal_diagonal;
-  const std::string why = attn::hopper::backward_unsupported_reason(
-      hout(g.views[0]), hout(g.views[1]), hout(g.views[2]), hview(in.q), hview(in.k), hview(in.v), hview(do_d),
-      hstats(lse), causal);
-  ASSERT_TRUE(why.empty()) << why;
-  {
-    PolicyScope hopper(attn::KernelPolicy::hopper);
-    attn::attention_block_backward(g.views[0], g.views[1], g.views[2], in.q, in.k, in.v, do_d, lse,
-                                   from_o ? Tensor(o_d) : Tensor{}, from_o ? Tensor{} : Tensor(delta_d), c.mask,
-                                   scale, c.accumulate ? GradMode::accumulate : GradMode::overwrite);
-    LT_CUDA_CHECK(cudaStreamSynchronize(cuda_stream()));
-  }
+    const bool causal = c.mask == BlockMask::causal_diagonal;
+    const std::string why = attn::hopper::backward_unsupported_reason(
+        hout(g.views[0]), hout(g.views[1]), hout(g.views[2]), hview(in.q), hview(in.k), hview(in.v), hview(do_d),
+        hstats(lse), causal);
+    ASSERT_TRUE(why.empty()) << why;
+    {
+      PolicyScope hopper(attn::KernelPolicy::hopper);
+      attn::attention_block_backward(g.views[0], g.views[1], g.views[2], in.q, in.k, in.v, do_d, lse,
+                                     from_o ? Tensor(o_d) : Tensor{}, from_o ? Tensor{} : Tensor(delta_d), c.mask,
+                                     scale, c.accumulate ? GradMode::accumulate : GradMode::overwrite);
+      LT_CUDA_CHECK(cudaStreamSynchronize(cuda_stream()));
+    }
 
-  const std::string tag = std::string(" [") + c.name + "]";
-  g.download_and_check_sentinels(tag);
-  const char* names[3] = {"hopper dQ", "hopper dK", "hopper dV"};
-  const int64_t heads[3] = {c.Hq, c.Hkv, c.Hkv};
-  for (int i = 0; i < 3; ++i) {
-    // The products run on bf16 inputs (P and dS included, as cuDNN's), so f32 outputs are held to the
-    // bf16 tolerance too. Accumulated f32: the increment is checked; accumulated bf16: the rounded sum.
-    if (c.accumulate && c.grads == DType::f32) {
-      check_output(std::string(names[i]) + " increment" + tag, DType::bf16, minus(g.got[i], init[i]), *ref[i],
-                   heads[i], c.D);
-    } else if (c.accumulate) {
-      std::vector<double> want(ref[i]->size());
-      for (size_t e = 0; e < want.size(); ++e) want[e] = init[i][e] + (*ref[i])[e];
-      check_output(std::string(names[i]) + " (+= onto bf16)" + tag, DType::bf16, g.got[i], want, heads[i], c.D);
-    } else {
-      check_output(std::string(names[i]) + tag, DType::bf16, g.got[i], *ref[i], heads[i], c.D);
+    const std::string tag = std::string(" [") + c.name + ", dQ by " + run.name + "]";
+    g.download_and_check_sentinels(tag);
+    const char* names[3] = {"hopper dQ", "hopper dK", "hopper dV"};
+    const int64_t heads[3] = {c.Hq, c.Hkv, c.Hkv};
+    for (int i = 0; i < 3; ++i) {
+      // The products run on bf16 inputs (P and dS included, as cuDNN's), so f32 outputs are held to the
+      // bf16 tolerance too. Accumulated f32: the increment is checked; accumulated bf16: the rounded sum.
+      if (c.accumulate && c.grads == DType::f32) {
+        check_output(std::string(names[i]) + " increment" + tag, DType::bf16, minus(g.got[i], init[i]), *ref[i],
+                     heads[i], c.D);
+      } else if (c.accumulate) {
+        std::vector<double> want(ref[i]->size());
+        for (size_t e = 0; e < want.size(); ++e) want[e] = init[i][e] + (*ref[i])[e];
+        check_output(std::string(names[i]) + " (+= onto bf16)" + tag, DType::bf16, g.got[i], want, heads[i], c.D);
+      } else {
+        check_output(std::string(names[i]) + tag, DType::bf16, g.got[i], *ref[i], heads[i], c.D);
+      }
     }
   }
 }
