@@ -72,8 +72,8 @@
 // Why the two consumer warpgroups stay in lockstep (one barrier per step, each computing half of the
 // step's dQ tile from all 128 keys of dS): kernels in which each warpgroup computed the whole tile over
 // its own 64 keys, with no per-step barrier between them, measured slower on the H100 (ABCCBA processes,
-// bench/results/attention-hopper-bwd-split-dq-h100-2026-12-07.json; code at git tag
-// hopper-bwd-split-dq). Each partial reduced on its own (twice the reductions at the L2): 14-19% slower
+// bench/results/attention-hopper-bwd-split-dq-h100-2026-12-07.json; the code was kept only at a local
+// git tag that did not reach the shared repository). Each partial reduced on its own (twice the reductions at the L2): 14-19% slower
 // at both head dims and lengths, so the reductions bound this kernel more than the barrier does.
 // Warpgroup 0's partial added to warpgroup 1's in shared memory before one reduction (twice the
 // staging traffic; at D = 128 dV and dK had to finish before the wider dQ, for registers): 6-9%
@@ -138,7 +138,10 @@
 //   reduction that adds the buffer into the f32 dQ accumulator in global memory.
 // - dK (times scale) and dV leave the registers once, at the end: stored or added (f32 or bf16
 //   destinations, their strides) by the thread that owns them.
-// A small kernel then adds scale · (the f32 dQ accumulator) into (or over) the caller's dq.
+// A small kernel then adds scale · (the f32 dQ accumulator) into (or over) the caller's dq: a 64 × 64
+// sub-block per CTA, staged in shared memory and written a whole row at a time (dq_from_accum_tiled_
+// kernel; 1.9x faster than one thread per accumulator float4 writing element pairs, which remains for
+// dq views whose strides do not allow the row stores; hopper_attention.h, DqConvert).
 //
 // Shared memory (128-byte swizzle everywhere, hopper_attention.cu's header explains the layout and
 // the descriptors): K and V tiles [128 keys][D] (kColBlocks column blocks of 64), a ring of kStages
@@ -196,7 +199,7 @@
 // (j, t, e) holds accumulator element i = 4j + e of thread t, i.e. (PTX wgmma D fragment) row
 // 16·(t/32) + (t%32)/4 + 8·(e/2), column 8j + 2·(t%4) + e%2 of the 64×64 sub-block. A sub-block is
 // then 16 contiguous KB (one bulk reduction; a warp's 16-byte staging stores cover 512 contiguous bytes,
-// free of bank conflicts); dq_from_accum_kernel inverts the map.
+// free of bank conflicts); the conversion kernels invert the map.
 #include "attention/cuda/hopper_attention.h"
 #include "attention/cuda/hopper_host.h"
 #include "attention/cuda/hopper_ptx.cuh"

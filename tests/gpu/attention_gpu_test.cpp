@@ -1221,6 +1221,18 @@ TEST(HopperAttentionSwitches, EnvironmentValuesAreCheckedAndNamed) {
       }
     });
   }
+  // LONGTRAIN_HOPPER_DQ_CONVERT is read once per process, so its parser is what is checked here.
+  EXPECT_EQ(attn::hopper::parse_dq_convert("rows", "LONGTRAIN_HOPPER_DQ_CONVERT"), attn::hopper::DqConvert::rows);
+  EXPECT_EQ(attn::hopper::parse_dq_convert("pairs", "LONGTRAIN_HOPPER_DQ_CONVERT"), attn::hopper::DqConvert::pairs);
+  for (const char* bad : {"", "tiled", "Rows"}) {
+    try {
+      attn::hopper::parse_dq_convert(bad, "LONGTRAIN_HOPPER_DQ_CONVERT");
+      ADD_FAILURE() << "LONGTRAIN_HOPPER_DQ_CONVERT=" << bad << " was accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("LONGTRAIN_HOPPER_DQ_CONVERT"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("rows or pairs"), std::string::npos) << e.what();
+    }
+  }
 }
 
 // The launch order's section size model (hopper_host.h; host code, runs without a GPU): list
