@@ -134,6 +134,21 @@ void backward(const OutView& dq, const OutView& dk, const OutView& dv, const Vie
               const View& d_o, const StatsView& lse, const StatsView& delta, bool causal, float scale,
               bool accumulate, int kv_heads_per_section = 0);
 
+// The direction in which each backward CTA walks its query tiles (hopper_attention_bwd.cu's header,
+// "The step order"). descending: every CTA from the last query tile down, the only order until
+// 2026-12-08. ascending: every CTA from the first tile that meets its keys up (tests). model (the
+// default): the CTAs that the section model (hopper_host.h, launch_starts) starts together walk down,
+// as the first wave does; those it starts one after another as earlier CTAs finish walk up, which puts
+// them all on the same query tile at once (host::streamed_ctas). Causal calls only; without a mask
+// every order is descending. LONGTRAIN_HOPPER_BWD_ORDER (model, descending or ascending, read once;
+// other values throw) or set_bwd_order changes it for the process. dK and dV are summed in the order
+// the CTA walks, so their bits depend on it (fixed for a shape and GPU model).
+enum class BwdOrder { model, descending, ascending };
+BwdOrder bwd_order();
+void set_bwd_order(BwdOrder order);
+BwdOrder parse_bwd_order(const std::string& name, const char* source);
+const char* bwd_order_name(BwdOrder order);
+
 // How backward() adds the f32 dQ accumulator into dq, after the main kernel: rows (a 64 × 64
 // sub-block per CTA, staged in shared memory and written a whole row at a time; used where dq's base
 // and strides are 8-byte aligned in bf16, 16 in f32) or pairs (one thread per float4 of the

@@ -210,6 +210,9 @@
 
 #include <algorithm>
 #include <atomic>
+#include <iterator>
+#include <map>
+#include <mutex>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -243,6 +246,7 @@ constexpr uint32_t kDqStageBarrier = 2;  // + consumer warpgroup: its dQ staging
 constexpr uint32_t kDqFullBarrier = 4, kDqEmptyBarrier = 6;
 constexpr uint32_t kDqWriterBarrierThreads = 128 + 32;  // a consumer warpgroup and the writer warp
 constexpr int kDqSub = 64;              // each consumer warpgroup's dQ sub-block is 64 × 64
+constexpr int kOrderBits = 16384;       // CTAs whose step direction the launch carries (BwdParams::ascending)
 constexpr int kDqSubFloats = kDqSub * kDqSub;
 constexpr float kLog2e = 1.4426950408889634f;
 
@@ -331,22 +335,28 @@ struct BwdParams {
   int num_q_tiles;  // ceil(Tq / kBlockM)
   float scale;      // natural-log scale (dK's factor)
   float scale_log2; // scale · log2(e) (for exp2)
+  // Bit w: the CTA w-th in launch order visits its query tiles from the first that meets its keys up
+  // (header, "The step order"); else from the last down. CTAs past kOrderBits go down.
+  uint32_t ascending[kOrderBits / 32];
 };
 
-// A CTA's steps in order: query tile m (the last first: header, "The step order") and query head (the
-// kv head's group, fastest). The producer and the consumers both walk it with this cursor, so they
-// agree; it counts instead of dividing by the group each step (a runtime divisor: ~20 instructions).
+// A CTA's steps in order: query tile m (the last first, or from m_first up: header, "The step
+// order") and query head (the kv head's group, fastest). The producer, the dQ writer and the consumers
+// each walk a copy of the kernel's cursor, so they agree; it counts instead of dividing by the group
+// each step (a runtime divisor: ~20 instructions).
+// (Four registers, as before the direction: the group's first head is head_end - p.group, read from
+// the kernel's parameters, where the producer's 24 registers would spill a fifth.)
 struct StepCursor {
-  int m, head, head_first, head_end;
-  __device__ __forceinline__ StepCursor(const BwdParams& p, const int kv_head)
-      : m(p.num_q_tiles - 1),
+  int m, m_step, head, head_end;
+  __device__ __forceinline__ StepCursor(const BwdParams& p, const int kv_head, const int m_first, const bool ascending)
+      : m(ascending ? m_first : p.num_q_tiles - 1),
+        m_step(ascending ? 1 : -1),
         head(kv_head * p.group),
-        head_first(kv_head * p.group),
         head_end((kv_head + 1) * p.group) {}
-  __device__ __forceinline__ void next() {
+  __device__ __forceinline__ void next(const BwdParams& p) {
     if (++head == head_end) {
-      head = head_first;
-      --m;
+      head = head_end - p.group;
+      m += m_step;
     }
   }
 };
@@ -414,7 +424,7 @@ template <class Tl>
 __device__ __forceinline__ void produce(const CUtensorMap* tm_q, const CUtensorMap* tm_k, const CUtensorMap* tm_v,
                                         const CUtensorMap* tm_do, const BwdParams& p, const int lane,
                                         const uint32_t smem, float* const lse_rows, float* const delta_rows,
-                                        const int kv_head, const int n0, const int steps) {
+                                        const int kv_head, const int n0, const int steps, StepCursor cursor) {
 #if LT_HOPPER_DEVICE_CODE
   constexpr int M = Tl::kBlockM;
   constexpr int S = Tl::kStages;
@@ -438,8 +448,7 @@ __device__ __forceinline__ void produce(const CUtensorMap* tm_q, const CUtensorM
       tma_load_3d(sV + c * Tl::kKVColBlockBytes, tm_v, kv_full, c * kSwizzleElems, kv_head, n0);
     }
   }
-  StepCursor cursor(p, kv_head);
-  for (int step = 0; step < steps; ++step, cursor.next()) {
+  for (int step = 0; step < steps; ++step, cursor.next(p)) {
     const int s = step % S;
     const int m = cursor.m, head = cursor.head;
     const int m0 = m * M;
@@ -480,11 +489,10 @@ __device__ __forceinline__ void produce(const CUtensorMap* tm_q, const CUtensorM
 // after the last step, lane 0 waits until both reductions have read their buffers and the warp tells
 // both warpgroups they may write them again. It returns once the last reductions have completed.
 template <class Tl>
-__device__ __forceinline__ void write_dq(const BwdParams& p, const int lane, const uint32_t smem, const int kv_head,
-                                         const int steps) {
+__device__ __forceinline__ void write_dq(const BwdParams& p, const int lane, const uint32_t smem, const int steps,
+                                         StepCursor cursor) {
 #if LT_HOPPER_DEVICE_CODE
-  StepCursor cursor(p, kv_head);
-  for (int step = 0; step < steps; ++step, cursor.next()) {
+  for (int step = 0; step < steps; ++step, cursor.next(p)) {
 #pragma unroll
     for (int w = 0; w < 2; ++w) {
       named_barrier_sync(kDqFullBarrier + w, kDqWriterBarrierThreads);
@@ -540,7 +548,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Causal (Tq == Tk): query tiles wholly before key n0 see none of these keys. n0 < Tk = Tq, so at
   // least one tile remains; without a mask every query tile meets the keys.
   const int m_first = kCausal ? n0 / M : 0;
-  const int steps = (p.num_q_tiles - m_first) * p.group;  // query tiles num_q_tiles - 1 down to m_first (StepCursor)
+  const int steps = (p.num_q_tiles - m_first) * p.group;  // query tiles m_first to num_q_tiles - 1 (StepCursor)
+  const int launch_index = static_cast<int>(blockIdx.y * gridDim.x + blockIdx.x);
+  const bool ascending = launch_index < kOrderBits && ((p.ascending[launch_index / 32] >> (launch_index % 32)) & 1u);
+  const StepCursor first_step(p, kv_head, m_first, ascending);
 
   if (threadIdx.x == 0) {
     mbar_init(kv_full, 1);
@@ -559,10 +570,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     // later CTA-wide barrier) ----
     setmaxnreg_dec<kProducerRegs>();
     if constexpr (Tl::kDqWriter) {
-      if (threadIdx.x / 32 == 1) return write_dq<Tl>(p, threadIdx.x % 32, smem, kv_head, steps);
+      if (threadIdx.x / 32 == 1) return write_dq<Tl>(p, threadIdx.x % 32, smem, steps, first_step);
     }
     if (threadIdx.x >= 32) return;
-    produce<Tl>(&tm_q, &tm_k, &tm_v, &tm_do, p, threadIdx.x, smem, lse_rows, delta_rows, kv_head, n0, steps);
+    produce<Tl>(&tm_q, &tm_k, &tm_v, &tm_do, p, threadIdx.x, smem, lse_rows, delta_rows, kv_head, n0, steps,
+                first_step);
     return;
   }
 
@@ -604,8 +616,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   // (desc_at), not a new encoding of its address per wgmma.
   const uint64_t desc0 = smem_desc(smem, 16, kAtomBytes);
   const uint32_t wg_rows = kWgKeys * cw * kRowBytes;  // this warpgroup's 64 rows of K and V
-  StepCursor cursor(p, kv_head);
-  for (int step = 0; step < steps; ++step, cursor.next()) {
+  StepCursor cursor = first_step;
+  for (int step = 0; step < steps; ++step, cursor.next(p)) {
     const int s = step % S;
     const uint32_t parity = (step / S) & 1;
     const int m = cursor.m, head = cursor.head;
@@ -1089,20 +1101,95 @@ std::string backward_unsupported_reason(const OutView& dq, const OutView& dk, co
   return check_stats(lse, "lse", q.tokens, q.heads);
 }
 
-int bwd_kv_heads_per_section(int64_t tq, int64_t tk, int64_t q_heads, int64_t kv_heads, int64_t head_dim, bool causal) {
-  if (const int asked = host::section_from_env("LONGTRAIN_HOPPER_BWD_SECTION", kv_heads); asked > 0) return asked;
-  LT_CHECK(tq > 0 && tk > 0 && kv_heads > 0 && q_heads % kv_heads == 0,
-           "hopper attention backward: Tq {}, Tk {}, q heads {}, kv heads {} give no launch order", tq, tk, q_heads,
-           kv_heads);
-  // The CTAs in launch order (the kernel's first lines): key tiles from 0, each CTA's work its steps
-  // (the query tiles that meet its keys times the group's query heads) plus one for loading K/V and
-  // storing dK/dV.
+BwdOrder parse_bwd_order(const std::string& name, const char* source) {
+  if (name == "model") return BwdOrder::model;
+  if (name == "descending") return BwdOrder::descending;
+  if (name == "ascending") return BwdOrder::ascending;
+  throw Error(
+      fmt::format("{}: the hopper backward's step order must be model, descending or ascending, got '{}'", source, name));
+}
+
+const char* bwd_order_name(BwdOrder order) {
+  switch (order) {
+    case BwdOrder::model: return "model";
+    case BwdOrder::descending: return "descending";
+    case BwdOrder::ascending: return "ascending";
+  }
+  return "?";
+}
+
+namespace {
+std::atomic<BwdOrder>& bwd_order_setting() {
+  static std::atomic<BwdOrder> setting{[] {
+    const char* env = std::getenv("LONGTRAIN_HOPPER_BWD_ORDER");
+    return env && *env ? parse_bwd_order(env, "LONGTRAIN_HOPPER_BWD_ORDER") : BwdOrder::model;
+  }()};
+  return setting;
+}
+
+// The CTAs' work in launch order (the kernel's first lines): key tiles from 0, each CTA's work its
+// steps (the query tiles that meet its keys times the group's query heads) plus one for loading K/V
+// and storing dK/dV.
+std::vector<int64_t> bwd_tile_work(int64_t tq, int64_t tk, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
+                                   bool causal) {
   const int64_t m = block_m(head_dim), q_tiles = (tq + m - 1) / m, kv_tiles = (tk + kBlockN - 1) / kBlockN;
   const int64_t group = q_heads / kv_heads;
   std::vector<int64_t> work(static_cast<size_t>(kv_tiles));
   for (int64_t n = 0; n < kv_tiles; ++n)
     work[static_cast<size_t>(n)] = 1 + (q_tiles - (causal ? n * kBlockN / m : 0)) * group;
-  return host::cached_section_for_tail("bwd", work, 1, kv_heads);
+  return work;
+}
+
+// BwdParams::ascending for a launch: under BwdOrder::model the CTAs host::streamed_ctas picks from the
+// section model's start times (computed once per shape and section on this device); every CTA or none
+// under the other orders. Without a causal mask every CTA meets every query tile and they all start
+// together, so the order stays descending.
+void set_step_directions(BwdParams& p, int64_t tq, int64_t tk, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
+                         bool causal) {
+  std::fill(std::begin(p.ascending), std::end(p.ascending), 0u);
+  const BwdOrder order = bwd_order();
+  if (!causal || order == BwdOrder::descending) return;
+  if (order == BwdOrder::ascending) {
+    std::fill(std::begin(p.ascending), std::end(p.ascending), ~0u);
+    return;
+  }
+  const int slots = host::sm_count();
+  using Key = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int, int>;
+  static std::mutex mutex;
+  static std::map<Key, std::vector<uint32_t>> cache;
+  const Key key{tq, tk, q_heads, kv_heads, head_dim, p.section, slots};
+  std::vector<uint32_t> bits;
+  {
+    const std::lock_guard<std::mutex> lock(mutex);
+    const auto it = cache.find(key);
+    if (it != cache.end()) bits = it->second;
+  }
+  if (bits.empty()) {
+    const std::vector<int64_t> work = bwd_tile_work(tq, tk, q_heads, kv_heads, head_dim, causal);
+    const std::vector<int64_t> starts = host::launch_starts(work, 1, kv_heads, p.section, slots);
+    // Neighbouring key tiles' CTAs in a stream start one key tile's query tiles (times the group's
+    // heads) apart: starts within half of that count as one (host::streamed_ctas).
+    const int64_t stream_gap = kBlockN / block_m(head_dim) * (q_heads / kv_heads);
+    const std::vector<bool> streamed = host::streamed_ctas(starts, stream_gap / 2);
+    bits.assign(kOrderBits / 32, 0u);
+    for (size_t w = 0; w < streamed.size() && w < static_cast<size_t>(kOrderBits); ++w)
+      if (streamed[w]) bits[w / 32] |= 1u << (w % 32);
+    const std::lock_guard<std::mutex> lock(mutex);
+    cache.emplace(key, bits);
+  }
+  std::copy(bits.begin(), bits.end(), std::begin(p.ascending));
+}
+}  // namespace
+
+BwdOrder bwd_order() { return bwd_order_setting().load(); }
+void set_bwd_order(BwdOrder order) { bwd_order_setting().store(order); }
+
+int bwd_kv_heads_per_section(int64_t tq, int64_t tk, int64_t q_heads, int64_t kv_heads, int64_t head_dim, bool causal) {
+  if (const int asked = host::section_from_env("LONGTRAIN_HOPPER_BWD_SECTION", kv_heads); asked > 0) return asked;
+  LT_CHECK(tq > 0 && tk > 0 && kv_heads > 0 && q_heads % kv_heads == 0,
+           "hopper attention backward: Tq {}, Tk {}, q heads {}, kv heads {} give no launch order", tq, tk, q_heads,
+           kv_heads);
+  return host::cached_section_for_tail("bwd", bwd_tile_work(tq, tk, q_heads, kv_heads, head_dim, causal), 1, kv_heads);
 }
 
 void backward(const OutView& dq, const OutView& dk, const OutView& dv, const View& q, const View& k, const View& v,
@@ -1141,6 +1228,7 @@ void backward(const OutView& dq, const OutView& dk, const OutView& dv, const Vie
                   ? std::min(kv_heads_per_section, p.kv_heads)
                   : bwd_kv_heads_per_section(q.tokens, k.tokens, q.heads, k.heads, q.dim, causal);
   p.num_q_tiles = static_cast<int>((q.tokens + M - 1) / M);
+  set_step_directions(p, q.tokens, k.tokens, q.heads, k.heads, q.dim, causal);
   p.scale = scale;
   p.scale_log2 = scale * kLog2e;
 

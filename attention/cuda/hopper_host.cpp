@@ -94,10 +94,13 @@ int section_from_env(const char* env, int64_t kv_heads) {
   return static_cast<int>(std::clamp<int64_t>(parsed, 1, std::max<int64_t>(kv_heads, 1)));
 }
 
-double launch_makespan(const std::vector<int64_t>& tile_work, int64_t units_per_kv, int64_t kv_heads, int64_t section,
-                       int64_t slots) {
+namespace {
+// List scheduling of the CTAs in launch order (launch_makespan's model): returns the makespan and,
+// given `starts`, appends each CTA's start.
+int64_t list_schedule(const std::vector<int64_t>& tile_work, int64_t units_per_kv, int64_t kv_heads, int64_t section,
+                      int64_t slots, std::vector<int64_t>* starts, const char* caller) {
   LT_CHECK(units_per_kv > 0 && kv_heads > 0 && section > 0 && slots > 0,
-           "launch_makespan: units per kv head {}, kv heads {}, section {} and slots {} must be positive", units_per_kv,
+           "{}: units per kv head {}, kv heads {}, section {} and slots {} must be positive", caller, units_per_kv,
            kv_heads, section, slots);
   // Each slot's finishing time; a CTA starts on the earliest-free slot, in launch order.
   std::priority_queue<int64_t, std::vector<int64_t>, std::greater<>> free_at;
@@ -107,14 +110,36 @@ double launch_makespan(const std::vector<int64_t>& tile_work, int64_t units_per_
     const int64_t units = std::min(section, kv_heads - first) * units_per_kv;
     for (const int64_t work : tile_work) {
       for (int64_t u = 0; u < units; ++u) {
-        const int64_t done = free_at.top() + work;
+        const int64_t start = free_at.top();
         free_at.pop();
-        free_at.push(done);
-        end = std::max(end, done);
+        free_at.push(start + work);
+        end = std::max(end, start + work);
+        if (starts != nullptr) starts->push_back(start);
       }
     }
   }
-  return static_cast<double>(end);
+  return end;
+}
+}  // namespace
+
+double launch_makespan(const std::vector<int64_t>& tile_work, int64_t units_per_kv, int64_t kv_heads, int64_t section,
+                       int64_t slots) {
+  return static_cast<double>(list_schedule(tile_work, units_per_kv, kv_heads, section, slots, nullptr, "launch_makespan"));
+}
+
+std::vector<int64_t> launch_starts(const std::vector<int64_t>& tile_work, int64_t units_per_kv, int64_t kv_heads,
+                                   int64_t section, int64_t slots) {
+  std::vector<int64_t> starts;
+  list_schedule(tile_work, units_per_kv, kv_heads, section, slots, &starts, "launch_starts");
+  return starts;
+}
+
+std::vector<bool> streamed_ctas(const std::vector<int64_t>& starts, int64_t tolerance) {
+  const size_t n = starts.size();
+  std::vector<bool> streamed(n, false);
+  auto near = [&](size_t a, size_t b) { return std::llabs(starts[a] - starts[b]) <= tolerance; };
+  for (size_t i = 0; i < n; ++i) streamed[i] = !((i > 0 && near(i, i - 1)) || (i + 1 < n && near(i, i + 1)));
+  return streamed;
 }
 
 int section_for_tail(const std::vector<int64_t>& tile_work, int64_t units_per_kv, int64_t kv_heads, int64_t slots,

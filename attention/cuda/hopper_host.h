@@ -49,6 +49,18 @@ int section_from_env(const char* env, int64_t kv_heads);
 double launch_makespan(const std::vector<int64_t>& tile_work, int64_t units_per_kv, int64_t kv_heads, int64_t section,
                        int64_t slots);
 
+// Each CTA's start in the same model, in launch order (work units): the time the slot it takes frees.
+std::vector<int64_t> launch_starts(const std::vector<int64_t>& tile_work, int64_t units_per_kv, int64_t kv_heads,
+                                   int64_t section, int64_t slots);
+
+// Which CTAs start in a stream rather than in a burst, from launch_starts: a CTA starts in a burst
+// when a launch-order neighbour starts within `tolerance` of it (the first wave; the CTAs that take the
+// slots of CTAs that ended together), else in a stream (one after another as earlier CTAs end). In the
+// causal backward, a burst's CTAs walking their query tiles from the last down share a tile at every
+// step, and so do a stream's walking from their first tile up: key tile n + 1's CTA starts about one
+// key tile's query tiles after key tile n's and its first query tile is that many tiles later.
+std::vector<bool> streamed_ctas(const std::vector<int64_t>& starts, int64_t tolerance);
+
 // The fewest kv heads per section whose launch_makespan is within `tolerance` of the ideal,
 // max(total work / slots, the longest CTA); where none is, the size with the smallest makespan (the
 // smallest of equals). In [1, kv_heads]. The default 7% weighs the tail against what the model leaves

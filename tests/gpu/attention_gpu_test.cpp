@@ -933,6 +933,15 @@ struct DqConvertScope {
   DqConvertScope& operator=(const DqConvertScope&) = delete;
 };
 
+// Sets the hopper backward's step order for a scope.
+struct BwdOrderScope {
+  attn::hopper::BwdOrder saved = attn::hopper::bwd_order();
+  explicit BwdOrderScope(attn::hopper::BwdOrder order) { attn::hopper::set_bwd_order(order); }
+  ~BwdOrderScope() { attn::hopper::set_bwd_order(saved); }
+  BwdOrderScope(const BwdOrderScope&) = delete;
+  BwdOrderScope& operator=(const BwdOrderScope&) = delete;
+};
+
 class HopperAttentionBackward : public ::testing::TestWithParam<HopperBwdCase> {};
 
 TEST_P(HopperAttentionBackward, MatchesCpuReference) {
@@ -972,14 +981,22 @@ TEST_P(HopperAttentionBackward, MatchesCpuReference) {
   // Each case under both dQ conversions (hopper_attention.h, DqConvert), and once more asking for rows
   // with rows padded by 2 elements, which leaves dq's token stride 4 bytes (bf16) or 8 (f32) off the
   // row kernel's alignment, so backward() must take the element-pair kernel.
+  // Then under each step order (hopper_attention.h, BwdOrder): at these sizes every CTA starts in the
+  // first wave, so the model's order is descending, and ascending needs its own run.
+  using attn::hopper::BwdOrder;
+  using attn::hopper::DqConvert;
   struct Run {
-    attn::hopper::DqConvert convert;
+    DqConvert convert;
     int64_t row_pad;
+    BwdOrder order;
     const char* name;
   };
-  for (const Run run : {Run{attn::hopper::DqConvert::rows, 8, "rows"}, Run{attn::hopper::DqConvert::pairs, 8, "pairs"},
-                        Run{attn::hopper::DqConvert::rows, 2, "rows asked, unaligned dq"}}) {
+  for (const Run run : {Run{DqConvert::rows, 8, BwdOrder::model, "dQ by rows"},
+                        Run{DqConvert::pairs, 8, BwdOrder::model, "dQ by pairs"},
+                        Run{DqConvert::rows, 2, BwdOrder::model, "dQ by rows asked, unaligned dq"},
+                        Run{DqConvert::rows, 8, BwdOrder::ascending, "ascending steps"}}) {
     DqConvertScope conversion(run.convert);
+    BwdOrderScope order(run.order);
     // Destinations: nonzero values to accumulate onto, or NaN to overwrite.
     std::vector<double> init[3];
     const int64_t sizes[3] = {nq, nk, nk};
@@ -1001,7 +1018,7 @@ TEST_P(HopperAttentionBackward, MatchesCpuReference) {
       LT_CUDA_CHECK(cudaStreamSynchronize(cuda_stream()));
     }
 
-    const std::string tag = std::string(" [") + c.name + ", dQ by " + run.name + "]";
+    const std::string tag = std::string(" [") + c.name + ", " + run.name + "]";
     g.download_and_check_sentinels(tag);
     const char* names[3] = {"hopper dQ", "hopper dK", "hopper dV"};
     const int64_t heads[3] = {c.Hq, c.Hkv, c.Hkv};
@@ -1115,8 +1132,11 @@ TEST(HopperAttentionBackwardVsCudnn, MatchesOnLargerShapes) {
     int64_t S, Hq, Hkv, D;
     bool causal;
   };
+  // The last two are causal with more CTAs than an H100/H200 has SMs, so under the model's step order
+  // (BwdOrder) some CTAs walk their query tiles up and some down (HopperLaunchOrderModel checks which).
   for (const Shape& shape : {Shape{4096, 32, 4, 64, true}, Shape{2048, 32, 8, 128, false},
-                             Shape{3000, 16, 2, 128, true}, Shape{1500, 8, 1, 64, false}}) {
+                             Shape{3000, 16, 2, 128, true}, Shape{1500, 8, 1, 64, false},
+                             Shape{16384, 4, 2, 64, true}, Shape{12288, 8, 4, 128, true}}) {
     const CudnnBackwardReference s(shape.S, shape.Hq, shape.Hkv, shape.D, shape.causal, 1701);
     const std::string& tag = s.tag;
     SCOPED_TRACE(tag);
@@ -1221,7 +1241,19 @@ TEST(HopperAttentionSwitches, EnvironmentValuesAreCheckedAndNamed) {
       }
     });
   }
-  // LONGTRAIN_HOPPER_DQ_CONVERT is read once per process, so its parser is what is checked here.
+  // LONGTRAIN_HOPPER_BWD_ORDER and LONGTRAIN_HOPPER_DQ_CONVERT are read once per process, so their
+  // parsers are what is checked here.
+  EXPECT_EQ(attn::hopper::parse_bwd_order("model", "LONGTRAIN_HOPPER_BWD_ORDER"), attn::hopper::BwdOrder::model);
+  EXPECT_EQ(attn::hopper::parse_bwd_order("ascending", "LONGTRAIN_HOPPER_BWD_ORDER"),
+            attn::hopper::BwdOrder::ascending);
+  EXPECT_EQ(attn::hopper::parse_bwd_order("descending", "LONGTRAIN_HOPPER_BWD_ORDER"),
+            attn::hopper::BwdOrder::descending);
+  try {
+    attn::hopper::parse_bwd_order("up", "LONGTRAIN_HOPPER_BWD_ORDER");
+    ADD_FAILURE() << "LONGTRAIN_HOPPER_BWD_ORDER=up was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("LONGTRAIN_HOPPER_BWD_ORDER"), std::string::npos) << e.what();
+  }
   EXPECT_EQ(attn::hopper::parse_dq_convert("rows", "LONGTRAIN_HOPPER_DQ_CONVERT"), attn::hopper::DqConvert::rows);
   EXPECT_EQ(attn::hopper::parse_dq_convert("pairs", "LONGTRAIN_HOPPER_DQ_CONVERT"), attn::hopper::DqConvert::pairs);
   for (const char* bad : {"", "tiled", "Rows"}) {
@@ -1238,6 +1270,37 @@ TEST(HopperAttentionSwitches, EnvironmentValuesAreCheckedAndNamed) {
 // The launch order's section size model (hopper_host.h; host code, runs without a GPU): list
 // scheduling in launch order, checked against a schedule worked by hand, and the sizes it picks for
 // the backward at 8K (where one kv head per section leaves a tail) and 64K (where it does not).
+// The step order's model (hopper_host.h, launch_starts and streamed_ctas; host code, runs without a
+// GPU), on the backward at 16K tokens, head dim 128, 32/8 heads, 132 SMs, one kv head per section: 128
+// key tiles per kv head, key tile n's CTA 1 + 4·(256 - 2n) steps. The first wave (kv head 0 and kv head
+// 1's first 4 key tiles) starts together; kv head 1's other CTAs start one after another as kv head 0's
+// end (every 8 steps), so they are streamed; they all end at about the same step, and kv head 2's CTAs
+// take their slots together (a burst).
+TEST(HopperLaunchOrderModel, StreamedCtasAreTheOnesStartingOneAfterAnother) {
+  namespace host = attn::hopper::host;
+  std::vector<int64_t> work;
+  for (int64_t n = 0; n < 128; ++n) work.push_back(1 + 4 * (256 - 2 * n));
+  const std::vector<int64_t> starts = host::launch_starts(work, 1, 8, 1, 132);
+  ASSERT_EQ(starts.size(), size_t{1024});
+  for (int w = 0; w < 132; ++w) EXPECT_EQ(starts[w], 0) << "CTA " << w;
+  EXPECT_EQ(starts[132], work[127]);  // kv head 1's key tile 4 takes the slot of kv head 0's key tile 127
+  const std::vector<bool> streamed = host::streamed_ctas(starts, 2);
+  int first_wave_streamed = 0, head1_streamed = 0, head2_streamed = 0;
+  for (int w = 0; w < 132; ++w) first_wave_streamed += streamed[w];
+  for (int w = 132; w < 256; ++w) head1_streamed += streamed[w];
+  for (int w = 256; w < 384; ++w) head2_streamed += streamed[w];
+  EXPECT_EQ(first_wave_streamed, 0);
+  EXPECT_EQ(head1_streamed, 124);
+  EXPECT_LE(head2_streamed, 4) << "kv head 2's CTAs start in a burst";
+  // A hand-made list: 0 0 | 5 10 15 | 20 20 | 31: bursts where a neighbour is within the tolerance.
+  const std::vector<bool> got = host::streamed_ctas({0, 0, 5, 10, 15, 20, 20, 31}, 2);
+  EXPECT_EQ(got, (std::vector<bool>{false, false, true, true, true, false, false, true}));
+  // launch_makespan is the latest end of the same schedule.
+  int64_t end = 0;
+  for (size_t w = 0; w < starts.size(); ++w) end = std::max(end, starts[w] + work[w % 128]);
+  EXPECT_EQ(host::launch_makespan(work, 1, 8, 1, 132), static_cast<double>(end));
+}
+
 TEST(HopperLaunchOrderModel, MakespanIsListSchedulingInLaunchOrder) {
   namespace host = attn::hopper::host;
   // Three SMs, two kv heads, CTAs of work 6, 3, 2, 1 per kv head. Sections of one kv head: kv head 0
