@@ -288,7 +288,10 @@ template <int D> struct BwdTiles {
   static constexpr uint32_t kDsOffset = kDoOffset + kStages * kQBytes;
   static constexpr uint32_t kLseOffset = kDsOffset + kDsBuffers * kDsBytes;  // f32 [kStages][kBlockM]
   static constexpr uint32_t kDeltaOffset = kLseOffset + kStages * kBlockM * 4;
-  static constexpr uint32_t kBarrierOffset = kDeltaOffset + kStages * kBlockM * 4;
+  // Per stage, the step's query tile and head as the producer walked them (int [kStages][2]): the
+  // consumers read them there instead of walking a cursor of their own (registers they lack at D = 64).
+  static constexpr uint32_t kStepOffset = kDeltaOffset + kStages * kBlockM * 4;
+  static constexpr uint32_t kBarrierOffset = kStepOffset + kStages * 8;
   static constexpr int kBarriers = 1 + 3 * kStages;  // kv_full, q_full[s], do_full[s], empty[s]
   // Each consumer warpgroup's 64 × 64 f32 dQ sub-block, staged in the accumulator's order (16-byte
   // aligned, as bulk copies need).
@@ -344,18 +347,16 @@ struct BwdParams {
 // order") and query head (the kv head's group, fastest). The producer, the dQ writer and the consumers
 // each walk a copy of the kernel's cursor, so they agree; it counts instead of dividing by the group
 // each step (a runtime divisor: ~20 instructions).
-// (Four registers, as before the direction: the group's first head is head_end - p.group, read from
-// the kernel's parameters, where the producer's 24 registers would spill a fifth.)
+// Three registers: the group's heads come from kv_head (live in every caller for its K/V, dK/dV or
+// dQ addresses) and p.group (a kernel parameter), not from registers of their own: at head dim 64 the
+// consumers' registers are short, and a fourth and fifth made ptxas spill more in the loop.
 struct StepCursor {
-  int m, m_step, head, head_end;
+  int m, m_step, head;
   __device__ __forceinline__ StepCursor(const BwdParams& p, const int kv_head, const int m_first, const bool ascending)
-      : m(ascending ? m_first : p.num_q_tiles - 1),
-        m_step(ascending ? 1 : -1),
-        head(kv_head * p.group),
-        head_end((kv_head + 1) * p.group) {}
-  __device__ __forceinline__ void next(const BwdParams& p) {
-    if (++head == head_end) {
-      head = head_end - p.group;
+      : m(ascending ? m_first : p.num_q_tiles - 1), m_step(ascending ? 1 : -1), head(kv_head * p.group) {}
+  __device__ __forceinline__ void next(const BwdParams& p, const int kv_head) {
+    if (++head == (kv_head + 1) * p.group) {
+      head = kv_head * p.group;
       m += m_step;
     }
   }
@@ -424,6 +425,7 @@ template <class Tl>
 __device__ __forceinline__ void produce(const CUtensorMap* tm_q, const CUtensorMap* tm_k, const CUtensorMap* tm_v,
                                         const CUtensorMap* tm_do, const BwdParams& p, const int lane,
                                         const uint32_t smem, float* const lse_rows, float* const delta_rows,
+                                        int* const step_tiles,
                                         const int kv_head, const int n0, const int steps, StepCursor cursor) {
 #if LT_HOPPER_DEVICE_CODE
   constexpr int M = Tl::kBlockM;
@@ -448,7 +450,7 @@ __device__ __forceinline__ void produce(const CUtensorMap* tm_q, const CUtensorM
       tma_load_3d(sV + c * Tl::kKVColBlockBytes, tm_v, kv_full, c * kSwizzleElems, kv_head, n0);
     }
   }
-  for (int step = 0; step < steps; ++step, cursor.next(p)) {
+  for (int step = 0; step < steps; ++step, cursor.next(p, kv_head)) {
     const int s = step % S;
     const int m = cursor.m, head = cursor.head;
     const int m0 = m * M;
@@ -474,7 +476,11 @@ __device__ __forceinline__ void produce(const CUtensorMap* tm_q, const CUtensorM
       lse_rows[s * M + r] = live ? l * kLog2e : INFINITY;
       delta_rows[s * M + r] = live ? p.delta[row * p.delta_ts + head * p.delta_hs] : 0.0f;
     }
-    mbar_arrive(q_full(s));  // release: this lane's lse/delta stores are visible to the waiters
+    if (lane == 0) {
+      step_tiles[2 * s] = m;
+      step_tiles[2 * s + 1] = head;
+    }
+    mbar_arrive(q_full(s));  // release: this lane's lse/delta (and lane 0's step) stores are visible to the waiters
     mbar_arrive(do_full(s));
   }
   // Stay until the consumers have released every stage (load step completed phase step / S of its
@@ -489,10 +495,10 @@ __device__ __forceinline__ void produce(const CUtensorMap* tm_q, const CUtensorM
 // after the last step, lane 0 waits until both reductions have read their buffers and the warp tells
 // both warpgroups they may write them again. It returns once the last reductions have completed.
 template <class Tl>
-__device__ __forceinline__ void write_dq(const BwdParams& p, const int lane, const uint32_t smem, const int steps,
-                                         StepCursor cursor) {
+__device__ __forceinline__ void write_dq(const BwdParams& p, const int lane, const uint32_t smem, const int kv_head,
+                                         const int steps, StepCursor cursor) {
 #if LT_HOPPER_DEVICE_CODE
-  for (int step = 0; step < steps; ++step, cursor.next(p)) {
+  for (int step = 0; step < steps; ++step, cursor.next(p, kv_head)) {
 #pragma unroll
     for (int w = 0; w < 2; ++w) {
       named_barrier_sync(kDqFullBarrier + w, kDqWriterBarrierThreads);
@@ -533,6 +539,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto sDs = [&](int b) { return smem + Tl::kDsOffset + b * Tl::kDsBytes; };
   float* const lse_rows = reinterpret_cast<float*>(smem_ptr + Tl::kLseOffset);      // [S][M], lse · log2 e
   float* const delta_rows = reinterpret_cast<float*>(smem_ptr + Tl::kDeltaOffset);  // [S][M]
+  int* const step_tiles = reinterpret_cast<int*>(smem_ptr + Tl::kStepOffset);        // [S][2]: m, head
   const uint32_t bars = smem + Tl::kBarrierOffset;
   const uint32_t kv_full = bars;
   auto q_full = [&](int s) { return bars + 8u * (1 + s); };
@@ -570,10 +577,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     // later CTA-wide barrier) ----
     setmaxnreg_dec<kProducerRegs>();
     if constexpr (Tl::kDqWriter) {
-      if (threadIdx.x / 32 == 1) return write_dq<Tl>(p, threadIdx.x % 32, smem, steps, first_step);
+      if (threadIdx.x / 32 == 1) return write_dq<Tl>(p, threadIdx.x % 32, smem, kv_head, steps, first_step);
     }
     if (threadIdx.x >= 32) return;
-    produce<Tl>(&tm_q, &tm_k, &tm_v, &tm_do, p, threadIdx.x, smem, lse_rows, delta_rows, kv_head, n0, steps,
+    produce<Tl>(&tm_q, &tm_k, &tm_v, &tm_do, p, threadIdx.x, smem, lse_rows, delta_rows, step_tiles, kv_head, n0, steps,
                 first_step);
     return;
   }
@@ -616,18 +623,20 @@ __global__ void __launch_bounds__(kThreads, 1)
   // (desc_at), not a new encoding of its address per wgmma.
   const uint64_t desc0 = smem_desc(smem, 16, kAtomBytes);
   const uint32_t wg_rows = kWgKeys * cw * kRowBytes;  // this warpgroup's 64 rows of K and V
-  StepCursor cursor = first_step;
-  for (int step = 0; step < steps; ++step, cursor.next(p)) {
+  for (int step = 0; step < steps; ++step) {
     const int s = step % S;
     const uint32_t parity = (step / S) & 1;
-    const int m = cursor.m, head = cursor.head;
-    const int m0 = m * M;
     const uint32_t at_q = Tl::kQOffset + s * Tl::kQBytes, at_do = Tl::kDoOffset + s * Tl::kQBytes;  // stage s
 
     // Sᵀ = K_w·Qᵀ and dPᵀ = V_w·dOᵀ over head_dim in steps of 16 (the k-th slice of a column block
     // starts 32·k bytes in; hopper_attention.cu's header).
     float st[Tl::kSFloats], dpt[Tl::kSFloats];
     mbar_wait_no_trap(q_full(s), parity);
+    // The step's query tile and head, from the producer (the load below follows the wait: both asm
+    // volatile, kept in order).
+    const int m = static_cast<int>(ld_shared_u32(smem + Tl::kStepOffset + 8 * s));
+    const int head = static_cast<int>(ld_shared_u32(smem + Tl::kStepOffset + 8 * s + 4));
+    const int m0 = m * M;
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
