@@ -26,6 +26,22 @@
 // section (hopper_attention.h, "The launch order") the diagonal-up order was tried again: 4-24% slower
 // at both head dims and 16K-64K, 4.3x the DRAM reads at head dim 128 64K
 // (bench/results/attention-hopper-launch-order-h100-2026-12-06.json).
+// Which way each CTA walks (hopper_attention.h, BwdOrder; the default since 2026-12-08): walking down
+// from the last query tile keeps CTAs that START TOGETHER on one tile, but under one kv head per section
+// only the first wave does. The next kv head's CTAs start one by one as the previous kv head's end (key
+// tile n + 1's CTA (128 / kBlockM)·group steps after key tile n's), so walking down they spread over
+// every query tile of their kv head: the group's Q, dO and f32 dQ accumulator, 67 MB at head dim 128
+// and 16K tokens, past the L2. A CTA that starts that many steps after its predecessor and walks UP
+// from its first query tile (that many tiles further on) stands on the predecessor's tile at every
+// step: the streamed CTAs move as one front. They also end together, so the CTAs after them start
+// together and walk down. The host finds the streamed CTAs in the section model's start times
+// (host::launch_starts, streamed_ctas) and passes a bit per CTA (BwdParams::ascending); the consumers
+// read each step's tile and head from shared memory, where the producer writes them (a cursor of their
+// own made ptxas spill more at D = 64). On an H100 at 16K (ncu, kernels alone): head dim 128 6.05 ->
+// 1.23 GB of DRAM traffic (cuDNN's backward: 1.27), L2 hit rate 87 -> 97%, 9.58 -> 9.25 ms; head dim 64
+// 3.85 -> 0.59 GB, 6.31 -> 6.26 ms. Delta + backward in processes against the previous build: head dim
+// 128 7% faster at 16K and 1.8% at 64K; head dim 64 1% slower at 16K and level at 64K
+// (bench/results/attention-hopper-bwd-step-order-h100-2026-12-08.json).
 // CTAs of two key tiles each, j from the last query tile down and then K - 1 - j from its diagonal up
 // (equal work for every CTA, and the CTAs that start together on two query tiles at a time), measured
 // 1-5% slower at 8K-64K and both head dims on the H200 (the equal lengths lose the longest-first

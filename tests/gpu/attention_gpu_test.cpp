@@ -1132,8 +1132,9 @@ TEST(HopperAttentionBackwardVsCudnn, MatchesOnLargerShapes) {
     int64_t S, Hq, Hkv, D;
     bool causal;
   };
-  // The last two are causal with more CTAs than an H100/H200 has SMs, so under the model's step order
-  // (BwdOrder) some CTAs walk their query tiles up and some down (HopperLaunchOrderModel checks which).
+  // The last two are causal with more CTAs than an H100/H200 has SMs. On 132 SMs the first of them (16K,
+  // 4/2 heads, head dim 64) runs one kv head per section and the model's step order (BwdOrder) walks
+  // 124 of its 256 CTAs up and the rest down (HopperLaunchOrderModel checks the model itself).
   for (const Shape& shape : {Shape{4096, 32, 4, 64, true}, Shape{2048, 32, 8, 128, false},
                              Shape{3000, 16, 2, 128, true}, Shape{1500, 8, 1, 64, false},
                              Shape{16384, 4, 2, 64, true}, Shape{12288, 8, 4, 128, true}}) {
