@@ -995,6 +995,8 @@ template <int D, bool kCausal>
 void launch_bwd(const CUtensorMap& mq, const CUtensorMap& mk, const CUtensorMap& mv, const CUtensorMap& mdo,
                 const BwdParams& p, int kv_heads, int kv_tiles) {
   auto* kernel = hopper_attention_bwd_kernel<D, kCausal>;
+  static_assert(4 * sizeof(CUtensorMap) + sizeof(BwdParams) <= 4096,
+                "the kernel's parameters (BwdParams::ascending included) fit the classic 4 KB limit");
   constexpr uint32_t smem_bytes = BwdTiles<D>::kSmemBytes;
   static const bool configured = [kernel] {
     LT_CUDA_CHECK(
