@@ -1079,12 +1079,19 @@ DqConvert parse_dq_convert(const std::string& name, const char* source) {
 const char* dq_convert_name(DqConvert convert) { return convert == DqConvert::rows ? "rows" : "pairs"; }
 
 namespace {
-std::atomic<DqConvert>& dq_convert_setting() {
-  static std::atomic<DqConvert> setting{[] {
-    const char* env = std::getenv("LONGTRAIN_HOPPER_DQ_CONVERT");
-    return env && *env ? parse_dq_convert(env, "LONGTRAIN_HOPPER_DQ_CONVERT") : DqConvert::rows;
+// A process-wide switch (one per enum and parser): the environment variable's value when first read,
+// else `fallback`; a setter changes it for the process.
+template <class E, E (*Parse)(const std::string&, const char*)>
+std::atomic<E>& setting_from_env(const char* env, E fallback) {
+  static std::atomic<E> setting{[&] {
+    const char* value = std::getenv(env);
+    return value && *value ? Parse(value, env) : fallback;
   }()};
   return setting;
+}
+
+std::atomic<DqConvert>& dq_convert_setting() {
+  return setting_from_env<DqConvert, parse_dq_convert>("LONGTRAIN_HOPPER_DQ_CONVERT", DqConvert::rows);
 }
 }  // namespace
 
@@ -1147,11 +1154,7 @@ const char* bwd_order_name(BwdOrder order) {
 
 namespace {
 std::atomic<BwdOrder>& bwd_order_setting() {
-  static std::atomic<BwdOrder> setting{[] {
-    const char* env = std::getenv("LONGTRAIN_HOPPER_BWD_ORDER");
-    return env && *env ? parse_bwd_order(env, "LONGTRAIN_HOPPER_BWD_ORDER") : BwdOrder::model;
-  }()};
-  return setting;
+  return setting_from_env<BwdOrder, parse_bwd_order>("LONGTRAIN_HOPPER_BWD_ORDER", BwdOrder::model);
 }
 
 // The CTAs' work in launch order (the kernel's first lines): key tiles from 0, each CTA's work its

@@ -924,23 +924,18 @@ const BwdReference& bwd_reference(const HopperBwdCase& c) {
   return cached;
 }
 
-// Sets the hopper backward's dQ conversion for a scope.
-struct DqConvertScope {
-  attn::hopper::DqConvert saved = attn::hopper::dq_convert();
-  explicit DqConvertScope(attn::hopper::DqConvert convert) { attn::hopper::set_dq_convert(convert); }
-  ~DqConvertScope() { attn::hopper::set_dq_convert(saved); }
-  DqConvertScope(const DqConvertScope&) = delete;
-  DqConvertScope& operator=(const DqConvertScope&) = delete;
+// Sets one of the hopper backward's process-wide switches for a scope.
+template <class E, E (*Get)(), void (*Set)(E)>
+struct SwitchScope {
+  E saved = Get();
+  explicit SwitchScope(E value) { Set(value); }
+  ~SwitchScope() { Set(saved); }
+  SwitchScope(const SwitchScope&) = delete;
+  SwitchScope& operator=(const SwitchScope&) = delete;
 };
-
-// Sets the hopper backward's step order for a scope.
-struct BwdOrderScope {
-  attn::hopper::BwdOrder saved = attn::hopper::bwd_order();
-  explicit BwdOrderScope(attn::hopper::BwdOrder order) { attn::hopper::set_bwd_order(order); }
-  ~BwdOrderScope() { attn::hopper::set_bwd_order(saved); }
-  BwdOrderScope(const BwdOrderScope&) = delete;
-  BwdOrderScope& operator=(const BwdOrderScope&) = delete;
-};
+using DqConvertScope =
+    SwitchScope<attn::hopper::DqConvert, attn::hopper::dq_convert, attn::hopper::set_dq_convert>;
+using BwdOrderScope = SwitchScope<attn::hopper::BwdOrder, attn::hopper::bwd_order, attn::hopper::set_bwd_order>;
 
 class HopperAttentionBackward : public ::testing::TestWithParam<HopperBwdCase> {};
 
