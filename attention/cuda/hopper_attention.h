@@ -85,8 +85,10 @@ FwdVariant parse_fwd_variant(const std::string& name, const char* source);
 // alone (in the model the backward 1.24x / 1.49x the ideal at head dims 128 / 64; on the H200 the
 // model's two ran 1.16x / 1.41x faster, and the 1.1B step at 8K under `auto` 1.02-1.03x faster,
 // bench/results/attention-launch-sections-h200-2026-12-06.json). At most kv_heads.
-// Any size gives the same results: the forward's bits do not depend on it, nor do the backward's dK
-// and dV (each CTA sums its own); its dQ only in the order of the atomics.
+// Any size gives the same results up to rounding: the forward's bits do not depend on it; the
+// backward's dK and dV (each CTA sums its own) depend on it only through the direction each CTA walks
+// its query tiles, which the section model picks (BwdOrder below; none under descending or ascending);
+// its dQ only in the order of the atomics.
 int fwd_kv_heads_per_section(int64_t tq, int64_t tk, int64_t q_heads, int64_t kv_heads, int64_t head_dim, bool causal,
                              FwdVariant variant = default_fwd_variant());
 int bwd_kv_heads_per_section(int64_t tq, int64_t tk, int64_t q_heads, int64_t kv_heads, int64_t head_dim, bool causal);
