@@ -89,8 +89,9 @@
 // step's dQ tile from all 128 keys of dS): kernels in which each warpgroup computed the whole tile over
 // its own 64 keys, with no per-step barrier between them, measured slower on the H100 (ABCCBA processes,
 // bench/results/attention-hopper-bwd-split-dq-h100-2026-12-07.json; the code was kept only at a local
-// git tag that did not reach the shared repository). Each partial reduced on its own (twice the reductions at the L2): 14-19% slower
-// at both head dims and lengths, so the reductions bound this kernel more than the barrier does.
+// git tag that did not reach the shared repository). Each partial reduced on its own (twice the
+// reductions at the L2): 14-19% slower at both head dims and lengths, so the reductions bound this
+// kernel more than the barrier does.
 // Warpgroup 0's partial added to warpgroup 1's in shared memory before one reduction (twice the
 // staging traffic; at D = 128 dV and dK had to finish before the wider dQ, for registers): 6-9%
 // slower at D = 128, level at D = 64 (-0.7% to +2.2%).
@@ -226,12 +227,12 @@
 
 #include <algorithm>
 #include <atomic>
-#include <iterator>
-#include <map>
-#include <mutex>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <iterator>
+#include <map>
+#include <mutex>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -360,12 +361,12 @@ struct BwdParams {
 };
 
 // A CTA's steps in order: query tile m (the last first, or from m_first up: header, "The step
-// order") and query head (the kv head's group, fastest). The producer, the dQ writer and the consumers
-// each walk a copy of the kernel's cursor, so they agree; it counts instead of dividing by the group
-// each step (a runtime divisor: ~20 instructions).
-// Three registers: the group's heads come from kv_head (live in every caller for its K/V, dK/dV or
-// dQ addresses) and p.group (a kernel parameter), not from registers of their own: at head dim 64 the
-// consumers' registers are short, and a fourth and fifth made ptxas spill more in the loop.
+// order") and query head (the kv head's group, fastest). The producer and the dQ writer each walk a
+// copy of the kernel's cursor, so they agree; the consumers read each step's tile and head from shared
+// memory, where the producer writes them (BwdTiles::kStepOffset). It counts instead of dividing by
+// the group each step (a runtime divisor: ~20 instructions). Three registers: the group's heads come
+// from kv_head (live in both callers for their K/V or dQ addresses) and p.group (a kernel parameter),
+// not from registers of their own, for the producer warpgroup's 24.
 struct StepCursor {
   int m, m_step, head;
   __device__ __forceinline__ StepCursor(const BwdParams& p, const int kv_head, const int m_first, const bool ascending)
@@ -496,7 +497,8 @@ __device__ __forceinline__ void produce(const CUtensorMap* tm_q, const CUtensorM
       step_tiles[2 * s] = m;
       step_tiles[2 * s + 1] = head;
     }
-    mbar_arrive(q_full(s));  // release: this lane's lse/delta (and lane 0's step) stores are visible to the waiters
+    // release: this lane's lse/delta (and lane 0's step) stores are visible to the waiters
+    mbar_arrive(q_full(s));
     mbar_arrive(do_full(s));
   }
   // Stay until the consumers have released every stage (load step completed phase step / S of its
