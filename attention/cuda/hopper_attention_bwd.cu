@@ -231,8 +231,6 @@
 #include <cstdint>
 #include <cstdlib>
 #include <iterator>
-#include <map>
-#include <mutex>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -1186,29 +1184,19 @@ void set_step_directions(BwdParams& p, int64_t tq, int64_t tk, int64_t q_heads, 
     return;
   }
   const int slots = host::sm_count();
-  using Key = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int, int>;
-  static std::mutex mutex;
-  static std::map<Key, std::vector<uint32_t>> cache;
-  const Key key{tq, tk, q_heads, kv_heads, head_dim, p.section, slots};
-  std::vector<uint32_t> bits;
-  {
-    const std::lock_guard<std::mutex> lock(mutex);
-    const auto it = cache.find(key);
-    if (it != cache.end()) bits = it->second;
-  }
-  if (bits.empty()) {
+  static host::Memo<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int, int>, std::vector<uint32_t>> cache;
+  const std::vector<uint32_t> bits = cache.get({tq, tk, q_heads, kv_heads, head_dim, p.section, slots}, [&] {
     const std::vector<int64_t> work = bwd_tile_work(tq, tk, q_heads, kv_heads, head_dim, causal);
     const std::vector<int64_t> starts = host::launch_starts(work, 1, kv_heads, p.section, slots);
     // Neighbouring key tiles' CTAs in a stream start one key tile's query tiles (times the group's
     // heads) apart: starts within half of that count as one (host::streamed_ctas).
     const int64_t stream_gap = kBlockN / block_m(head_dim) * (q_heads / kv_heads);
     const std::vector<bool> streamed = host::streamed_ctas(starts, stream_gap / 2);
-    bits.assign(kOrderBits / 32, 0u);
+    std::vector<uint32_t> words(kOrderBits / 32, 0u);
     for (size_t w = 0; w < streamed.size() && w < static_cast<size_t>(kOrderBits); ++w)
-      if (streamed[w]) bits[w / 32] |= 1u << (w % 32);
-    const std::lock_guard<std::mutex> lock(mutex);
-    cache.emplace(key, bits);
-  }
+      if (streamed[w]) words[w / 32] |= 1u << (w % 32);
+    return words;
+  });
   std::copy(bits.begin(), bits.end(), std::begin(p.ascending));
 }
 }  // namespace

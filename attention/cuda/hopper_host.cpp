@@ -6,8 +6,6 @@
 #include <cstdint>
 #include <cstdlib>
 #include <functional>
-#include <map>
-#include <mutex>
 #include <queue>
 #include <tuple>
 #include <vector>
@@ -171,34 +169,20 @@ int section_for_tail(const std::vector<int64_t>& tile_work, int64_t units_per_kv
 int sm_count() {
   int device = 0;
   LT_CUDA_CHECK(cudaGetDevice(&device));
-  static std::mutex mutex;
-  static std::map<int, int> counts;
-  const std::lock_guard<std::mutex> lock(mutex);
-  auto it = counts.find(device);
-  if (it == counts.end()) {
+  static Memo<int, int> counts;
+  return counts.get(device, [device] {
     int n = 0;
     LT_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
-    it = counts.emplace(device, std::max(n, 1)).first;
-  }
-  return it->second;
+    return std::max(n, 1);
+  });
 }
 
 int cached_section_for_tail(const char* kernel, const std::vector<int64_t>& tile_work, int64_t units_per_kv,
                             int64_t kv_heads) {
   const int slots = sm_count();
-  using Key = std::tuple<std::string, std::vector<int64_t>, int64_t, int64_t, int>;
-  static std::mutex mutex;
-  static std::map<Key, int> sections;
-  Key key{kernel, tile_work, units_per_kv, kv_heads, slots};
-  {
-    const std::lock_guard<std::mutex> lock(mutex);
-    const auto it = sections.find(key);
-    if (it != sections.end()) return it->second;
-  }
-  const int section = section_for_tail(tile_work, units_per_kv, kv_heads, slots);
-  const std::lock_guard<std::mutex> lock(mutex);
-  sections.emplace(std::move(key), section);
-  return section;
+  static Memo<std::tuple<std::string, std::vector<int64_t>, int64_t, int64_t, int>, int> sections;
+  return sections.get({kernel, tile_work, units_per_kv, kv_heads, slots},
+                      [&] { return section_for_tail(tile_work, units_per_kv, kv_heads, slots); });
 }
 
 }  // namespace longtrain::attn::hopper::host

@@ -7,12 +7,39 @@
 #include <cuda.h>  // CUtensorMap and its enums only: the encode function comes from the driver at run time
 
 #include <cstdint>
+#include <map>
+#include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "attention/cuda/hopper_attention.h"
 
 namespace longtrain::attn::hopper::host {
+
+// A value computed once per key and remembered, for the launch planning the host repeats on every call
+// of a shape (section sizes, step directions, the SM count). Thread-safe; `compute` runs outside the
+// lock, so two threads may both compute a new key and the first to finish is kept (the computations
+// are pure, so both give the same value).
+template <class Key, class Value>
+class Memo {
+ public:
+  template <class Compute>
+  Value get(const Key& key, Compute&& compute) {
+    {
+      const std::lock_guard<std::mutex> lock(mutex_);
+      const auto it = values_.find(key);
+      if (it != values_.end()) return it->second;
+    }
+    Value value = compute();
+    const std::lock_guard<std::mutex> lock(mutex_);
+    return values_.emplace(key, std::move(value)).first->second;
+  }
+
+ private:
+  std::mutex mutex_;
+  std::map<Key, Value> values_;
+};
 
 // A TMA map over the bf16 [tokens, heads, dim] view: dims (dim, heads, tokens) innermost first, byte
 // strides of heads and tokens, box (64 of dim, 1 head, `rows` tokens), 128-byte swizzle, zero fill of
