@@ -23,7 +23,8 @@ for ref in "$@"; do
 done
 wt=$root/build-variants/src
 bd=$root/build-variants/build
-[ -d "$wt" ] || git worktree add --detach "$wt" "${shas[0]}" > /dev/null
+# (A worktree folder deleted by hand stays registered until pruned.)
+[ -d "$wt" ] || { git worktree prune && git worktree add --detach "$wt" "${shas[0]}" > /dev/null; }
 out=$root/.device/variants
 rm -rf "$out.new" && mkdir -p "$out.new"
 i=0
