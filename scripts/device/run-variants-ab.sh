@@ -6,7 +6,7 @@
 # course of the call then favours no variant), at every SHAPES item (head dim:kv heads, default
 # "64:4 128:8") and LENGTHS (16384,65536). Prints each variant's fwd+bwd and backward per shape
 # (the median over its processes of their means of rounds) and the ratio to v0's, and writes
-# $W/variants-ab.json (everything comes back in $OUT/all.tar.gz).
+# $W/variants-ab.json (everything comes back in $OUT/all.tar.gz). ONLY picks variants (below).
 #   scripts/device/pack-variants.sh main regs-split    # here
 #   SHAPES=64:4 scripts/device/run-variants-ab.sh      # on the GPU machine, .device carried
 set -u
@@ -14,6 +14,16 @@ source scripts/device/session.sh
 V=.device/variants
 [ -f $V/list ] || { stamp "no $V/list: run scripts/device/pack-variants.sh first"; exit 1; }
 mapfile -t variants < $V/list
+# ONLY (space-separated numbers, e.g. "0 2 3") keeps those variants of the list; the first kept is the
+# baseline.
+if [ -n "${ONLY:-}" ]; then
+  kept=()
+  for i in $ONLY; do
+    [[ $i =~ ^[0-9]+$ ]] && [ $i -lt ${#variants[@]} ] || { stamp "ONLY: no variant $i in $V/list"; exit 1; }
+    kept+=("${variants[$i]}")
+  done
+  variants=("${kept[@]}")
+fi
 for v in "${variants[@]}"; do
   mkdir -p /tmp/variants/$v && tar -xJf $V/$v.tar.xz -C /tmp/variants/$v || { stamp "cannot unpack $V/$v.tar.xz"; exit 1; }
 done
