@@ -4,8 +4,8 @@
 # attention test; "none" skips them), then our attention timed by each variant's attention_bench in
 # processes in the order v0 v1 .. vn vn .. v0 (REPEATS times; a GPU that heats or throttles in the
 # course of the call then favours no variant), at every SHAPES item (head dim:kv heads, default
-# "64:4 128:8") and LENGTHS (16384,65536). Prints each variant's fwd+bwd and backward per shape
-# (the median over its processes of their means of rounds) and the ratio to v0's, and writes
+# "64:4 128:8") and LENGTHS (16384,65536). Prints each variant's forward, fwd+bwd and backward per
+# shape (the median over its processes of their means of rounds) and the ratios to v0's, and writes
 # $W/variants-ab.json (everything comes back in $OUT/all.tar.gz). ONLY picks variants (below).
 #   scripts/device/pack-variants.sh main regs-split    # here
 #   SHAPES=64:4 scripts/device/run-variants-ab.sh      # on the GPU machine, .device carried
@@ -57,7 +57,7 @@ W, variants = sys.argv[1], sys.argv[3:]
 kernel = sys.argv[2].split(",")[0].replace("-", "_")  # attention_bench's row key (hopper, hopper_overlap, ...)
 summary = {"variants": variants, "baseline": variants[0], "kernel": kernel,
            "reading": "per variant, head dim and length: the median over its processes of each process's mean "
-                      "of rounds (fwd+bwd, and the backward alone); ratio = the baseline's time / the variant's",
+                      "of rounds (fwd, fwd+bwd, and the backward alone); ratio = the baseline's time / the variant's",
            "rows": []}
 runs = {}
 for f in glob.glob(f"{W}/ab-d*.json"):
@@ -71,7 +71,8 @@ for f in glob.glob(f"{W}/ab-d*.json"):
         if kernel not in row or "hopper_bwd" not in row:
             print(f"{f}: no '{kernel}' rows (is KERNEL one of ours?)")
             continue
-        r = runs.setdefault((int(D), row["S"], v), {"fwdbwd": [], "bwd": [], "order": []})
+        r = runs.setdefault((int(D), row["S"], v), {"fwd": [], "fwdbwd": [], "bwd": [], "order": []})
+        r["fwd"].append(row[kernel]["fwd_ms"])
         r["fwdbwd"].append(row[kernel]["fwdbwd_ms"])
         r["bwd"].append(row["hopper_bwd"]["bwd_ms"])
         r["order"].append(int(n))
@@ -83,14 +84,15 @@ for D, S in sorted({(k[0], k[1]) for k in runs}):
             print(f"head dim {D} S={S} {v}: no result")
             continue
         order = sorted(range(len(r["order"])), key=lambda i: r["order"][i])
-        fb, bw = statistics.median(r["fwdbwd"]), statistics.median(r["bwd"])
-        out = {"head_dim": D, "S": S, "variant": v, "fwdbwd_ms": round(fb, 3), "bwd_ms": round(bw, 3),
+        fw, fb, bw = (statistics.median(r[k]) for k in ("fwd", "fwdbwd", "bwd"))
+        out = {"head_dim": D, "S": S, "variant": v, "fwd_ms": round(fw, 3), "fwdbwd_ms": round(fb, 3), "bwd_ms": round(bw, 3),
                "fwdbwd_ms_by_process": [r["fwdbwd"][i] for i in order], "bwd_ms_by_process": [r["bwd"][i] for i in order]}
         if base:
+            out["fwd_ratio"] = round(statistics.median(base["fwd"]) / fw, 4)
             out["fwdbwd_ratio"] = round(statistics.median(base["fwdbwd"]) / fb, 4)
             out["bwd_ratio"] = round(statistics.median(base["bwd"]) / bw, 4)
         summary["rows"].append(out)
-        print(f"head dim {D} S={S} {v}: fwd+bwd {fb:.3f} ms {out['fwdbwd_ms_by_process']} -> {out.get('fwdbwd_ratio')}x; "
+        print(f"head dim {D} S={S} {v}: fwd {fw:.3f} ms -> {out.get('fwd_ratio')}x; fwd+bwd {fb:.3f} ms {out['fwdbwd_ms_by_process']} -> {out.get('fwdbwd_ratio')}x; "
               f"bwd {bw:.3f} {out['bwd_ms_by_process']} -> {out.get('bwd_ratio')}x")
 json.dump(summary, open(f"{W}/variants-ab.json", "w"), indent=1)
 PY
