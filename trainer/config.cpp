@@ -23,11 +23,16 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
-// GCC 12 reports false "dangling pointer" warnings inside yaml-cpp's node headers.
+// GCC 12 reports false "dangling pointer" warnings inside yaml-cpp's node headers. Clang (the fuzz
+// build) has no such warning group and would warn about the pragma itself.
+#if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wdangling-pointer"
+#endif
 #include <yaml-cpp/yaml.h>
+#if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic pop
+#endif
 
 #include "data/mixture.h"
 #include "data/tokenizer.h"
