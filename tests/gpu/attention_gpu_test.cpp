@@ -512,7 +512,9 @@ INSTANTIATE_TEST_SUITE_P(
 // counts), 1, 2, 3 and 4 key tiles. Skips without an sm_90 GPU.
 #ifdef LONGTRAIN_HAS_CUDA
 #include <algorithm>
+#include <atomic>
 #include <memory>
+#include <thread>
 #include <tuple>
 #include <utility>
 
@@ -1295,6 +1297,37 @@ TEST(HopperLaunchOrderModel, StreamedCtasAreTheOnesStartingOneAfterAnother) {
   int64_t end = 0;
   for (size_t w = 0; w < starts.size(); ++w) end = std::max(end, starts[w] + work[w % 128]);
   EXPECT_EQ(host::launch_makespan(work, 1, 8, 1, 132), static_cast<double>(end));
+}
+
+// The launch planning's memo (hopper_host.h, Memo): each key computed once and its value returned
+// to every later caller, also when threads ask for the same keys at once (host code, runs without a
+// GPU).
+TEST(HopperLaunchOrderModel, MemoComputesEachKeyOnceAcrossThreads) {
+  attn::hopper::host::Memo<std::pair<int, int>, std::vector<int>> memo;
+  std::atomic<int> computed{0};
+  auto value_of = [&](int a, int b) {
+    return memo.get({a, b}, [&] {
+      computed.fetch_add(1);
+      return std::vector<int>{a, b, a * b};
+    });
+  };
+  EXPECT_EQ(value_of(3, 4), (std::vector<int>{3, 4, 12}));
+  EXPECT_EQ(value_of(3, 4), (std::vector<int>{3, 4, 12}));
+  EXPECT_EQ(computed.load(), 1);
+  std::vector<std::thread> threads;
+  std::atomic<int> wrong{0};
+  for (int t = 0; t < 8; ++t)
+    threads.emplace_back([&, t] {
+      for (int k = 0; k < 200; ++k)
+        if (value_of(k % 10, t % 2) != std::vector<int>{k % 10, t % 2, (k % 10) * (t % 2)}) wrong.fetch_add(1);
+    });
+  for (std::thread& th : threads) th.join();
+  EXPECT_EQ(wrong.load(), 0);
+  // 20 new keys; a key two threads met at once may be computed by both (compute runs outside the lock).
+  EXPECT_GE(computed.load(), 1 + 20);
+  const int after = computed.load();
+  for (int k = 0; k < 10; ++k) value_of(k, 1);
+  EXPECT_EQ(computed.load(), after) << "every key is remembered";
 }
 
 TEST(HopperLaunchOrderModel, MakespanIsListSchedulingInLaunchOrder) {
