@@ -5,7 +5,7 @@
 # fwd+bwd ratios to torch's cuDNN SDPA: ours (the training run's default policy) and the bare cuDNN
 # graphs; writes $W/attention-vs-anchor.json. Run with .device carried (anchors/attn_anchor.py); env
 # GPU_TESTS='gtest filter' runs those gpu_test tests first; SHAPES='128x8' (head dim x KV heads) and
-# LENGTHS=16384 narrow the rows.
+# LENGTHS=16384 narrow the rows; ROUNDS (default 2) is attention_bench's --rounds.
 set -u
 source scripts/device/session.sh
 if [ -n "${GPU_TESTS:-}" ]; then
@@ -22,7 +22,7 @@ for cfg in ${SHAPES:-128x8 64x4}; do
   cfg=${cfg/x/ }
   set -- $cfg
   anchor $1 $2 $W/d$1-before
-  timeout 240 $B/bench/attention_bench --lengths $LENGTHS --kv-heads $2 --head-dim $1 --rounds 2 --commit $COMMIT \
+  timeout 240 $B/bench/attention_bench --lengths $LENGTHS --kv-heads $2 --head-dim $1 --rounds ${ROUNDS:-2} --commit $COMMIT \
     --out $W/attention-d$1.json > $W/attention-d$1.log 2>&1
   stamp "attention_bench head dim $1 rc $?"; grep -E "ours under auto" $W/attention-d$1.log
   anchor $1 $2 $W/d$1-after
