@@ -1017,7 +1017,7 @@ TEST(KernelPolicy, ParsesTheThreeNamesAndNamesTheSourceOfABadOne) {
   EXPECT_HAS(msg, "LONGTRAIN_ATTENTION_KERNEL: the attention kernel must be cudnn, hopper or auto, got 'flash'");
 }
 
-// A run's requested policy (its config's attention.kernel: trainer.cpp, set_kernel_choices; the
+// A run's requested policy (its config's attention.kernel: trainer/run_setup.cpp, set_kernel_choices; the
 // benchmarks' use_training_kernel_policies) takes effect unless LONGTRAIN_ATTENTION_KERNEL names one,
 // which wins; a bad value there names the variable.
 TEST(KernelPolicy, TheEnvironmentsPolicyWinsOverTheRequestedOne) {
