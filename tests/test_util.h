@@ -3,11 +3,13 @@
 #pragma once
 
 #include <gtest/gtest.h>
+#include <sys/wait.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -178,6 +180,26 @@ inline std::string read_file(const std::filesystem::path& path) {
   std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   if (in.bad()) throw std::runtime_error("test: reading '" + path.string() + "' failed");
   return text;
+}
+
+// Runs the shell command `cmd` (stderr joined to stdout: end it with 2>&1) and returns its exit code,
+// with everything it printed in `output`. A command that cannot be started, or does not exit
+// normally, fails the calling test and returns -1: never a code a test expects.
+inline int run_command(const std::string& cmd, std::string& output) {
+  output.clear();
+  FILE* pipe = popen(cmd.c_str(), "r");
+  if (!pipe) {
+    ADD_FAILURE() << "cannot run " << cmd;
+    return -1;
+  }
+  char buf[4096];
+  while (size_t n = fread(buf, 1, sizeof buf, pipe)) output.append(buf, n);
+  const int status = pclose(pipe);
+  if (status == -1 || !WIFEXITED(status)) {
+    ADD_FAILURE() << "did not exit normally (status " << status << "): " << cmd << "\n" << output;
+    return -1;
+  }
+  return WEXITSTATUS(status);
 }
 
 // For polling a file another process is about to write: its content, or nothing while it is missing.

@@ -34,16 +34,7 @@ int run_longtrain(int nproc, const std::string& args, std::string& output) {
       nproc == 1 ? fmt::format("{} {} 2>&1", LONGTRAIN_BINARY, args)
                  : fmt::format("{} --nproc-per-node {} --master-addr 127.0.0.1 --master-port {} -- {} {} 2>&1",
                                LONGTRAIN_RUN_BINARY, nproc, parallel::net::pick_free_port(), LONGTRAIN_BINARY, args);
-  FILE* pipe = popen(cmd.c_str(), "r");
-  if (!pipe) {
-    ADD_FAILURE() << "cannot run " << cmd;
-    return -1;
-  }
-  char buf[4096];
-  output.clear();
-  while (size_t n = fread(buf, 1, sizeof buf, pipe)) output.append(buf, n);
-  const int status = pclose(pipe);
-  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return ::longtrain::test::run_command(cmd, output);
 }
 
 struct EvalOutput {
