@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 #include <random>
+#include <regex>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -187,5 +188,20 @@ logging:
   }
 };
 
+
+// No user-facing error carries the C++ source location that raised it ("…/data/shards.cpp:232: ");
+// LONGTRAIN_DEBUG=1 adds it on a line of its own.
+inline void expect_no_source_location(const std::string& output) {
+  static const std::regex location(R"([A-Za-z0-9_]+\.(cpp|cu|h):[0-9]+)");
+  EXPECT_FALSE(std::regex_search(output, location)) << "a source location in: " << output;
+}
+
+#ifdef LONGTRAIN_BINARY
+// The real `longtrain ARGS`, with `env` ("NAME=value ...") before it: its exit code, and stdout and
+// stderr in `output`. For the tests whose target defines LONGTRAIN_BINARY (tests/trainer/CMakeLists.txt).
+inline int run_cli(const std::string& args, std::string& output, const std::string& env = "") {
+  return ::longtrain::test::run_command(fmt::format("{} {} {} 2>&1", env, LONGTRAIN_BINARY, args), output);
+}
+#endif
 
 }  // namespace longtrain::trainer::test
