@@ -269,6 +269,19 @@ inline std::vector<double> finite_difference(std::vector<double>& x, const std::
   return g;
 }
 
+// The message of the longtrain::Error that f throws, for a test to check; when f throws none, the
+// test fails and the message is "".
+template <class F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "no longtrain::Error thrown";
+  return "";
+}
+
 // Runs f, which must throw longtrain::Error whose message contains every one of `parts` (a
 // message names the file, key or value a user has to fix).
 template <class F>

@@ -36,16 +36,7 @@ class HfExportTest : public ::testing::Test {
   fs::path dir_;
 };
 
-template <class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "no longtrain::Error thrown";
-  return "";
-}
+using ::longtrain::test::error_of;
 
 LlamaConfig small_config() {
   LlamaConfig c;

@@ -75,16 +75,7 @@ void expect_open_error(const std::string& path, std::initializer_list<std::strin
   }
 }
 
-template <class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "no longtrain::Error thrown";
-  return "";
-}
+using ::longtrain::test::error_of;
 
 uint32_t float_bits(float f) {
   uint32_t u;

@@ -36,14 +36,7 @@ StoreOptions client_options(int port) {
   return o;
 }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
+using ::longtrain::test::error_of;
 
 // A read with a deadline and nothing to read gives up only once the deadline has passed, never a
 // fraction of a millisecond before it: the store's monitor tells a silent server from a closed

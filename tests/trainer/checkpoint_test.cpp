@@ -92,16 +92,7 @@ std::vector<int64_t> complete_steps(const fs::path& root) {
   return steps;
 }
 
-template <class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "no longtrain::Error thrown";
-  return "";
-}
+using ::longtrain::test::error_of;
 
 bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
 

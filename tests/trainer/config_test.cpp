@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "runtime/error.h"
+#include "test_util.h"
 #include "trainer/config.h"
 
 namespace longtrain::trainer {
@@ -61,15 +62,7 @@ TrainConfig load(const std::string& yaml, const std::vector<std::string>& overri
 }
 
 // The message of the longtrain::Error that `f` throws ("" and a test failure when it throws none).
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "expected a longtrain::Error";
-  return "";
-}
+using ::longtrain::test::error_of;
 
 std::string load_error(const std::string& yaml, const std::vector<std::string>& overrides = {}) {
   return error_of([&] { load(yaml, overrides); });

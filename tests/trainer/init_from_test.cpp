@@ -14,16 +14,7 @@
 namespace longtrain::trainer::test {
 namespace {
 
-template <class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "no longtrain::Error thrown";
-  return "";
-}
+using ::longtrain::test::error_of;
 
 std::vector<float> arena_floats(const fs::path& safetensors_file, const std::string& name) {
   model::SafetensorsFile f(safetensors_file.string());
