@@ -103,20 +103,7 @@ TEST_F(TrainTest, EvalAndGenerateErrorsNameTheProblem) {
   // A vocabulary that is not the model's: another tokenizer, and data prepared with it.
   const fs::path other = root_ / "cli_errors_other";
   fs::create_directories(other);
-  data::TokenizerTrainOptions to;
-  to.inputs = {(root_ / "corpus.jsonl").string()};
-  to.model_prefix = (other / "tok").string();
-  to.vocab_size = 300;
-  to.threads = 1;
-  data::train_tokenizer(to);
-  data::PrepareOptions po;
-  po.tokenizer = (other / "tok.model").string();
-  po.inputs = {(root_ / "corpus.jsonl").string()};
-  po.output = (other / "shards").string();
-  po.val_fraction = 0.1;
-  po.threads = 1;
-  po.progress = false;
-  data::prepare_corpus(po);
+  tokenizer_and_shards(other, 300);
   EXPECT_EQ(run_cli("generate --checkpoint " + good.string() + " --prompt hi --max-new-tokens 3 --tokenizer " +
                         (other / "tok.model").string(), out), 1) << out;
   EXPECT_NE(out.find("300"), std::string::npos) << out;

@@ -94,6 +94,25 @@ class TrainTest : public ::testing::Test {
  protected:
   static inline fs::path root_;
 
+  // A SentencePiece tokenizer of `vocab_size` trained on the suite's corpus (dir/tok.model), and the
+  // corpus prepared with it (dir/shards, a tenth for validation).
+  static void tokenizer_and_shards(const fs::path& dir, int vocab_size) {
+    data::TokenizerTrainOptions to;
+    to.inputs = {(root_ / "corpus.jsonl").string()};
+    to.model_prefix = (dir / "tok").string();
+    to.vocab_size = vocab_size;
+    to.threads = 1;
+    data::train_tokenizer(to);
+    data::PrepareOptions po;
+    po.tokenizer = (dir / "tok.model").string();
+    po.inputs = {(root_ / "corpus.jsonl").string()};
+    po.output = (dir / "shards").string();
+    po.val_fraction = 0.1;
+    po.threads = 1;
+    po.progress = false;
+    data::prepare_corpus(po);
+  }
+
   static void SetUpTestSuite() {
     root_ = fs::temp_directory_path() / fmt::format("longtrain-train-test-{}", getpid());
     fs::remove_all(root_);
@@ -103,20 +122,7 @@ class TrainTest : public ::testing::Test {
       std::ofstream out(root_ / "corpus.jsonl");
       for (int d = 0; d < 300; ++d) out << "{\"text\": \"" << synthetic_document(rng) << "\"}\n";
     }
-    data::TokenizerTrainOptions to;
-    to.inputs = {(root_ / "corpus.jsonl").string()};
-    to.model_prefix = (root_ / "tok").string();
-    to.vocab_size = 320;
-    to.threads = 1;
-    data::train_tokenizer(to);
-    data::PrepareOptions po;
-    po.tokenizer = (root_ / "tok.model").string();
-    po.inputs = {(root_ / "corpus.jsonl").string()};
-    po.output = (root_ / "shards").string();
-    po.val_fraction = 0.1;
-    po.threads = 1;
-    po.progress = false;
-    data::prepare_corpus(po);
+    tokenizer_and_shards(root_, 320);
   }
   static void TearDownTestSuite() { fs::remove_all(root_); }
 
